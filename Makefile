@@ -1,0 +1,42 @@
+# refitd: `make demo` and `make test` each set up .venv on a fresh machine, then run.
+# torch==2.13.0 is installed first and on its own: that exact pin resolves to the CPU build
+# that lies on disk here; a looser requirement with no torch present pulls a multi-GB CUDA build.
+# pyproject keeps `torch>=2.6` so GPU users keep their own torch.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[dev,nixl]"
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/refitd demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: venv lint
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) bench/quant.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

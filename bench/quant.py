@@ -1,0 +1,135 @@
+"""CPU throughput of each quantizer on (a slice of) a Qwen3.5-35B-A3B layer's routed-expert slabs.
+
+Baselines, measured in the same run on the same bytes:
+  copy   a plain ``dst.copy_(src)`` of the bf16 slab into an existing buffer (the memory floor);
+  naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once.
+Printed as GB/s of bf16 input and as ratios against both baselines.
+
+    python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH]
+
+A full layer is gate_up [256, 1024, 2048] + down [256, 2048, 512] (1.5 GiB bf16); the default takes
+32 experts of it (192 MiB) so the run fits a 2-core, 24 GiB machine in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sidecar import quant
+from sidecar.formats import FLT_MIN, FP8_DTYPE, FP8_MAX
+
+HIDDEN, INTER = 2048, 512  # Qwen3.5-35B-A3B
+
+
+def naive_block_fp8(w: torch.Tensor):
+    *lead, n, k = w.shape
+    pn, pk = (-n) % 128, (-k) % 128
+    x = F.pad(w.float(), (0, pk, 0, pn))
+    tiles = x.reshape(*lead, (n + pn) // 128, 128, (k + pk) // 128, 128)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
+    scale = torch.where(amax == 0, 1.0, (amax / FP8_MAX).clamp_min(FLT_MIN))
+    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(x.shape)[..., :n, :k], scale.squeeze(-1).squeeze(-2)
+
+
+def naive_mxfp8(w: torch.Tensor):
+    x = w.float().unflatten(-1, (-1, 32))
+    amax = x.abs().amax(-1, keepdim=True)
+    e = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(-126, 127)
+    e = torch.where(amax == 0, torch.full_like(e, -126), e)
+    q = (x / torch.exp2(e)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2), (e + 127).to(torch.uint8).squeeze(-1)
+
+
+def naive_per_tensor(w: torch.Tensor):
+    x = w.float()
+    amax = x.abs().amax()
+    scale = torch.where(amax == 0, 1.0, (amax / FP8_MAX).clamp_min(FLT_MIN))
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def timed(fn, repeat: int) -> float:
+    fn()  # warm-up: page faults, allocator
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=32, help="experts of the 256-expert layer to use")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    slabs = {
+        "gate_up": (torch.randn(args.experts, 2 * INTER, HIDDEN, generator=g) * 0.02).bfloat16(),
+        "down": (torch.randn(args.experts, HIDDEN, INTER, generator=g) * 0.02).bfloat16(),
+    }
+    nbytes = sum(t.numel() * t.element_size() for t in slabs.values())
+    copies = {k: torch.empty_like(t) for k, t in slabs.items()}
+    outs = {
+        "block_fp8": {
+            k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)))
+            for k, t in slabs.items()
+        },
+        "mxfp8": {
+            k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(*t.shape[:-1], t.shape[-1] // 32, dtype=torch.uint8))
+            for k, t in slabs.items()
+        },
+        "fp8_per_tensor": {k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(())) for k, t in slabs.items()},
+    }
+    ours = {
+        "block_fp8": quant.quantize_block_fp8,
+        "mxfp8": quant.quantize_mxfp8,
+        "fp8_per_tensor": quant.quantize_fp8_per_tensor,
+    }
+    naive = {"block_fp8": naive_block_fp8, "mxfp8": naive_mxfp8, "fp8_per_tensor": naive_per_tensor}
+
+    t_copy = timed(lambda: [copies[k].copy_(t) for k, t in slabs.items()], args.repeat)
+    rows = []
+    for fmt in ours:
+        t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
+        t_ours = timed(lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat)
+        rows.append(
+            {
+                "format": fmt,
+                "ours_gbps": nbytes / t_ours / 1e9,
+                "naive_gbps": nbytes / t_naive / 1e9,
+                "copy_gbps": nbytes / t_copy / 1e9,
+                "vs_naive": t_naive / t_ours,
+                "vs_copy": t_copy / t_ours,
+            }
+        )
+    print(
+        f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(f"{'format':<16}{'ours GB/s':>10}{'naive GB/s':>12}{'copy GB/s':>11}{'x naive':>9}{'of copy':>9}")
+    for r in rows:
+        print(
+            f"{r['format']:<16}{r['ours_gbps']:>10.2f}{r['naive_gbps']:>12.2f}{r['copy_gbps']:>11.2f}"
+            f"{r['vs_naive']:>8.1f}x{r['vs_copy'] * 100:>8.0f}%"
+        )
+    if args.json:
+        meta = {"bytes_in": nbytes, "threads": torch.get_num_threads(), "torch": torch.__version__}
+        meta["machine"] = platform.machine()
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

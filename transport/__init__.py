@@ -1,0 +1,1 @@
+"""Wire framing, ZeroMQ channels, shared-memory (POSIX / CUDA IPC) arenas and NIXL."""
