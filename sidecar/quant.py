@@ -41,6 +41,7 @@ from sidecar.formats import (
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
+    "NonFiniteError",
     "dequantize",
     "fp8_per_tensor_scale",
     "quantize",
@@ -56,6 +57,10 @@ _F32_MANTISSA_BITS = 23
 _F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
 _F32_EXP_MASK = 0xFF
 _F32_TWO_POW_MINUS_127_BITS = 1 << (_F32_MANTISSA_BITS - 1)  # 2^-127 is a float32 subnormal
+
+
+class NonFiniteError(ValueError):
+    """A tensor to be quantized holds NaN or Inf (SPEC §1.4): it is refused, never made finite."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,7 +122,7 @@ def _check_out(
 
 
 def _raise_non_finite(name: str | None, where: str) -> None:
-    raise ValueError(
+    raise NonFiniteError(
         f"{_label(name)} holds NaN or Inf ({where}); refusing to quantize it. The trainer sent "
         "non-finite weights (a diverged step?): fix the source, or skip this step"
     )

@@ -1,0 +1,121 @@
+"""``refitd plan``: the report on the real configs, its JSON form, and its exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from sidecar import plan_cli
+from sidecar.synthetic import make_hf_config
+
+DATA = Path(__file__).parent / "data"
+QWEN3_5 = str(DATA / "qwen3.5-35b-a3b.config.json")
+QWEN3 = str(DATA / "qwen3-30b-a3b.config.json")
+GIB = 2**30
+
+
+def run_plan(*argv: str) -> int:
+    """Parse and run ``refitd plan ARGV`` the way sidecar.cli does."""
+    parser = argparse.ArgumentParser(prog="refitd")
+    plan_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    return args.run(args)
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert run_plan(*argv, "--json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_qwen3_5_text_report(capsys):
+    assert run_plan(QWEN3_5, "--format", "block_fp8") == 0
+    out = capsys.readouterr().out
+    assert "model qwen3_5_moe, 40 layers; routed experts -> block_fp8" in out
+    assert "82 grouped slabs + 0 per-expert tensors -> 31488 FP8 weights" in out
+    assert "33,017,561,088 params: 61.50 GiB in" in out  # 40 layers + MTP, 1.5 GiB each
+    assert "mtp.0" in out and "linear_attention" in out and "shared_expert" in out
+    assert "largest inputs:" in out and "gate_up_proj [256x1024x2048]" in out
+    assert "Traceback" not in out
+
+
+def test_qwen3_5_json_totals(capsys):
+    s = run_json(capsys, QWEN3_5, "--format", "mxfp8", "--last-bf16", "2", "--ignore", "mtp.*")
+    assert s["model_type"] == "qwen3_5_moe" and s["format"] == "mxfp8" and s["num_hidden_layers"] == 40
+    assert s["routed_expert_params"] == 41 * 805_306_368
+    assert s["quantized"]["params"] == 38 * 805_306_368
+    assert s["kept_bf16_experts"] == {"ignore_pattern": 2, "last_layers": 4}
+    assert [row["layer"] for row in s["layers"]] == [*map(str, range(40)), "mtp.0", "-"]
+    layer0 = s["layers"][0]
+    assert layer0["quantized_inputs"] == 2 and layer0["passthrough_inputs"] == 16
+    assert s["layers"][39]["quantized_inputs"] == 0
+    assert s["totals"]["bytes_in"] == sum(row["bytes_in"] for row in s["layers"])
+    assert s["totals"]["ratio"] == pytest.approx(s["totals"]["bytes_out"] / s["totals"]["bytes_in"])
+    assert s["ignore_patterns"] == ["mtp.*"]
+
+
+def test_qwen3_json_totals(capsys):
+    s = run_json(capsys, QWEN3, "--format", "block_fp8")
+    assert s["num_hidden_layers"] == 48
+    assert s["quantized"]["params"] == s["routed_expert_params"] == 28_991_029_248
+    assert s["quantized"]["bytes_in"] == 54 * GIB
+    assert s["quantized"]["expert_tensors"] == 48 * 128 * 3 and s["quantized"]["slabs"] == 0
+    assert s["quantized"]["bytes_out"] == 27 * GIB + 6.75 * 2**20  # FP8 values + FP32 block scales
+    assert s["passthrough"]["attention"]["tensors"] == 48 * 6
+    assert len(s["layers"]) == 49
+
+
+def test_qwen3_text_report_with_exclusions(capsys):
+    assert (
+        run_plan(QWEN3, "--format", "fp8_per_tensor", "--first-bf16", "1", "--ignore", "*.experts.0.*") == 0
+    )
+    out = capsys.readouterr().out
+    assert "first 1, last 0 layers; ignore patterns: *.experts.0.*" in out
+    assert "routed-expert tensors kept BF16: 525 (first_layers 384, ignore_pattern 141)" in out
+    assert f"{47 * 127 * 3 * 768 * 2048:,} params" in out  # layers 1..47, experts 1..127
+
+
+def test_plan_errors_exit_1_with_the_message(capsys, tmp_path):
+    assert run_plan(QWEN3, "--format", "block_fp8", "--first-bf16", "30", "--last-bf16", "30") == 1
+    err = capsys.readouterr().err
+    assert "exceeds the model's 48 layers" in err and "Traceback" not in err
+    unaligned = tmp_path / "odd.json"
+    unaligned.write_text(json.dumps(make_hf_config("qwen3_5_moe", hidden=100, intermediate=40)))
+    assert run_plan(str(unaligned), "--format", "mxfp8") == 1
+    err = capsys.readouterr().err
+    assert "mxfp8 needs the input dim to be a multiple of 32" in err
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in err
+    other = tmp_path / "llama.json"
+    other.write_text(json.dumps({"model_type": "llama"}))
+    assert run_plan(str(other), "--format", "mxfp8") == 1
+    assert "unknown model type 'llama'" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys, tmp_path):
+    assert run_plan(str(tmp_path / "missing.json"), "--format", "bf16") == 2
+    assert "cannot read" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert run_plan(str(bad), "--format", "bf16") == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    assert run_plan(str(listed), "--format", "bf16") == 2
+    with pytest.raises(SystemExit) as exit_:
+        run_plan(QWEN3, "--format", "int4")
+    assert exit_.value.code == 2
+    assert "unknown format 'int4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        run_plan(QWEN3, "--format", "bf16", "--last-bf16", "-1")
+    assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sidecar.demo") is None, reason="sidecar.demo not written yet")
+def test_through_the_refitd_entry_point(capsys):
+    from sidecar.cli import main
+
+    assert main(["plan", QWEN3, "--format", "mxfp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "mxfp8"
