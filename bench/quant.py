@@ -84,14 +84,22 @@ def main() -> None:
     copies = {k: torch.empty_like(t) for k, t in slabs.items()}
     outs = {
         "block_fp8": {
-            k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)))
+            k: (
+                torch.empty(t.shape, dtype=FP8_DTYPE),
+                torch.empty(*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128)),
+            )
             for k, t in slabs.items()
         },
         "mxfp8": {
-            k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(*t.shape[:-1], t.shape[-1] // 32, dtype=torch.uint8))
+            k: (
+                torch.empty(t.shape, dtype=FP8_DTYPE),
+                torch.empty(*t.shape[:-1], t.shape[-1] // 32, dtype=torch.uint8),
+            )
             for k, t in slabs.items()
         },
-        "fp8_per_tensor": {k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(())) for k, t in slabs.items()},
+        "fp8_per_tensor": {
+            k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(())) for k, t in slabs.items()
+        },
     }
     ours = {
         "block_fp8": quant.quantize_block_fp8,
@@ -104,7 +112,9 @@ def main() -> None:
     rows = []
     for fmt in ours:
         t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
-        t_ours = timed(lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat)
+        t_ours = timed(
+            lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat
+        )
         rows.append(
             {
                 "format": fmt,

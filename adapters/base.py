@@ -1,0 +1,171 @@
+"""The engine side's base: wait for a published generation, read it, release it.
+
+    reader = RefitReader("ipc:///run/refitd/control.sock", name="vllm-worker-0")
+    gen = reader.wait(min_step=0, timeout=60)       # blocks until a generation >= step 0 is live
+    for name, tensor in gen.tensors.items():         # read-only views into daemon-owned memory
+        params[name].copy_(tensor)
+    reader.release(gen)                              # the daemon may now reuse that generation
+
+The daemon never writes into a generation a reader holds; a reader that does not release within the
+daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views are mapped read-only:
+a stray write faults in the reader instead of corrupting what every engine loads. Not thread-safe:
+use one reader per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from sidecar.errors import ErrorKind, RefitError
+from transport.shm import ShmArena, open_arena
+from transport.wire import Kind, Limits, Message, decode, encode
+
+__all__ = ["Generation", "RefitReader"]
+
+_READER_LIMITS = Limits(max_header_bytes=256 << 20)
+
+
+@dataclass(eq=False)
+class Generation:
+    """One published step: checkpoint names to read-only tensor views. Release it when loaded."""
+
+    index: int
+    step: int
+    tensors: Mapping[str, torch.Tensor]
+    segment: str
+    released: bool = field(default=False)
+
+
+class RefitReader:
+    def __init__(self, endpoint: str, *, name: str | None = None, timeout: float = 600.0):
+        self.endpoint = endpoint
+        self.name = name or f"reader-{os.getpid()}"
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._attached = False
+        self.instance: str | None = None
+        self._arenas: dict[str, ShmArena] = {}
+        self._held: list[Generation] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+
+    def wait(self, min_step: int | None = None, timeout: float | None = None) -> Generation:
+        """The live generation once its step is >= ``min_step`` (None: whatever is live)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._ensure_attached(deadline)
+        self._send(Kind.WAIT, {"min_step": min_step})
+        while True:
+            msg = self._recv(deadline, f"a generation with step >= {min_step}")
+            if msg.kind is Kind.ERROR:
+                err = RefitError.from_wire(msg.fields)
+                if "ATTACH first" in err.message:  # the daemon restarted: attach again and re-ask
+                    self._attached = False
+                    self._ensure_attached(deadline)
+                    self._send(Kind.WAIT, {"min_step": min_step})
+                    continue
+                raise err
+            if msg.kind is not Kind.GENERATION:
+                continue
+            gen = self._generation(msg.fields)
+            if min_step is not None and gen.step < min_step:  # answer to an earlier, abandoned wait
+                self.release(gen)
+                continue
+            return gen
+
+    def release(self, gen: Generation) -> None:
+        """Hand ``gen`` back; its views must not be used afterwards. Idempotent."""
+        if gen.released:
+            return
+        gen.released = True
+        if gen in self._held:
+            self._held.remove(gen)
+        self._send(Kind.RELEASE, {"generation": gen.index, "step": gen.step})
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        self._send(Kind.STATUS, {})
+        while True:
+            msg = self._recv(deadline, "STATUS_REPLY")
+            if msg.kind is Kind.STATUS_REPLY:
+                return msg.fields
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for gen in list(self._held):
+            self.release(gen)
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(Kind.DETACH, {})
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas.clear()
+        self._sock.close(linger=100)
+        self._ctx.term()
+
+    def __enter__(self) -> RefitReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _send(self, kind: Kind, fields: dict[str, Any]) -> None:
+        self._sock.send_multipart(encode(Message(kind, fields)))
+
+    def _recv(self, deadline: float, what: str) -> Message:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._send(Kind.WAIT, {"cancel": True})
+                raise RefitError(
+                    f"no answer from {self.endpoint} within the timeout while waiting for {what}",
+                    kind=ErrorKind.TIMEOUT,
+                )
+            if self._sock.poll(int(min(left, 1.0) * 1000)):
+                return decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+
+    def _ensure_attached(self, deadline: float) -> None:
+        if self._attached:
+            return
+        self._send(Kind.ATTACH, {"name": self.name, "pid": os.getpid()})
+        while True:
+            msg = self._recv(deadline, "ATTACHED")
+            if msg.kind is Kind.ATTACHED:
+                break
+            if msg.kind is Kind.ERROR:
+                raise RefitError.from_wire(msg.fields)
+        instance = msg.get("instance")
+        if instance != self.instance:
+            self._forget_arenas()
+        self.instance, self._attached = instance, True
+
+    def _forget_arenas(self) -> None:
+        """Unmap segments of a previous daemon instance that no held generation still uses."""
+        in_use = {g.segment for g in self._held}
+        for name in [n for n in self._arenas if n not in in_use]:
+            self._arenas.pop(name).close()
+
+    def _generation(self, fields: dict[str, Any]) -> Generation:
+        handle = fields["arena"]
+        arena = self._arenas.get(handle["name"])
+        if arena is None or arena.layout.to_wire() != handle["layout"]:
+            if arena is not None:
+                arena.close()
+            arena = self._arenas[handle["name"]] = open_arena(handle, writable=False)
+        gen = Generation(int(fields["generation"]), int(fields["step"]), arena.tensors(), arena.name)
+        self._held.append(gen)
+        return gen

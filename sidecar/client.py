@@ -1,0 +1,435 @@
+"""The trainer side: ``RefitClient.push_step()`` hands one rank's BF16 weights to the node's daemon.
+
+    with RefitClient("ipc:///run/refitd/control.sock", rank=rank, world_size=world) as client:
+        for step in range(steps):
+            train(...)
+            client.push_step(step, {"model.embed_tokens.weight": emb,             # a whole tensor
+                                    "model.layers.0.mlp.experts.gate_up_proj":    # this rank's experts
+                                        Shard(local_experts, global_shape=(E, 2 * I, H), offsets=(e0, 0, 0))})
+
+Same-node clients (``ipc://``) write straight into the daemon's staging arena: one copy, and the
+trainer's own memory is never exported. Remote clients stream raw frames over ZeroMQ under credits
+granted by the daemon (ZeroMQ's high-water mark counts messages, not bytes). Any failure, on any
+rank or in the daemon, raises the same ``RefitError`` on every rank.
+
+ZeroMQ sockets are not thread-safe: every socket operation happens on the client's one worker
+thread, which also runs ``push_step_async``'s futures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from sidecar.errors import ErrorKind, RefitError
+from transport.shm import ShmArena, open_arena
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
+
+__all__ = ["RefitClient", "RefitError", "Shard", "StepResult"]
+
+DONE_BATCH_BYTES = 32 << 20  # local path: tell the daemon about written pieces at least this often
+DONE_BATCH_PIECES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A slice of one global tensor held by this rank: ``global[offsets[d] : offsets[d] + tensor.shape[d]]``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
+        object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    generation: int
+    bytes_in: int
+    bytes_out: int
+    seconds: dict[str, float]
+
+
+@dataclass(slots=True)
+class _Piece:
+    name: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def wire(self) -> list[Any]:
+        return [
+            self.name,
+            dtype_name(self.tensor.dtype),
+            list(self.global_shape),
+            list(self.offsets),
+            list(self.tensor.shape),
+        ]
+
+
+class RefitClient:
+    """One trainer rank's connection to the daemon. ``close()`` (or ``with``) releases it."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        rank: int,
+        world_size: int,
+        *,
+        local: bool | None = None,
+        timeout: float = 600.0,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
+        self.endpoint, self.rank, self.world_size = endpoint, rank, world_size
+        self.want_local = endpoint.startswith("ipc://") if local is None else local
+        self.timeout = timeout
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"refitd-rank{rank}")
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None  # created and used on the worker thread only
+        self._staging: ShmArena | None = None
+        self._welcome: dict[str, Any] = {}
+        self._credits = 0
+        self._last_heard = 0.0
+        self._last_sent = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+    # public API
+
+    def push_step(
+        self,
+        step: int,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        wait: str = "published",
+        timeout: float | None = None,
+    ) -> StepResult | Future:
+        """Push this rank's part of ``step``.
+
+        ``wait="published"`` (default) returns the StepResult once every rank's data is quantized and
+        published; ``wait="committed"`` returns as soon as the daemon holds all of this rank's bytes
+        (the trainer may then change its tensors), with a Future for the publication.
+        """
+        if wait not in ("published", "committed"):
+            raise ValueError(f"wait={wait!r}: choose 'published' or 'committed'")
+        committed = threading.Event()
+        future = self._submit(step, named_tensors, timeout, committed)
+        if wait == "published":
+            return future.result()
+        while not committed.wait(0.05):
+            if future.done():
+                future.result()  # raises the step's error
+                break
+        return future
+
+    def push_step_async(
+        self,
+        step: int,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        timeout: float | None = None,
+    ) -> Future:
+        """Like ``push_step`` but returns at once with a Future of the StepResult.
+
+        The tensors must stay unchanged until the future is done (or use ``wait="committed"``).
+        """
+        return self._submit(step, named_tensors, timeout, threading.Event())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.submit(self._close_on_worker).result()
+        self._executor.shutdown(wait=True)
+        self._ctx.term()
+
+    def __enter__(self) -> RefitClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _submit(self, step, named_tensors, timeout, committed) -> Future:
+        if self._closed:
+            raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        pieces = _pieces(named_tensors)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return self._executor.submit(self._push, step, pieces, deadline, committed)
+
+    def _close_on_worker(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+        return self._sock
+
+    def _send(self, kind: Kind, fields: dict[str, Any], frames=()) -> None:
+        self._socket().send_multipart(encode(Message(kind, fields, list(frames))), copy=False)
+        self._last_sent = time.monotonic()
+
+    def _push(
+        self, step: int, pieces: list[_Piece], deadline: float, committed: threading.Event
+    ) -> StepResult:
+        try:
+            self._hello(step, deadline)
+            self._send(Kind.BEGIN, {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]})
+            ready = self._await(step, deadline, {Kind.READY}).fields
+            ids = ready.get("pieces", [])
+            if len(ids) != len(pieces):
+                raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
+            self._credits = int(ready.get("credit_frames", 1))
+            if "staging" in ready:
+                self._write_local(step, pieces, ids, ready["staging"], deadline)
+            else:
+                self._stream_remote(step, pieces, ids, deadline)
+            self._send(Kind.COMMIT, {"step": step, "rank": self.rank})
+            self._await(step, deadline, {Kind.ACK})
+            committed.set()
+            result = self._await(step, deadline, {Kind.RESULT}).fields
+            return StepResult(
+                step=step,
+                generation=int(result["generation"]),
+                bytes_in=int(result["bytes_in"]),
+                bytes_out=int(result["bytes_out"]),
+                seconds=dict(result.get("seconds", {})),
+            )
+        except RefitError:
+            raise
+        except ProtocolError as exc:
+            self._abort(step, f"protocol error: {exc}")
+            raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=self.rank, step=step) from None
+        except (ValueError, TypeError, RuntimeError) as exc:
+            self._abort(step, f"{type(exc).__name__}: {exc}")
+            raise RefitError(
+                f"rank {self.rank} could not send its data: {exc}",
+                kind=ErrorKind.INVALID,
+                rank=self.rank,
+                step=step,
+            ) from exc
+
+    def _abort(self, step: int, reason: str) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
+
+    def _hello(self, step: int, deadline: float) -> None:
+        self._send(
+            Kind.HELLO,
+            {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "local": self.want_local,
+            },
+        )
+        self._last_heard = time.monotonic()
+        self._welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
+
+    # ---- waiting
+
+    def _await(self, step: int, deadline: float, kinds: set[Kind], *, silence_ok: bool = False) -> Message:
+        """The next message of ``kinds`` for ``step``; raises on an ERROR for it, a timeout or a silent daemon."""
+        sock = self._socket()
+        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
+        silence_limit = max(3 * heartbeat, float(self._welcome.get("rank_timeout_s", 10.0)))
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                self._abort(step, f"rank {self.rank} timed out")
+                raise RefitError(
+                    f"rank {self.rank} timed out waiting for {'/'.join(k.name for k in kinds)}",
+                    kind=ErrorKind.TIMEOUT,
+                    rank=self.rank,
+                    step=step,
+                )
+            if not silence_ok and now - self._last_heard > silence_limit:
+                raise RefitError(
+                    f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)",
+                    kind=ErrorKind.UNAVAILABLE,
+                    rank=self.rank,
+                    step=step,
+                )
+            if now - self._last_sent > heartbeat:
+                self._send(Kind.PING, {"step": step, "rank": self.rank})
+            if not sock.poll(int(min(heartbeat, max(0.001, deadline - now)) * 1000)):
+                continue
+            msg = self._recv(sock)
+            self._last_heard = time.monotonic()
+            if self._handle_async(msg, step):
+                continue
+            if msg.kind in kinds and msg.get("step", step) == step:
+                return msg
+
+    def _recv(self, sock: zmq.Socket) -> Message:
+        return decode(sock.recv_multipart(copy=False), Limits(max_header_bytes=256 << 20))
+
+    def _handle_async(self, msg: Message, step: int) -> bool:
+        """Credits and errors that may arrive at any time; True if consumed."""
+        if msg.kind is Kind.CREDIT:
+            if msg.get("step") == step:
+                self._credits += int(msg.get("frames", 1))
+            return True
+        if msg.kind is Kind.ERROR:
+            err = RefitError.from_wire(msg.fields)
+            if err.step in (None, step):
+                raise err
+            return True  # a stale error about an earlier step
+        return msg.kind is Kind.PONG
+
+    def _poll_async(self, step: int) -> None:
+        sock = self._socket()
+        while sock.poll(0):
+            msg = self._recv(sock)
+            self._last_heard = time.monotonic()
+            self._handle_async(msg, step)
+
+    # ---- data
+
+    def _write_local(
+        self, step: int, pieces: list[_Piece], ids: list[int], handle: dict, deadline: float
+    ) -> None:
+        if self._staging is None or self._staging.name != handle.get("name"):
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = open_arena(handle, writable=True)
+        views = self._staging.tensors()
+        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
+        batch, batch_bytes = [], 0
+        for piece, pid in zip(piece_list := pieces, ids):
+            region = views[piece.name][
+                tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))
+            ]
+            region.copy_(piece.tensor)
+            batch.append(pid)
+            batch_bytes += piece.tensor.numel() * piece.tensor.element_size()
+            if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
+                self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
+                batch, batch_bytes = [], 0
+            if time.monotonic() - self._last_sent > heartbeat:
+                self._send(Kind.PING, {"step": step, "rank": self.rank})
+            self._poll_async(step)
+            if time.monotonic() > deadline:
+                self._abort(step, f"rank {self.rank} timed out writing")
+                raise RefitError(
+                    f"rank {self.rank} timed out writing its shards",
+                    kind=ErrorKind.TIMEOUT,
+                    rank=self.rank,
+                    step=step,
+                )
+        del piece_list
+        if batch:
+            self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
+
+    def _stream_remote(self, step: int, pieces: list[_Piece], ids: list[int], deadline: float) -> None:
+        limit = int(self._welcome.get("max_frame_bytes", 64 << 20))
+        for piece, pid in zip(pieces, ids):
+            src = piece.tensor.detach()
+            src = (src.cpu() if src.device.type != "cpu" else src).contiguous()
+            for rel, shape in _blocks(tuple(src.shape), src.element_size(), limit):
+                while self._credits <= 0:
+                    self._await_credit(step, deadline)
+                block = src[tuple(slice(o, o + s) for o, s in zip(rel, shape))] if shape else src
+                data = block.reshape(-1).view(torch.uint8).numpy() if block.numel() else b""
+                offsets = [o + r for o, r in zip(piece.offsets, rel)]
+                self._send(
+                    Kind.SHARD, {"step": step, "piece": pid, "offsets": offsets, "shape": list(shape)}, [data]
+                )
+                self._credits -= 1
+                self._poll_async(step)
+
+    def _await_credit(self, step: int, deadline: float) -> None:
+        sock = self._socket()
+        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
+        if time.monotonic() > deadline:
+            self._abort(step, f"rank {self.rank} timed out waiting for credit")
+            raise RefitError(
+                f"rank {self.rank} timed out waiting for the daemon to take its data",
+                kind=ErrorKind.TIMEOUT,
+                rank=self.rank,
+                step=step,
+            )
+        if time.monotonic() - self._last_sent > heartbeat:
+            self._send(Kind.PING, {"step": step, "rank": self.rank})
+        if sock.poll(int(heartbeat * 1000)):
+            msg = self._recv(sock)
+            self._last_heard = time.monotonic()
+            self._handle_async(msg, step)
+
+
+def _pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Piece]:
+    """Normalize user input (tensors, Shards, lists of Shards) into pieces, validating each."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    pieces = []
+    for name, value in items:
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.Tensor):
+                pieces.append(_Piece(name, v, tuple(v.shape), (0,) * v.dim()))
+                continue
+            if not isinstance(v, Shard):
+                raise TypeError(f"{name!r}: expected a tensor or a Shard, got {type(v).__name__}")
+            t, g, o = v.tensor, v.global_shape, v.offsets
+            if not (len(g) == len(o) == t.dim()) or any(
+                oo < 0 or oo + s > gg for oo, s, gg in zip(o, t.shape, g)
+            ):
+                raise ValueError(
+                    f"{name!r}: shard of shape {list(t.shape)} at offsets {list(o)} does not fit the global "
+                    f"shape {list(g)}"
+                )
+            pieces.append(_Piece(name, t, g, o))
+    return pieces
+
+
+def _blocks(
+    shape: tuple[int, ...], itemsize: int, limit: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a C-contiguous ``shape`` into contiguous sub-blocks of at most ``limit`` bytes each.
+
+    Each block fixes the leading indices, takes a range along one dim and all of the dims after it.
+    """
+    nd = len(shape)
+    if nd == 0 or itemsize * _prod(shape) <= limit:
+        yield (0,) * nd, shape
+        return
+    k = next(k for k in range(nd + 1) if itemsize * _prod(shape[k:]) <= limit)
+    if k == nd:
+        raise ValueError(f"a single element of {itemsize} bytes exceeds the frame limit {limit}")
+    row = itemsize * _prod(shape[k:])
+    step = max(1, limit // row)
+    for lead in itertools.product(*(range(d) for d in shape[: k - 1])):
+        for r0 in range(0, shape[k - 1], step):
+            r1 = min(shape[k - 1], r0 + step)
+            yield (*lead, r0, *(0,) * (nd - k)), (*(1,) * len(lead), r1 - r0, *shape[k:])
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

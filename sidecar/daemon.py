@@ -1,0 +1,755 @@
+"""The refitd serve loop: trainer ranks push, the daemon seals, quantizes and publishes generations.
+
+One ROUTER socket carries every peer (trainer clients and engine readers); a message is dispatched
+to ``handle_<kind>``. The loop is single-threaded: only the quantization worker runs beside it.
+
+Lifecycle::
+
+    daemon = Daemon(config)      # plan (from hf_config) and arenas allocated here, once
+    daemon.start()               # bind the control socket
+    daemon.serve_forever()       # until request_stop()
+    daemon.close()               # abort any step, unlink every segment, remove the socket
+
+Step protocol (per rank): HELLO -> WELCOME; BEGIN -> READY (once every rank began and the
+declarations cover every tensor exactly once); data (local: write into staging, PIECE_DONE; remote:
+SHARD frames under credits); COMMIT -> ACK; then RESULT (published) or ERROR (on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from sidecar.config import DaemonConfig
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.generations import Arenas
+from sidecar.models import get_model
+from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.quant import NonFiniteError
+from sidecar.step import StepState
+from sidecar.worker import QuantWorker
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
+
+log = logging.getLogger("refitd.daemon")
+
+MAX_MESSAGES_PER_TICK = 256
+MAX_REMEMBERED_FAILURES = 8
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    role: str  # "trainer" | "reader"
+    last_seen: float
+    rank: int | None = None
+    pid: int | None = None
+    host: str = ""
+    name: str = ""
+    local: bool = False
+    waiting: int | None = None  # reader: min_step of an outstanding WAIT
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.instance = secrets.token_hex(8)
+        self.limits = Limits(
+            max_header_bytes=config.max_header_bytes,
+            max_frame_bytes=config.max_frame_bytes,
+            max_frames=max(4, config.credit_frames),
+        )
+        self.spec = refit_spec(config)
+        self.plan: RefitPlan | None = None
+        self.arenas: Arenas | None = None
+        self.peers: dict[bytes, Peer] = {}
+        self.step: StepState | None = None
+        self.target = None  # the Generation the step in progress writes
+        self.deferred: list = []  # units ready before the target generation was free
+        self.pending: list[tuple[bytes, Message]] = []  # BEGINs for a later step
+        self.failures: dict[int, tuple[RefitError, set[int]]] = {}  # step -> error, ranks told
+        self.last_step: int | None = None
+        self.history: list[dict[str, Any]] = []  # last few steps, for status
+        self._stop = False
+        self._closed = False
+        self.ctx = zmq.Context()
+        self.router: zmq.Socket | None = None
+        self.wake: zmq.Socket | None = None
+        self.worker: QuantWorker | None = None
+        self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
+        if config.hf_config is not None:
+            self.plan = plan_from_hf_config(json.loads(Path(config.hf_config).read_text()), self.spec)
+        if self.plan is not None:
+            self.arenas = Arenas.for_plan(
+                self.prefix, self.plan, staging_bytes=config.staging_bytes, publish_bytes=config.publish_bytes
+            )
+        elif config.staging_bytes is not None and config.publish_bytes is not None:
+            self.arenas = Arenas(
+                self.prefix, staging_bytes=config.staging_bytes, publish_bytes=config.publish_bytes
+            )
+        else:
+            raise RefitError(
+                "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "
+                "start, or both staging_bytes and publish_bytes",
+                kind=ErrorKind.CAPACITY,
+            )
+        self._record_segments()
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+
+    def start(self) -> None:
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.config.listen)
+        wake_endpoint = f"inproc://refitd-wake-{self.instance}"
+        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake.bind(wake_endpoint)
+        self.worker = QuantWorker(self.ctx, wake_endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.wake, zmq.POLLIN)
+        log.info(
+            "refitd listening on %s (instance %s, world_size %d, format %s)",
+            self.config.listen,
+            self.instance,
+            self.config.world_size,
+            self.spec.fmt.value,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.router is not None and self.arenas is not None
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        while not self._stop:
+            self.tick()
+
+    def tick(self, timeout_ms: int | None = None) -> None:
+        """One turn of the loop: messages, worker results, timers."""
+        if timeout_ms is None:
+            timeout_ms = int(max(10, min(100, self.config.heartbeat_interval_s * 250)))
+        events = dict(self.poller.poll(timeout_ms))
+        if self.wake in events:
+            while True:
+                try:
+                    self.wake.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+        self._drain_worker()
+        if self.router in events:
+            for _ in range(MAX_MESSAGES_PER_TICK):
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._dispatch(frames)
+        self._drain_worker()
+        self._check_timers(time.monotonic())
+
+    def close(self) -> None:
+        """Abort the step in flight, free every segment, close sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.step is not None:
+            self._fail_step(
+                RefitError("the daemon is shutting down", kind=ErrorKind.SHUTDOWN, step=self.step.step)
+            )
+        if self.worker is not None:
+            self.worker.close()
+        if self.arenas is not None:
+            self.arenas.close()
+        for sock in (self.router, self.wake):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+        if self.config.listen.startswith("ipc://"):
+            Path(self.config.listen.removeprefix("ipc://")).unlink(missing_ok=True)
+        self._segments_file().unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------------------------------
+    # sending
+
+    def _send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
+        try:
+            self.router.send_multipart(
+                [identity, *encode(Message(kind, fields or {}, list(frames)))], zmq.NOBLOCK
+            )
+            return True
+        except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
+            log.debug("cannot send %s to a peer: %s", kind.name, exc)
+            return False
+
+    def _send_error(self, identity: bytes, err: RefitError) -> None:
+        self._send(identity, Kind.ERROR, err.to_wire())
+
+    # ------------------------------------------------------------------------------------------
+    # dispatch
+
+    def _dispatch(self, frames: list) -> None:
+        identity = frames[0].bytes
+        try:
+            msg = decode(frames[1:], self.limits)
+        except ProtocolError as exc:
+            log.warning("refused a malformed message: %s", exc)
+            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL))
+            return
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        handler = getattr(self, f"handle_{msg.kind.name.lower()}", None)
+        if handler is None:
+            self._send_error(
+                identity, RefitError(f"{msg.kind.name} is not a request", kind=ErrorKind.PROTOCOL)
+            )
+            return
+        try:
+            handler(identity, msg)
+        except ProtocolError as exc:
+            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
+        except RefitError as exc:
+            if self.step is not None and exc.step == self.step.step:
+                self._fail_step(exc)
+            else:
+                self._send_error(identity, exc)
+
+    def _trainer(self, identity: bytes) -> Peer:
+        peer = self.peers.get(identity)
+        if peer is None or peer.role != "trainer":
+            raise ProtocolError(
+                "say HELLO first (the daemon restarted, or this peer never introduced itself)"
+            )
+        return peer
+
+    # ---- trainers
+
+    def handle_hello(self, identity: bytes, msg: Message) -> None:
+        rank = msg.require("rank", int)
+        world = msg.require("world_size", int)
+        if world != self.config.world_size:
+            raise RefitError(
+                f"rank {rank} says world_size {world} but this daemon serves {self.config.world_size} ranks; "
+                "start the daemon with the trainer's world size (--world-size)",
+                kind=ErrorKind.INVALID,
+                rank=rank,
+            )
+        if not 0 <= rank < world:
+            raise RefitError(f"rank {rank} is outside [0, {world})", kind=ErrorKind.INVALID, rank=rank)
+        for other in list(self.peers.values()):
+            if other.role == "trainer" and other.rank == rank and other.identity != identity:
+                del self.peers[other.identity]  # a restarted rank replaces its old connection
+        local = bool(msg.get("local")) and self.config.listen.startswith("ipc://")
+        self.peers[identity] = Peer(
+            identity,
+            "trainer",
+            time.monotonic(),
+            rank=rank,
+            pid=msg.get("pid"),
+            host=str(msg.get("host", "")),
+            local=local,
+        )
+        self._send(
+            identity,
+            Kind.WELCOME,
+            {
+                "instance": self.instance,
+                "world_size": self.config.world_size,
+                "local": local,
+                "max_frame_bytes": self.config.max_frame_bytes,
+                "credit_frames": self.config.credit_frames,
+                "heartbeat_interval_s": self.config.heartbeat_interval_s,
+                "rank_timeout_s": self.config.rank_timeout_s,
+                "last_step": self.last_step,
+            },
+        )
+
+    def handle_begin(self, identity: bytes, msg: Message) -> None:
+        peer = self._trainer(identity)
+        step = msg.require("step", int)
+        rows = msg.require("pieces", list)
+        failed = self.failures.get(step)
+        if failed is not None and peer.rank not in failed[1]:
+            failed[1].add(peer.rank)
+            self._send_error(identity, failed[0])
+            return
+        if self.last_step is not None and step <= self.last_step:
+            raise RefitError(
+                f"step {step} does not increase: step {self.last_step} is already published; push a later step",
+                kind=ErrorKind.STEP_ORDER,
+                rank=peer.rank,
+            )
+        if self.step is None:
+            if not self._can_start_step():
+                self.pending.append((identity, msg))
+                return
+            self.step = StepState(step, self.config.world_size, time.monotonic() + self.config.step_timeout_s)
+            self.failures.pop(step, None)
+        elif step != self.step.step:
+            if step < self.step.step:
+                raise RefitError(
+                    f"step {step} does not increase: step {self.step.step} is in progress",
+                    kind=ErrorKind.STEP_ORDER,
+                    rank=peer.rank,
+                )
+            self.pending.append((identity, msg))
+            return
+        state = self.step
+        state.begin(peer.rank, rows)
+        state.peers[peer.rank] = identity
+        if state.all_begun:
+            self._all_begun()
+
+    def _can_start_step(self) -> bool:
+        return self.worker is None or self.worker.inflight == 0
+
+    def _all_begun(self) -> None:
+        state = self.step
+        state.phases.all_begun = time.monotonic()
+        if self.plan is None:
+            self._plan_from_declarations(state)
+        state.validate_against(self.plan)
+        self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
+        staging = self.arenas.staging.handle()
+        for rank, identity in state.peers.items():
+            peer = self.peers.get(identity)
+            fields = {
+                "step": state.step,
+                "pieces": state.piece_ids(rank),
+                "credit_frames": self.config.credit_frames,
+            }
+            if peer is not None and peer.local:
+                fields["staging"] = staging
+            self._send(identity, Kind.READY, fields)
+        state.ready_sent = True
+        for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
+            self._tensor_complete(name)  # zero-byte tensors complete at once
+
+    def _plan_from_declarations(self, state: StepState) -> None:
+        try:
+            plan = RefitPlan.build(state.specs(), self.spec)
+            self.arenas.apply_plan(plan)
+        except ValueError as exc:
+            raise RefitError(
+                str(exc),
+                kind=ErrorKind.CAPACITY if "arena" in str(exc) else ErrorKind.INVALID,
+                step=state.step,
+            ) from None
+        self.plan = plan
+        log.info(
+            "plan fixed from step %d: %d inputs, %d outputs, %d units",
+            state.step,
+            len(plan.inputs),
+            len(plan.outputs),
+            len(plan.units),
+        )
+
+    def handle_piece_done(self, identity: bytes, msg: Message) -> None:
+        peer, state = self._trainer(identity), self._current(msg)
+        for pid in msg.require("pieces", list):
+            name, tid = state.piece(peer.rank, pid)
+            done = state.piece_received(peer.rank, pid, state.tracker.piece_nbytes(name, tid))
+            if done:
+                self._tensor_complete(done)
+
+    def handle_shard(self, identity: bytes, msg: Message) -> None:
+        peer, state = self._trainer(identity), self._current(msg)
+        pid = msg.require("piece", int)
+        offsets, shape = tuple(msg.require("offsets", list)), tuple(msg.require("shape", list))
+        name, tid = state.piece(peer.rank, pid)
+        if len(msg.frames) != 1:
+            raise ProtocolError(f"SHARD of {name!r} must carry exactly one data frame")
+        dest_full = self.arenas.staging.tensor(name)
+        data = msg.frames[0].buffer if hasattr(msg.frames[0], "buffer") else memoryview(msg.frames[0])
+        nbytes = len(data)
+        expected = dest_full.element_size() * _prod(shape)
+        if nbytes != expected or len(offsets) != dest_full.dim() or len(shape) != dest_full.dim():
+            raise RefitError(
+                f"rank {peer.rank}: SHARD of {name!r} at {list(offsets)} shape {list(shape)} carries {nbytes} bytes, "
+                f"expected {expected}",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
+        if not state.tracker.contains(name, tid, offsets, shape):
+            raise RefitError(
+                f"rank {peer.rank}: SHARD of {name!r} at {list(offsets)} shape {list(shape)} lies outside the piece it declared",
+                kind=ErrorKind.COVERAGE,
+                rank=peer.rank,
+                step=state.step,
+            )
+        dest = dest_full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+        if nbytes:
+            src = torch.frombuffer(data, dtype=torch.uint8).view(dest.dtype).view(shape)
+            dest.copy_(src)
+        self._send(identity, Kind.CREDIT, {"step": state.step, "frames": 1})
+        done = state.piece_received(peer.rank, pid, nbytes)
+        if done:
+            self._tensor_complete(done)
+
+    def handle_commit(self, identity: bytes, msg: Message) -> None:
+        peer, state = self._trainer(identity), self._current(msg)
+        state.commit(peer.rank)
+        self._send(identity, Kind.ACK, {"step": state.step, "of": "commit"})
+        self._maybe_publish()
+
+    def handle_abort(self, identity: bytes, msg: Message) -> None:
+        peer = self._trainer(identity)
+        step = msg.require("step", int)
+        if self.step is not None and self.step.step == step:
+            reason = str(msg.get("reason", "no reason given"))
+            self._fail_step(
+                RefitError(
+                    f"rank {peer.rank} aborted the step: {reason}",
+                    kind=ErrorKind.ABORTED,
+                    rank=peer.rank,
+                    step=step,
+                )
+            )
+
+    def handle_ping(self, identity: bytes, msg: Message) -> None:
+        self._send(identity, Kind.PONG, {"instance": self.instance})
+
+    def _current(self, msg: Message) -> StepState:
+        step = msg.require("step", int)
+        if self.step is None or self.step.step != step or not self.step.ready_sent:
+            raise ProtocolError(
+                f"{msg.kind.name} for step {step}, which is not in progress (failed or not begun)"
+            )
+        return self.step
+
+    # ---- readers
+
+    def handle_attach(self, identity: bytes, msg: Message) -> None:
+        self.peers[identity] = Peer(
+            identity, "reader", time.monotonic(), pid=msg.get("pid"), name=str(msg.get("name", ""))
+        )
+        live = self.arenas.live_generation()
+        self._send(
+            identity,
+            Kind.ATTACHED,
+            {"instance": self.instance, "live_step": None if live is None else live.step},
+        )
+
+    def handle_wait(self, identity: bytes, msg: Message) -> None:
+        peer = self.peers.get(identity)
+        if peer is None or peer.role != "reader":
+            raise ProtocolError("ATTACH first (the daemon restarted, or this reader never attached)")
+        min_step = msg.get("min_step")
+        if min_step is not None and not isinstance(min_step, int):
+            raise ProtocolError("WAIT min_step must be an integer or nil")
+        if msg.get("cancel"):
+            peer.waiting = None
+            return
+        peer.waiting = -1 if min_step is None else min_step
+        self._serve_waiting(peer)
+
+    def handle_release(self, identity: bytes, msg: Message) -> None:
+        index = msg.require("generation", int)
+        if not self.arenas.release(identity, index, msg.get("step")):
+            log.debug("release of generation %d by a reader that no longer held it", index)
+        self._maybe_claim()
+
+    def handle_detach(self, identity: bytes, msg: Message) -> None:
+        self.arenas.drop_reader(identity)
+        self.peers.pop(identity, None)
+        self._maybe_claim()
+
+    def handle_status(self, identity: bytes, msg: Message) -> None:
+        self._send(identity, Kind.STATUS_REPLY, self.status())
+
+    def _serve_waiting(self, peer: Peer) -> None:
+        gen = self.arenas.live_generation()
+        if peer.waiting is None or gen is None or gen.step is None or gen.step < peer.waiting:
+            return
+        handle = gen.arena.handle()
+        if self._send(
+            peer.identity, Kind.GENERATION, {"generation": gen.index, "step": gen.step, "arena": handle}
+        ):
+            self.arenas.hold(peer.identity, gen)
+        peer.waiting = None
+
+    # ------------------------------------------------------------------------------------------
+    # pipeline
+
+    def _tensor_complete(self, name: str) -> None:
+        for unit in self.step.ready_units(self.plan, name):
+            if self.target is None:
+                self.deferred.append(unit)
+            else:
+                self._submit(unit)
+
+    def _submit(self, unit) -> None:
+        state, staging, target = self.step, self.arenas.staging, self.target.arena
+        if not state.phases.quant_start:
+            state.phases.quant_start = time.monotonic()
+        self.worker.submit(
+            state.step,
+            unit,
+            lambda: {n: staging.tensor(n) for n in unit.inputs},
+            lambda: {o.name: target.tensor(o.name) for o in unit.outputs},
+        )
+
+    def _maybe_claim(self) -> None:
+        if self.step is not None and self.step.ready_sent and self.target is None:
+            self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
+            if self.target is not None:
+                deferred, self.deferred = self.deferred, []
+                for unit in deferred:
+                    self._submit(unit)
+
+    def _drain_worker(self) -> None:
+        if self.worker is None:
+            return
+        while True:
+            try:
+                done = self.worker.results.get_nowait()
+            except Exception:
+                break
+            self.worker.inflight -= 1
+            if self.step is None or done.step != self.step.step:
+                continue  # a unit of a step that already failed
+            self.step.phases.quant_busy += done.seconds
+            if done.error is not None:
+                kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
+                if not isinstance(done.error, ValueError):
+                    kind = ErrorKind.INTERNAL
+                self._fail_step(RefitError(str(done.error), kind=kind, step=done.step))
+                continue
+            self.step.units_done.add(done.unit)
+            if len(self.step.units_done) == len(self.plan.units):
+                self.step.phases.quant_end = time.monotonic()
+            self._maybe_publish()
+        if self.step is None and self.pending and self.worker.inflight == 0:
+            self._start_pending()
+
+    def _maybe_publish(self) -> None:
+        state = self.step
+        if state is None or self.plan is None or not state.sealed(self.plan):
+            return
+        self.arenas.publish(self.target, state.step)
+        state.phases.published = time.monotonic()
+        self.last_step = state.step
+        phases = state.phases.seconds()
+        record = {
+            "step": state.step,
+            "generation": self.target.index,
+            "bytes_in": state.bytes_in,
+            "bytes_out": self.plan.bytes_out,
+            "seconds": {k: round(v, 6) for k, v in phases.items()},
+        }
+        self.history = [*self.history[-9:], record]
+        log.info(
+            "step %d published in generation %d: receive %.3fs validate %.3fs quantize %.3fs (tail %.3fs) "
+            "publish %.3fs total %.3fs; %d bytes in, %d bytes out",
+            state.step,
+            self.target.index,
+            phases["receive"],
+            phases["validate"],
+            phases["quantize"],
+            phases["quantize_tail"],
+            phases["publish"],
+            phases["total"],
+            state.bytes_in,
+            self.plan.bytes_out,
+            extra={"step": state.step, "phase": "publish", "record": record},
+        )
+        for identity in state.peers.values():
+            self._send(identity, Kind.RESULT, record)
+        self.step, self.target = None, None
+        for peer in list(self.peers.values()):
+            if peer.role == "reader":
+                self._serve_waiting(peer)
+        self._start_pending()
+
+    def _fail_step(self, err: RefitError) -> None:
+        state = self.step
+        if state is None:
+            return
+        if err.step is None:
+            err = RefitError(err.message, kind=err.kind, rank=err.rank, step=state.step)
+        log.error(
+            "step %d failed: %s",
+            state.step,
+            err,
+            extra={"step": state.step, "rank": err.rank, "phase": "fail"},
+        )
+        told = set()
+        for peer in self.peers.values():
+            if peer.role == "trainer" and peer.rank is not None:
+                self._send_error(peer.identity, err)
+                told.add(peer.rank)
+        self.failures[state.step] = (err, told)
+        while len(self.failures) > MAX_REMEMBERED_FAILURES:
+            self.failures.pop(next(iter(self.failures)))
+        self.worker.cancel(state.step)
+        if self.target is not None:
+            self.target.step = None  # half-written: never hand it out
+        self.step, self.target, self.deferred = None, None, []
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        if self.step is not None or not self.pending or not self._can_start_step():
+            return
+        pending, self.pending = self.pending, []
+        for identity, msg in pending:
+            self._dispatch_message(identity, msg)
+
+    def _dispatch_message(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.handle_begin(identity, msg)
+        except ProtocolError as exc:
+            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
+        except RefitError as exc:
+            if self.step is not None and exc.step == self.step.step:
+                self._fail_step(exc)
+            else:
+                self._send_error(identity, exc)
+
+    # ------------------------------------------------------------------------------------------
+    # timers
+
+    def _check_timers(self, now: float) -> None:
+        state = self.step
+        if state is not None:
+            if now > state.deadline:
+                missing = state.missing_ranks()
+                why = f"ranks {missing} never began it" if missing else "it was not complete"
+                self._fail_step(
+                    RefitError(
+                        f"step {state.step} timed out after {self.config.step_timeout_s:.1f} s: {why}",
+                        kind=ErrorKind.TIMEOUT,
+                        step=state.step,
+                    )
+                )
+                return
+            for rank, identity in state.peers.items():
+                peer = self.peers.get(identity)
+                silent = now - peer.last_seen if peer is not None else float("inf")
+                if rank not in state.committed and silent > self.config.rank_timeout_s:
+                    self._fail_step(
+                        RefitError(
+                            f"rank {rank} stopped responding mid-step (silent for {silent:.1f} s, "
+                            f"rank_timeout_s={self.config.rank_timeout_s}): it died or hung",
+                            kind=ErrorKind.RANK_DIED,
+                            rank=rank,
+                            step=state.step,
+                        )
+                    )
+                    return
+            self._maybe_claim()
+        if self.step is None and self.pending:
+            self._start_pending()
+
+    # ------------------------------------------------------------------------------------------
+    # status and bookkeeping
+
+    def status(self) -> dict[str, Any]:
+        live = self.arenas.live_generation() if self.arenas else None
+        return {
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "listen": self.config.listen,
+            "format": self.spec.fmt.value,
+            "world_size": self.config.world_size,
+            "last_step": self.last_step,
+            "live": None if live is None else {"generation": live.index, "step": live.step},
+            "step_in_progress": None
+            if self.step is None
+            else {
+                "step": self.step.step,
+                "begun": sorted(self.step.declared),
+                "committed": sorted(self.step.committed),
+            },
+            "generations": [
+                {
+                    "generation": g.index,
+                    "step": g.step,
+                    "holders": len(g.holders),
+                    "segment": g.arena.name,
+                    "bytes": g.arena.size,
+                }
+                for g in (self.arenas.generations if self.arenas else [])
+            ],
+            "staging": None
+            if self.arenas is None
+            else {"segment": self.arenas.staging.name, "bytes": self.arenas.staging.size},
+            "trainers": sorted(p.rank for p in self.peers.values() if p.role == "trainer"),
+            "readers": [p.name for p in self.peers.values() if p.role == "reader"],
+            "plan": None
+            if self.plan is None
+            else {
+                "inputs": len(self.plan.inputs),
+                "outputs": len(self.plan.outputs),
+                "bytes_in": self.plan.bytes_in,
+                "bytes_out": self.plan.bytes_out,
+            },
+            "history": self.history,
+        }
+
+    def _segments_file(self) -> Path:
+        return Path(self.config.runtime_dir) / "segments.json"
+
+    def _record_segments(self) -> None:
+        """Write our segment names, after unlinking those a crashed predecessor left behind."""
+        path = self._segments_file()
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+                if not _pid_alive(int(old.get("pid", 0))):
+                    for name in old.get("segments", []):
+                        Path("/dev/shm", name).unlink(missing_ok=True)
+                        log.warning("removed shared-memory segment %s left by a crashed daemon", name)
+            except (ValueError, OSError):
+                pass
+        path.write_text(json.dumps({"pid": os.getpid(), "segments": self.arenas.segment_names()}))
+
+
+def refit_spec(config: DaemonConfig) -> RefitSpec:
+    model_type = config.model_type
+    if model_type is None and config.hf_config is not None:
+        model_type = json.loads(Path(config.hf_config).read_text()).get("model_type")
+    if model_type is None:
+        raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
+    get_model(model_type)
+    return RefitSpec(
+        model_type=model_type,
+        fmt=config.format,
+        num_hidden_layers=config.num_hidden_layers,
+        num_first_layers_in_bf16=config.num_first_layers_in_bf16,
+        num_last_layers_in_bf16=config.num_last_layers_in_bf16,
+        ignore_patterns=tuple(config.ignore_patterns),
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,62 @@
+"""Errors that cross process boundaries as data and come back as typed exceptions.
+
+On the wire an error is ``{"kind": ErrorKind value, "message": str, "rank": int | None, "step": int | None}``
+(an ``ERROR`` message). Every trainer rank of a failed step receives the same one, so every rank
+raises the same ``RefitError`` naming the cause and the failing rank.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ErrorKind(str, enum.Enum):
+    PROTOCOL = "protocol"  # a malformed or out-of-order message
+    INVALID = "invalid"  # shapes, dtypes or names that disagree with the plan
+    COVERAGE = "coverage"  # gaps or overlaps between the ranks' shards
+    NON_FINITE = "non_finite"  # NaN or Inf in a tensor
+    STEP_ORDER = "step_order"  # a step that does not increase
+    RANK_DIED = "rank_died"  # a trainer rank stopped responding mid-step
+    TIMEOUT = "timeout"  # the step did not complete within its timeout
+    ABORTED = "aborted"  # a rank (or the operator) aborted the step
+    CAPACITY = "capacity"  # an arena too small for what the step needs
+    BUSY = "busy"  # the daemon cannot take the step now (e.g. readers hold every generation)
+    SHUTDOWN = "shutdown"  # the daemon is stopping
+    UNAVAILABLE = "unavailable"  # no daemon answered
+    INTERNAL = "internal"  # a bug: please report it
+
+    @classmethod
+    def parse(cls, value: Any) -> ErrorKind:
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.INTERNAL
+
+
+class RefitError(RuntimeError):
+    """A step failed. ``kind``, ``rank`` (the failing rank, if one) and ``step`` say where and why."""
+
+    def __init__(
+        self, message: str, *, kind: ErrorKind = ErrorKind.INTERNAL, rank: int | None = None, step=None
+    ):
+        self.kind, self.rank, self.step, self.message = ErrorKind.parse(kind), rank, step, message
+        where = []
+        if step is not None:
+            where.append(f"step {step}")
+        if rank is not None:
+            where.append(f"rank {rank}")
+        prefix = f"[{self.kind.value}{': ' + ', '.join(where) if where else ''}] "
+        super().__init__(prefix + message)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "message": self.message, "rank": self.rank, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, fields: dict[str, Any]) -> RefitError:
+        return cls(
+            str(fields.get("message", "unknown error")),
+            kind=ErrorKind.parse(fields.get("kind")),
+            rank=fields.get("rank"),
+            step=fields.get("step"),
+        )

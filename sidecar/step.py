@@ -1,0 +1,237 @@
+"""One step's bookkeeping, free of sockets: who began, what each rank will send, what has arrived,
+which units of work can run, and how long each phase took.
+
+The daemon feeds it events (``begin``, ``piece_done``/``bytes_received``, ``commit``) and asks it
+questions (``ready_units``, ``sealed``). Every check raises ``RefitError`` with the kind and the rank
+at fault, so the daemon can fail the step on every rank with one message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.coverage import CoverageError, CoverageTracker, Piece
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.plan import RefitPlan, TensorSpec, Unit
+from transport.wire import ProtocolError, dtype_from_name
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """One piece a rank announced in BEGIN: ``[name, dtype, global_shape, offsets, shape]`` on the wire."""
+
+    name: str
+    dtype_name: str
+    global_shape: tuple[int, ...]
+    piece: Piece
+
+    @classmethod
+    def from_wire(cls, rank: int, row: Any) -> Declared:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)):
+            raise ProtocolError(
+                f"rank {rank}: a BEGIN piece must be [name, dtype, global_shape, offsets, shape]"
+            )
+        name, dtype, global_shape, offsets, shape = row
+        dtype_from_name(dtype)  # refuse unknown dtypes early
+        ints = (global_shape, offsets, shape)
+        if not all(isinstance(v, list) and all(isinstance(d, int) for d in v) for v in ints):
+            raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
+        return cls(name, dtype, tuple(global_shape), Piece(rank, tuple(offsets), tuple(shape)))
+
+
+@dataclass(slots=True)
+class Phases:
+    """Wall-clock marks of one step (``time.monotonic()``)."""
+
+    first_begin: float = 0.0
+    all_begun: float = 0.0
+    all_received: float = 0.0
+    quant_start: float = 0.0
+    quant_end: float = 0.0
+    quant_busy: float = 0.0  # seconds the worker spent in units (receive and quantize overlap)
+    published: float = 0.0
+
+    def seconds(self) -> dict[str, float]:
+        """receive, validate, quantize, publish, total; phases overlap where the pipeline overlaps them."""
+        end = self.published or time.monotonic()
+        return {
+            "receive": max(0.0, (self.all_received or end) - self.first_begin),
+            "validate": max(0.0, self.all_begun - self.first_begin) if self.all_begun else 0.0,
+            "quantize": self.quant_busy,
+            "quantize_tail": max(0.0, self.quant_end - self.all_received) if self.quant_end else 0.0,
+            "publish": max(0.0, self.published - self.quant_end)
+            if self.published and self.quant_end
+            else 0.0,
+            "total": max(0.0, end - self.first_begin),
+        }
+
+
+@dataclass(slots=True)
+class StepState:
+    step: int
+    world_size: int
+    deadline: float
+    declared: dict[int, list[int]] = field(default_factory=dict)  # rank -> its wire piece ids
+    pieces: list[tuple[int, str, int]] = field(default_factory=list)  # wire id -> (rank, name, tracker id)
+    peers: dict[int, bytes] = field(default_factory=dict)  # rank -> the identity that began it
+    committed: set[int] = field(default_factory=set)
+    tracker: CoverageTracker = field(default_factory=CoverageTracker)
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> dtype, shape
+    complete: set[str] = field(default_factory=set)
+    units_submitted: set[int] = field(default_factory=set)
+    units_done: set[int] = field(default_factory=set)
+    bytes_in: int = 0
+    phases: Phases = field(default_factory=Phases)
+    ready_sent: bool = False
+
+    # ---- BEGIN
+
+    def begin(self, rank: int, rows: list[Any]) -> None:
+        if rank in self.declared:
+            raise RefitError(
+                f"rank {rank} began step {self.step} twice",
+                kind=ErrorKind.PROTOCOL,
+                rank=rank,
+                step=self.step,
+            )
+        if not 0 <= rank < self.world_size:
+            raise RefitError(
+                f"rank {rank} is outside world_size {self.world_size}",
+                kind=ErrorKind.INVALID,
+                rank=rank,
+                step=self.step,
+            )
+        if not self.declared:
+            self.phases.first_begin = time.monotonic()
+        pieces = []
+        for row in rows:
+            d = Declared.from_wire(rank, row)
+            known = self.tensors.setdefault(d.name, (d.dtype_name, d.global_shape))
+            if known != (d.dtype_name, d.global_shape):
+                raise RefitError(
+                    f"tensor {d.name!r}: rank {rank} says {d.dtype_name} {list(d.global_shape)} but another "
+                    f"rank said {known[0]} {list(known[1])}; every rank must describe the same global tensor",
+                    kind=ErrorKind.INVALID,
+                    rank=rank,
+                    step=self.step,
+                )
+            try:
+                pid = self.tracker.declare(d.name, d.global_shape, d.piece, _itemsize(d.dtype_name))
+            except CoverageError as exc:
+                raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
+            pieces.append(len(self.pieces))
+            self.pieces.append((rank, d.name, pid))
+        self.declared[rank] = pieces
+
+    @property
+    def all_begun(self) -> bool:
+        return len(self.declared) == self.world_size
+
+    def missing_ranks(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.declared]
+
+    def specs(self) -> list[TensorSpec]:
+        """The step's global tensors, in first-declared order (the plan's input order)."""
+        return [TensorSpec(n, dtype_from_name(d), shape) for n, (d, shape) in self.tensors.items()]
+
+    def validate_against(self, plan: RefitPlan) -> None:
+        """Names, dtypes and shapes against the plan, then exact coverage: all problems in one error."""
+        problems = []
+        expected = {i.name: i for i in plan.inputs}
+        for name, (dtype, shape) in self.tensors.items():
+            spec = expected.get(name)
+            if spec is None:
+                problems.append(f"tensor {name!r} is not part of the plan (a renamed or extra tensor?)")
+            elif dtype_from_name(dtype) != spec.dtype or tuple(shape) != tuple(spec.shape):
+                problems.append(
+                    f"tensor {name!r} is {dtype} {list(shape)}, the plan expects "
+                    f"{str(spec.dtype).removeprefix('torch.')} {list(spec.shape)}"
+                )
+        for name in expected:
+            if name not in self.tensors:
+                problems.append(f"tensor {name!r}: no rank sent any part of it")
+        if problems:
+            raise RefitError(_join(problems), kind=ErrorKind.INVALID, step=self.step)
+        try:
+            self.tracker.check_declared(expected)
+        except CoverageError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.COVERAGE, step=self.step) from None
+
+    # ---- data
+
+    def piece_received(self, rank: int, piece_id: int, nbytes: int) -> str | None:
+        """Account ``nbytes`` of a piece; returns the tensor name if that tensor just completed."""
+        name, tid = self.piece(rank, piece_id)
+        try:
+            self.tracker.received(name, tid, nbytes)
+        except CoverageError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
+        self.bytes_in += nbytes
+        if self.tracker.tensor_complete(name) and name not in self.complete:
+            self.complete.add(name)
+            if len(self.complete) == len(self.tensors):
+                self.phases.all_received = time.monotonic()
+            return name
+        return None
+
+    def piece(self, rank: int, piece_id: int) -> tuple[str, int]:
+        """(tensor name, tracker piece id) of wire piece ``piece_id``, which ``rank`` must own."""
+        if isinstance(piece_id, int) and 0 <= piece_id < len(self.pieces):
+            owner, name, tid = self.pieces[piece_id]
+            if owner == rank:
+                return name, tid
+        raise RefitError(
+            f"rank {rank} sent data for piece {piece_id}, which it did not declare in BEGIN",
+            kind=ErrorKind.PROTOCOL,
+            rank=rank,
+            step=self.step,
+        )
+
+    def piece_ids(self, rank: int) -> list[int]:
+        return list(self.declared.get(rank, ()))
+
+    def ready_units(self, plan: RefitPlan, name: str) -> list[Unit]:
+        """Units reading ``name`` whose inputs are now all complete and that were not yet submitted."""
+        units = []
+        for unit in plan.units_for_input(name):
+            if unit.index not in self.units_submitted and all(i in self.complete for i in unit.inputs):
+                self.units_submitted.add(unit.index)
+                units.append(unit)
+        return units
+
+    # ---- COMMIT and seal
+
+    def commit(self, rank: int) -> None:
+        if rank not in self.declared:
+            raise RefitError(
+                f"rank {rank} committed before BEGIN", kind=ErrorKind.PROTOCOL, rank=rank, step=self.step
+            )
+        lacking = [
+            line
+            for line in self.tracker.incomplete()
+            if line.startswith(f"rank {rank}:") or f"rank {rank} " in line
+        ]
+        if lacking:
+            raise RefitError(
+                f"rank {rank} committed step {self.step} with data missing: " + _join(lacking),
+                kind=ErrorKind.COVERAGE,
+                rank=rank,
+                step=self.step,
+            )
+        self.committed.add(rank)
+
+    def sealed(self, plan: RefitPlan) -> bool:
+        return len(self.committed) == self.world_size and len(self.units_done) == len(plan.units)
+
+
+def _itemsize(dtype_name: str) -> int:
+    return dtype_from_name(dtype_name).itemsize
+
+
+def _join(lines: Iterable[str], limit: int = 12) -> str:
+    lines = list(lines)
+    shown = "; ".join(lines[:limit])
+    return shown + (f"; and {len(lines) - limit} more" if len(lines) > limit else "")

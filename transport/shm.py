@@ -1,0 +1,246 @@
+"""Daemon-owned POSIX shared memory: segments, the layouts that carve them into tensors, arenas.
+
+The daemon creates every segment (``/dev/shm/<name>``, mode 0600, ``O_EXCL``) and unlinks it on
+shutdown; trainer clients and engine readers only attach. Segments are opened with ``os.open`` +
+``mmap`` rather than ``multiprocessing.shared_memory``, so no resource tracker is involved: on
+Python 3.11 an attaching process's tracker would otherwise unlink the segment when that process
+exits, pulling it from under everyone else.
+
+Tensor views hold a numpy export of the mapping, so the mapping cannot be unmapped while a view is
+alive (``close()`` then leaves the unmapping to the garbage collector instead of segfaulting a
+reader that still holds a view).
+
+An ``Arena`` is a segment plus a ``Layout``; its wire description (``handle()``) is plain data sent
+in msgpack. The CUDA-IPC arena implements the same interface with a 64-byte IPC handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from transport.wire import dtype_from_name, dtype_name
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 256  # every tensor starts on a 256-byte boundary (vector loads, fp32 scales)
+
+
+def segment_name(prefix: str, role: str) -> str:
+    """A fresh, unguessable segment name: ``<prefix>-<role>-<random>``."""
+    return f"{prefix}-{role}-{secrets.token_hex(6)}"
+
+
+class ShmSegment:
+    """One POSIX shared-memory segment mapped into this process. Use ``create`` or ``attach``."""
+
+    def __init__(self, name: str, size: int, mm: mmap.mmap, *, owner: bool, writable: bool):
+        self.name, self.size, self.owner, self.writable = name, size, owner, writable
+        self._mmap: mmap.mmap | None = mm
+        self._bytes = np.frombuffer(mm, dtype=np.uint8, count=size) if size else np.empty(0, np.uint8)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> ShmSegment:
+        """Create ``/dev/shm/<name>`` of ``size`` bytes, mode 0600; fails if it exists."""
+        if size < 0:
+            raise ValueError(f"segment {name!r}: size {size} is negative")
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(name, size, mm, owner=True, writable=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int, *, writable: bool) -> ShmSegment:
+        """Map an existing segment; a read-only mapping makes reader writes fault, not corrupt."""
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"shared-memory segment {name!r} does not exist: the daemon that owned it has exited; "
+                "reconnect to the running daemon"
+            ) from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ValueError(f"segment {name!r} holds {actual} bytes, expected at least {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
+        return cls(name, size, mm, owner=False, writable=writable)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over bytes ``[offset, offset + nbytes)`` of the segment (no copy)."""
+        if self._mmap is None:
+            raise ValueError(f"segment {self.name!r} is closed")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = itemsize * int(np.prod(shape, dtype=np.int64))
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(
+                f"view [{offset}, {offset + nbytes}) lies outside segment {self.name!r} ({self.size} B)"
+            )
+        raw = self._bytes[offset : offset + nbytes]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch warns, we meant it
+            flat = torch.from_numpy(raw)
+        return flat.view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Drop this process's mapping (idempotent). Views still alive keep it mapped until collected."""
+        mm, self._mmap = self._mmap, None
+        self._bytes = np.empty(0, np.uint8)
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def unlink(self) -> None:
+        """Remove the segment's name (owner only, idempotent): it is freed once every mapping is gone."""
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM_DIR / self.name)
+
+
+# --------------------------------------------------------------------------------------------------
+# layouts
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Layout:
+    """Names to aligned byte ranges of one arena, in a fixed order; travels as plain lists."""
+
+    def __init__(self, slots: Iterable[Slot]):
+        self.slots: dict[str, Slot] = {s.name: s for s in slots}
+        self.size = max((s.offset + s.nbytes for s in self.slots.values()), default=0)
+
+    @classmethod
+    def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
+        slots, offset = [], 0
+        for name, dtype, shape in specs:
+            nbytes = torch.empty((), dtype=dtype).element_size() * int(np.prod(shape, dtype=np.int64))
+            slots.append(Slot(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+            offset += -(-nbytes // align) * align
+        return cls(slots)
+
+    def to_wire(self) -> list[list[Any]]:
+        return [[s.name, dtype_name(s.dtype), list(s.shape), s.offset, s.nbytes] for s in self.slots.values()]
+
+    @classmethod
+    def from_wire(cls, rows: list[list[Any]]) -> Layout:
+        return cls(Slot(n, dtype_from_name(d), tuple(shape), int(o), int(b)) for n, d, shape, o, b in rows)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# arenas
+
+
+class Arena(Protocol):
+    """Daemon-owned memory carved by a Layout. Implemented by ShmArena (CPU) and the CUDA-IPC arena."""
+
+    layout: Layout
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def tensors(self) -> Mapping[str, torch.Tensor]: ...
+
+    def handle(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class ShmArena:
+    """A POSIX shared-memory segment carved by a layout.
+
+    >>> arena = ShmArena.create("refitd-demo-staging", Layout.build([("w", torch.bfloat16, (4, 4))]))
+    >>> arena.tensor("w").fill_(1.0)             # doctest: +SKIP
+    >>> peer = open_arena(arena.handle(), writable=False)   # in another process
+    >>> arena.close(); arena.unlink()
+    """
+
+    kind = "shm"
+
+    def __init__(self, segment: ShmSegment, layout: Layout):
+        self.segment, self.layout = segment, layout
+        self._views: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def create(cls, name: str, layout: Layout, *, size: int | None = None) -> ShmArena:
+        capacity = layout.size if size is None else size
+        if capacity < layout.size:
+            raise ValueError(f"arena {name!r}: {capacity} bytes cannot hold a layout of {layout.size} bytes")
+        return cls(ShmSegment.create(name, capacity), layout)
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    @property
+    def size(self) -> int:
+        return self.segment.size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors()[name]
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._views is None:
+            self._views = {s.name: self.segment.view(s.offset, s.dtype, s.shape) for s in self.layout}
+        return self._views
+
+    def relayout(self, layout: Layout) -> None:
+        """Carve the same segment differently (the plan became known after the arena was made)."""
+        if layout.size > self.size:
+            raise ValueError(
+                f"arena {self.name!r} holds {self.size} bytes but the plan needs {layout.size}; "
+                "raise the configured arena size or give the daemon the model's config so it sizes itself"
+            )
+        self.layout, self._views = layout, None
+
+    def handle(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "size": self.size, "layout": self.layout.to_wire()}
+
+    def close(self) -> None:
+        self._views = None
+        self.segment.close()
+
+    def unlink(self) -> None:
+        self.segment.unlink()
+
+
+def open_arena(handle: Mapping[str, Any], *, writable: bool) -> ShmArena:
+    """Attach to an arena described by ``handle()`` from the daemon."""
+    kind = handle.get("kind")
+    if kind != "shm":
+        raise ValueError(f"arena kind {kind!r} cannot be opened here (this build opens 'shm' arenas)")
+    segment = ShmSegment.attach(str(handle["name"]), int(handle["size"]), writable=writable)
+    return ShmArena(segment, Layout.from_wire(handle["layout"]))

@@ -1,0 +1,174 @@
+"""The wire protocol: one versioned msgpack header frame, then raw data frames. No pickle anywhere.
+
+A message on the wire is a ZeroMQ multipart message::
+
+    +----------------------------------------------+  +-----------+     +-----------+
+    | header: msgpack map                          |  | data 0    | ... | data n-1  |
+    |   "v": PROTOCOL_VERSION (int)                |  | raw bytes |     | raw bytes |
+    |   "k": Kind (int)                            |  | (zero-    |     |           |
+    |   "n": number of data frames that follow     |  |  copy)    |     |           |
+    |   "f": fields of this kind (map, str keys)   |  +-----------+     +-----------+
+    +----------------------------------------------+
+
+On a ROUTER socket the peer identity frame comes first. Every frame is size-checked against
+``Limits`` before anything is decoded; a bad message is refused with a ``ProtocolError`` that says
+which check failed, and the receiver keeps serving. Errors travel as data: an ``ERROR`` message's
+fields are ``{"kind", "message", "rank", "step"}`` (see ``sidecar.errors``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Trainer client <-> daemon, then reader <-> daemon, then either direction."""
+
+    HELLO = 1  # client: rank, world_size, pid, host, local -> WELCOME
+    WELCOME = 2  # daemon: instance, staging arena, limits
+    BEGIN = 3  # client: step, rank, pieces it will send -> READY (when the daemon can take the step)
+    READY = 4  # daemon: step accepted; piece ids; write now
+    SHARD = 5  # client (remote): name, piece id, sub-block offsets and shape + 1 data frame
+    PIECE_DONE = 6  # client (local): piece written straight into the staging arena
+    CREDIT = 7  # daemon: frames the remote client may send
+    COMMIT = 8  # client: this rank sent everything for the step
+    ABORT = 9  # client: abort the step, with a reason
+    ACK = 14  # daemon: a request was accepted ("of": the kind it acknowledges)
+    RESULT = 10  # daemon: the step was published (step, generation, phase times)
+    ERROR = 11  # either: {kind, message, rank, step}
+    PING = 12  # liveness, both ways
+    PONG = 13
+    ATTACH = 20  # reader: name -> ATTACHED
+    ATTACHED = 21  # daemon: instance, the generation arenas
+    WAIT = 22  # reader: min_step -> GENERATION when one is published
+    GENERATION = 23  # daemon: generation index, step, layout
+    RELEASE = 24  # reader: generation index, step
+    STATUS = 30  # anyone -> STATUS_REPLY
+    STATUS_REPLY = 31
+    DETACH = 32  # reader or client leaving
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Size limits checked on every frame before decoding."""
+
+    max_header_bytes: int = 1 << 20
+    max_frame_bytes: int = 64 << 20
+    max_frames: int = 64
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the receiver refuses it and keeps serving."""
+
+
+@dataclass(slots=True)
+class Message:
+    kind: Kind
+    fields: dict[str, Any] = field(default_factory=dict)
+    frames: list[Any] = field(default_factory=list)  # bytes-like; zmq.Frame on receive
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def require(self, key: str, types: type | tuple[type, ...]) -> Any:
+        """A field that must be present with one of ``types``; ProtocolError otherwise."""
+        if key not in self.fields:
+            raise ProtocolError(f"{self.kind.name} message lacks field {key!r}")
+        value = self.fields[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+            raise ProtocolError(f"{self.kind.name} field {key!r} has type {type(value).__name__}")
+        return value
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the header, then its data frames untouched (zero-copy)."""
+    header = msgpack.packb(
+        {"v": PROTOCOL_VERSION, "k": int(msg.kind), "n": len(msg.frames), "f": msg.fields},
+        use_bin_type=True,
+    )
+    return [header, *msg.frames]
+
+
+def decode(frames: Sequence[Any], limits: Limits) -> Message:
+    """Parse ``frames`` (header first) into a Message, checking every limit first."""
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) - 1 > limits.max_frames:
+        raise ProtocolError(f"{len(frames) - 1} data frames exceed the limit of {limits.max_frames}")
+    raw = frames[0]
+    raw = raw.bytes if hasattr(raw, "bytes") else bytes(raw)
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}")
+    for i, frame in enumerate(frames[1:]):
+        size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+        if size > limits.max_frame_bytes:
+            raise ProtocolError(
+                f"data frame {i} of {size} bytes exceeds max_frame_bytes={limits.max_frame_bytes}; "
+                "send smaller chunks (the client splits shards by the limit the daemon announces)"
+            )
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a msgpack map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION}); "
+            "run the same refitd version on both sides"
+        )
+    try:
+        kind = Kind(header.get("k"))
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {header.get('k')!r}") from None
+    fields = header.get("f", {})
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{kind.name} fields are not a map")
+    if header.get("n") != len(frames) - 1:
+        raise ProtocolError(f"{kind.name} announces {header.get('n')!r} data frames, got {len(frames) - 1}")
+    return Message(kind, fields, list(frames[1:]))
+
+
+# --------------------------------------------------------------------------------------------------
+# dtypes on the wire: a closed list of names, never an arbitrary attribute lookup
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire; supported: {sorted(_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
