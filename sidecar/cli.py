@@ -14,6 +14,7 @@ from sidecar import __version__
 
 #: subcommand name -> module that defines it
 COMMANDS = {
+    "serve": "sidecar.serve_cli",
     "plan": "sidecar.plan_cli",
     "demo": "sidecar.demo",
 }
@@ -24,7 +25,9 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="refitd", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="refitd", description="refitd: BF16 trainer weights in, versioned FP8 generations out."
+    )
     parser.add_argument("--version", action="version", version=f"refitd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the version and exit")

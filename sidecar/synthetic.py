@@ -218,3 +218,27 @@ def make_state_dict(
         name: (torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD).to(dtype)
         for name, shape in shapes
     }
+
+
+def shard_for_rank(state: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, Any]:
+    """What trainer ``rank`` of ``world_size`` would push of ``state``, the way real trainers shard.
+
+    Routed-expert slabs are split expert-parallel (each rank its run of experts, along dim 0); other
+    2-D weights whose first dim divides evenly are split tensor-parallel along dim 0; everything else
+    goes whole to one rank, round-robin. The union over ranks covers every tensor exactly once.
+    """
+    from sidecar.client import Shard  # the client is only needed here, not by the rest of this module
+
+    model = get_model("qwen3_5_moe")
+    out: dict[str, Any] = {}
+    for i, (name, t) in enumerate(state.items()):
+        routed = model.slab_re.match(name) or model.per_expert_re.match(name)
+        if routed and model.slab_re.match(name) and t.shape[0] % world_size == 0:
+            n = t.shape[0] // world_size
+            out[name] = Shard(t[rank * n : (rank + 1) * n], tuple(t.shape), (rank * n, *(0,) * (t.dim() - 1)))
+        elif not routed and t.dim() == 2 and t.shape[0] % world_size == 0 and t.shape[0] >= world_size:
+            n = t.shape[0] // world_size
+            out[name] = Shard(t[rank * n : (rank + 1) * n], tuple(t.shape), (rank * n, 0))
+        elif i % world_size == rank:
+            out[name] = t
+    return out

@@ -1,0 +1,150 @@
+"""``refitd serve`` and ``refitd status``.
+
+Exit codes of ``refitd serve`` (the unit file's ``RestartPreventExitStatus=`` uses the first):
+
+====  ==========================================================================================
+78    configuration error (EX_CONFIG): bad flags, variables or file; fix them, restarting won't help
+1     runtime failure: the daemon could not start (e.g. no shared memory) or failed while serving
+0     clean shutdown (SIGTERM / SIGINT): every segment unlinked, every in-flight step answered
+2     command-line usage error (argparse)
+====  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+
+from sidecar.config import (
+    EXIT_CONFIG,
+    ConfigError,
+    add_serve_arguments,
+    config_from_args,
+    prepare_runtime_dir,
+)
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.logs import setup_logging
+
+log = logging.getLogger("refitd.serve")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
+    status = sub.add_parser("status", help="ask a running daemon how it is doing")
+    status.add_argument(
+        "--listen", "--endpoint", dest="endpoint", default=None, help="the daemon's control endpoint"
+    )
+    status.add_argument("--runtime-dir", default=None, help="find the endpoint in this runtime directory")
+    status.add_argument("--json", action="store_true", help="print the raw status object")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(run=run_status)
+    return serve
+
+
+@contextlib.contextmanager
+def stop_signals(on_stop) -> Iterator[None]:
+    """SIGTERM/SIGINT ask the daemon to stop (the handler only sets a flag); a second one forces."""
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        if len(seen) > 1:
+            log.error("second %s: exiting at once", signal.Signals(signum).name)
+            raise SystemExit(EXIT_FAILURE)
+        on_stop()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        prepare_runtime_dir(config)
+    except ConfigError as exc:
+        print(f"refitd: configuration error:\n{exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config.log_format.value, config.log_level.level)
+    from sidecar.daemon import Daemon  # torch and zmq load only for a valid config
+
+    try:
+        daemon = Daemon(config)
+    except (RefitError, ValueError) as exc:
+        kind = getattr(exc, "kind", None)
+        print(f"refitd: cannot start: {exc}", file=sys.stderr)
+        return (
+            EXIT_CONFIG
+            if kind in (ErrorKind.INVALID, ErrorKind.CAPACITY) or isinstance(exc, ValueError)
+            else EXIT_FAILURE
+        )
+    except OSError as exc:
+        print(f"refitd: cannot allocate shared memory: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        with stop_signals(daemon.request_stop):
+            daemon.start()
+            daemon.serve_forever()
+    except Exception:
+        log.exception("refitd failed while serving")
+        return EXIT_FAILURE
+    finally:
+        daemon.close()
+    log.info("refitd stopped cleanly")
+    return EXIT_OK
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from adapters.base import RefitReader
+    from sidecar.config import default_listen, default_runtime_dir
+
+    endpoint = args.endpoint
+    if endpoint is None:
+        runtime = args.runtime_dir or default_runtime_dir(os.environ)
+        endpoint = default_listen(runtime)
+    reader = RefitReader(endpoint, name="refitd-status")
+    try:
+        status = reader.status(timeout=args.timeout)
+    except RefitError as exc:
+        print(f"refitd status: no daemon answered at {endpoint}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        reader.close()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    print(render_status(status))
+    return EXIT_OK
+
+
+def render_status(s: dict) -> str:
+    lines = [
+        f"refitd {s['instance']} pid {s['pid']} on {s['host']}, listening on {s['listen']}",
+        f"format {s['format']}, world_size {s['world_size']}, last published step {s['last_step']}",
+    ]
+    if s.get("step_in_progress"):
+        p = s["step_in_progress"]
+        lines.append(f"step {p['step']} in progress: begun {p['begun']}, committed {p['committed']}")
+    lines.append(f"{'generation':<12}{'step':>8}{'holders':>9}  segment")
+    for g in s.get("generations", []):
+        live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
+        lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
+    lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
+    for h in s.get("history", [])[-5:]:
+        secs = " ".join(f"{k}={v:.3f}s" for k, v in h["seconds"].items())
+        lines.append(f"  step {h['step']}: {h['bytes_in']} B in, {h['bytes_out']} B out; {secs}")
+    return "\n".join(lines)
