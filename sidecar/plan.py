@@ -25,13 +25,12 @@ import fnmatch
 import logging
 import re
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sidecar import quant
 from sidecar.formats import FLOAT_DTYPES, FP8_DTYPE, MX_BLOCK, Format
 from sidecar.models import ModelSpec, get_model, model_type_of
 
@@ -46,15 +45,24 @@ __all__ = [
     "TensorSpec",
     "Unit",
     "UnitKind",
-    "convert",
-    "iter_convert",
     "layer_of_name",
     "meta_state_dict",
     "plan_from_hf_config",
-    "run_unit",
 ]
 
 log = logging.getLogger(__name__)
+
+#: the in-process conversion lives in sidecar.convert; these names stay importable from here
+_CONVERT_NAMES = frozenset({"convert", "iter_convert", "run_unit"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CONVERT_NAMES:
+        from sidecar import convert as _convert
+
+        return getattr(_convert, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: a layer: a decoder layer index, ("mtp", n) for an MTP layer, or None (embeddings, vision, ...)
 Layer = int | tuple[str, int] | None
@@ -636,246 +644,9 @@ class RefitPlan:
 
     def summary(self) -> dict[str, Any]:
         """Plain data (JSON-ready) describing the plan, for ``refitd plan`` and logs."""
-        return _summarize(self)
+        from sidecar.plan_summary import summarize
 
-
-# --------------------------------------------------------------------------------------------------
-# summary
-
-#: passthrough tensors grouped by what they are, for the summary; the first pattern that matches wins
-_PASSTHROUGH_KINDS = (
-    ("vision", re.compile(r"(?:^|\.)visual\.")),
-    ("attention", re.compile(r"\.self_attn\.")),
-    ("linear_attention", re.compile(r"\.linear_attn\.")),
-    ("shared_expert", re.compile(r"\.mlp\.shared_expert")),
-    ("router", re.compile(r"\.mlp\.gate\.weight$")),
-    ("dense_mlp", re.compile(r"\.mlp\.")),
-    ("embeddings", re.compile(r"embed_tokens")),
-    ("lm_head", re.compile(r"^lm_head\.")),
-    ("norms", re.compile(r"norm[^.]*\.weight$")),
-    ("mtp", re.compile(r"^mtp\.")),
-)
-ROUTED_KEPT_KIND = "routed_experts_bf16"
-
-
-def _passthrough_kind(unit: Unit) -> str:
-    if unit.keep_reason is not None:
-        return ROUTED_KEPT_KIND
-    name = unit.inputs[0]
-    return next((kind for kind, pattern in _PASSTHROUGH_KINDS if pattern.search(name)), "other")
-
-
-def _summarize(plan: RefitPlan) -> dict[str, Any]:
-    spec = plan.spec
-    by_name = {i.name: i for i in plan.inputs}
-    kinds: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
-    kept_reasons: Counter[str] = Counter()
-    layers: dict[Layer, dict[str, int]] = defaultdict(
-        lambda: {"bytes_in": 0, "bytes_out": 0, "quantized_inputs": 0, "passthrough_inputs": 0}
-    )
-    quantized = {"slabs": 0, "expert_tensors": 0, "weights": 0, "params": 0, "bytes_in": 0, "bytes_out": 0}
-    routed_params = 0
-    for u in plan.units:
-        row = layers[u.layer]
-        row["bytes_in"] += u.bytes_in
-        row["bytes_out"] += u.bytes_out
-        params = sum(by_name[n].numel for n in u.inputs)
-        if u.kind is UnitKind.PASSTHROUGH:
-            row["passthrough_inputs"] += 1
-            kind = kinds[_passthrough_kind(u)]
-            kind["tensors"] += 1
-            kind["bytes"] += u.bytes_in
-            if u.keep_reason is not None:
-                kept_reasons[u.keep_reason.value] += 1
-                routed_params += params
-            continue
-        row["quantized_inputs"] += len(u.inputs)
-        quantized["slabs" if u.kind is UnitKind.SLAB else "expert_tensors"] += len(u.inputs)
-        quantized["weights"] += sum(o.role is Role.WEIGHT for o in u.outputs)
-        quantized["params"] += params
-        quantized["bytes_in"] += u.bytes_in
-        quantized["bytes_out"] += u.bytes_out
-        routed_params += params
-    largest = sorted(plan.inputs, key=lambda i: -i.nbytes)[:SUMMARY_LARGEST]  # stable: input order
-    unit_of = {n: plan.units[ix[0]] for n, ix in plan._units_of_input.items()}
-    return {
-        "model_type": spec.model_type,
-        "format": spec.format.value,
-        "num_hidden_layers": plan.num_hidden_layers,
-        "num_first_layers_in_bf16": spec.num_first_layers_in_bf16,
-        "num_last_layers_in_bf16": spec.num_last_layers_in_bf16,
-        "ignore_patterns": list(spec.ignore_patterns),
-        "keep_bf16_modules": len(plan.keep_bf16),
-        "counts": {"inputs": len(plan.inputs), "outputs": len(plan.outputs), "units": len(plan.units)},
-        "quantized": quantized,
-        "kept_bf16_experts": dict(sorted(kept_reasons.items())),
-        "passthrough": dict(sorted(kinds.items())),
-        "routed_expert_params": routed_params,
-        "layers": [
-            {"layer": _layer_label(lay), **row}
-            for lay, row in sorted(layers.items(), key=lambda kv: _layer_sort_key(kv[0]))
-        ],
-        "totals": {
-            "bytes_in": plan.bytes_in,
-            "bytes_out": plan.bytes_out,
-            "ratio": plan.bytes_out / plan.bytes_in if plan.bytes_in else 0.0,
-        },
-        "largest": [
-            {
-                "name": i.name,
-                "shape": list(i.shape),
-                "dtype": str(i.dtype).removeprefix("torch."),
-                "nbytes": i.nbytes,
-                "action": "quantize" if unit_of[i.name].fmt is not None else "passthrough",
-            }
-            for i in largest
-        ],
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# running units
-
-
-def _quantize_group(
-    fmt: Format,
-    group: tuple[OutputSpec, ...],
-    inputs: Mapping[str, torch.Tensor],
-    outputs: Mapping[str, torch.Tensor],
-) -> None:
-    views = [w.source_view(inputs[w.source]) for w in group]
-    if fmt is Format.FP8_PER_TENSOR and len(group) > 1:
-        # the shared scale reads every member, so an error names them all
-        scale = quant.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))
-        for w, view in zip(group, views, strict=True):
-            out = (outputs[w.name], outputs[w.scale_name])
-            quant.quantize_fp8_per_tensor(view, scale=scale, out=out, name=w.name)
-        return
-    for w, view in zip(group, views, strict=True):
-        quant.quantize(view, fmt, out=(outputs[w.name], outputs[w.scale_name]), name=w.name)
-
-
-def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
-    """Compute ``unit`` into the caller's ``outputs`` (a buffer for each of the unit's outputs).
-
-    This is how the daemon writes straight into shared memory. Slab experts are views of the slab,
-    never copies; each projection goes through ``sidecar.quant`` with ``out=`` and ``name=`` set to
-    its checkpoint name. A passthrough is copied bit for bit (nothing is done if the output buffer
-    already is the input tensor).
-    """
-    lacking = [n for n in unit.inputs if n not in inputs]
-    lacking += [o.name for o in unit.outputs if o.name not in outputs]
-    if lacking:
-        raise ValueError(f"unit {unit.index} ({unit.kind.value}) cannot run: no tensor for {lacking}")
-    if unit.fmt is None:
-        for o in unit.outputs:
-            src, dst = inputs[o.source], outputs[o.name]
-            if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"passthrough {o.name!r}: the input is {src.dtype} {tuple(src.shape)} but its output "
-                    f"buffer is {dst.dtype} {tuple(dst.shape)}; allocate outputs from the plan"
-                )
-            if dst is not src:
-                dst.copy_(src)
-        return
-    weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
-    for group in unit.scale_groups:
-        _quantize_group(unit.fmt, tuple(weights[n] for n in group), inputs, outputs)
-
-
-def _run_allocating(unit: Unit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run ``unit`` into fresh tensors on its input's device; a passthrough returns its input."""
-    if unit.fmt is None:
-        return {o.name: tensors[o.source] for o in unit.outputs}
-    device = tensors[unit.inputs[0]].device
-    out = {o.name: torch.empty(o.shape, dtype=o.dtype, device=device) for o in unit.outputs}
-    run_unit(unit, tensors, out)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# in-process conversion
-
-
-def _pairs(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
-    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-
-
-def convert(
-    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    spec: RefitSpec,
-    *,
-    keep_bf16: Collection[str] = (),
-) -> dict[str, torch.Tensor]:
-    """Convert a whole state dict; returns every output in plan order.
-
-    Passthrough outputs are the input tensors themselves (aliases, not copies): clone them if the
-    source will be modified while the result is in use.
-    """
-    tensors = dict(_pairs(named_tensors))
-    plan = RefitPlan.build(list(tensors.items()), spec, keep_bf16=keep_bf16)
-    out: dict[str, torch.Tensor] = {}
-    for unit in plan.units:
-        out.update(_run_allocating(unit, tensors))
-    return {o.name: out[o.name] for o in plan.outputs}
-
-
-def iter_convert(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    spec: RefitSpec,
-    *,
-    specs: Iterable[TensorSpec | tuple[Any, ...]] | None = None,
-    keep_bf16: Collection[str] = (),
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Convert tensors as they arrive, in any order, yielding each unit's outputs once its inputs
-    are all in (layer by layer, as the trainer sends them); an input is dropped once used.
-
-    ``specs`` lists every input (TensorSpec or ``(name, shape, dtype)``) up front: that is what tells
-    which inputs make a unit. Without it the whole input is read into a list first, and nothing is
-    streamed. Passthrough outputs are the input tensors themselves. After the last input, raises a
-    ValueError naming inputs that never arrived and arrivals that were not in ``specs``.
-    """
-    source: Iterable[tuple[str, torch.Tensor]] = named_tensors
-    if specs is None:
-        source = list(named_tensors)
-        specs = source
-    plan = RefitPlan.build(specs, spec, keep_bf16=keep_bf16)
-    expected = {i.name: i for i in plan.inputs}
-    waiting = {u.index: set(u.inputs) for u in plan.units}
-    held: dict[str, torch.Tensor] = {}
-    arrived: set[str] = set()
-    unknown: list[str] = []
-    for name, tensor in source:
-        want = expected.get(name)
-        if want is None:
-            unknown.append(name)
-            continue
-        if name in arrived:
-            raise ValueError(f"input {name!r} arrived twice; send each tensor once per step")
-        if tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-            raise ValueError(
-                f"input {name!r} arrived as {tensor.dtype} {tuple(tensor.shape)} but the plan expects "
-                f"{want.dtype} {want.shape}; rebuild the plan from the trainer's real shapes"
-            )
-        arrived.add(name)
-        held[name] = tensor
-        for unit in plan.units_for_input(name):
-            waiting[unit.index].discard(name)
-            if waiting[unit.index]:
-                continue
-            outputs = _run_allocating(unit, held)
-            for n in unit.inputs:
-                if all(not waiting[u.index] for u in plan.units_for_input(n)):
-                    held.pop(n, None)
-            yield from outputs.items()
-    missing = [i.name for i in plan.inputs if i.name not in arrived]
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} input(s) never arrived: {missing[:10]}")
-        if unknown:
-            parts.append(f"{len(unknown)} input(s) arrived that are not in the plan: {unknown[:10]}")
-        raise ValueError("; ".join(parts) + " (the trainer and the plan disagree on the state dict)")
+        return summarize(self)
 
 
 # --------------------------------------------------------------------------------------------------
