@@ -24,6 +24,7 @@ class ErrorKind(str, enum.Enum):
     BUSY = "busy"  # the daemon cannot take the step now (e.g. readers hold every generation)
     SHUTDOWN = "shutdown"  # the daemon is stopping
     UNAVAILABLE = "unavailable"  # no daemon answered
+    ENGINE = "engine"  # an engine worker failed to attach or to load a generation
     INTERNAL = "internal"  # a bug: please report it
 
     @classmethod

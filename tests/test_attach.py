@@ -1,0 +1,113 @@
+"""The attach check: the refit plan against an engine's manifest, every mismatch listed at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adapters.manifest import EngineKind, Manifest, ManifestTensor
+from sidecar.attach import check_manifest, engine_bf16_modules
+from sidecar.plan import RefitPlan, RefitSpec, TensorSpec
+from sidecar.synthetic import make_state_dict
+
+SPEC = RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8")
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    state = make_state_dict("qwen3_5_moe", num_layers=2, num_experts=4, unaligned=True)
+    return [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+
+
+def manifest_for(plan: RefitPlan, **kw) -> Manifest:
+    base = dict(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format=plan.spec.format,
+    )
+    base.update(kw)
+    tensors = kw.pop("tensors", None) or tuple(
+        ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs
+    )
+    base["tensors"] = tensors
+    return Manifest(**base)
+
+
+def test_matching_manifest_passes(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    check = check_manifest(inputs, SPEC, manifest_for(plan))
+    assert check.ok, check.errors
+    assert [o.name for o in check.plan.outputs] == [o.name for o in plan.outputs]
+
+
+def test_manifest_wins_for_experts_the_engine_holds_in_bf16(inputs):
+    """The engine holds layer 1's experts in BF16: the daemon publishes that layer's slabs unchanged."""
+    engine_plan = RefitPlan.build(
+        inputs, SPEC, keep_bf16=[i.name for i in inputs if ".layers.1.mlp.experts." in i.name]
+    )
+    manifest = manifest_for(engine_plan)
+    keep = engine_bf16_modules(manifest, "qwen3_5_moe")
+    assert keep and all(".layers.1.mlp.experts." in k for k in keep)
+    check = check_manifest(inputs, SPEC, manifest)
+    assert check.ok, check.errors
+    slab = next(o for o in check.plan.outputs if o.name.endswith("layers.1.mlp.experts.gate_up_proj"))
+    assert slab.dtype == torch.bfloat16
+
+
+def test_every_mismatch_is_listed(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    tensors = [ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs]
+    q = next(i for i, t in enumerate(tensors) if t.name.endswith("self_attn.q_proj.weight"))
+    tensors[q] = ManifestTensor(
+        tensors[q].name, torch.float8_e4m3fn, tensors[q].shape
+    )  # engine quantized attention
+    s = next(i for i, t in enumerate(tensors) if t.name.endswith("experts.0.down_proj.weight"))
+    tensors[s] = ManifestTensor(tensors[s].name, tensors[s].dtype, (7, 7))  # a shape that differs
+    tensors.append(
+        ManifestTensor(
+            "model.language_model.layers.0.mlp.experts.99.up_proj.weight", torch.float8_e4m3fn, (96, 160)
+        )
+    )
+    manifest = manifest_for(
+        plan, tensors=tuple(tensors), constraints={"mxfp8_align": 128}, moe_backend="CutlassFusedMoE"
+    )
+    check = check_manifest(inputs, SPEC, manifest)
+    text = check.message("engine worker w0")
+    assert "self_attn.q_proj.weight: the engine holds float8_e4m3fn" in text
+    assert "experts.0.down_proj.weight: the engine holds float8_e4m3fn [7, 7]" in text
+    assert "experts.99.up_proj.weight: the engine expects" in text and "does not publish it" in text
+    assert "not a multiple of 128, which CutlassFusedMoE needs for mxfp8" in text
+    assert len(check.errors) >= 4
+
+
+def test_expert_format_the_backend_holds_must_match(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    check = check_manifest(inputs, SPEC, manifest_for(plan, expert_format="fp8_per_tensor"))
+    assert any("routed experts are fp8_per_tensor" in e for e in check.errors)
+
+
+def test_unsupported_format_constraint(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    check = check_manifest(inputs, SPEC, manifest_for(plan, constraints={"unsupported_formats": ["mxfp8"]}))
+    assert any("cannot take mxfp8" in e for e in check.errors)
+
+
+def test_extra_published_tensors_are_warnings(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    tensors = tuple(
+        ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs if not o.name.startswith("mtp.")
+    )
+    check = check_manifest(inputs, SPEC, manifest_for(plan, tensors=tensors))
+    assert check.ok and check.warnings and "not in the engine's manifest" in check.warnings[0]
+
+
+def test_manifest_round_trips_and_refuses_duplicates(inputs):
+    plan = RefitPlan.build(inputs, SPEC)
+    m = manifest_for(plan, constraints={"tp_size": 2}, info={"device": "cpu"})
+    again = Manifest.from_wire(m.to_wire())
+    assert again == m
+    with pytest.raises(ValueError, match="more than once"):
+        manifest_for(plan, tensors=(m.tensors[0], m.tensors[0]))
+    with pytest.raises(ValueError, match="malformed manifest"):
+        Manifest.from_wire({"engine": "vllm"})
