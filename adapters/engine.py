@@ -1,0 +1,126 @@
+"""One engine worker's side of a refit: attach with a manifest, load each generation, acknowledge.
+
+Every engine adapter (reference, vLLM, TensorRT-LLM) is this class plus two engine-specific
+functions: one that builds the manifest from the loaded model, one that copies a generation into
+the engine's parameters. The driver side collects every worker's ``LoadResult`` with
+``check_results``, which fails loudly when any worker failed, or when none answered.
+
+    worker = EngineWorker(endpoint, name="vllm-tp0", manifest=build_manifest, load=load_into_model)
+    worker.attach()                       # refused, listing every mismatch, if the plan disagrees
+    result = worker.load_next(min_step=7) # wait, copy out, acknowledge, release
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from adapters.base import Generation, RefitReader
+from adapters.manifest import Manifest
+from sidecar.errors import ErrorKind, RefitError
+
+__all__ = ["EngineWorker", "LoadResult", "check_results"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What one worker did with one generation; plain data so it survives any RPC."""
+
+    worker: str
+    step: int | None
+    ok: bool
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_any(cls, value: LoadResult | Mapping[str, Any]) -> LoadResult:
+        if isinstance(value, LoadResult):
+            return value
+        if not isinstance(value, Mapping):
+            return cls(
+                worker="?",
+                step=None,
+                ok=False,
+                error=f"a worker returned {type(value).__name__}, not a result",
+            )
+        return cls(
+            worker=str(value.get("worker", "?")),
+            step=value.get("step"),
+            ok=bool(value.get("ok", False)),
+            seconds=float(value.get("seconds", 0.0)),
+            error=value.get("error"),
+        )
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str,
+        manifest: Manifest | Callable[[], Manifest],
+        load: Callable[[Generation], None],
+        timeout: float = 600.0,
+    ):
+        self.endpoint, self.name, self.timeout = endpoint, name, timeout
+        self._manifest, self._load = manifest, load
+        self.reader: RefitReader | None = None
+        self.attach_info: dict[str, Any] = {}
+
+    def manifest(self) -> Manifest:
+        return self._manifest() if callable(self._manifest) else self._manifest
+
+    def attach(self, timeout: float | None = None) -> dict[str, Any]:
+        """Attach with this worker's manifest; RefitError listing every mismatch if refused."""
+        if self.reader is None:
+            self.reader = RefitReader(
+                self.endpoint, name=self.name, timeout=self.timeout, manifest=self.manifest()
+            )
+        self.attach_info = self.reader.attach(timeout=timeout)
+        return self.attach_info
+
+    def load_next(self, min_step: int | None = None, timeout: float | None = None) -> LoadResult:
+        """Wait for a generation >= ``min_step``, load it, acknowledge and release it."""
+        if self.reader is None:
+            self.attach(timeout)
+        gen = self.reader.wait(min_step=min_step, timeout=timeout)
+        t0 = time.perf_counter()
+        error = None
+        try:
+            self._load(gen)
+        except Exception as exc:  # reported to the daemon and the caller, never swallowed
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - t0
+        self.reader.release(gen, ok=error is None, error=error, seconds=seconds)
+        return LoadResult(worker=self.name, step=gen.step, ok=error is None, seconds=seconds, error=error)
+
+    def detach(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def check_results(
+    results: Sequence[LoadResult | Mapping[str, Any]], *, step: int | None = None
+) -> list[LoadResult]:
+    """Every worker's result, checked: RefitError naming each failed worker (and the others' state).
+
+    An empty list is a failure, not a success: no worker loaded anything.
+    """
+    parsed = [LoadResult.from_any(r) for r in results]
+    if not parsed:
+        raise RefitError("no engine worker reported a load result", kind=ErrorKind.ENGINE, step=step)
+    failed = [r for r in parsed if not r.ok or (step is not None and r.step is not None and r.step < step)]
+    if failed:
+        lines = [f"{r.worker}: {r.error or f'loaded step {r.step}, expected {step}'}" for r in failed]
+        fine = [f"{r.worker} loaded step {r.step}" for r in parsed if r not in failed]
+        message = f"{len(failed)} of {len(parsed)} engine workers failed: " + "; ".join(lines)
+        if fine:
+            message += " (" + ", ".join(fine) + ")"
+        raise RefitError(message, kind=ErrorKind.ENGINE, step=step)
+    return parsed

@@ -1,0 +1,684 @@
+"""A pure-torch reference engine: a small Qwen3.5-MoE decoder that loads published generations.
+
+It loads checkpoint-format tensors the way real engines do (its own fused parameters, filled from
+checkpoint names) and runs a forward pass, so tests and the demo can measure what FP8 refit does to a
+model's outputs. It is a reference for *loading*, not a fast or production-exact model.
+
+Usage::
+
+    config = make_hf_config("qwen3_5_moe", num_layers=4, num_experts=8, unaligned=True)
+    state = make_state_dict("qwen3_5_moe", num_layers=4, num_experts=8, unaligned=True)
+    baseline = ReferenceEngine.from_config(config, expert_format="bf16")
+    baseline.load_bf16(state)
+    engine = ReferenceEngine.from_config(config, expert_format="block_fp8")
+    engine.load(convert(state, RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")))
+    ids = sample_inputs(engine.vocab_size)
+    kl = next_token_kl(baseline.forward(ids), engine.forward(ids))
+
+Parameters (engine-style, vLLM-like names, each under its checkpoint module path):
+
+* full attention: ``self_attn.qkv_proj.weight`` = [q_proj; k_proj; v_proj] rows, plus o_proj and the
+  q/k norms. q_proj holds, per head, ``head_dim`` query rows then ``head_dim`` output-gate rows
+  (transformers' ``view(..., heads, 2 * head_dim).chunk(2)``); the attention output is multiplied by
+  ``sigmoid(gate)`` before o_proj.
+* linear attention: ``linear_attn.in_proj_qkvz.weight`` = [in_proj_qkv; in_proj_z] and
+  ``linear_attn.in_proj_ba.weight`` = [in_proj_b; in_proj_a]; conv1d, A_log, dt_bias, norm and
+  out_proj as in the checkpoint.
+* shared expert: ``mlp.shared_expert.gate_up_proj.weight`` = [gate_proj; up_proj]; down_proj and
+  ``mlp.shared_expert_gate`` as in the checkpoint.
+* routed experts, fused: ``mlp.experts.w13_weight [E, 2I, H]`` (gate rows ``[0, I)``, up rows
+  ``[I, 2I)``) and ``mlp.experts.w2_weight [E, H, I]``, in the engine's expert format:
+
+  ========================  ==================  ====================================================
+  format                    w13 / w2 weights    scales (``w13_<suffix>`` / ``w2_<suffix>``)
+  ========================  ==================  ====================================================
+  ``block_fp8``             float8_e4m3fn       ``weight_scale_inv`` float32
+                                                ``[E, 2*ceil(I/128), ceil(H/128)]`` (gate block-rows
+                                                first, then up: no block straddles gate and up) /
+                                                ``[E, ceil(H/128), ceil(I/128)]``
+  ``mxfp8``                 float8_e4m3fn       ``weight_scale`` uint8 ``[E, 2I, H/32]`` /
+                                                ``[E, H, I/32]``
+  ``fp8_per_tensor``        float8_e4m3fn       ``weight_scale`` float32 ``[E, 2]`` (gate, up) / ``[E]``
+  ``bf16`` (or kept BF16)   bfloat16            none; loaded from the slabs ``experts.gate_up_proj``
+                                                / ``experts.down_proj`` as published
+  ========================  ==================  ====================================================
+
+The manifest is derived from these parameters: every checkpoint name is a view into one of them, and
+its dtype and shape are that view's. FP8 experts are dequantized with ``sidecar.quant.dequantize``
+(part by part: gate, up and down each under their own scales) the first time a forward pass needs
+them after a load, and cached as float32.
+
+What is simplified (plainly): computation is float32 throughout, whole sequences only (no KV or conv
+cache, no chunked kernels). The linear-attention layers follow the recurrent form of Gated DeltaNet
+(causal depthwise conv + SiLU, L2-normed q/k, ``g = -exp(A_log) * softplus(a + dt_bias)``,
+``beta = sigmoid(b)``, delta-rule state update, gated RMSNorm with ``silu(z)``, out_proj), written
+from transformers' torch fallback but never compared against transformers or vLLM numerics. Rotary
+embeddings are plain partial RoPE (multimodal RoPE reduces to it for text-only positions). The MTP
+head (:meth:`ReferenceEngine.forward_mtp`) is a one-pass sketch: ``fc([norm(embed(x[t+1]));
+norm(h[t])])`` through the MTP decoder layers, ``mtp.norm`` and the shared lm_head; it exists so
+every MTP tensor is used. Qwen3 MoE (per-expert checkpoints, no shared expert) is not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import sidecar
+from adapters.manifest import EngineKind, Manifest, ManifestTensor
+from sidecar.formats import BLOCK, FP8_DTYPE, MX_BLOCK, Format
+from sidecar.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
+from sidecar.quant import dequantize
+
+__all__ = ["ENGINE_VERSION", "MOE_BACKEND", "ReferenceEngine", "next_token_kl", "sample_inputs"]
+
+ENGINE_VERSION = f"refitd-reference-{sidecar.__version__}"
+MOE_BACKEND = "ReferenceFusedMoE"
+BF16 = torch.bfloat16
+SUPPORTED_MODEL = "qwen3_5_moe"
+#: Qwen3.5 defaults for settings the synthetic configs leave out
+DEFAULT_RMS_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10_000_000.0
+DEFAULT_PARTIAL_ROTARY = 0.25
+#: how many names of each kind a load error lists before it summarizes
+MAX_LISTED = 20
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one checkpoint tensor lands: ``params[param][index]``, of this dtype and shape."""
+
+    name: str
+    param: str
+    index: tuple[int | slice, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Experts:
+    """One fused routed-experts module: its checkpoint prefix and the format its weights are held in."""
+
+    prefix: str  # e.g. model.language_model.layers.0.mlp.experts
+    fmt: Format  # Format.BF16 when held in BF16
+    inter: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Dims:
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    lin_k_heads: int
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int
+    experts: int
+    top_k: int
+    inter: int
+    shared_inter: int
+    eps: float
+    rope_theta: float
+    rotary_dim: int
+    norm_topk: bool
+    tied: bool
+
+    @classmethod
+    def from_text_config(cls, text: Mapping[str, Any], tied: bool) -> _Dims:
+        try:
+            return cls._read(text, tied)
+        except KeyError as exc:
+            raise ValueError(
+                f"{SUPPORTED_MODEL} config has no {exc}; pass the model's full config.json"
+            ) from None
+
+    @classmethod
+    def _read(cls, text: Mapping[str, Any], tied: bool) -> _Dims:
+        rope = text.get("rope_parameters") or {}
+        head_dim = int(text["head_dim"])
+        partial = float(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY))
+        )
+        rotary = int(head_dim * partial) // 2 * 2
+        return cls(
+            hidden=int(text["hidden_size"]),
+            vocab=int(text["vocab_size"]),
+            heads=int(text["num_attention_heads"]),
+            kv_heads=int(text["num_key_value_heads"]),
+            head_dim=head_dim,
+            lin_k_heads=int(text["linear_num_key_heads"]),
+            lin_v_heads=int(text["linear_num_value_heads"]),
+            lin_k_dim=int(text["linear_key_head_dim"]),
+            lin_v_dim=int(text["linear_value_head_dim"]),
+            conv_kernel=int(text["linear_conv_kernel_dim"]),
+            experts=int(text["num_experts"]),
+            top_k=int(text["num_experts_per_tok"]),
+            inter=int(text["moe_intermediate_size"]),
+            shared_inter=int(text["shared_expert_intermediate_size"]),
+            eps=float(text.get("rms_norm_eps", DEFAULT_RMS_EPS)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", DEFAULT_ROPE_THETA))),
+            rotary_dim=rotary,
+            norm_topk=bool(text.get("norm_topk_prob", True)),
+            tied=tied,
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# building the parameters and the name map
+
+
+class _Builder:
+    """Allocates the engine's parameters and records which checkpoint name fills which view."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+        self.slots: list[_Slot] = []
+
+    def param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = BF16) -> str:
+        self.params[name] = torch.zeros(shape, dtype=dtype)
+        return name
+
+    def slot(self, name: str, param: str, *index: int | slice) -> None:
+        view = self.params[param][index]
+        self.slots.append(_Slot(name, param, index, view.dtype, tuple(view.shape)))
+
+    def whole(self, name: str, shape: tuple[int, ...]) -> None:
+        """A checkpoint tensor the engine holds as is (its own parameter, same name)."""
+        self.slot(name, self.param(name, shape))
+
+    def fused(self, param: str, parts: list[tuple[str, int]], cols: int) -> None:
+        """A parameter whose rows are several checkpoint tensors stacked: ``[(name, rows), ...]``."""
+        self.param(param, (sum(rows for _, rows in parts), cols))
+        start = 0
+        for name, rows in parts:
+            self.slot(name, param, slice(start, start + rows))
+            start += rows
+
+
+def _full_attention(b: _Builder, p: str, d: _Dims) -> None:
+    q, kv = 2 * d.heads * d.head_dim, d.kv_heads * d.head_dim  # q_proj: query and output gate
+    parts = [(f"{p}.self_attn.{n}_proj.weight", rows) for n, rows in (("q", q), ("k", kv), ("v", kv))]
+    b.fused(f"{p}.self_attn.qkv_proj.weight", parts, d.hidden)
+    b.whole(f"{p}.self_attn.o_proj.weight", (d.hidden, d.heads * d.head_dim))
+    b.whole(f"{p}.self_attn.q_norm.weight", (d.head_dim,))
+    b.whole(f"{p}.self_attn.k_norm.weight", (d.head_dim,))
+
+
+def _linear_attention(b: _Builder, p: str, d: _Dims) -> None:
+    a = f"{p}.linear_attn"
+    key, value, heads = d.lin_k_heads * d.lin_k_dim, d.lin_v_heads * d.lin_v_dim, d.lin_v_heads
+    conv = 2 * key + value
+    b.fused(
+        f"{a}.in_proj_qkvz.weight",
+        [(f"{a}.in_proj_qkv.weight", conv), (f"{a}.in_proj_z.weight", value)],
+        d.hidden,
+    )
+    b.fused(
+        f"{a}.in_proj_ba.weight",
+        [(f"{a}.in_proj_b.weight", heads), (f"{a}.in_proj_a.weight", heads)],
+        d.hidden,
+    )
+    b.whole(f"{a}.conv1d.weight", (conv, 1, d.conv_kernel))
+    b.whole(f"{a}.A_log", (heads,))
+    b.whole(f"{a}.dt_bias", (heads,))
+    b.whole(f"{a}.norm.weight", (d.lin_v_dim,))
+    b.whole(f"{a}.out_proj.weight", (d.hidden, value))
+
+
+def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts:
+    """``w13``/``w2`` (and their scales) of one MoE layer; per-expert slots, or the slabs if BF16."""
+    e, i, h = d.experts, d.inter, d.hidden
+    w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
+    if fmt is Format.BF16:
+        b.slot(f"{prefix}.gate_up_proj", b.param(w13, (e, 2 * i, h)))
+        b.slot(f"{prefix}.down_proj", b.param(w2, (e, h, i)))
+        return _Experts(prefix, fmt, i)
+    b.param(w13, (e, 2 * i, h), FP8_DTYPE)
+    b.param(w2, (e, h, i), FP8_DTYPE)
+    s13, s2 = f"{prefix}.w13_{fmt.scale_suffix}", f"{prefix}.w2_{fmt.scale_suffix}"
+    if fmt is Format.BLOCK_FP8:
+        nb = _cdiv(i, BLOCK)
+        b.param(s13, (e, 2 * nb, _cdiv(h, BLOCK)), torch.float32)
+        b.param(s2, (e, _cdiv(h, BLOCK), nb), torch.float32)
+        gate_s, up_s = slice(0, nb), slice(nb, 2 * nb)
+    elif fmt is Format.MXFP8:
+        b.param(s13, (e, 2 * i, h // MX_BLOCK), torch.uint8)
+        b.param(s2, (e, h, i // MX_BLOCK), torch.uint8)
+        gate_s, up_s = slice(0, i), slice(i, 2 * i)
+    else:  # fp8_per_tensor: one scale per projection
+        b.param(s13, (e, 2), torch.float32)
+        b.param(s2, (e,), torch.float32)
+        gate_s, up_s = 0, 1
+    for x in range(e):
+        for proj, param, scale, rows, scale_rows in (
+            ("gate_proj", w13, s13, slice(0, i), gate_s),
+            ("up_proj", w13, s13, slice(i, 2 * i), up_s),
+            ("down_proj", w2, s2, None, None),
+        ):
+            name = f"{prefix}.{x}.{proj}"
+            b.slot(f"{name}.weight", param, *((x,) if rows is None else (x, rows)))
+            b.slot(f"{name}.{fmt.scale_suffix}", scale, *((x,) if scale_rows is None else (x, scale_rows)))
+    return _Experts(prefix, fmt, i)
+
+
+def _decoder_layer(b: _Builder, p: str, d: _Dims, full: bool, fmt: Format) -> _Experts:
+    (_full_attention if full else _linear_attention)(b, p, d)
+    b.whole(f"{p}.mlp.gate.weight", (d.experts, d.hidden))
+    experts = _routed_experts(b, f"{p}.mlp.experts", d, fmt)
+    s = f"{p}.mlp.shared_expert"
+    parts = [(f"{s}.gate_proj.weight", d.shared_inter), (f"{s}.up_proj.weight", d.shared_inter)]
+    b.fused(f"{s}.gate_up_proj.weight", parts, d.hidden)
+    b.whole(f"{s}.down_proj.weight", (d.hidden, d.shared_inter))
+    b.whole(f"{p}.mlp.shared_expert_gate.weight", (1, d.hidden))
+    b.whole(f"{p}.input_layernorm.weight", (d.hidden,))
+    b.whole(f"{p}.post_attention_layernorm.weight", (d.hidden,))
+    return experts
+
+
+# --------------------------------------------------------------------------------------------------
+# numerics
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """Partial rotary embedding of ``x [B, T, heads, head_dim]`` (first ``rotary_dim`` dims, halves)."""
+    if rotary_dim == 0:
+        return x
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[None, :, None, :]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[None, :, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+    return torch.cat([rot * cos + rotated * sin, rest], -1)
+
+
+def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, fmt: Format, rows: list[int]) -> torch.Tensor:
+    """Float32 ``[E, R, C]`` of fused FP8 weights ``q`` whose rows are ``rows`` projections stacked,
+    each under its own scales (block-FP8 block-rows / MXFP8 rows / one per-tensor scale each)."""
+    parts, start, block_start = [], 0, 0
+    for j, n in enumerate(rows):
+        qp = q[:, start : start + n]
+        if fmt is Format.BLOCK_FP8:
+            sp = scale[:, block_start : block_start + _cdiv(n, BLOCK)]
+            block_start += _cdiv(n, BLOCK)
+        elif fmt is Format.MXFP8:
+            sp = scale[:, start : start + n]
+        else:
+            sp = (scale[:, j] if scale.dim() == 2 else scale)[:, None, None]
+        parts.append(dequantize(qp, sp, fmt))
+        start += n
+    return torch.cat(parts, dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine
+
+
+class ReferenceEngine:
+    """A pure-torch Qwen3.5-MoE engine holding fused, engine-style parameters (see the module doc).
+
+    Build with :meth:`from_config`; :meth:`manifest` says what it expects, :meth:`load` fills it
+    from a published generation (every tensor exactly once), :meth:`forward` returns float32 logits.
+    """
+
+    def __init__(self, config: Mapping[str, Any], fmt: Format, keep_bf16: frozenset[str]) -> None:
+        model = get_model(model_type_of(config))
+        if model.model_type != SUPPORTED_MODEL:
+            raise ValueError(f"the reference engine runs {SUPPORTED_MODEL} only, not {model.model_type}")
+        text = model.text_config(config)
+        multimodal = "text_config" in config or config.get("model_type") == SUPPORTED_MODEL
+        self.root = "model.language_model" if multimodal else "model"
+        tied = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        d = self.dims = _Dims.from_text_config(text, tied)
+        self.expert_format = fmt
+        self.layer_types = qwen3_5_layer_types(text)
+        self.num_mtp_layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
+        if fmt is Format.MXFP8 and (d.hidden % MX_BLOCK or d.inter % MX_BLOCK):
+            raise ValueError(
+                f"mxfp8 experts need hidden ({d.hidden}) and moe_intermediate_size ({d.inter}) to be "
+                f"multiples of {MX_BLOCK}; use block_fp8 or bf16"
+            )
+        self.layers = [f"{self.root}.layers.{n}" for n in range(len(self.layer_types))]
+        self.mtp_layers = [f"mtp.layers.{n}" for n in range(self.num_mtp_layers)]
+        known = {f"{p}.mlp.experts" for p in self.layers + self.mtp_layers}
+        unknown = sorted(keep_bf16 - known)
+        if unknown:
+            raise ValueError(
+                f"keep_bf16 names no routed-experts module of this model: {unknown}; give module names "
+                f"like {sorted(known)[0]!r}"
+            )
+        self.keep_bf16 = keep_bf16
+
+        b = _Builder()
+        b.whole(f"{self.root}.embed_tokens.weight", (d.vocab, d.hidden))
+        self._experts: dict[str, _Experts] = {}
+        for p, kind in zip(self.layers, self.layer_types, strict=True):
+            self._add_layer(b, p, kind == FULL_ATTENTION)
+        b.whole(f"{self.root}.norm.weight", (d.hidden,))
+        if not d.tied:
+            b.whole("lm_head.weight", (d.vocab, d.hidden))
+        if self.mtp_layers:
+            b.whole("mtp.fc.weight", (d.hidden, 2 * d.hidden))
+            for p in self.mtp_layers:
+                self._add_layer(b, p, True)
+            for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+                b.whole(f"mtp.{n}.weight", (d.hidden,))
+        self._params = b.params
+        self._slots = {s.name: s for s in b.slots}
+        self._dense: dict[str, torch.Tensor] = {}
+        self._loaded = False
+
+    def _add_layer(self, b: _Builder, p: str, full: bool) -> None:
+        module = f"{p}.mlp.experts"
+        fmt = Format.BF16 if module in self.keep_bf16 else self.expert_format
+        self._experts[module] = _decoder_layer(b, p, self.dims, full, fmt)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        expert_format: Format | str = Format.BLOCK_FP8,
+        keep_bf16: Collection[str] = (),
+    ) -> ReferenceEngine:
+        """An empty engine for the model ``config`` (a ``config.json`` dict) describes.
+
+        ``keep_bf16`` names routed-experts modules (``…layers.L.mlp.experts``, ``mtp.layers.N.mlp.
+        experts``) this engine holds in BF16 whatever ``expert_format`` says; its manifest then lists
+        their slabs ``…experts.gate_up_proj`` / ``…experts.down_proj`` in BF16.
+        """
+        keep = (keep_bf16,) if isinstance(keep_bf16, str) else tuple(keep_bf16)
+        return cls(config, Format.parse(expert_format), frozenset(keep))
+
+    # ---- what it holds
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab
+
+    @property
+    def params(self) -> Mapping[str, torch.Tensor]:
+        """The engine's own parameters by engine name (read them; load through :meth:`load`)."""
+        return MappingProxyType(self._params)
+
+    @property
+    def experts_modules(self) -> tuple[str, ...]:
+        """Every routed-experts module name, decoder layers then MTP layers."""
+        return tuple(self._experts)
+
+    def manifest(self, *, version: str = ENGINE_VERSION) -> Manifest:
+        """Every checkpoint tensor this engine expects, mapped back from its fused parameters."""
+        tensors = tuple(ManifestTensor(s.name, s.dtype, s.shape) for s in self._slots.values())
+        return Manifest(
+            engine=EngineKind.REFERENCE,
+            engine_version=version,
+            moe_backend=MOE_BACKEND,
+            expert_format=self.expert_format,
+            tensors=tensors,
+            info={
+                "model_type": SUPPORTED_MODEL,
+                "num_hidden_layers": len(self.layers),
+                "mtp_layers": len(self.mtp_layers),
+                "keep_bf16": sorted(self.keep_bf16),
+            },
+        )
+
+    # ---- loading
+
+    def load(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a whole published generation into the engine's parameters.
+
+        Every expected tensor must arrive exactly once with its manifest dtype and shape, and no
+        other; otherwise a ValueError lists every problem and nothing is copied. Inputs are only read
+        (read-only shared-memory views are fine) and no reference to them is kept.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        self._check(items)
+        for name, tensor in items:
+            s = self._slots[name]
+            self._params[s.param][s.index].copy_(tensor)
+        self._dense.clear()
+        self._loaded = True
+
+    def load_bf16(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Fill a BF16 engine from the original BF16 checkpoint (the baseline FP8 is measured against).
+
+        With every routed expert held in BF16 the published tensors *are* the checkpoint's, so this
+        is :meth:`load` on the state dict; an engine holding FP8 experts refuses.
+        """
+        fp8 = [m for m, e in self._experts.items() if e.fmt is not Format.BF16]
+        if fp8:
+            raise ValueError(
+                f"this engine holds {len(fp8)} routed-experts module(s) in {self.expert_format.value} "
+                f"(first: {fp8[0]}); build the baseline with expert_format='bf16'"
+            )
+        self.load(state_dict)
+
+    def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        problems: list[str] = []
+
+        def note(kind: str, names: list[str]) -> None:
+            if names:
+                more = f" (and {len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
+                problems.append(f"{len(names)} {kind}: {names[:MAX_LISTED]}{more}")
+
+        counts = Counter(name for name, _ in items)
+        note("sent more than once", sorted(n for n, c in counts.items() if c > 1))
+        note("missing", [n for n in self._slots if n not in counts])
+        note("not expected by this engine", [n for n in counts if n not in self._slots])
+        wrong = []
+        for name, t in items:
+            s = self._slots.get(name)
+            if s is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                wrong.append(f"{name}: a {type(t).__name__}, not a tensor")
+            elif t.dtype != s.dtype or tuple(t.shape) != s.shape:
+                wrong.append(f"{name}: got {t.dtype} {tuple(t.shape)}, expected {s.dtype} {s.shape}")
+        note("with the wrong dtype or shape", wrong)
+        if problems:
+            lines = "\n".join(f"  - {p}" for p in problems)
+            raise ValueError(f"cannot load this generation into the reference engine:\n{lines}")
+
+    # ---- compute weights
+
+    def compute_weight(self, name: str) -> torch.Tensor:
+        """The float32 weight the forward pass uses for engine parameter ``name`` (FP8 routed
+        experts dequantized under their scales); cached until the next load."""
+        w = self._dense.get(name)
+        if w is None:
+            w = self._dense[name] = self._dequantized(name)
+        return w
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        prefix, _, leaf = name.rpartition(".")
+        experts = self._experts.get(prefix)
+        if experts is None or experts.fmt is Format.BF16 or leaf not in ("w13_weight", "w2_weight"):
+            return self._params[name].float()
+        fmt = experts.fmt
+        scale = self._params[f"{prefix}.{leaf.removesuffix('weight')}{fmt.scale_suffix}"]
+        rows = [experts.inter, experts.inter] if leaf == "w13_weight" else [self.dims.hidden]
+        return _dequantize_rows(self._params[name], scale, fmt, rows)
+
+    # ---- forward
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[B, T, V]`` of ``input_ids [B, T]`` (causal, whole sequences)."""
+        return self._logits(self._trunk(input_ids))
+
+    def forward_mtp(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 MTP logits ``[B, T-1, V]``: position t, from the main model's hidden state at t
+        and the embedding of token t+1, predicts token t+2 (a sketch, see the module doc)."""
+        if not self.mtp_layers:
+            raise ValueError("this model has no MTP layers (mtp_num_hidden_layers = 0)")
+        self._check_ids(input_ids)
+        if input_ids.shape[1] < 2:
+            raise ValueError("forward_mtp needs sequences of at least 2 tokens")
+        hidden = self._trunk(input_ids)
+        embeds = self.compute_weight(f"{self.root}.embed_tokens.weight")[input_ids[:, 1:]]
+        x = torch.cat(
+            [
+                self._norm(embeds, "mtp.pre_fc_norm_embedding"),
+                self._norm(hidden[:, :-1], "mtp.pre_fc_norm_hidden"),
+            ],
+            dim=-1,
+        )
+        x = x @ self.compute_weight("mtp.fc.weight").T
+        positions = torch.arange(1, input_ids.shape[1])
+        for p in self.mtp_layers:
+            x = self._layer(x, p, True, positions)
+        return self._logits(self._norm(x, "mtp.norm"))
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if not self._loaded:
+            raise RuntimeError("no weights loaded: call load() or load_bf16() first")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.dims.vocab):
+            raise ValueError(f"input_ids must lie in [0, {self.dims.vocab})")
+
+    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The main model's final normed hidden states ``[B, T, H]``."""
+        self._check_ids(input_ids)
+        x = self.compute_weight(f"{self.root}.embed_tokens.weight")[input_ids]
+        positions = torch.arange(input_ids.shape[1])
+        for p, kind in zip(self.layers, self.layer_types, strict=True):
+            x = self._layer(x, p, kind == FULL_ATTENTION, positions)
+        return self._norm(x, f"{self.root}.norm")
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = f"{self.root}.embed_tokens.weight" if self.dims.tied else "lm_head.weight"
+        return hidden @ self.compute_weight(head).T
+
+    def _norm(self, x: torch.Tensor, module: str) -> torch.Tensor:
+        """Qwen3.5's RMSNorm: ``rms_normalize(x) * (1 + weight)`` (weights are stored zero-centred)."""
+        return _rms(x, self.dims.eps) * (1.0 + self.compute_weight(f"{module}.weight"))
+
+    def _layer(self, x: torch.Tensor, p: str, full: bool, positions: torch.Tensor) -> torch.Tensor:
+        h = self._norm(x, f"{p}.input_layernorm")
+        x = x + (self._attention(h, p, positions) if full else self._linear_attention(h, p))
+        h = self._norm(x, f"{p}.post_attention_layernorm")
+        return x + self._moe(h, p)
+
+    def _attention(self, x: torch.Tensor, p: str, positions: torch.Tensor) -> torch.Tensor:
+        d, a = self.dims, f"{p}.self_attn"
+        bsz, t, _ = x.shape
+        q_rows, kv_rows = 2 * d.heads * d.head_dim, d.kv_heads * d.head_dim
+        qg, k, v = (x @ self.compute_weight(f"{a}.qkv_proj.weight").T).split([q_rows, kv_rows, kv_rows], -1)
+        q, gate = qg.view(bsz, t, d.heads, 2 * d.head_dim).chunk(2, dim=-1)
+        q = _rms(q, d.eps) * (1.0 + self.compute_weight(f"{a}.q_norm.weight"))
+        k = _rms(k.view(bsz, t, d.kv_heads, d.head_dim), d.eps) * (
+            1.0 + self.compute_weight(f"{a}.k_norm.weight")
+        )
+        q, k = (_rope(z, positions, d.rotary_dim, d.rope_theta) for z in (q, k))
+        v = v.view(bsz, t, d.kv_heads, d.head_dim)
+        group = d.heads // d.kv_heads
+        q, k, v = (
+            q.transpose(1, 2),
+            k.repeat_interleave(group, 2).transpose(1, 2),
+            v.repeat_interleave(group, 2).transpose(1, 2),
+        )
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
+        out = out * torch.sigmoid(gate.reshape(bsz, t, d.heads * d.head_dim))
+        return out @ self.compute_weight(f"{a}.o_proj.weight").T
+
+    def _linear_attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        d, a = self.dims, f"{p}.linear_attn"
+        bsz, t, _ = x.shape
+        key, value, hv = d.lin_k_heads * d.lin_k_dim, d.lin_v_heads * d.lin_v_dim, d.lin_v_heads
+        mixed, z = (x @ self.compute_weight(f"{a}.in_proj_qkvz.weight").T).split([2 * key + value, value], -1)
+        b, a_in = (x @ self.compute_weight(f"{a}.in_proj_ba.weight").T).split([hv, hv], -1)
+        conv_w = self.compute_weight(f"{a}.conv1d.weight")  # [C, 1, kernel]: causal depthwise conv
+        mixed = F.conv1d(F.pad(mixed.transpose(1, 2), (d.conv_kernel - 1, 0)), conv_w, groups=conv_w.shape[0])
+        q, k, v = F.silu(mixed).transpose(1, 2).split([key, key, value], -1)
+        q = F.normalize(q.reshape(bsz, t, d.lin_k_heads, d.lin_k_dim), dim=-1)
+        k = F.normalize(k.reshape(bsz, t, d.lin_k_heads, d.lin_k_dim), dim=-1)
+        group = hv // d.lin_k_heads
+        q, k = q.repeat_interleave(group, 2) * d.lin_k_dim**-0.5, k.repeat_interleave(group, 2)
+        v = v.reshape(bsz, t, hv, d.lin_v_dim)
+        beta = torch.sigmoid(b)  # [B, T, Hv]
+        g = -torch.exp(self.compute_weight(f"{a}.A_log")) * F.softplus(
+            a_in + self.compute_weight(f"{a}.dt_bias")
+        )
+        state = x.new_zeros(bsz, hv, d.lin_k_dim, d.lin_v_dim)
+        outs = []
+        for i in range(t):  # the delta rule, one step at a time
+            state = state * torch.exp(g[:, i])[..., None, None]
+            remembered = (state * k[:, i, :, :, None]).sum(-2)
+            delta = (v[:, i] - remembered) * beta[:, i, :, None]
+            state = state + k[:, i, :, :, None] * delta[:, :, None, :]
+            outs.append((state * q[:, i, :, :, None]).sum(-2))
+        o = torch.stack(outs, dim=1)  # [B, T, Hv, dv]
+        o = (
+            _rms(o, d.eps)
+            * self.compute_weight(f"{a}.norm.weight")
+            * F.silu(z.reshape(bsz, t, hv, d.lin_v_dim))
+        )
+        return o.reshape(bsz, t, value) @ self.compute_weight(f"{a}.out_proj.weight").T
+
+    def _moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        d = self.dims
+        shape = x.shape
+        x = x.reshape(-1, d.hidden)
+        probs = (x @ self.compute_weight(f"{p}.mlp.gate.weight").T).softmax(-1)
+        weights, chosen = probs.topk(d.top_k, dim=-1)
+        if d.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        w13 = self.compute_weight(f"{p}.mlp.experts.w13_weight")
+        w2 = self.compute_weight(f"{p}.mlp.experts.w2_weight")
+        out = torch.zeros_like(x)
+        for e in range(d.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            gate, up = (x[token] @ w13[e].T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ w2[e].T
+            out.index_add_(0, token, y * weights[token, slot, None])
+        s = f"{p}.mlp.shared_expert"
+        gate, up = (x @ self.compute_weight(f"{s}.gate_up_proj.weight").T).chunk(2, dim=-1)
+        shared = (F.silu(gate) * up) @ self.compute_weight(f"{s}.down_proj.weight").T
+        shared = shared * torch.sigmoid(x @ self.compute_weight(f"{p}.mlp.shared_expert_gate.weight").T)
+        return (out + shared).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# measuring
+
+
+def next_token_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over all positions of KL(P ‖ Q) between the next-token distributions (nats, float64)."""
+    if p_logits.shape != q_logits.shape:
+        raise ValueError(f"logits differ in shape: {tuple(p_logits.shape)} vs {tuple(q_logits.shape)}")
+    log_p = p_logits.double().log_softmax(-1)
+    log_q = q_logits.double().log_softmax(-1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+
+
+def sample_inputs(vocab: int, batch: int = 4, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    """Token ids ``[batch, seq]`` drawn uniformly from ``[0, vocab)``; same seed, same ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=gen, dtype=torch.int64)

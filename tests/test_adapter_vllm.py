@@ -1,0 +1,728 @@
+"""The vLLM adapter, tested without vLLM: against parameter lists transcribed from vLLM's source.
+
+``vllm_parameters`` below is the transcription: it lists the parameters (name, dtype, load-time shape)
+a vLLM engine creates for a model config and a quantization config, following the vLLM source files
+named in ``SOURCES`` (model classes, ``Fp8Config`` / ``Fp8MoEMethod.create_weights``,
+``is_layer_skipped``, the Qwen3.5 ``hf_to_vllm_mapper``). It is written independently of
+``adapters.vllm.build_manifest``, which maps such lists back to checkpoint names; the stored files
+``tests/data/manifests/vllm_*.json`` are its output for the two real configs (regenerate with
+``python -m tests.test_adapter_vllm``; a test checks they are current).
+
+The central claim: for a RefitSpec, the engine started with ``vllm_engine_args(spec, config)`` holds
+exactly the tensors the refit plan publishes, by name, dtype and global shape, so the attach check
+passes by construction; and an engine configured differently yields a precise mismatch list.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import adapters.vllm as av
+from sidecar.errors import RefitError
+from sidecar.formats import Format
+from sidecar.models import get_model, model_type_of
+from sidecar.plan import RefitSpec, plan_from_hf_config
+from sidecar.synthetic import make_hf_config
+from transport.wire import dtype_name
+
+DATA = Path(__file__).parent / "data"
+MANIFESTS = DATA / "manifests"
+CONFIGS = {
+    "qwen3_moe": DATA / "qwen3-30b-a3b.config.json",
+    "qwen3_5_moe": DATA / "qwen3.5-35b-a3b.config.json",
+}
+TRANSCRIBED = {
+    "qwen3_moe": MANIFESTS / "vllm_qwen3_30b_a3b_block_fp8.json",
+    "qwen3_5_moe": MANIFESTS / "vllm_qwen3_5_35b_a3b_block_fp8.json",
+}
+#: the vLLM files (vllm-project/vllm, stored copies; commit of the copy read) each fact comes from
+SOURCES = {
+    "qwen3_moe": [
+        "vllm/model_executor/models/qwen3_moe.py@2e0831b0ab951c8896d4dd5d6cb9c3350a4574de "
+        "(Qwen3MoeForCausalLM, Qwen3MoeModel, Qwen3MoeDecoderLayer, Qwen3MoeAttention, "
+        "Qwen3MoeSparseMoeBlock: module names, order, which linears get quant_config)",
+    ],
+    "qwen3_5_moe": [
+        "vllm/model_executor/models/qwen3_5.py@00def4f8421153e037ff6270c0a8c31912a00206 "
+        "(Qwen3_5MoeForConditionalGeneration, Qwen3_5DecoderLayer, packed in_proj_qkvz/in_proj_ba)",
+        "vllm/model_executor/models/qwen3_next.py@6365b387890f7aa74b0fe65b81705d4730fcc763 "
+        "(Qwen3NextSparseMoeBlock, Qwen3NextAttention with output gate, Qwen3NextGatedDeltaNet "
+        "parameters: conv1d, in_proj_qkvz, in_proj_ba, dt_bias, A_log, norm, out_proj)",
+        "vllm/model_executor/models/qwen3_vl.py (Qwen3VLForConditionalGeneration.hf_to_vllm_mapper)",
+    ],
+    "common": [
+        "vllm/model_executor/layers/quantization/fp8.py@1436674bcb3f46f4c960d09334cf7dd1534943ca "
+        "(Fp8Config.from_config/get_quant_method/apply_vllm_mapper; Fp8LinearMethod and "
+        "Fp8MoEMethod.create_weights: parameter names, dtypes, shapes)",
+        "vllm/model_executor/layers/quantization/utils/quant_utils.py@4de0dd6db70fbcfdb5420b3de5892d06ed1624c8 "
+        "(is_layer_skipped)",
+    ],
+}
+#: configuration keys vLLM reads, with the file that reads them
+FP8_CONFIG_KEYS = {  # fp8.py Fp8Config.from_config; "fmt" is Hugging Face's own key, ignored by vLLM
+    "quant_method",
+    "activation_scheme",
+    "ignored_layers",
+    "modules_to_not_convert",
+    "weight_block_size",
+    "fmt",
+}
+FP8_ACTIVATION_SCHEMES = {"static", "dynamic"}  # fp8.py ACTIVATION_SCHEMES
+MODELOPT_CONFIG_KEYS = {
+    "quant_method",
+    "quant_algo",
+    "kv_cache_quant_algo",
+    "ignore",
+    "group_size",
+}  # modelopt.py
+ENGINE_ARG_KEYS = {  # vllm/engine/arg_utils.py EngineArgs; worker_extension_cls: vllm/config/parallel.py
+    "quantization",
+    "hf_overrides",
+    "load_format",
+    "dtype",
+    "worker_extension_cls",
+}
+QUANTIZATION_NAMES = {"fp8", "modelopt_mxfp8", None}  # Fp8Config / ModelOptMxFp8Config .get_name()
+
+FP8, BF16, F32, U8 = "float8_e4m3fn", "bfloat16", "float32", "uint8"
+
+
+# --------------------------------------------------------------------------------------------------
+# the transcription: what vLLM creates
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _hf_to_vllm(name: str) -> str:
+    """Qwen3VLForConditionalGeneration.hf_to_vllm_mapper (qwen3_vl.py), as Fp8Config.apply_vllm_mapper
+    applies it to ignored_layers."""
+    for old, new in (
+        ("model.language_model.", "language_model.model."),
+        ("model.visual.", "visual."),
+        ("lm_head.", "language_model.lm_head."),
+        ("model.", "language_model.model."),
+    ):
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _is_layer_skipped(prefix: str, ignored: list[str], packed: dict[str, list[str]]) -> bool:
+    """quant_utils.is_layer_skipped, skip_with_substr=False."""
+    proj = prefix.split(".")[-1]
+    if proj in packed:
+        skipped = {prefix.replace(proj, shard) in ignored for shard in packed[proj]}
+        if len(skipped) > 1:
+            raise ValueError(f"Detected some but not all shards of {prefix} are quantized.")
+        return skipped.pop()
+    if "experts" in prefix:
+        return any(prefix in name for name in ignored if "experts" in name)
+    return prefix in ignored
+
+
+class _Emitter:
+    """Creates parameters the way vLLM's layers do for one quantization config."""
+
+    def __init__(self, quant: dict[str, Any] | None, packed: dict[str, list[str]], mapper, tp: int, ep: int):
+        quant = quant or {}
+        self.method = quant.get("quant_method")
+        self.algo = str(quant.get("quant_algo", "")).upper()
+        self.block = quant.get("weight_block_size")
+        names = quant.get("ignored_layers") or quant.get("ignore") or []
+        self.ignored = [mapper(n) for n in names]
+        self.packed, self.tp, self.ep = packed, tp, ep
+        self.out: list[list[Any]] = []
+
+    def param(self, name: str, dtype: str, shape: list[int]) -> None:
+        self.out.append([name, dtype, list(shape)])
+
+    def _quantized(self, prefix: str) -> bool:
+        if self.method is None:
+            return False
+        if self.method == "modelopt":  # ModelOptQuantConfigBase.is_layer_excluded
+            excluded = _is_layer_skipped(prefix, self.ignored, self.packed)
+            excluded = excluded or any(e != prefix and e in prefix for e in self.ignored)
+            return not (excluded or any(fnmatch.fnmatch(prefix, e) for e in self.ignored))
+        return not _is_layer_skipped(prefix, self.ignored, self.packed)
+
+    def linear(self, prefix: str, in_local: int, shards: list[int], *, quant_config: bool = True) -> None:
+        """Linear layers: Fp8LinearMethod.create_weights, or UnquantizedLinearMethod."""
+        rows = sum(shards)
+        if not (quant_config and self._quantized(prefix)):
+            self.param(f"{prefix}.weight", BF16, [rows, in_local])
+            return
+        self.param(f"{prefix}.weight", FP8, [rows, in_local])
+        if self.method == "modelopt":
+            self.param(f"{prefix}.weight_scale", U8, [rows, in_local // 32])
+        elif self.block:
+            if len(shards) > 1 or self.tp > 1:
+                bad = [s for s in shards if s % self.block[0]]
+                if bad:
+                    raise ValueError(f"{prefix}: output_partition_size {bad[0]} not divisible by block_n")
+            self.param(f"{prefix}.weight_scale_inv", F32, [_cdiv(rows, 128), _cdiv(in_local, 128)])
+        else:
+            self.param(f"{prefix}.weight_scale", F32, [len(shards)])
+
+    def experts(self, prefix: str, e: int, i: int, h: int) -> None:
+        """FusedMoE: Fp8MoEMethod / ModelOpt MXFP8 MoE / UnquantizedFusedMoEMethod create_weights."""
+        e_loc, i_loc = e // self.ep, i // (1 if self.ep > 1 else self.tp)
+        quantized = self._quantized(prefix)
+        dtype = FP8 if quantized else BF16
+        self.param(f"{prefix}.w13_weight", dtype, [e_loc, 2 * i_loc, h])
+        self.param(f"{prefix}.w2_weight", dtype, [e_loc, h, i_loc])
+        if not quantized:
+            return
+        if self.method == "modelopt":
+            self.param(f"{prefix}.w13_weight_scale", U8, [e_loc, 2 * i_loc, h // 32])
+            self.param(f"{prefix}.w2_weight_scale", U8, [e_loc, h, i_loc // 32])
+        elif self.block:
+            if i_loc % 128:
+                raise ValueError(f"{prefix}: intermediate_size_per_partition {i_loc} not divisible by 128")
+            self.param(f"{prefix}.w13_weight_scale_inv", F32, [e_loc, 2 * _cdiv(i_loc, 128), _cdiv(h, 128)])
+            self.param(f"{prefix}.w2_weight_scale_inv", F32, [e_loc, _cdiv(h, 128), _cdiv(i_loc, 128)])
+        else:
+            self.param(f"{prefix}.w13_weight_scale", F32, [e_loc, 2])
+            self.param(f"{prefix}.w2_weight_scale", F32, [e_loc])
+
+
+def _attention(em: _Emitter, p: str, t: dict[str, Any], h: int, gate: bool) -> None:
+    heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
+    hd, tp = t.get("head_dim") or h // heads, em.tp
+    q_local, kv_local = heads * (2 if gate else 1) // tp * hd, max(1, kv // tp) * hd
+    em.linear(f"{p}.self_attn.qkv_proj", h, [q_local, kv_local, kv_local])
+    em.linear(f"{p}.self_attn.o_proj", heads * hd // tp, [h])
+    em.param(f"{p}.self_attn.q_norm.weight", BF16, [hd])
+    em.param(f"{p}.self_attn.k_norm.weight", BF16, [hd])
+
+
+def _qwen3_moe(em: _Emitter, c: dict[str, Any]) -> None:
+    h, v, e, tp = c["hidden_size"], c["vocab_size"], c["num_experts"], em.tp
+    em.param("model.embed_tokens.weight", BF16, [v // tp, h])
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        _attention(em, p, c, h, gate=False)
+        em.linear(f"{p}.mlp.gate", h, [e])  # ReplicatedLinear, quant_config=quant_config
+        em.experts(f"{p}.mlp.experts", e, c["moe_intermediate_size"], h)
+        em.param(f"{p}.input_layernorm.weight", BF16, [h])
+        em.param(f"{p}.post_attention_layernorm.weight", BF16, [h])
+    em.param("model.norm.weight", BF16, [h])
+    if not c.get("tie_word_embeddings"):
+        em.param("lm_head.weight", BF16, [v // tp, h])
+
+
+def _qwen3_5_moe(em: _Emitter, c: dict[str, Any]) -> None:
+    """Qwen3_5MoeForConditionalGeneration, language model only (vision tower not transcribed)."""
+    t = c["text_config"]
+    h, v, e, tp, root = t["hidden_size"], t["vocab_size"], t["num_experts"], em.tp, "language_model.model"
+    key = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+    vheads, vdim = t["linear_num_value_heads"], t["linear_value_head_dim"]
+    value, shared = vheads * vdim, t["shared_expert_intermediate_size"]
+    em.param(f"{root}.embed_tokens.weight", BF16, [v // tp, h])
+    for layer, kind in enumerate(t["layer_types"]):
+        p = f"{root}.layers.{layer}"
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            em.param(f"{a}.conv1d.weight", BF16, [(2 * key + value) // tp, 1, t["linear_conv_kernel_dim"]])
+            em.linear(f"{a}.in_proj_qkvz", h, [(2 * key + value) // tp, value // tp])
+            em.linear(f"{a}.in_proj_ba", h, [vheads // tp, vheads // tp])
+            em.param(f"{a}.dt_bias", BF16, [vheads // tp])
+            em.param(f"{a}.A_log", BF16, [vheads // tp])
+            em.param(f"{a}.norm.weight", BF16, [vdim])
+            em.linear(f"{a}.out_proj", value // tp, [h])
+        else:
+            _attention(em, p, t, h, gate=bool(t.get("attn_output_gate", True)))
+        em.linear(f"{p}.mlp.gate", h, [e])
+        em.linear(f"{p}.mlp.shared_expert_gate", h, [1], quant_config=False)
+        em.linear(f"{p}.mlp.shared_expert.gate_up_proj", h, [shared // tp, shared // tp])
+        em.linear(f"{p}.mlp.shared_expert.down_proj", shared // tp, [h])
+        em.experts(f"{p}.mlp.experts", e, t["moe_intermediate_size"], h)
+        em.param(f"{p}.input_layernorm.weight", BF16, [h])
+        em.param(f"{p}.post_attention_layernorm.weight", BF16, [h])
+    em.param(f"{root}.norm.weight", BF16, [h])
+    em.param("language_model.lm_head.weight", BF16, [v // tp, h])
+
+
+def vllm_parameters(
+    config: dict[str, Any], quant: dict[str, Any] | None, *, tp: int = 1, ep: int = 1
+) -> list:
+    """The parameters (name, dtype, load-time shape) vLLM creates for ``config`` under ``quant``."""
+    if model_type_of(config) == "qwen3_moe":
+        packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        em = _Emitter(quant, packed, lambda n: n, tp, ep)
+        _qwen3_moe(em, config)
+    else:
+        packed = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+            "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+            "in_proj_ba": ["in_proj_b", "in_proj_a"],
+        }
+        em = _Emitter(quant, packed, _hf_to_vllm, tp, ep)
+        _qwen3_5_moe(em, config)
+    return em.out
+
+
+def _transcription(model_type: str) -> dict[str, Any]:
+    config = json.loads(CONFIGS[model_type].read_text())
+    spec = RefitSpec(model_type=model_type, fmt="block_fp8")
+    quant = av.vllm_engine_args(spec, config)["hf_overrides"]["quantization_config"]
+    return {
+        "what": f"vLLM parameters (name, dtype, load-time shape) for {CONFIGS[model_type].name}, block-FP8, tp=1",
+        "source": SOURCES[model_type] + SOURCES["common"],
+        "config": f"tests/data/{CONFIGS[model_type].name}",
+        "tp_size": 1,
+        "ep_size": 1,
+        "quantization_config": quant,
+        "parameters": vllm_parameters(config, quant),
+    }
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    head = {k: v for k, v in doc.items() if k != "parameters"}
+    rows = ",\n".join("  " + json.dumps(p) for p in doc["parameters"])
+    return json.dumps(head, indent=1)[:-2] + ',\n "parameters": [\n' + rows + "\n ]\n}\n"
+
+
+def regenerate() -> None:
+    MANIFESTS.mkdir(parents=True, exist_ok=True)
+    for model_type, path in TRANSCRIBED.items():
+        path.write_text(_dump(_transcription(model_type)))
+        print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _config(model_type: str) -> dict[str, Any]:
+    return json.loads(CONFIGS[model_type].read_text())
+
+
+def _quant(spec: RefitSpec, config: dict[str, Any]) -> dict[str, Any] | None:
+    return av.vllm_engine_args(spec, config).get("hf_overrides", {}).get("quantization_config")
+
+
+def diff(manifest, plan) -> list[str]:
+    """What the attach check compares: names, dtypes and shapes (MTP layers aside: vLLM's main
+    model skips ``mtp.``; a draft model would take them)."""
+    want = {o.name: (o.dtype, o.shape) for o in plan.outputs if not o.name.startswith("mtp.")}
+    have = {t.name: (t.dtype, tuple(t.shape)) for t in manifest.tensors}
+    out = [f"engine expects {n}, not published" for n in sorted(have.keys() - want.keys())]
+    out += [f"published {n}, engine does not take it" for n in sorted(want.keys() - have.keys())]
+    for n in sorted(have.keys() & want.keys()):
+        if have[n] != want[n]:
+            (hd, hs), (wd, ws) = have[n], want[n]
+            out.append(f"{n}: engine {dtype_name(hd)} {list(hs)}, published {dtype_name(wd)} {list(ws)}")
+    return out
+
+
+def _manifest(config, spec=None, quant=None, **kw):
+    quant = _quant(spec, config) if quant is None else quant
+    return av.build_manifest(vllm_parameters(config, quant, **kw), config, quant, **kw)
+
+
+def _small(model_type: str, **kw) -> dict[str, Any]:
+    return make_hf_config(model_type, num_layers=kw.pop("num_layers", 2), num_experts=2, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# import surface
+
+
+def test_import_works_without_vllm_and_the_extension_says_it_needs_it():
+    """Importing the adapter never imports vLLM; calling into the engine side without it is a clear
+    ImportError, not an AttributeError deep inside."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    assert "vllm" not in sys.modules
+    ext = av.RefitWorkerExtension()
+    for call in (lambda: ext.refit_attach("ipc:///nowhere"), lambda: ext.refit_load(0), ext.refit_manifest):
+        with pytest.raises(ImportError, match=r"needs vLLM installed"):
+            call()
+    assert "vllm" not in sys.modules
+
+
+# --------------------------------------------------------------------------------------------------
+# transcribed manifests == the plan
+
+
+@pytest.mark.parametrize("model_type", sorted(TRANSCRIBED))
+def test_stored_transcriptions_are_current(model_type):
+    """The JSON files are the generator's output, and name their sources."""
+    stored = json.loads(TRANSCRIBED[model_type].read_text())
+    assert stored == json.loads(_dump(_transcription(model_type)))
+    assert all("vllm/" in s for s in stored["source"])
+
+
+@pytest.mark.parametrize("model_type", sorted(TRANSCRIBED))
+def test_transcribed_engine_holds_exactly_what_the_plan_publishes(model_type):
+    """Block-FP8, the real configs: build_manifest over vLLM's parameters equals the plan's outputs
+    (names, dtypes, global shapes), so the attach check passes by construction."""
+    doc, config = json.loads(TRANSCRIBED[model_type].read_text()), _config(model_type)
+    manifest = av.build_manifest(doc["parameters"], config, doc["quantization_config"])
+    plan = plan_from_hf_config(config, RefitSpec(model_type=model_type, fmt="block_fp8"))
+    assert diff(manifest, plan) == []
+    assert manifest.expert_format is Format.BLOCK_FP8
+    assert manifest.moe_backend == "Fp8MoEMethod"
+    assert manifest.info["keep_bf16"] == []
+    assert av.check_vllm_constraints(manifest, plan) == []
+    n_layers = get_model(model_type).num_hidden_layers(config)
+    scales = [t for t in manifest.tensors if t.name.endswith(".weight_scale_inv")]
+    experts = _config(model_type).get("num_experts") or config["text_config"]["num_experts"]
+    assert len(scales) == n_layers * experts * 3
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "fp8_per_tensor", "mxfp8", "bf16"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def test_every_format_and_bf16_layer_choice_matches_the_plan(model_type, fmt):
+    """Small configs, every format, first/last layers and a pattern kept BF16: the engine that
+    vllm_engine_args configures matches the plan with no keep_bf16 from the manifest needed."""
+    config = _small(model_type, num_layers=4)
+    spec = RefitSpec(
+        model_type=model_type,
+        fmt=fmt,
+        num_first_layers_in_bf16=1,
+        num_last_layers_in_bf16=1,
+        ignore_patterns=("*layers.2.mlp.experts*",),
+    )
+    manifest = _manifest(config, spec)
+    assert manifest.expert_format is Format.parse(fmt)
+    assert diff(manifest, plan_from_hf_config(config, spec)) == []
+    if fmt != "bf16":
+        assert {m.split(".mlp.")[0].rsplit(".", 1)[-1] for m in av.routed_bf16_modules(manifest)} == {
+            "0",
+            "2",
+            "3",
+        }
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def test_tensor_and_expert_parallel_workers_send_the_global_manifest(model_type):
+    """tp=2 (experts split along I) and ep=2 (experts split across ranks): same global tensors."""
+    config = _config(model_type)
+    spec = RefitSpec(model_type=model_type, fmt="block_fp8")
+    one = _manifest(config, spec)
+    for kw in ({"tp": 2}, {"tp": 2, "ep": 2}):
+        quant = _quant(spec, config)
+        params = vllm_parameters(config, quant, **kw)
+        many = av.build_manifest(params, config, quant, tp_size=kw["tp"], ep_size=kw.get("ep", 1))
+        assert many.tensors == one.tensors
+        assert many.info["moe_tp_size"] == (1 if kw.get("ep", 1) > 1 else kw["tp"])
+
+
+def test_newer_vllm_names_and_lora_base_layer_map_the_same():
+    """``experts.routed_experts.w13_weight`` (RoutedExperts) and LoRA's ``base_layer.`` infix."""
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    params = vllm_parameters(config, quant)
+    renamed = [
+        [n.replace(".experts.", ".experts.routed_experts.").replace(".o_proj.", ".o_proj.base_layer."), d, s]
+        for n, d, s in params
+    ]
+    assert (
+        av.build_manifest(renamed, config, quant).tensors == av.build_manifest(params, config, quant).tensors
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# mismatches
+
+
+def test_attention_quantized_by_the_engine_is_listed():
+    """The engine was started with attention left out of ignored_layers: it wants FP8 q/k/v/o and
+    their scales where the plan publishes BF16."""
+    config = {**_small("qwen3_moe", num_layers=1), "num_key_value_heads": 4}  # k/v rows 128-aligned
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    quant = {**quant, "ignored_layers": [n for n in quant["ignored_layers"] if ".self_attn." not in n]}
+    manifest = _manifest(config, quant=quant)
+    p = "model.layers.0.self_attn"
+    shapes = {"q_proj": [128, 128], "k_proj": [128, 128], "v_proj": [128, 128], "o_proj": [128, 128]}
+    expected = [f"engine expects {p}.{proj}.weight_scale_inv, not published" for proj in sorted(shapes)]
+    expected += [
+        f"{p}.{proj}.weight: engine float8_e4m3fn {s}, published bfloat16 {s}"
+        for proj, s in sorted(shapes.items())
+    ]
+    assert diff(manifest, plan_from_hf_config(config, spec)) == expected
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def test_one_layers_experts_held_bf16_by_the_engine(model_type):
+    """The engine keeps layer 1's experts BF16 though the spec does not: every one of that layer's
+    published FP8 tensors is refused, and the BF16 forms the engine wants (per-expert names for
+    Qwen3, the grouped slabs for Qwen3.5) are missing. With the manifest's keep_bf16 the plan
+    matches again: the manifest wins."""
+    config = _small(model_type)
+    spec = RefitSpec(model_type=model_type, fmt="block_fp8")
+    quant = _quant(spec, config)
+    root = "model" if model_type == "qwen3_moe" else "model.language_model"
+    moe = f"{root}.layers.1.mlp.experts"
+    manifest = _manifest(config, quant={**quant, "ignored_layers": [*quant["ignored_layers"], moe]})
+    plan = plan_from_hf_config(config, spec)
+    if model_type == "qwen3_moe":
+        wanted = [f"{moe}.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+        expected = [f"published {m}.weight_scale_inv, engine does not take it" for m in sorted(wanted)]
+        expected += [
+            f"{m}.weight: engine bfloat16 {s}, published float8_e4m3fn {s}"
+            for m, s in sorted((m, [128, 128]) for m in wanted)
+        ]
+    else:
+        wanted = [f"{moe}.down_proj", f"{moe}.gate_up_proj"]
+        expected = [f"engine expects {m}, not published" for m in wanted]
+        expected += [
+            f"published {moe}.{e}.{p}.{leaf}, engine does not take it"
+            for e in range(2)
+            for p in ("down_proj", "gate_proj", "up_proj")
+            for leaf in ("weight", "weight_scale_inv")
+        ]
+    assert diff(manifest, plan) == expected
+    assert av.routed_bf16_modules(manifest) == sorted(wanted)
+    kept = plan_from_hf_config(config, spec, keep_bf16=av.routed_bf16_modules(manifest))
+    assert diff(manifest, kept) == []
+
+
+def test_unmappable_engine_parameters_are_refused_together():
+    config = _small("qwen3_moe", num_layers=1)
+    quant = _quant(RefitSpec(model_type="qwen3_moe", fmt="block_fp8"), config)
+    params = vllm_parameters(config, quant)
+    params += [
+        ["model.layers.0.mlp.mystery.weight", BF16, [4, 4]],
+        ["model.layers.0.self_attn.wqkv.weight", BF16, [4]],
+    ]
+    with pytest.raises(ValueError) as err:
+        av.build_manifest(params, config, quant)
+    assert "model.layers.0.mlp.mystery.weight" in str(err.value) and "wqkv" in str(err.value)
+
+
+def test_a_wrong_parallel_layout_is_refused():
+    """Parameters of a tp=2 engine described as tp=1: the experts' I is half the checkpoint's."""
+    config = _small("qwen3_moe", num_layers=1)
+    params = vllm_parameters(config, None, tp=2)
+    with pytest.raises(ValueError, match=r"engine holds I=64, H=128; the checkpoint has \(128, 128\)"):
+        av.build_manifest(params, config, None, tp_size=1)
+    assert av.build_manifest(params, config, None, tp_size=2).tensors == _manifest(config, quant={}).tensors
+
+
+def test_kv_cache_scales_and_tied_lm_head_are_not_expected():
+    config = {**_small("qwen3_moe", num_layers=1), "tie_word_embeddings": True}
+    params = vllm_parameters(config, None)
+    params += [["model.layers.0.self_attn.attn.k_scale", F32, []], ["lm_head.weight", BF16, [256, 128]]]
+    names = {t.name for t in av.build_manifest(params, config, None).tensors}
+    assert "lm_head.weight" not in names and not any("k_scale" in n for n in names)
+
+
+# --------------------------------------------------------------------------------------------------
+# the quantization config and the engine arguments
+
+
+def test_resolve_quant_from_dicts_and_resolved_classes():
+    assert av.resolve_quant(None).fmt is Format.BF16
+    assert (
+        av.resolve_quant({"quant_method": "fp8", "activation_scheme": "dynamic"}).fmt is Format.FP8_PER_TENSOR
+    )
+    block = av.resolve_quant(
+        {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["x"]}
+    )
+    assert (block.fmt, block.ignored) == (Format.BLOCK_FP8, ("x",))
+    assert (
+        av.resolve_quant({"quant_method": "modelopt", "quant_algo": "mxfp8", "ignore": ["a"]}).fmt
+        is Format.MXFP8
+    )
+    legacy = {"quant_method": "modelopt", "quantization": {"quant_algo": "MXFP8", "exclude_modules": ["b"]}}
+    assert av.resolve_quant(legacy).ignored == ("b",)
+    with pytest.raises(ValueError, match="128x128"):
+        av.resolve_quant({"quant_method": "fp8", "weight_block_size": [1, 128]})
+    with pytest.raises(ValueError, match="NVFP4"):
+        av.resolve_quant({"quant_method": "modelopt", "quant_algo": "NVFP4"})
+
+    Fp8Config = type(
+        "Fp8Config",
+        (),
+        {"weight_block_size": [128, 128], "ignored_layers": ["y"], "activation_scheme": "dynamic"},
+    )
+    ModelOptMxFp8Config = type("ModelOptMxFp8Config", (), {"exclude_modules": ["z"]})
+    AWQConfig = type("AWQConfig", (), {})
+    assert av.resolve_quant(Fp8Config()).fmt is Format.BLOCK_FP8
+    assert av.resolve_quant(ModelOptMxFp8Config()).ignored == ("z",)
+    with pytest.raises(ValueError, match="AWQConfig"):
+        av.resolve_quant(AWQConfig())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def test_engine_args_use_only_keys_vllm_reads(model_type):
+    config = _config(model_type)
+    for fmt in ("block_fp8", "fp8_per_tensor", "mxfp8", "bf16"):
+        args = av.vllm_engine_args(RefitSpec(model_type=model_type, fmt=fmt), config)
+        assert set(args) <= ENGINE_ARG_KEYS and args["quantization"] in QUANTIZATION_NAMES
+        assert (
+            args["load_format"] == "dummy"
+            and args["worker_extension_cls"] == "adapters.vllm.RefitWorkerExtension"
+        )
+        qc = args.get("hf_overrides", {}).get("quantization_config")
+        if fmt == "bf16":
+            assert qc is None
+        elif fmt == "mxfp8":
+            assert set(qc) <= MODELOPT_CONFIG_KEYS and qc["quant_algo"] == "MXFP8"
+        else:
+            assert set(qc) <= FP8_CONFIG_KEYS and qc["activation_scheme"] in FP8_ACTIVATION_SCHEMES
+            assert qc["activation_scheme"] == "dynamic"  # block-FP8 requires it (Fp8Config.__init__)
+            assert qc.get("weight_block_size") == ([128, 128] if fmt == "block_fp8" else None)
+    assert av.VLLM_ENV == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+
+
+def test_ignored_layers_list_what_the_plan_keeps_bf16():
+    config = _config("qwen3_5_moe")
+    spec = RefitSpec(
+        model_type="qwen3_5_moe", fmt="block_fp8", num_first_layers_in_bf16=1, num_last_layers_in_bf16=2
+    )
+    ignored = set(_quant(spec, config)["ignored_layers"])
+    p = "model.language_model.layers"
+    for module in (
+        f"{p}.0.linear_attn.in_proj_qkv",
+        f"{p}.0.linear_attn.in_proj_b",
+        f"{p}.3.self_attn.q_proj",
+        f"{p}.3.self_attn.o_proj",
+        f"{p}.5.mlp.gate",
+        f"{p}.5.mlp.shared_expert.up_proj",
+        f"{p}.5.mlp.shared_expert_gate",
+        "model.language_model.embed_tokens",
+        "lm_head",
+        "model.visual.blocks.0.mlp.linear_fc1",
+        f"{p}.0.mlp.experts",
+        f"{p}.38.mlp.experts",
+        f"{p}.39.mlp.experts",
+    ):
+        assert module in ignored, module
+    assert {n for n in ignored if n.endswith(".experts")} == {f"{p}.{i}.mlp.experts" for i in (0, 38, 39)}
+    assert not any("norm" in n.rsplit(".", 1)[-1] for n in ignored)
+    assert {"mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.mlp.gate"} <= ignored  # a draft model's
+    assert "mtp.layers.0.mlp.experts" not in ignored  # MTP experts are quantized (not counted by first/last)
+
+
+def test_an_ignore_pattern_splitting_a_layer_is_refused():
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8", ignore_patterns=("*.experts.0.*",))
+    with pytest.raises(ValueError, match="all in BF16 or all quantized"):
+        av.vllm_engine_args(spec, config)
+
+
+# --------------------------------------------------------------------------------------------------
+# constraints (SPEC §2.4)
+
+
+def test_block_fp8_needs_i_per_rank_aligned_to_128():
+    """Qwen3-30B-A3B: I = 768 splits into 384 (tp=2) but 192 (tp=4) is not 128-aligned."""
+    config = _config("qwen3_moe")
+    quant = _quant(RefitSpec(model_type="qwen3_moe", fmt="block_fp8"), config)
+    base = av.build_manifest(vllm_parameters(config, quant), config, quant)
+    for tp, ok in ((2, True), (4, False)):
+        manifest = _with_tp(base, tp)
+        problems = av.check_vllm_constraints(manifest, config)
+        assert (problems == []) is ok, problems
+    assert "768/4 = 192" in av.check_vllm_constraints(_with_tp(base, 4), config)[0]
+
+
+def _with_tp(manifest, tp):
+    from dataclasses import replace
+
+    return replace(manifest, info={**manifest.info, "tp_size": tp, "moe_tp_size": tp})
+
+
+def test_mxfp8_needs_h_and_i_aligned_to_32():
+    good = _small("qwen3_moe", unaligned=True)  # H=160, I=96: multiples of 32, not of 128
+    spec = RefitSpec(model_type="qwen3_moe", fmt="mxfp8")
+    manifest = _manifest(good, spec)
+    assert av.check_vllm_constraints(manifest, plan_from_hf_config(good, spec)) == []
+    bad = _small("qwen3_moe", hidden=144, intermediate=48)
+    problems = av.check_vllm_constraints(manifest, bad)
+    assert len(problems) == 2 and "hidden_size = 144" in problems[0] and "= 48" in problems[1]
+
+
+def test_static_activation_scales_are_a_problem():
+    config = _small("qwen3_moe", num_layers=1)
+    quant = {
+        **_quant(RefitSpec(model_type="qwen3_moe", fmt="fp8_per_tensor"), config),
+        "activation_scheme": "static",
+    }
+    params = vllm_parameters(config, quant)
+    params += [[f"model.layers.0.mlp.experts.{w}_input_scale", F32, [2]] for w in ("w13", "w2")]
+    manifest = av.build_manifest(params, config, quant)
+    assert any("static activation scales" in p for p in av.check_vllm_constraints(manifest, config))
+
+
+# --------------------------------------------------------------------------------------------------
+# loading and the driver side, with stand-ins for vLLM's objects
+
+
+def test_generation_goes_through_reload_weights_slabs_last():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: its layerwise reload would be used")
+    seen = []
+    runner = SimpleNamespace(
+        model=None, reload_weights=lambda weights_iterator: seen.extend(n for n, _ in weights_iterator)
+    )
+    tensors = {
+        "model.language_model.layers.0.mlp.experts.gate_up_proj": torch.zeros(1),
+        "model.language_model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(1),
+        "model.language_model.layers.0.mlp.experts.down_proj": torch.zeros(1),
+        "lm_head.weight": torch.zeros(1),
+    }
+    av.load_generation(SimpleNamespace(model_runner=runner), tensors, Format.BLOCK_FP8)
+    assert seen[-2:] == [
+        "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        "model.language_model.layers.0.mlp.experts.down_proj",
+    ]
+    assert len(seen) == 4
+
+
+def test_without_layerwise_reload_fp8_is_refused_and_bf16_loads():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    loaded = []
+    model = SimpleNamespace(load_weights=lambda w: loaded.extend(n for n, _ in w))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    with pytest.raises(RefitError, match="no layerwise reload"):
+        av.load_generation(worker, {"a.weight": torch.zeros(1)}, Format.BLOCK_FP8)
+    av.load_generation(worker, {"a.weight": torch.zeros(1)}, Format.BF16)
+    assert loaded == ["a.weight"]
+
+
+class _FakeLLM:
+    def __init__(self, results):
+        self.results, self.calls, self.resets = results, [], 0
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append((method, args))
+        return self.results
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def test_refit_engine_checks_every_worker():
+    ok = [{"worker": f"vllm-rank{r}", "step": 3, "ok": True, "seconds": 0.1} for r in range(2)]
+    llm = _FakeLLM(ok)
+    assert [r.worker for r in av.refit_engine(llm, min_step=3)] == ["vllm-rank0", "vllm-rank1"]
+    assert llm.calls == [("refit_load", (3, None))] and llm.resets == 1
+    bad = _FakeLLM([ok[0], {"worker": "vllm-rank1", "step": None, "ok": False, "error": "TimeoutError: x"}])
+    with pytest.raises(RefitError, match="vllm-rank1: TimeoutError"):
+        av.refit_engine(bad, min_step=3)
+    assert bad.resets == 0
+    with pytest.raises(RefitError, match="no engine worker"):
+        av.refit_engine(_FakeLLM([]))
+
+
+if __name__ == "__main__":
+    regenerate()
