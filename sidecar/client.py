@@ -414,12 +414,12 @@ def _blocks(
     Each block fixes the leading indices, takes a range along one dim and all of the dims after it.
     """
     nd = len(shape)
+    if itemsize > limit:
+        raise ValueError(f"a single element of {itemsize} bytes exceeds the frame limit {limit}")
     if nd == 0 or itemsize * _prod(shape) <= limit:
         yield (0,) * nd, shape
         return
-    k = next(k for k in range(nd + 1) if itemsize * _prod(shape[k:]) <= limit)
-    if k == nd:
-        raise ValueError(f"a single element of {itemsize} bytes exceeds the frame limit {limit}")
+    k = next(k for k in range(1, nd + 1) if itemsize * _prod(shape[k:]) <= limit)
     row = itemsize * _prod(shape[k:])
     step = max(1, limit // row)
     for lead in itertools.product(*(range(d) for d in shape[: k - 1])):

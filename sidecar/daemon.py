@@ -44,6 +44,7 @@ log = logging.getLogger("refitd.daemon")
 
 MAX_MESSAGES_PER_TICK = 256
 MAX_REMEMBERED_FAILURES = 8
+CLOSE_LINGER_MS = 500
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Peer:
     name: str = ""
     local: bool = False
     waiting: int | None = None  # reader: min_step of an outstanding WAIT
+    hello_seq: int = 0  # trainer: when (in daemon events) its latest HELLO arrived
 
 
 class Daemon:
@@ -76,9 +78,12 @@ class Daemon:
         self.target = None  # the Generation the step in progress writes
         self.deferred: list = []  # units ready before the target generation was free
         self.pending: list[tuple[bytes, Message]] = []  # BEGINs for a later step
-        self.failures: dict[int, tuple[RefitError, set[int]]] = {}  # step -> error, ranks told
+        # step -> (error, ranks told, event number of the failure)
+        self.failures: dict[int, tuple[RefitError, set[int], int]] = {}
+        self.events = 0  # counts HELLOs and failures, to order them
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
+        self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
         self._stop = False
         self._closed = False
         self.ctx = zmq.Context()
@@ -157,6 +162,7 @@ class Daemon:
                 except zmq.Again:
                     break
                 self._dispatch(frames)
+            self._flush_credits()
         self._drain_worker()
         self._check_timers(time.monotonic())
 
@@ -173,9 +179,10 @@ class Daemon:
             self.worker.close()
         if self.arenas is not None:
             self.arenas.close()
-        for sock in (self.router, self.wake):
-            if sock is not None:
-                sock.close(linger=0)
+        if self.router is not None:
+            self.router.close(linger=CLOSE_LINGER_MS)  # the SHUTDOWN errors just queued still go out
+        if self.wake is not None:
+            self.wake.close(linger=0)
         self.ctx.term()
         if self.config.listen.startswith("ipc://"):
             Path(self.config.listen.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -193,6 +200,13 @@ class Daemon:
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
             log.debug("cannot send %s to a peer: %s", kind.name, exc)
             return False
+
+    def _flush_credits(self) -> None:
+        """One CREDIT per client per turn of the loop, for every frame taken in that turn."""
+        credits, self._credits = self._credits, {}
+        if self.step is not None:
+            for identity, frames in credits.items():
+                self._send(identity, Kind.CREDIT, {"step": self.step.step, "frames": frames})
 
     def _send_error(self, identity: bytes, err: RefitError) -> None:
         self._send(identity, Kind.ERROR, err.to_wire())
@@ -217,6 +231,10 @@ class Daemon:
                 identity, RefitError(f"{msg.kind.name} is not a request", kind=ErrorKind.PROTOCOL)
             )
             return
+        self._handle(handler, identity, msg)
+
+    def _handle(self, handler, identity: bytes, msg: Message) -> None:
+        """Run one handler; whatever it raises fails at most the step, never the daemon."""
         try:
             handler(identity, msg)
         except ProtocolError as exc:
@@ -226,6 +244,15 @@ class Daemon:
                 self._fail_step(exc)
             else:
                 self._send_error(identity, exc)
+        except Exception as exc:  # a bug: report it, fail the step it touched, keep serving
+            log.exception("internal error handling %s", msg.kind.name)
+            err = RefitError(
+                f"internal error handling {msg.kind.name}: {exc!r}; please report it", kind=ErrorKind.INTERNAL
+            )
+            if self.step is not None and msg.get("step") == self.step.step:
+                self._fail_step(RefitError(err.message, kind=err.kind, step=self.step.step))
+            else:
+                self._send_error(identity, err)
 
     def _trainer(self, identity: bytes) -> Peer:
         peer = self.peers.get(identity)
@@ -261,6 +288,7 @@ class Daemon:
             pid=msg.get("pid"),
             host=str(msg.get("host", "")),
             local=local,
+            hello_seq=self._next_event(),
         )
         self._send(
             identity,
@@ -282,15 +310,26 @@ class Daemon:
         step = msg.require("step", int)
         rows = msg.require("pieces", list)
         failed = self.failures.get(step)
-        if failed is not None and peer.rank not in failed[1]:
-            failed[1].add(peer.rank)
-            self._send_error(identity, failed[0])
-            return
+        if failed is not None:
+            err, told, failed_at = failed
+            if peer.rank not in told:
+                told.add(peer.rank)
+                self._send_error(identity, err)
+                return
+            if peer.hello_seq < failed_at:
+                # This BEGIN crossed the ERROR we sent: the client raises it before anything else, and
+                # a retry would say HELLO again first. Starting a step with it would hold every later
+                # step until the step timeout.
+                log.info(
+                    "ignored rank %d's BEGIN of step %d, which failed before it arrived", peer.rank, step
+                )
+                return
         if self.last_step is not None and step <= self.last_step:
             raise RefitError(
                 f"step {step} does not increase: step {self.last_step} is already published; push a later step",
                 kind=ErrorKind.STEP_ORDER,
                 rank=peer.rank,
+                step=step,
             )
         if self.step is None:
             if not self._can_start_step():
@@ -298,12 +337,15 @@ class Daemon:
                 return
             self.step = StepState(step, self.config.world_size, time.monotonic() + self.config.step_timeout_s)
             self.failures.pop(step, None)
+            if self.worker is not None:
+                self.worker.forget_cancelled()  # nothing in flight; a retried step number must run
         elif step != self.step.step:
             if step < self.step.step:
                 raise RefitError(
                     f"step {step} does not increase: step {self.step.step} is in progress",
                     kind=ErrorKind.STEP_ORDER,
                     rank=peer.rank,
+                    step=step,
                 )
             self.pending.append((identity, msg))
             return
@@ -313,6 +355,10 @@ class Daemon:
         if state.all_begun:
             self._all_begun()
 
+    def _next_event(self) -> int:
+        self.events += 1
+        return self.events
+
     def _can_start_step(self) -> bool:
         return self.worker is None or self.worker.inflight == 0
 
@@ -321,7 +367,9 @@ class Daemon:
         state.phases.all_begun = time.monotonic()
         if self.plan is None:
             self._plan_from_declarations(state)
+        t0 = time.monotonic()
         state.validate_against(self.plan)
+        state.phases.validate = time.monotonic() - t0
         self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
         staging = self.arenas.staging.handle()
         for rank, identity in state.peers.items():
@@ -395,7 +443,7 @@ class Daemon:
         if nbytes:
             src = torch.frombuffer(data, dtype=torch.uint8).view(dest.dtype).view(shape)
             dest.copy_(src)
-        self._send(identity, Kind.CREDIT, {"step": state.step, "frames": 1})
+        self._credits[identity] = self._credits.get(identity, 0) + 1
         done = state.piece_received(peer.rank, pid, nbytes)
         if done:
             self._tensor_complete(done)
@@ -520,7 +568,7 @@ class Daemon:
             except Exception:
                 break
             self.worker.inflight -= 1
-            if self.step is None or done.step != self.step.step:
+            if self.step is None or done.step != self.step.step or done.skipped:
                 continue  # a unit of a step that already failed
             self.step.phases.quant_busy += done.seconds
             if done.error is not None:
@@ -592,7 +640,7 @@ class Daemon:
             if peer.role == "trainer" and peer.rank is not None:
                 self._send_error(peer.identity, err)
                 told.add(peer.rank)
-        self.failures[state.step] = (err, told)
+        self.failures[state.step] = (err, told, self._next_event())
         while len(self.failures) > MAX_REMEMBERED_FAILURES:
             self.failures.pop(next(iter(self.failures)))
         self.worker.cancel(state.step)
@@ -606,18 +654,7 @@ class Daemon:
             return
         pending, self.pending = self.pending, []
         for identity, msg in pending:
-            self._dispatch_message(identity, msg)
-
-    def _dispatch_message(self, identity: bytes, msg: Message) -> None:
-        try:
-            self.handle_begin(identity, msg)
-        except ProtocolError as exc:
-            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
-        except RefitError as exc:
-            if self.step is not None and exc.step == self.step.step:
-                self._fail_step(exc)
-            else:
-                self._send_error(identity, exc)
+            self._handle(self.handle_begin, identity, msg)
 
     # ------------------------------------------------------------------------------------------
     # timers

@@ -44,7 +44,7 @@ class Declared:
 
 @dataclass(slots=True)
 class Phases:
-    """Wall-clock marks of one step (``time.monotonic()``)."""
+    """Wall-clock marks of one step (``time.monotonic()``) and the seconds spent validating."""
 
     first_begin: float = 0.0
     all_begun: float = 0.0
@@ -52,18 +52,25 @@ class Phases:
     quant_start: float = 0.0
     quant_end: float = 0.0
     quant_busy: float = 0.0  # seconds the worker spent in units (receive and quantize overlap)
+    validate: float = 0.0  # seconds spent checking declarations against the plan and coverage
     published: float = 0.0
 
     def seconds(self) -> dict[str, float]:
-        """receive, validate, quantize, publish, total; phases overlap where the pipeline overlaps them."""
+        """Per-phase seconds. ``wait_ranks``: first BEGIN to the last; ``receive``: READY to the last
+        byte; ``quantize``: worker busy time (it overlaps receive: layers are quantized as they
+        complete); ``quantize_tail``: what quantization added after the last byte; ``publish``: the
+        last unit to the generation going live; ``total``: first BEGIN to live."""
         end = self.published or time.monotonic()
         return {
-            "receive": max(0.0, (self.all_received or end) - self.first_begin),
-            "validate": max(0.0, self.all_begun - self.first_begin) if self.all_begun else 0.0,
+            "wait_ranks": max(0.0, self.all_begun - self.first_begin) if self.all_begun else 0.0,
+            "validate": self.validate,
+            "receive": max(0.0, (self.all_received or end) - (self.all_begun or self.first_begin)),
             "quantize": self.quant_busy,
-            "quantize_tail": max(0.0, self.quant_end - self.all_received) if self.quant_end else 0.0,
-            "publish": max(0.0, self.published - self.quant_end)
-            if self.published and self.quant_end
+            "quantize_tail": max(0.0, self.quant_end - self.all_received)
+            if self.quant_end and self.all_received
+            else 0.0,
+            "publish": max(0.0, self.published - max(self.quant_end, self.all_received))
+            if self.published
             else 0.0,
             "total": max(0.0, end - self.first_begin),
         }
