@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import zmq
 
+from adapters.manifest import Manifest
 from sidecar.errors import ErrorKind, RefitError
 from transport.shm import ShmArena, open_arena
 from transport.wire import Kind, Limits, Message, decode, encode
@@ -45,8 +46,12 @@ class Generation:
 
 
 class RefitReader:
-    def __init__(self, endpoint: str, *, name: str | None = None, timeout: float = 600.0):
+    def __init__(
+        self, endpoint: str, *, name: str | None = None, timeout: float = 600.0, manifest: Manifest | None = None
+    ):
         self.endpoint = endpoint
+        self.manifest = manifest
+        self.attach_info: dict[str, Any] = {}
         self.name = name or f"reader-{os.getpid()}"
         self.timeout = timeout
         self._ctx = zmq.Context()
@@ -70,7 +75,7 @@ class RefitReader:
             msg = self._recv(deadline, f"a generation with step >= {min_step}")
             if msg.kind is Kind.ERROR:
                 err = RefitError.from_wire(msg.fields)
-                if "ATTACH first" in err.message:  # the daemon restarted: attach again and re-ask
+                if err.kind is ErrorKind.UNKNOWN_PEER:  # the daemon restarted: attach again and re-ask
                     self._attached = False
                     self._ensure_attached(deadline)
                     self._send(Kind.WAIT, {"min_step": min_step})
@@ -84,14 +89,36 @@ class RefitReader:
                 continue
             return gen
 
-    def release(self, gen: Generation) -> None:
-        """Hand ``gen`` back; its views must not be used afterwards. Idempotent."""
+    def release(
+        self, gen: Generation, *, ok: bool = True, error: str | None = None, seconds: float | None = None
+    ) -> None:
+        """Hand ``gen`` back; its views must not be used afterwards. Idempotent.
+
+        An engine worker also acknowledges with it: ``ok=False`` and ``error`` say that loading the
+        generation failed; the daemon reports it, naming this reader, to the trainer.
+        """
         if gen.released:
             return
         gen.released = True
         if gen in self._held:
             self._held.remove(gen)
-        self._send(Kind.RELEASE, {"generation": gen.index, "step": gen.step})
+        fields: dict[str, Any] = {"generation": gen.index, "step": gen.step, "ok": ok}
+        if error is not None:
+            fields["error"] = str(error)
+        if seconds is not None:
+            fields["seconds"] = float(seconds)
+        self._send(Kind.RELEASE, fields)
+
+    def attach(self, timeout: float | None = None) -> dict[str, Any]:
+        """Attach now (``wait`` does it on demand); returns the daemon's ATTACHED fields.
+
+        With a manifest, the daemon checks its plan against it and refuses (RefitError listing every
+        mismatch) an engine that cannot load what it publishes.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._attached = False
+        self._ensure_attached(deadline)
+        return self.attach_info
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -141,13 +168,17 @@ class RefitReader:
     def _ensure_attached(self, deadline: float) -> None:
         if self._attached:
             return
-        self._send(Kind.ATTACH, {"name": self.name, "pid": os.getpid()})
+        fields: dict[str, Any] = {"name": self.name, "pid": os.getpid()}
+        if self.manifest is not None:
+            fields["manifest"] = self.manifest.to_wire()
+        self._send(Kind.ATTACH, fields)
         while True:
             msg = self._recv(deadline, "ATTACHED")
             if msg.kind is Kind.ATTACHED:
                 break
             if msg.kind is Kind.ERROR:
                 raise RefitError.from_wire(msg.fields)
+        self.attach_info = dict(msg.fields)
         instance = msg.get("instance")
         if instance != self.instance:
             self._forget_arenas()

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class StepResult:
     bytes_in: int
     bytes_out: int
     seconds: dict[str, float]
+    loads: list[dict[str, Any]] = field(default_factory=list)  # wait="loaded": each engine worker's ack
 
 
 @dataclass(slots=True)
@@ -122,14 +123,16 @@ class RefitClient:
         """Push this rank's part of ``step``.
 
         ``wait="published"`` (default) returns the StepResult once every rank's data is quantized and
-        published; ``wait="committed"`` returns as soon as the daemon holds all of this rank's bytes
-        (the trainer may then change its tensors), with a Future for the publication.
+        published; ``wait="loaded"`` also waits until every engine worker attached at publication
+        loaded it (RefitError naming each worker that failed, or none attached); ``wait="committed"``
+        returns as soon as the daemon holds all of this rank's bytes (the trainer may then change its
+        tensors), with a Future for the publication.
         """
-        if wait not in ("published", "committed"):
-            raise ValueError(f"wait={wait!r}: choose 'published' or 'committed'")
+        if wait not in ("published", "loaded", "committed"):
+            raise ValueError(f"wait={wait!r}: choose 'published', 'loaded' or 'committed'")
         committed = threading.Event()
-        future = self._submit(step, named_tensors, timeout, committed)
-        if wait == "published":
+        future = self._submit(step, named_tensors, timeout, committed, loaded=wait == "loaded")
+        if wait in ("published", "loaded"):
             return future.result()
         while not committed.wait(0.05):
             if future.done():
@@ -166,14 +169,14 @@ class RefitClient:
 
     # ------------------------------------------------------------------------------------------
 
-    def _submit(self, step, named_tensors, timeout, committed) -> Future:
+    def _submit(self, step, named_tensors, timeout, committed, *, loaded: bool = False) -> Future:
         if self._closed:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         pieces = _pieces(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        return self._executor.submit(self._push, step, pieces, deadline, committed)
+        return self._executor.submit(self._push, step, pieces, deadline, committed, loaded)
 
     def _close_on_worker(self) -> None:
         if self._staging is not None:
@@ -195,7 +198,7 @@ class RefitClient:
         self._last_sent = time.monotonic()
 
     def _push(
-        self, step: int, pieces: list[_Piece], deadline: float, committed: threading.Event
+        self, step: int, pieces: list[_Piece], deadline: float, committed: threading.Event, loaded: bool = False
     ) -> StepResult:
         try:
             self._hello(step, deadline)
@@ -213,12 +216,19 @@ class RefitClient:
             self._await(step, deadline, {Kind.ACK})
             committed.set()
             result = self._await(step, deadline, {Kind.RESULT}).fields
+            loads: list[dict[str, Any]] = []
+            if loaded:
+                report = self._await(step, deadline, {Kind.LOADED}).fields
+                if not report.get("ok"):
+                    raise RefitError(str(report.get("message")), kind=ErrorKind.ENGINE, step=step)
+                loads = list(report.get("results", []))
             return StepResult(
                 step=step,
                 generation=int(result["generation"]),
                 bytes_in=int(result["bytes_in"]),
                 bytes_out=int(result["bytes_out"]),
                 seconds=dict(result.get("seconds", {})),
+                loads=loads,
             )
         except RefitError:
             raise

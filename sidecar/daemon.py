@@ -30,7 +30,10 @@ from typing import Any
 import torch
 import zmq
 
+from adapters.manifest import Manifest
+from sidecar.attach import check_manifest, engine_bf16_modules
 from sidecar.config import DaemonConfig
+from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.generations import Arenas
 from sidecar.models import get_model
@@ -84,6 +87,8 @@ class Daemon:
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
+        self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
+        self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
         self._closed = False
         self.ctx = zmq.Context()
@@ -257,8 +262,9 @@ class Daemon:
     def _trainer(self, identity: bytes) -> Peer:
         peer = self.peers.get(identity)
         if peer is None or peer.role != "trainer":
-            raise ProtocolError(
-                "say HELLO first (the daemon restarted, or this peer never introduced itself)"
+            raise RefitError(
+                "say HELLO first (the daemon restarted, or this peer never introduced itself)",
+                kind=ErrorKind.UNKNOWN_PEER,
             )
         return peer
 
@@ -387,8 +393,20 @@ class Daemon:
             self._tensor_complete(name)  # zero-byte tensors complete at once
 
     def _plan_from_declarations(self, state: StepState) -> None:
+        keeps = {e.keep_bf16 for e in self.engines.values()}
+        if len(keeps) > 1:
+            raise RefitError(
+                f"the attached engine workers disagree on which routed experts are BF16: "
+                f"{sorted(e.name for e in self.engines.values())}; every engine must agree on one plan",
+                kind=ErrorKind.ENGINE,
+                step=state.step,
+            )
+        for e in self.engines.values():
+            check = check_manifest(state.specs(), self.spec, e.manifest)
+            if not check.ok:
+                raise RefitError(check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step)
         try:
-            plan = RefitPlan.build(state.specs(), self.spec)
+            plan = RefitPlan.build(state.specs(), self.spec, keep_bf16=next(iter(keeps), ()))
             self.arenas.apply_plan(plan)
         except ValueError as exc:
             raise RefitError(
@@ -482,20 +500,94 @@ class Daemon:
     # ---- readers
 
     def handle_attach(self, identity: bytes, msg: Message) -> None:
-        self.peers[identity] = Peer(
-            identity, "reader", time.monotonic(), pid=msg.get("pid"), name=str(msg.get("name", ""))
-        )
+        name = str(msg.get("name", ""))
+        warnings: list[str] = []
+        if msg.get("manifest") is not None:
+            try:
+                manifest = Manifest.from_wire(msg.require("manifest", dict))
+            except ValueError as exc:
+                raise RefitError(f"engine worker {name!r}: {exc}", kind=ErrorKind.ENGINE) from None
+            warnings = self._attach_engine(identity, name, manifest)
+        self.peers[identity] = Peer(identity, "reader", time.monotonic(), pid=msg.get("pid"), name=name)
         live = self.arenas.live_generation()
         self._send(
             identity,
             Kind.ATTACHED,
-            {"instance": self.instance, "live_step": None if live is None else live.step},
+            {
+                "instance": self.instance,
+                "live_step": None if live is None else live.step,
+                "format": self.spec.fmt.value,
+                "checked": self.plan is not None,
+                "warnings": warnings,
+            },
         )
+
+    def _attach_engine(self, identity: bytes, name: str, manifest: Manifest) -> list[str]:
+        """Check ``manifest`` against the plan (re-planning for the engine's BF16 experts); the
+        worker is registered only if it passes. Returns warnings for the worker."""
+        for other_id, other in list(self.engines.items()):
+            if other.name == name and other_id != identity:  # a restarted worker replaces itself
+                self._drop_engine(other_id, f"re-attached as a new process ({name})")
+        if self.plan is None:  # no plan before the first step: checked when the step fixes it
+            self.engines[identity] = EngineState(identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type))
+            return ["no plan yet: the manifest is checked when the first step fixes the plan"]
+        check = check_manifest(self.plan.inputs, self.spec, manifest)
+        if not check.ok:
+            raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
+        if check.plan.keep_bf16 != self.plan.keep_bf16:
+            self._replan_for(name, check.plan)
+        self.engines[identity] = EngineState(identity, name, manifest, check.plan.keep_bf16)
+        if check.warnings:
+            log.warning("engine worker %s attached: %s", name, "; ".join(check.warnings))
+        return check.warnings
+
+    def _replan_for(self, name: str, plan: RefitPlan) -> None:
+        """Publish in BF16 what engine ``name`` holds in BF16 (the manifest wins), if nothing forbids it."""
+        kept = sorted(plan.keep_bf16 - self.plan.keep_bf16)
+        disagree = [e.name for e in self.engines.values() if e.keep_bf16 != plan.keep_bf16]
+        if disagree:
+            raise RefitError(
+                f"engine worker {name!r} holds {len(kept)} routed-expert tensors in BF16 (e.g. {kept[:2]}) that "
+                f"engine workers {disagree} hold in {self.spec.fmt.value}; every engine must agree on one plan",
+                kind=ErrorKind.ENGINE,
+            )
+        if self.step is not None:
+            raise RefitError(
+                f"engine worker {name!r} needs a different plan (BF16 experts) but step {self.step.step} is in "
+                "progress; attach again after it",
+                kind=ErrorKind.BUSY,
+            )
+        try:
+            self.arenas.apply_plan(plan)
+        except ValueError as exc:
+            raise RefitError(
+                f"engine worker {name!r} holds {len(kept)} routed-expert tensors in BF16 that the plan would "
+                f"quantize (e.g. {kept[:2]}), and publishing them in BF16 does not fit: {exc}. Start the daemon "
+                "with the same BF16 exclusions as the engine (--ignore / --first-bf16 / --last-bf16) or a larger "
+                "--publish-bytes",
+                kind=ErrorKind.CAPACITY,
+            ) from None
+        log.warning(
+            "engine worker %s holds %d routed-expert tensors in BF16: publishing them in BF16 from the next step",
+            name,
+            len(kept),
+        )
+        self.plan = plan
+        self.arenas.invalidate()
+
+    def _drop_engine(self, identity: bytes, why: str) -> None:
+        self.engines.pop(identity, None)
+        self.arenas.drop_reader(identity)
+        self.peers.pop(identity, None)
+        for rnd in self.rounds.values():
+            rnd.forget(identity, why)
 
     def handle_wait(self, identity: bytes, msg: Message) -> None:
         peer = self.peers.get(identity)
         if peer is None or peer.role != "reader":
-            raise ProtocolError("ATTACH first (the daemon restarted, or this reader never attached)")
+            raise RefitError(
+                "ATTACH first (the daemon restarted, or this reader never attached)", kind=ErrorKind.UNKNOWN_PEER
+            )
         min_step = msg.get("min_step")
         if min_step is not None and not isinstance(min_step, int):
             raise ProtocolError("WAIT min_step must be an integer or nil")
@@ -507,13 +599,19 @@ class Daemon:
 
     def handle_release(self, identity: bytes, msg: Message) -> None:
         index = msg.require("generation", int)
-        if not self.arenas.release(identity, index, msg.get("step")):
+        step = msg.get("step")
+        if not self.arenas.release(identity, index, step):
             log.debug("release of generation %d by a reader that no longer held it", index)
+        rnd = self.rounds.get(step) if isinstance(step, int) else None
+        if rnd is not None and "ok" in msg.fields:
+            rnd.record(identity, bool(msg.get("ok")), msg.get("error"), msg.get("seconds"))
+            self._finish_rounds(time.monotonic())
         self._maybe_claim()
 
     def handle_detach(self, identity: bytes, msg: Message) -> None:
-        self.arenas.drop_reader(identity)
-        self.peers.pop(identity, None)
+        name = self.peers[identity].name if identity in self.peers else "?"
+        self._drop_engine(identity, f"{name} detached before acknowledging")
+        self._finish_rounds(time.monotonic())
         self._maybe_claim()
 
     def handle_status(self, identity: bytes, msg: Message) -> None:
@@ -617,11 +715,28 @@ class Daemon:
         )
         for identity in state.peers.values():
             self._send(identity, Kind.RESULT, record)
+        self.rounds[state.step] = new_round(
+            state.step, self.engines, list(state.peers.values()), self.config.reader_timeout_s
+        )
+        self._finish_rounds(time.monotonic())
         self.step, self.target = None, None
         for peer in list(self.peers.values()):
             if peer.role == "reader":
                 self._serve_waiting(peer)
         self._start_pending()
+
+    def _finish_rounds(self, now: float) -> None:
+        """Tell each finished round's trainers which engine workers loaded the step (LOADED)."""
+        for step, rnd in list(self.rounds.items()):
+            if not rnd.complete(now):
+                continue
+            del self.rounds[step]
+            report = rnd.report()
+            if rnd.expected:
+                level = logging.INFO if report["ok"] else logging.ERROR
+                log.log(level, "%s", report["message"], extra={"step": step, "phase": "load"})
+            for identity in rnd.trainers:
+                self._send(identity, Kind.LOADED, report)
 
     def _fail_step(self, err: RefitError) -> None:
         state = self.step
@@ -688,6 +803,8 @@ class Daemon:
                     )
                     return
             self._maybe_claim()
+        if self.rounds:
+            self._finish_rounds(now)
         if self.step is None and self.pending:
             self._start_pending()
 
@@ -727,6 +844,16 @@ class Daemon:
             else {"segment": self.arenas.staging.name, "bytes": self.arenas.staging.size},
             "trainers": sorted(p.rank for p in self.peers.values() if p.role == "trainer"),
             "readers": [p.name for p in self.peers.values() if p.role == "reader"],
+            "engines": [
+                {
+                    "name": e.name,
+                    "engine": e.manifest.engine.value,
+                    "version": e.manifest.engine_version,
+                    "moe_backend": e.manifest.moe_backend,
+                    "expert_format": e.manifest.expert_format.value,
+                }
+                for e in self.engines.values()
+            ],
             "plan": None
             if self.plan is None
             else {

@@ -25,6 +25,7 @@ class ErrorKind(str, enum.Enum):
     SHUTDOWN = "shutdown"  # the daemon is stopping
     UNAVAILABLE = "unavailable"  # no daemon answered
     ENGINE = "engine"  # an engine worker failed to attach or to load a generation
+    UNKNOWN_PEER = "unknown_peer"  # the daemon does not know this peer (it restarted): introduce yourself
     INTERNAL = "internal"  # a bug: please report it
 
     @classmethod

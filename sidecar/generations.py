@@ -67,6 +67,12 @@ class Arenas:
         for g in self.generations:
             g.arena.relayout(outputs)
 
+    def invalidate(self) -> None:
+        """Forget every published generation (the layout changed): nothing is live until the next step."""
+        for g in self.generations:
+            g.step = None
+        self.live = None
+
     def segment_names(self) -> list[str]:
         return [self.staging.name, *(g.arena.name for g in self.generations)]
 

@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     ABORT = 9  # client: abort the step, with a reason
     ACK = 14  # daemon: a request was accepted ("of": the kind it acknowledges)
     RESULT = 10  # daemon: the step was published (step, generation, phase times)
+    LOADED = 15  # daemon: every engine attached at publish time loaded the step, or which did not
     ERROR = 11  # either: {kind, message, rank, step}
     PING = 12  # liveness, both ways
     PONG = 13
