@@ -47,7 +47,12 @@ class Generation:
 
 class RefitReader:
     def __init__(
-        self, endpoint: str, *, name: str | None = None, timeout: float = 600.0, manifest: Manifest | None = None
+        self,
+        endpoint: str,
+        *,
+        name: str | None = None,
+        timeout: float = 600.0,
+        manifest: Manifest | None = None,
     ):
         self.endpoint = endpoint
         self.manifest = manifest

@@ -198,7 +198,12 @@ class RefitClient:
         self._last_sent = time.monotonic()
 
     def _push(
-        self, step: int, pieces: list[_Piece], deadline: float, committed: threading.Event, loaded: bool = False
+        self,
+        step: int,
+        pieces: list[_Piece],
+        deadline: float,
+        committed: threading.Event,
+        loaded: bool = False,
     ) -> StepResult:
         try:
             self._hello(step, deadline)

@@ -404,7 +404,9 @@ class Daemon:
         for e in self.engines.values():
             check = check_manifest(state.specs(), self.spec, e.manifest)
             if not check.ok:
-                raise RefitError(check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step)
+                raise RefitError(
+                    check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
+                )
         try:
             plan = RefitPlan.build(state.specs(), self.spec, keep_bf16=next(iter(keeps), ()))
             self.arenas.apply_plan(plan)
@@ -529,7 +531,9 @@ class Daemon:
             if other.name == name and other_id != identity:  # a restarted worker replaces itself
                 self._drop_engine(other_id, f"re-attached as a new process ({name})")
         if self.plan is None:  # no plan before the first step: checked when the step fixes it
-            self.engines[identity] = EngineState(identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type))
+            self.engines[identity] = EngineState(
+                identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type)
+            )
             return ["no plan yet: the manifest is checked when the first step fixes the plan"]
         check = check_manifest(self.plan.inputs, self.spec, manifest)
         if not check.ok:
@@ -586,7 +590,8 @@ class Daemon:
         peer = self.peers.get(identity)
         if peer is None or peer.role != "reader":
             raise RefitError(
-                "ATTACH first (the daemon restarted, or this reader never attached)", kind=ErrorKind.UNKNOWN_PEER
+                "ATTACH first (the daemon restarted, or this reader never attached)",
+                kind=ErrorKind.UNKNOWN_PEER,
             )
         min_step = msg.get("min_step")
         if min_step is not None and not isinstance(min_step, int):

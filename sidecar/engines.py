@@ -46,7 +46,12 @@ class LoadRound:
     def forget(self, identity: bytes, why: str) -> None:
         """A worker that detached or was replaced before acknowledging: a failure, with the reason."""
         if identity in self.expected and identity not in self.results:
-            self.results[identity] = {"worker": self.expected[identity], "ok": False, "error": why, "seconds": None}
+            self.results[identity] = {
+                "worker": self.expected[identity],
+                "ok": False,
+                "error": why,
+                "seconds": None,
+            }
 
     def complete(self, now: float) -> bool:
         return len(self.results) == len(self.expected) or now >= self.deadline
@@ -55,14 +60,24 @@ class LoadRound:
         rows = list(self.results.values())
         for identity, name in self.expected.items():
             if identity not in self.results:
-                rows.append({"worker": name, "ok": False, "error": "did not acknowledge the step in time", "seconds": None})
+                rows.append(
+                    {
+                        "worker": name,
+                        "ok": False,
+                        "error": "did not acknowledge the step in time",
+                        "seconds": None,
+                    }
+                )
         failed = [r for r in rows if not r["ok"]]
         if not rows:
             message = f"no engine worker was attached to load step {self.step}"
         elif failed:
             parts = [f"{r['worker']}: {r['error']}" for r in failed]
             fine = [r["worker"] for r in rows if r["ok"]]
-            message = f"{len(failed)} of {len(rows)} engine workers failed to load step {self.step}: " + "; ".join(parts)
+            message = (
+                f"{len(failed)} of {len(rows)} engine workers failed to load step {self.step}: "
+                + "; ".join(parts)
+            )
             if fine:
                 message += f" (loaded it: {', '.join(fine)})"
         else:
@@ -70,7 +85,9 @@ class LoadRound:
         return {"step": self.step, "ok": bool(rows) and not failed, "results": rows, "message": message}
 
 
-def new_round(step: int, engines: dict[bytes, EngineState], trainers: list[bytes], timeout_s: float) -> LoadRound:
+def new_round(
+    step: int, engines: dict[bytes, EngineState], trainers: list[bytes], timeout_s: float
+) -> LoadRound:
     return LoadRound(
         step=step,
         expected={i: e.name for i, e in engines.items()},
