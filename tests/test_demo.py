@@ -1,0 +1,40 @@
+"""``refitd demo`` (what ``make demo`` runs) end to end: daemon, two trainers, a reference engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["mxfp8"])
+def test_demo_verifies_and_reports_kl(fmt):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "demo",
+            "--format",
+            fmt,
+            "--steps",
+            "2",
+            "--layers",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["verified"] and summary["steps"] == 2 and summary["format"] == fmt
+    assert summary["bytes_published"] < summary["bytes_in"]
+    for row in summary["per_step"]:
+        assert row["published_exact"] and row["engine_exact"]
+        assert 0 < row["kl"] < 0.05
+        assert set(row["seconds"]) >= {"receive", "quantize", "publish", "total", "engine_load"}
