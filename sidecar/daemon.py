@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.generations import Arenas
 from sidecar.models import get_model
+from sidecar.observers import Observer, notify
 from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.quant import NonFiniteError
 from sidecar.step import StepState
@@ -65,8 +67,9 @@ class Peer:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, *, observers: Iterable[Observer] = ()):
         self.config = config
+        self.observers: list[Observer] = list(observers)
         self.instance = secrets.token_hex(8)
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
@@ -136,6 +139,7 @@ class Daemon:
             self.config.world_size,
             self.spec.fmt.value,
         )
+        notify(self.observers, "on_ready", self)
 
     @property
     def ready(self) -> bool:
@@ -169,13 +173,16 @@ class Daemon:
                 self._dispatch(frames)
             self._flush_credits()
         self._drain_worker()
-        self._check_timers(time.monotonic())
+        now = time.monotonic()
+        self._check_timers(now)
+        notify(self.observers, "on_tick", self, now)
 
     def close(self) -> None:
         """Abort the step in flight, free every segment, close sockets (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        notify(self.observers, "on_stopping", self)
         if self.step is not None:
             self._fail_step(
                 RefitError("the daemon is shutting down", kind=ErrorKind.SHUTDOWN, step=self.step.step)
@@ -674,6 +681,7 @@ class Daemon:
             if self.step is None or done.step != self.step.step or done.skipped:
                 continue  # a unit of a step that already failed
             self.step.phases.quant_busy += done.seconds
+            notify(self.observers, "on_unit_done", self, done.step, done.unit, done.start, done.seconds)
             if done.error is not None:
                 kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
                 if not isinstance(done.error, ValueError):
@@ -720,6 +728,7 @@ class Daemon:
         )
         for identity in state.peers.values():
             self._send(identity, Kind.RESULT, record)
+        notify(self.observers, "on_step_published", self, record, state)
         self.rounds[state.step] = new_round(
             state.step, self.engines, list(state.peers.values()), self.config.reader_timeout_s
         )
@@ -742,6 +751,7 @@ class Daemon:
                 log.log(level, "%s", report["message"], extra={"step": step, "phase": "load"})
             for identity in rnd.trainers:
                 self._send(identity, Kind.LOADED, report)
+            notify(self.observers, "on_step_loaded", self, report)
 
     def _fail_step(self, err: RefitError) -> None:
         state = self.step
@@ -755,6 +765,7 @@ class Daemon:
             err,
             extra={"step": state.step, "rank": err.rank, "phase": "fail"},
         )
+        notify(self.observers, "on_step_failed", self, err)
         told = set()
         for peer in self.peers.values():
             if peer.role == "trainer" and peer.rank is not None:

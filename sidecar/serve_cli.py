@@ -72,6 +72,11 @@ def stop_signals(on_stop) -> Iterator[None]:
             signal.signal(s, h)
 
 
+def make_observers(config) -> list:
+    """The operations features watching this daemon (systemd notify, metrics, timelines)."""
+    return []
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -83,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from sidecar.daemon import Daemon  # torch and zmq load only for a valid config
 
     try:
-        daemon = Daemon(config)
+        daemon = Daemon(config, observers=make_observers(config))
     except (RefitError, ValueError) as exc:
         kind = getattr(exc, "kind", None)
         print(f"refitd: cannot start: {exc}", file=sys.stderr)

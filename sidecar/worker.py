@@ -30,6 +30,7 @@ class Done:
     seconds: float
     error: Exception | None
     skipped: bool = False  # cancelled before it ran: its outputs were never written
+    start: float = 0.0  # time.monotonic() when it started
 
 
 def check_finite(unit: Unit, tensors: dict) -> None:
@@ -102,7 +103,7 @@ class QuantWorker:
                         error = exc
                         if not isinstance(exc, (ValueError, NonFiniteError)):
                             log.exception("unit %d of step %d failed", unit.index, step)
-                self.results.put(Done(step, unit.index, time.monotonic() - t0, error, skip))
+                self.results.put(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
                 with contextlib.suppress(zmq.Again):  # a full pipe already holds a pending wake-up
                     wake.send(b"", flags=zmq.NOBLOCK)
         finally:
