@@ -269,31 +269,38 @@ class RefitClient:
 
     # ---- waiting
 
+    def _keepalive(self, step: int, deadline: float, what: str, *, silence_ok: bool = False) -> None:
+        """Raise on a passed deadline (aborting the step) or a silent daemon; ping when one is due."""
+        now = time.monotonic()
+        if now > deadline:
+            self._abort(step, f"rank {self.rank} timed out {what}")
+            raise RefitError(
+                f"rank {self.rank} timed out {what}", kind=ErrorKind.TIMEOUT, rank=self.rank, step=step
+            )
+        if not silence_ok and now - self._last_heard > self._silence_limit():
+            raise RefitError(
+                f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)",
+                kind=ErrorKind.UNAVAILABLE,
+                rank=self.rank,
+                step=step,
+            )
+        if now - self._last_sent > self._heartbeat():
+            self._send(Kind.PING, {"step": step, "rank": self.rank})
+
+    def _heartbeat(self) -> float:
+        return float(self._welcome.get("heartbeat_interval_s", 1.0))
+
+    def _silence_limit(self) -> float:
+        return max(3 * self._heartbeat(), float(self._welcome.get("rank_timeout_s", 10.0)))
+
     def _await(self, step: int, deadline: float, kinds: set[Kind], *, silence_ok: bool = False) -> Message:
         """The next message of ``kinds`` for ``step``; raises on an ERROR for it, a timeout or a silent daemon."""
         sock = self._socket()
-        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
-        silence_limit = max(3 * heartbeat, float(self._welcome.get("rank_timeout_s", 10.0)))
+        what = "waiting for " + "/".join(k.name for k in kinds)
         while True:
-            now = time.monotonic()
-            if now > deadline:
-                self._abort(step, f"rank {self.rank} timed out")
-                raise RefitError(
-                    f"rank {self.rank} timed out waiting for {'/'.join(k.name for k in kinds)}",
-                    kind=ErrorKind.TIMEOUT,
-                    rank=self.rank,
-                    step=step,
-                )
-            if not silence_ok and now - self._last_heard > silence_limit:
-                raise RefitError(
-                    f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)",
-                    kind=ErrorKind.UNAVAILABLE,
-                    rank=self.rank,
-                    step=step,
-                )
-            if now - self._last_sent > heartbeat:
-                self._send(Kind.PING, {"step": step, "rank": self.rank})
-            if not sock.poll(int(min(heartbeat, max(0.001, deadline - now)) * 1000)):
+            self._keepalive(step, deadline, what, silence_ok=silence_ok)
+            wait = min(self._heartbeat(), max(0.001, deadline - time.monotonic()))
+            if not sock.poll(int(wait * 1000)):
                 continue
             msg = self._recv(sock)
             self._last_heard = time.monotonic()
@@ -335,9 +342,8 @@ class RefitClient:
                 self._staging.close()
             self._staging = open_arena(handle, writable=True)
         views = self._staging.tensors()
-        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
         batch, batch_bytes = [], 0
-        for piece, pid in zip(piece_list := pieces, ids):
+        for piece, pid in zip(pieces, ids):
             region = views[piece.name][
                 tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))
             ]
@@ -347,18 +353,8 @@ class RefitClient:
             if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
                 self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
                 batch, batch_bytes = [], 0
-            if time.monotonic() - self._last_sent > heartbeat:
-                self._send(Kind.PING, {"step": step, "rank": self.rank})
             self._poll_async(step)
-            if time.monotonic() > deadline:
-                self._abort(step, f"rank {self.rank} timed out writing")
-                raise RefitError(
-                    f"rank {self.rank} timed out writing its shards",
-                    kind=ErrorKind.TIMEOUT,
-                    rank=self.rank,
-                    step=step,
-                )
-        del piece_list
+            self._keepalive(step, deadline, "writing its shards")
         if batch:
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
 
@@ -381,18 +377,8 @@ class RefitClient:
 
     def _await_credit(self, step: int, deadline: float) -> None:
         sock = self._socket()
-        heartbeat = float(self._welcome.get("heartbeat_interval_s", 1.0))
-        if time.monotonic() > deadline:
-            self._abort(step, f"rank {self.rank} timed out waiting for credit")
-            raise RefitError(
-                f"rank {self.rank} timed out waiting for the daemon to take its data",
-                kind=ErrorKind.TIMEOUT,
-                rank=self.rank,
-                step=step,
-            )
-        if time.monotonic() - self._last_sent > heartbeat:
-            self._send(Kind.PING, {"step": step, "rank": self.rank})
-        if sock.poll(int(heartbeat * 1000)):
+        self._keepalive(step, deadline, "waiting for the daemon to take its data (credit)")
+        if sock.poll(int(self._heartbeat() * 1000)):
             msg = self._recv(sock)
             self._last_heard = time.monotonic()
             self._handle_async(msg, step)
