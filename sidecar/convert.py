@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sidecar import quant
+from sidecar import kernels, quant
 from sidecar.formats import Format
 from sidecar.plan import OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 
@@ -48,6 +48,8 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
     lacking += [o.name for o in unit.outputs if o.name not in outputs]
     if lacking:
         raise ValueError(f"unit {unit.index} ({unit.kind.value}) cannot run: no tensor for {lacking}")
+    if kernels.try_run_unit(unit, inputs, outputs):  # CUDA tensors with Triton: one launch per slab
+        return
     if unit.fmt is None:
         for o in unit.outputs:
             src, dst = inputs[o.source], outputs[o.name]

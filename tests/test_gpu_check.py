@@ -1,0 +1,129 @@
+"""bench/gpu_check.py on the CPU: the one-command GPU check runs its own code paths with tiny shapes.
+
+The GPU machine runs the same script once (``python bench/gpu_check.py --out ...``), so everything
+that does not need a GPU is exercised here: argument handling, the comparison and its report of the
+first mismatch, byte accounting, the torch.compile baseline's arithmetic (run eagerly), and a full
+``--device cpu --small`` run (correctness, timing, and the trainer -> daemon -> engine round trip
+over shared-memory arenas), with pyzmq and NIXL made unimportable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sidecar import quant
+from sidecar.formats import Format
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _load()
+
+
+def test_cpu_dry_run_end_to_end(tmp_path):
+    """`gpu_check.py --device cpu --small` runs every section without pyzmq or NIXL, writes JSON, and
+    reports the kernels as skipped with the capability predicate's reason."""
+    out = tmp_path / "check.json"
+    argv = [str(SCRIPT), "--device", "cpu", "--small", "--iters", "1", "--warmup", "0", "--out", str(out)]
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['zmq'] = None; sys.modules['nixl'] = None  # the GPU machine has neither\n"
+        f"sys.argv = {argv!r}\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    checks = report["correctness"]
+    assert checks and all(c["ok"] is not False for c in checks), [c for c in checks if c["ok"] is False][:3]
+    ran = {(c["impl"], c["fmt"]) for c in checks if c["ok"]}
+    assert {("torch-slab", f.value) for f in Format if f.quantized} <= ran
+    skipped = [c for c in checks if c["ok"] is None]
+    assert skipped and all("CUDA tensors only" in c["status"] for c in skipped)
+    timing = report["timing"]
+    assert timing["copy"]["gbps"] > 0
+    whats = {(r["fmt"], r["what"]) for r in timing["rows"]}
+    assert ("block_fp8", "torch reference, per expert (run_unit)") in whats
+    assert ("mxfp8", "triton") in whats
+    e2e = report["e2e"]
+    assert e2e["status"] == "ran" and e2e["ok"], e2e
+    assert [r["fmt"] for r in e2e["rounds"]] == ["block_fp8", "mxfp8", "fp8_per_tensor"]
+    assert all(r["engine"]["ok"] and r["sample_layer_exact"] for r in e2e["rounds"])
+    assert "correctness:" in proc.stdout and "e2e: ran" in proc.stdout
+
+
+def test_args_defaults():
+    args = gc.parse_args(["--dry-run"])
+    assert args.device.type == "cpu" and args.small and not args.compile
+    assert args.out.name == "gpu-check-cpu.json" and args.out.parent.name == "results"
+    assert gc.parse_args(["--device", "cpu", "--compile", "on"]).compile
+    assert gc.parse_args(["--seed", "7"]).seed == 7
+
+
+def test_compare_names_the_first_mismatch():
+    """A single flipped value byte and a single scale bit: counted, and located."""
+    slab = torch.randn(3, 64, 64).bfloat16()
+    want = gc._run_case(gc.torch_slab, slab, Format.BLOCK_FP8, 2, torch.device("cpu"))
+    got = gc._run_case(gc.torch_slab, slab, Format.BLOCK_FP8, 2, torch.device("cpu"))
+    assert gc.compare(got, want)["ok"]
+    got.q.view(torch.uint8)[2, 1, 5, 7] ^= 1
+    got.s.view(torch.int32)[0, 0, 0, 0] ^= 1
+    res = gc.compare(got, want)
+    assert not res["ok"] and res["values_mismatched"] == 1 and res["scales_mismatched"] == 1
+    assert res["first"]["what"] == "values" and (res["first"]["expert"], res["first"]["part"]) == (2, 1)
+    assert res["first"]["index"] == (5, 7)
+
+
+def test_unwritten_outputs_show_as_mismatches():
+    """Outputs start as NaN bytes: an implementation that skips an expert cannot pass."""
+    slab = torch.randn(2, 64, 64).bfloat16()
+    want = gc._run_case(gc.torch_slab, slab, Format.MXFP8, 1, torch.device("cpu"))
+
+    def lazy(slab, fmt, outs, names, config=None):
+        gc.torch_slab(slab[:1], fmt, outs[:1], names[:1])
+
+    res = gc.compare(gc._run_case(lazy, slab, Format.MXFP8, 1, torch.device("cpu")), want)
+    assert not res["ok"] and res["first"]["expert"] == 1
+
+
+def test_bytes_moved_for_a_qwen35_layer():
+    shape = gc.QWEN35
+    n = 3 * 256 * 512 * 2048
+    assert shape.numel == n
+    assert gc.bytes_moved(shape, Format.FP8_PER_TENSOR) == 3 * n + 4 * 256 * 3
+    assert gc.bytes_moved(shape, Format.MXFP8) == 3 * n + n // 32
+    blocks = 256 * (2 * 4 * 16 + 16 * 4)  # gate and up [512, 2048]: 4 x 16 tiles; down [2048, 512]: 16 x 4
+    assert gc.bytes_moved(shape, Format.BLOCK_FP8) == 3 * n + 4 * blocks
+
+
+@pytest.mark.parametrize("fmt", [f for f in Format if f.quantized], ids=lambda f: f.value)
+def test_compile_baseline_arithmetic_is_the_reference(fmt):
+    """The whole-slab function handed to torch.compile equals the reference when run eagerly, so a
+    mismatch reported on the GPU is the compiler's (e.g. a division it does not round correctly)."""
+    g = torch.Generator().manual_seed(1)
+    slab = (torch.randn(3, 256, 384, generator=g) * 0.05).bfloat16()
+    slab[0, :128, :128] = 0
+    want = {"s": gc._run_case(gc.torch_slab, slab, fmt, 2, torch.device("cpu"))}
+    q, s = gc.compiled_reference(fmt)(slab, torch.full((), 448.0))
+    assert gc._compiled_matches(fmt, {"s": (q, s)}, want, gc.SMALL) == 0
+    if fmt is Format.BLOCK_FP8:
+        rq, _ = quant.quantize_block_fp8(slab)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

@@ -1,0 +1,751 @@
+"""Daemon-owned GPU memory shared over CUDA IPC: the GPU twin of ``transport.shm.ShmArena``.
+
+The daemon allocates each arena with plain ``cudaMalloc`` (through ``cuda.bindings``, never the
+torch caching allocator: its expandable segments break CUDA IPC and RDMA) and exports it with
+``cudaIpcGetMemHandle``. The handle travels in msgpack as plain data, no pickle::
+
+    {"kind": "cuda_ipc", "name": str, "size": int, "layout": [...],   # as ShmArena.handle()
+     "ipc_handle": bytes (64, cudaIpcMemHandle_t), "gpu_uuid": "GPU-…", "offset": int}
+
+``offset`` is where the arena starts inside the exported allocation (an allocation may hold several
+arenas). A client or engine opens it with ``cudaIpcOpenMemHandle(…, cudaIpcMemLazyEnablePeerAccess)``
+on the CUDA index that *its* process gives that UUID (``transport.gpus``), and sees torch tensors
+wrapped through ``__cuda_array_interface__``. CUDA has no read-only mapping and torch refuses the
+interface's read-only flag, so ``writable=False`` is a promise, not a protection: readers are
+trusted not to write.
+
+Lifetime mirrors ShmSegment: ``close()`` drops this process's reference, and the memory is freed
+(owner: ``cudaFree``) or unmapped (reader: ``cudaIpcCloseMemHandle``) once no tensor view of it is
+alive, so a late view can never touch freed memory. A process that opens a handle it exported
+itself gets its own allocation back (CUDA refuses to open its own handles).
+
+Every CUDA call goes through ``CudaDriver`` so tests substitute a host-memory fake; ``cuda.bindings``
+is imported lazily and ``import transport.cuda_ipc`` works without it.
+
+    >>> arena = CudaIpcArena.create("refitd-gen0", layout, gpu="GPU-6f2a…")   # daemon   # doctest: +SKIP
+    >>> peer = open_any_arena(arena.handle(), writable=False)                 # engine   # doctest: +SKIP
+    >>> param.copy_(peer.tensor("model.layers.0.mlp.experts.0.up_proj.weight"))         # doctest: +SKIP
+    >>> peer.close(); arena.close()                                                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import ctypes
+import enum
+import functools
+import logging
+import weakref
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from transport.gpus import (
+    InsufficientGpuMemory,
+    check_free_memory,
+    gpu_by_uuid,
+    index_for_uuid,
+    local_gpus,
+    normalize_uuid,
+)
+from transport.shm import ALIGN, Layout, ShmArena
+from transport.shm import open_arena as open_shm_arena
+from transport.wire import ProtocolError
+
+log = logging.getLogger("refitd.cuda_ipc")
+
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+ALLOC_GRANULARITY = 2 << 20  # allocations are rounded up to 2 MiB, the IPC mapping granularity
+
+
+class ArenaKind(enum.Enum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed, or CUDA is not usable in this process."""
+
+
+def allocation_size(nbytes: int) -> int:
+    """Bytes to ``cudaMalloc`` for an arena of ``nbytes``: at least one granule, whole granules."""
+    if nbytes < 0:
+        raise ValueError(f"arena size {nbytes} is negative")
+    return max(1, -(-nbytes // ALLOC_GRANULARITY)) * ALLOC_GRANULARITY
+
+
+# --------------------------------------------------------------------------------------------------
+# the handle on the wire
+
+
+@dataclass(frozen=True, slots=True)
+class CudaIpcHandle:
+    """The plain-data description of a CUDA-IPC arena; ``from_wire`` checks every field."""
+
+    name: str
+    size: int
+    layout: list[list[Any]]
+    ipc_handle: bytes
+    gpu_uuid: str
+    offset: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": ArenaKind.CUDA_IPC.value,
+            "name": self.name,
+            "size": self.size,
+            "layout": self.layout,
+            "ipc_handle": self.ipc_handle,
+            "gpu_uuid": self.gpu_uuid,
+            "offset": self.offset,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Any) -> CudaIpcHandle:
+        def bad(msg: str) -> ProtocolError:
+            return ProtocolError(f"cuda_ipc arena handle: {msg}")
+
+        if not isinstance(d, Mapping):
+            raise bad(f"expected a map, got {type(d).__name__}")
+        if d.get("kind") != ArenaKind.CUDA_IPC.value:
+            raise bad(f"kind is {d.get('kind')!r}, expected 'cuda_ipc'")
+        for key in ("name", "size", "layout", "ipc_handle", "gpu_uuid", "offset"):
+            if key not in d:
+                raise bad(f"field {key!r} is missing")
+        name, size, offset, raw, uuid = d["name"], d["size"], d["offset"], d["ipc_handle"], d["gpu_uuid"]
+        if not isinstance(name, str) or not name:
+            raise bad(f"'name' must be a non-empty string, got {name!r}")
+        for key, value in (("size", size), ("offset", offset)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise bad(f"{key!r} must be a non-negative integer, got {value!r}")
+        if offset % ALIGN:
+            raise bad(f"'offset' {offset} is not a multiple of {ALIGN}")
+        if not isinstance(raw, bytes | bytearray | memoryview):
+            raise bad(f"'ipc_handle' must be bytes, got {type(raw).__name__}")
+        raw = bytes(raw)
+        if len(raw) != IPC_HANDLE_BYTES:
+            raise bad(f"'ipc_handle' must be {IPC_HANDLE_BYTES} bytes (cudaIpcMemHandle_t), got {len(raw)}")
+        if not any(raw):
+            raise bad("'ipc_handle' is all zeros: the arena was never exported")
+        if not isinstance(uuid, str) or not uuid.upper().startswith("GPU-") or len(uuid) < 8:
+            raise bad(f"'gpu_uuid' must be a GPU UUID like 'GPU-6f2a…', got {uuid!r}")
+        rows = d["layout"]
+        try:
+            layout = Layout.from_wire(rows)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise bad(f"'layout' is malformed ({exc})") from None
+        if layout.size > size:
+            raise bad(f"the layout needs {layout.size} bytes but the arena holds {size}")
+        return cls(name, size, [list(r) for r in rows], raw, normalize_uuid(uuid), offset)
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA seam
+
+
+class Driver(Protocol):
+    """The few CUDA calls an arena makes; ``CudaDriver`` is the real one, tests pass a host fake."""
+
+    def visible_uuids(self) -> list[str]: ...
+    def current_device(self) -> int: ...
+    def mem_get_info(self, device: int) -> tuple[int, int]: ...
+    def malloc(self, device: int, nbytes: int) -> int: ...
+    def memset(self, device: int, ptr: int, value: int, nbytes: int) -> None: ...
+    def free(self, device: int, ptr: int) -> None: ...
+    def ipc_get_handle(self, device: int, ptr: int) -> bytes: ...
+    def ipc_open(self, device: int, handle: bytes) -> int: ...
+    def ipc_close(self, device: int, ptr: int) -> None: ...
+    def synchronize(self, device: int) -> None: ...
+    def tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor: ...
+
+
+class CudaArrayInterface:
+    """``nbytes`` of device memory at ``ptr`` as a uint8 vector, for ``torch.as_tensor``.
+
+    ``owner`` is kept alive by every tensor made from this object (torch holds the object until
+    the storage dies). The read-only flag is always False: torch raises on True.
+    """
+
+    def __init__(self, ptr: int, nbytes: int, owner: object = None):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _import_cudart() -> tuple[Any, Any]:
+    """(runtime, driver) modules of cuda-python: ``cuda.bindings`` (>=12.6) or the older ``cuda``."""
+    try:
+        from cuda.bindings import driver as cu
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        from cuda import cuda as cu  # cuda-python < 12.6
+        from cuda import cudart
+    return cudart, cu
+
+
+class CudaDriver:
+    """The CUDA runtime through cuda-python; every call checks its error code.
+
+    Calls for a device other than the current one switch to it and then restore the thread's
+    previous CUDA context exactly (a bare ``cudaSetDevice`` back would create a context, and
+    hundreds of MiB, on a GPU this process never used).
+    """
+
+    def __init__(self, cudart: Any, cu: Any):
+        self.rt, self.cu = cudart, cu
+
+    def _check(self, result: Any, what: str) -> Any:
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise CudaError(f"{what} failed: {self._error_text(err)}")
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _error_text(self, err: Any) -> str:
+        try:
+            name = self.rt.cudaGetErrorName(err)[1].decode()
+            text = self.rt.cudaGetErrorString(err)[1].decode()
+            return f"{name} ({text})"
+        except Exception:
+            return f"CUDA error {int(err)}"
+
+    @contextlib.contextmanager
+    def on(self, device: int) -> Iterator[None]:
+        if self.current_device() == device:
+            yield
+            return
+        ctx = self._check(self.cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._check(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
+        try:
+            yield
+        finally:
+            self._check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def device_count(self) -> int:
+        return int(self._check(self.rt.cudaGetDeviceCount(), "cudaGetDeviceCount"))
+
+    def visible_uuids(self) -> list[str]:
+        out = []
+        for i in range(self.device_count()):
+            prop = self._check(self.rt.cudaGetDeviceProperties(i), f"cudaGetDeviceProperties({i})")
+            out.append(normalize_uuid(bytes(prop.uuid.bytes)))
+        return out
+
+    def current_device(self) -> int:
+        return int(self._check(self.rt.cudaGetDevice(), "cudaGetDevice"))
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        with self.on(device):
+            free, total = self._check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")
+        return int(free), int(total)
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        with self.on(device):
+            return int(self._check(self.rt.cudaMalloc(nbytes), f"cudaMalloc({nbytes})"))
+
+    def memset(self, device: int, ptr: int, value: int, nbytes: int) -> None:
+        with self.on(device):
+            self._check(self.rt.cudaMemset(ptr, value, nbytes), "cudaMemset")
+            self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def free(self, device: int, ptr: int) -> None:
+        with self.on(device):
+            self._check(self.rt.cudaFree(ptr), "cudaFree")
+
+    def ipc_get_handle(self, device: int, ptr: int) -> bytes:
+        with self.on(device):
+            h = self._check(self.rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+        return ctypes.string_at(h.getPtr(), IPC_HANDLE_BYTES)  # .reserved is gone in cuda-bindings 13
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        h = self.rt.cudaIpcMemHandle_t()
+        ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+        with self.on(device):
+            result = self.rt.cudaIpcOpenMemHandle(h, self.rt.cudaIpcMemLazyEnablePeerAccess)
+            try:
+                return int(self._check(result, "cudaIpcOpenMemHandle"))
+            except CudaError as exc:
+                raise CudaError(
+                    f"{exc}: the daemon that exported this arena has exited or freed it (reconnect and "
+                    "take a fresh handle), or the GPU cannot reach it (no peer access, different MIG "
+                    "instance, or a container without --ipc=host)"
+                ) from None
+
+    def ipc_close(self, device: int, ptr: int) -> None:
+        with self.on(device):
+            self._check(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+    def synchronize(self, device: int) -> None:
+        with self.on(device):
+            self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+        t = torch.as_tensor(CudaArrayInterface(ptr, nbytes, owner))  # no device=: it would copy
+        if not t.is_cuda or t.data_ptr() != ptr:
+            raise CudaError(f"torch copied the arena instead of wrapping it (got {t.device}); refusing")
+        return t
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[CudaDriver | None, str | None]:
+    try:
+        cudart, cu = _import_cudart()
+    except ImportError as exc:
+        return None, f"cuda-python is not installed (pip install 'refitd[gpu]'): {exc}"
+    driver = CudaDriver(cudart, cu)
+    with contextlib.suppress(Exception):
+        if int(cudart.cudaDriverGetVersion()[1]) == 0:
+            return None, "no NVIDIA driver in this process (libcuda.so was not found)"
+    try:
+        count = driver.device_count()
+    except CudaError as exc:
+        return None, f"CUDA is not usable here: {exc}"
+    if count == 0:
+        return None, "CUDA sees no GPU in this process (check CUDA_VISIBLE_DEVICES)"
+    return driver, None
+
+
+def default_driver(*, required: bool = True) -> CudaDriver | None:
+    """The process's CudaDriver; None (or CudaError if ``required``) when CUDA is not usable."""
+    driver, reason = _probe()
+    if driver is None and required:
+        raise CudaError(reason)
+    return driver
+
+
+def cuda_available() -> bool:
+    """The capability predicate the code and the GPU tests' skipif share."""
+    return _probe()[0] is not None
+
+
+def cuda_unavailable_reason() -> str | None:
+    return _probe()[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# device memory with one owner
+
+
+class DeviceMemory:
+    """One ``cudaMalloc`` allocation, or one IPC mapping of one, in this process.
+
+    Released (freed / unmapped) exactly once, when the last reference goes: the arenas that use it
+    and every tensor view made from it (views hold it through their CudaArrayInterface).
+    """
+
+    # this process's allocations and mappings, by (driver, IPC handle[, device]): each handle is mapped
+    # once, and a handle this process exported resolves to its own allocation (CUDA refuses to open it)
+    _owned: ClassVar[weakref.WeakValueDictionary[tuple[int, bytes], DeviceMemory]] = (
+        weakref.WeakValueDictionary()
+    )
+    _opened: ClassVar[weakref.WeakValueDictionary[tuple[int, bytes, int], DeviceMemory]] = (
+        weakref.WeakValueDictionary()
+    )
+
+    def __init__(
+        self, driver: Driver, ptr: int, nbytes: int, device: int, uuid: str, ipc: bytes, *, owned: bool
+    ):
+        self.driver, self.ptr, self.nbytes, self.device, self.gpu_uuid = driver, ptr, nbytes, device, uuid
+        self.ipc_handle, self.owned = ipc, owned
+        self._finalizer = weakref.finalize(self, _release, driver, ptr, device, owned, uuid)
+
+    @classmethod
+    def allocate(cls, driver: Driver, device: int, uuid: str, nbytes: int) -> DeviceMemory:
+        ptr = driver.malloc(device, nbytes)
+        try:
+            driver.memset(device, ptr, 0, nbytes)  # like a fresh shm segment: readers never see stale bytes
+            ipc = driver.ipc_get_handle(device, ptr)
+        except BaseException:
+            driver.free(device, ptr)
+            raise
+        mem = cls(driver, ptr, nbytes, device, uuid, ipc, owned=True)
+        cls._owned[(id(driver), ipc)] = mem  # the entry dies with mem, which holds driver
+        return mem
+
+    @classmethod
+    def open(cls, driver: Driver, device: int, uuid: str, ipc: bytes, nbytes: int) -> DeviceMemory:
+        """Map an exported allocation once per (handle, device) in this process."""
+        mem = cls._owned.get((id(driver), ipc))
+        if mem is not None:
+            return mem
+        mem = cls._opened.get((id(driver), ipc, device))
+        if mem is not None:
+            mem.nbytes = max(mem.nbytes, nbytes)  # another arena further into the same allocation
+            return mem
+        ptr = driver.ipc_open(device, ipc)
+        mem = cls(driver, ptr, nbytes, device, uuid, ipc, owned=False)
+        cls._opened[(id(driver), ipc, device)] = mem
+        return mem
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"[{offset}, {offset + nbytes}) lies outside the allocation ({self.nbytes} B)")
+        return self.driver.tensor(self.ptr + offset, nbytes, self.device, self)
+
+
+def _release(driver: Driver, ptr: int, device: int, owned: bool, uuid: str) -> None:
+    try:
+        driver.synchronize(device)  # pending copies out of (or into) the memory finish first
+        (driver.free if owned else driver.ipc_close)(device, ptr)
+    except Exception as exc:  # at interpreter exit the runtime may already be gone
+        log.warning("could not %s arena memory on %s: %s", "free" if owned else "unmap", uuid, exc)
+
+
+# --------------------------------------------------------------------------------------------------
+# the arena
+
+
+def _resolve_device(driver: Driver, gpu: int | str | None) -> tuple[int, str]:
+    visible = driver.visible_uuids()
+    if gpu is None:
+        device = driver.current_device()
+    elif isinstance(gpu, int):
+        device = gpu
+        if not 0 <= device < len(visible):
+            raise ValueError(f"cuda:{device} does not exist: this process sees {len(visible)} GPU(s)")
+    else:
+        device = index_for_uuid(gpu, visible)
+    return device, visible[device]
+
+
+def _free_memory(driver: Driver, device: int, uuid: str, nvml: Any = None) -> tuple[int, int, str]:
+    """(free, total, where) for the GPU: NVML first (all processes), else cudaMemGetInfo."""
+    gpu = gpu_by_uuid(uuid, local_gpus(nvml))
+    if gpu is not None:
+        return gpu.memory_free, gpu.memory_total, f"GPU {gpu.index} ({gpu.name}, {uuid})"
+    free, total = driver.mem_get_info(device)
+    return free, total, f"cuda:{device} ({uuid})"
+
+
+class CudaIpcArena:
+    """GPU memory carved by a layout, shared over CUDA IPC. Same interface as ShmArena.
+
+    Create (daemon) with ``create``; open (client, engine) with ``open`` or ``open_any_arena``.
+    """
+
+    kind = ArenaKind.CUDA_IPC.value
+
+    def __init__(
+        self, mem: DeviceMemory, offset: int, size: int, layout: Layout, name: str, *, writable: bool
+    ):
+        if offset % ALIGN or offset + size > mem.nbytes:
+            raise ValueError(
+                f"arena {name!r}: [{offset}, {offset + size}) does not fit its {mem.nbytes} B memory"
+            )
+        if layout.size > size:
+            raise ValueError(f"arena {name!r}: {size} bytes cannot hold a layout of {layout.size} bytes")
+        self._mem: DeviceMemory | None = mem
+        self.offset, self.size, self.layout, self.name, self.writable = offset, size, layout, name, writable
+        self.gpu_uuid, self.device = mem.gpu_uuid, mem.device
+        self._views: dict[str, torch.Tensor] | None = None
+        self._closed: weakref.ref[DeviceMemory] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        layout: Layout,
+        *,
+        size: int | None = None,
+        gpu: int | str | None = None,
+        driver: Driver | None = None,
+        reserve_bytes: int = 0,
+        nvml: Any = None,
+    ) -> CudaIpcArena:
+        """Allocate an arena on ``gpu`` (UUID, this process's index, or the current device).
+
+        Refuses, naming the sizes, when the allocation plus ``reserve_bytes`` (left for the
+        engines and kernels that share the GPU) exceeds its free memory.
+        """
+        capacity = layout.size if size is None else size
+        if capacity < layout.size:
+            raise ValueError(f"arena {name!r}: {capacity} bytes cannot hold a layout of {layout.size} bytes")
+        driver = default_driver() if driver is None else driver
+        device, uuid = _resolve_device(driver, gpu)
+        nbytes = allocation_size(capacity)
+        free, total, where = _free_memory(driver, device, uuid, nvml)
+        check_free_memory(f"arena {name!r}", nbytes, free=free, total=total, gpu=where, reserve=reserve_bytes)
+        try:
+            mem = DeviceMemory.allocate(driver, device, uuid, nbytes)
+        except CudaError as exc:
+            if "MemoryAllocation" not in str(exc):
+                raise
+            raise InsufficientGpuMemory(
+                f"arena {name!r}: cudaMalloc of {nbytes} B on {where} failed: {exc}"
+            ) from None
+        return cls(mem, 0, capacity, layout, name, writable=True)
+
+    @classmethod
+    def open(
+        cls,
+        handle: Mapping[str, Any],
+        *,
+        writable: bool,
+        device: int | None = None,
+        driver: Driver | None = None,
+    ) -> CudaIpcArena:
+        """Map an arena from its ``handle()``; on its own GPU, or on ``device`` as peer memory."""
+        h = CudaIpcHandle.from_wire(handle)
+        driver = default_driver() if driver is None else driver
+        if device is None:
+            device = index_for_uuid(h.gpu_uuid, driver.visible_uuids())
+        mem = DeviceMemory.open(driver, device, h.gpu_uuid, h.ipc_handle, h.offset + h.size)
+        return cls(mem, h.offset, h.size, Layout.from_wire(h.layout), h.name, writable=writable)
+
+    def _memory(self) -> DeviceMemory:
+        if self._mem is None:
+            raise ValueError(f"arena {self.name!r} is closed")
+        return self._mem
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors()[name]
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._views is None:
+            flat = self._memory().tensor(self.offset, self.size)
+            self._views = {
+                s.name: flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.layout
+            }
+        return self._views
+
+    def relayout(self, layout: Layout) -> None:
+        """Carve the same memory differently (the plan became known after the arena was made)."""
+        if layout.size > self.size:
+            raise ValueError(
+                f"arena {self.name!r} holds {self.size} bytes but the plan needs {layout.size}; "
+                "raise the configured arena size or give the daemon the model's config so it sizes itself"
+            )
+        self.layout, self._views = layout, None
+
+    def handle(self) -> dict[str, Any]:
+        mem = self._memory()
+        return CudaIpcHandle(
+            self.name, self.size, self.layout.to_wire(), mem.ipc_handle, mem.gpu_uuid, self.offset
+        ).to_wire()
+
+    @property
+    def released(self) -> bool:
+        """True once this arena is closed and its memory is gone from this process."""
+        if self._mem is not None:
+            return False
+        mem = self._closed() if self._closed is not None else None
+        return mem is None or mem.released
+
+    def close(self) -> None:
+        """Drop this process's reference (idempotent); the memory goes once no view of it is alive."""
+        self._views = None
+        mem, self._mem = self._mem, None
+        if mem is not None:
+            self._closed = weakref.ref(mem)
+
+    def unlink(self) -> None:
+        """Nothing to do: GPU memory has no name to remove. Kept so arenas are interchangeable."""
+
+
+def open_any_arena(
+    handle: Mapping[str, Any], *, writable: bool, device: int | None = None, driver: Driver | None = None
+) -> ShmArena | CudaIpcArena:
+    """Open the arena a daemon described, whatever memory it lives in.
+
+    ``device`` (CUDA arenas only): map on this CUDA index instead of the arena's own GPU, reading
+    it as peer memory over NVLink; by default the arena's GPU must be visible to this process.
+    """
+    if not isinstance(handle, Mapping):
+        raise ValueError(f"an arena handle is a map, got {type(handle).__name__}")
+    try:
+        kind = ArenaKind(handle.get("kind"))
+    except ValueError:
+        known = ", ".join(repr(k.value) for k in ArenaKind)
+        raise ValueError(f"arena kind {handle.get('kind')!r} is unknown; this build opens {known}") from None
+    if kind is ArenaKind.SHM:
+        return open_shm_arena(handle, writable=writable)
+    return CudaIpcArena.open(handle, writable=writable, device=device, driver=driver)
+
+
+# --------------------------------------------------------------------------------------------------
+# staging as a ring (pure bookkeeping over byte ranges; works for shm and CUDA arenas alike)
+
+
+class SlotState(enum.Enum):
+    FREE = "free"  # nobody owns it
+    CLAIMED = "claimed"  # granted to a producer, which is writing it
+    FILLED = "filled"  # written; queued for the consumer in fill order
+    DRAINING = "draining"  # the consumer is reading it (assembling / quantizing)
+
+
+@dataclass(slots=True)
+class RingSlot:
+    index: int
+    offset: int  # bytes from the start of the staging arena
+    nbytes: int
+    ticket: int = 0  # changes at every grant: a fill or release naming an old ticket is refused
+    state: SlotState = SlotState.FREE
+    owner: Hashable | None = None
+    contents: Any = None  # what the producer said it wrote (piece ids, sub-blocks), set at fill
+
+
+class RingError(ValueError):
+    """A ring operation out of turn: a stale ticket, a slot in the wrong state, an oversized write."""
+
+
+class StagingRing:
+    """``regions`` staging regions of ``region_bytes`` each, granted to producers one at a time.
+
+    Trainers stream layer by layer through the ring while the daemon drains filled regions behind
+    them, so staging need not hold a whole step. A region goes FREE -> CLAIMED (``claim``) ->
+    FILLED (``fill``) -> DRAINING (``take``) -> FREE (``release``); producers that find no free
+    region wait in FIFO order and are granted the next one released. Tickets make every grant
+    distinct, so a late message about an earlier use of a region is refused, not obeyed. Slots
+    handed out are snapshots; ``slots`` is the live table. Operations that free capacity (``fill``
+    under a ``per_owner`` limit, ``release``, ``drop``) return the grants they made to waiters.
+
+    >>> ring = StagingRing(regions=4, region_bytes=256 << 20)
+    >>> slot = ring.claim(owner=0)           # None: queued; the grant comes back from release()
+    >>> ring.fill(slot.index, slot.ticket, contents=[(7, (0, 0), (128, 4096))])   # -> grants
+    >>> slot = ring.take()                   # daemon: oldest filled region
+    >>> granted = ring.release(slot.index, slot.ticket)   # [RingSlot …] to tell their owners
+    """
+
+    def __init__(
+        self, *, regions: int, region_bytes: int, base_offset: int = 0, per_owner: int | None = None
+    ):
+        if regions < 1:
+            raise ValueError(f"a staging ring needs at least 1 region, got {regions}")
+        if region_bytes < ALIGN or region_bytes % ALIGN:
+            raise ValueError(f"region_bytes must be a positive multiple of {ALIGN}, got {region_bytes}")
+        if base_offset % ALIGN:
+            raise ValueError(f"base_offset must be a multiple of {ALIGN}, got {base_offset}")
+        if per_owner is not None and per_owner < 1:
+            raise ValueError(f"per_owner must be at least 1 (or None for no limit), got {per_owner}")
+        self.region_bytes, self.per_owner = region_bytes, per_owner
+        self.slots = [RingSlot(i, base_offset + i * region_bytes, region_bytes) for i in range(regions)]
+        self._free: collections.deque[int] = collections.deque(range(regions))
+        self._filled: collections.deque[int] = collections.deque()
+        self._waiting: collections.deque[Hashable] = collections.deque()
+        self._tickets = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes the staging arena must hold from ``base_offset`` on."""
+        return len(self.slots) * self.region_bytes
+
+    def count(self, state: SlotState) -> int:
+        return sum(s.state is state for s in self.slots)
+
+    @property
+    def waiting(self) -> list[Hashable]:
+        return list(self._waiting)
+
+    def held_by(self, owner: Hashable) -> list[RingSlot]:
+        return [s for s in self.slots if s.owner == owner and s.state is SlotState.CLAIMED]
+
+    def claim(self, owner: Hashable) -> RingSlot | None:
+        """A free region for ``owner``, or None with ``owner`` queued (once) for a later grant.
+
+        Every waiter ahead is at its ``per_owner`` limit or there would be no free region (each
+        operation that frees capacity serves the queue), so a grant here jumps nobody.
+        """
+        if self._free and owner not in self._waiting and self._may_hold(owner):
+            return self._grant(owner)
+        if owner not in self._waiting:
+            self._waiting.append(owner)
+        return None
+
+    def fill(
+        self, index: int, ticket: int, contents: Any = None, *, nbytes: int | None = None
+    ) -> list[RingSlot]:
+        """The producer finished writing region ``index``: queue it for the consumer.
+
+        Returns the grants this made (the producer may now be under its ``per_owner`` limit).
+        """
+        slot = self._slot(index, ticket, SlotState.CLAIMED, "fill")
+        if nbytes is not None and not 0 <= nbytes <= slot.nbytes:
+            raise RingError(f"region {index} holds {slot.nbytes} bytes; the producer says it wrote {nbytes}")
+        slot.state, slot.contents = SlotState.FILLED, contents
+        self._filled.append(index)
+        return self._serve_waiters()
+
+    def take(self) -> RingSlot | None:
+        """The oldest filled region, now DRAINING; None when nothing is filled."""
+        if not self._filled:
+            return None
+        slot = self.slots[self._filled.popleft()]
+        slot.state = SlotState.DRAINING
+        return copy.copy(slot)
+
+    def release(self, index: int, ticket: int) -> list[RingSlot]:
+        """The consumer is done with region ``index``; returns the grants this made to waiters."""
+        self._free_slot(self._slot(index, ticket, SlotState.DRAINING, "release"))
+        return self._serve_waiters()
+
+    def drop(self, owner: Hashable) -> list[RingSlot]:
+        """Forget a producer that left: unqueue it and free its CLAIMED regions; returns new grants.
+
+        Regions it already filled stay queued (their bytes are whole); the step decides their fate.
+        """
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(owner)
+        for slot in self.held_by(owner):
+            self._free_slot(slot)
+        return self._serve_waiters()
+
+    def reset(self) -> None:
+        """Every region FREE, queues empty, old tickets void (the step aborted or finished)."""
+        for slot in self.slots:
+            slot.state, slot.owner, slot.contents = SlotState.FREE, None, None
+            self._tickets += 1
+            slot.ticket = self._tickets
+        self._free = collections.deque(range(len(self.slots)))
+        self._filled.clear()
+        self._waiting.clear()
+
+    # ---- internals
+
+    def _may_hold(self, owner: Hashable) -> bool:
+        return self.per_owner is None or len(self.held_by(owner)) < self.per_owner
+
+    def _grant(self, owner: Hashable) -> RingSlot:
+        slot = self.slots[self._free.popleft()]
+        self._tickets += 1
+        slot.state, slot.owner, slot.ticket, slot.contents = SlotState.CLAIMED, owner, self._tickets, None
+        return copy.copy(slot)  # a snapshot: the grant as sent to its owner
+
+    def _free_slot(self, slot: RingSlot) -> None:
+        slot.state, slot.owner, slot.contents = SlotState.FREE, None, None
+        self._free.append(slot.index)
+
+    def _serve_waiters(self) -> list[RingSlot]:
+        granted: list[RingSlot] = []
+        skipped: list[Hashable] = []
+        while self._free and self._waiting:
+            owner = self._waiting.popleft()
+            if self._may_hold(owner):
+                granted.append(self._grant(owner))
+            else:
+                skipped.append(owner)  # at its limit: keeps its place for the next release
+        self._waiting.extendleft(reversed(skipped))
+        return granted
+
+    def _slot(self, index: int, ticket: int, state: SlotState, op: str) -> RingSlot:
+        if not 0 <= index < len(self.slots):
+            raise RingError(f"{op}: region {index} does not exist (the ring has {len(self.slots)})")
+        slot = self.slots[index]
+        if slot.ticket != ticket:
+            raise RingError(f"{op}: region {index} ticket {ticket} is stale (current {slot.ticket})")
+        if slot.state is not state:
+            raise RingError(f"{op}: region {index} is {slot.state.value}, expected {state.value}")
+        return slot
