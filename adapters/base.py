@@ -26,6 +26,7 @@ import zmq
 
 from adapters.manifest import Manifest
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.keygen import curve_hint, set_client
 from transport.shm import ShmArena, open_arena
 from transport.wire import Kind, Limits, Message, decode, encode
 
@@ -53,8 +54,12 @@ class RefitReader:
         name: str | None = None,
         timeout: float = 600.0,
         manifest: Manifest | None = None,
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ):
+        """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
+        endpoint (``sidecar.keygen.client_curve``); engines on the daemon's node use ipc:// instead."""
         self.endpoint = endpoint
+        self.curve = curve
         self.manifest = manifest
         self.attach_info: dict[str, Any] = {}
         self.name = name or f"reader-{os.getpid()}"
@@ -62,6 +67,7 @@ class RefitReader:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        set_client(self._sock, curve)
         self._sock.connect(endpoint)
         self._attached = False
         self.instance: str | None = None
@@ -140,7 +146,7 @@ class RefitReader:
         for gen in list(self._held):
             self.release(gen)
         with contextlib.suppress(zmq.ZMQError):
-            self._send(Kind.DETACH, {})
+            self._send(Kind.DETACH, {}, wait=False)
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
@@ -155,16 +161,23 @@ class RefitReader:
 
     # ------------------------------------------------------------------------------------------
 
-    def _send(self, kind: Kind, fields: dict[str, Any]) -> None:
-        self._sock.send_multipart(encode(Message(kind, fields)))
+    def _send(self, kind: Kind, fields: dict[str, Any], *, wait: bool = True) -> None:
+        """``wait=False`` for courtesy messages: a DEALER whose connection never came up (a refused
+        CURVE key) would block on them forever; they are dropped instead."""
+        if wait:
+            self._sock.send_multipart(encode(Message(kind, fields)))
+            return
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
 
     def _recv(self, deadline: float, what: str) -> Message:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._send(Kind.WAIT, {"cancel": True})
+                self._send(Kind.WAIT, {"cancel": True}, wait=False)
                 raise RefitError(
-                    f"no answer from {self.endpoint} within the timeout while waiting for {what}",
+                    f"no answer from {self.endpoint} within the timeout while waiting for {what}"
+                    + curve_hint(self.curve),
                     kind=ErrorKind.TIMEOUT,
                 )
             if self._sock.poll(int(min(left, 1.0) * 1000)):

@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "sidecar.serve_cli",
     "plan": "sidecar.plan_cli",
     "demo": "sidecar.demo",
+    "keygen": "sidecar.keygen",
 }
 
 EXIT_OK = 0

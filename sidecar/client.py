@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.keygen import curve_hint, set_client
 from transport.shm import ShmArena, open_arena
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
 
@@ -63,6 +64,8 @@ class StepResult:
     bytes_out: int
     seconds: dict[str, float]
     loads: list[dict[str, Any]] = field(default_factory=list)  # wait="loaded": each engine worker's ack
+    # disaggregated trainer node: each inference daemon's forwarding state as this step went live
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -93,12 +96,15 @@ class RefitClient:
         *,
         local: bool | None = None,
         timeout: float = 600.0,
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ):
+        """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
+        endpoint, e.g. ``sidecar.keygen.client_curve("node.key.pub", "trainer.key")``."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
         self.endpoint, self.rank, self.world_size = endpoint, rank, world_size
         self.want_local = endpoint.startswith("ipc://") if local is None else local
-        self.timeout = timeout
+        self.timeout, self.curve = timeout, curve
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"refitd-rank{rank}")
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None  # created and used on the worker thread only
@@ -190,6 +196,7 @@ class RefitClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            set_client(self._sock, self.curve)
             self._sock.connect(self.endpoint)
         return self._sock
 
@@ -234,6 +241,7 @@ class RefitClient:
                 bytes_out=int(result["bytes_out"]),
                 seconds=dict(result.get("seconds", {})),
                 loads=loads,
+                peers=dict(result.get("peers") or {}),
             )
         except RefitError:
             raise
@@ -274,12 +282,14 @@ class RefitClient:
         now = time.monotonic()
         if now > deadline:
             self._abort(step, f"rank {self.rank} timed out {what}")
+            hint = curve_hint(self.curve) if "WELCOME" in what else ""  # never heard from the daemon
             raise RefitError(
-                f"rank {self.rank} timed out {what}", kind=ErrorKind.TIMEOUT, rank=self.rank, step=step
+                f"rank {self.rank} timed out {what}{hint}", kind=ErrorKind.TIMEOUT, rank=self.rank, step=step
             )
         if not silence_ok and now - self._last_heard > self._silence_limit():
             raise RefitError(
-                f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)",
+                f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)"
+                + curve_hint(self.curve),
                 kind=ErrorKind.UNAVAILABLE,
                 rank=self.rank,
                 step=step,

@@ -51,7 +51,8 @@ ENV_PREFIX = "REFITD_"
 #: The environment variable naming the config file (``--config`` beats it).
 CONFIG_ENV = "REFITD_CONFIG"
 #: ``REFITD_*`` variables that are not daemon settings; any other unknown one is an error.
-NON_SETTING_ENV = frozenset({CONFIG_ENV})
+#: (the Slurm launcher hands trainers and engines their endpoints in REFITD_ENDPOINT*)
+NON_SETTING_ENV = frozenset({CONFIG_ENV, "REFITD_ENDPOINT", "REFITD_ENDPOINTS", "REFITD_ENDPOINTS_FILE"})
 CONTROL_SOCKET = "control.sock"
 #: Longest ``ipc://`` path the kernel accepts: ``sun_path`` is 108 bytes including the final NUL.
 MAX_IPC_PATH_BYTES = 107
@@ -61,6 +62,20 @@ KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 class LogFormat(str, enum.Enum):
     TEXT = "text"
     JSON = "json"
+
+
+class NodeLayout(str, enum.Enum):
+    """Where the trainer and the engines run: on this node (``colocated``), or on different nodes."""
+
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+
+class NodeRole(str, enum.Enum):
+    """In a disaggregated layout: the daemon beside the trainer, or one beside inference engines."""
+
+    TRAINER = "trainer"
+    INFERENCE = "inference"
 
 
 class LogLevel(str, enum.Enum):
@@ -162,6 +177,34 @@ class DaemonConfig:
     """Logging: ``text`` or ``json`` lines, at ``debug`` / ``info`` / ``warning`` / ``error``."""
     log_format: LogFormat = LogFormat.TEXT
     log_level: LogLevel = LogLevel.INFO
+
+    """Operations (sidecar.metrics, sidecar.timeline), off unless given: ``metrics_listen`` is the
+    ``HOST:PORT`` of an HTTP server answering ``/healthz``, ``/readyz`` and ``/metrics`` (port 0:
+    any free port); ``timeline_dir`` gets a Chrome-trace JSON file per step."""
+    metrics_listen: str | None = None
+    timeline_dir: Path | None = None
+
+    """Disaggregated layout (decision 8): ``layout = "disaggregated"`` and a ``role``. A ``trainer``
+    daemon forwards every generation it publishes to the inference daemons in ``peers`` (their
+    ``tcp://HOST:PORT`` control endpoints); an ``inference`` daemon publishes what it is forwarded
+    (it plans nothing: size its arenas with ``publish_bytes``). ``forward_timeout_s`` bounds how long
+    a forwarder waits on a peer, and how long it may hold a generation for one transfer (so it must
+    be below ``reader_timeout_s``)."""
+    layout: NodeLayout = NodeLayout.COLOCATED
+    role: NodeRole | None = None
+    peers: tuple[str, ...] = ()
+    forward_timeout_s: float = 20.0
+
+    """CURVE on TCP control channels (``refitd keygen NAME`` writes ``NAME.key`` and ``NAME.key.pub``).
+    ``curve_secret_key`` is this daemon's keypair file (``curve_public_key`` defaults to the public
+    key inside it); ``curve_allowed_keys`` a public-key file, or a folder of ``*.pub`` files, of the
+    clients allowed in; ``curve_server_key`` the public key of the inference daemons a trainer
+    daemon forwards to (one key for every peer). A daemon refuses to listen on a non-loopback TCP
+    address, or to forward to a non-loopback peer, without them."""
+    curve_secret_key: Path | None = None
+    curve_public_key: Path | None = None
+    curve_allowed_keys: Path | None = None
+    curve_server_key: Path | None = None
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -320,6 +363,57 @@ def _patterns(value: Any) -> tuple[str, ...]:
     return tuple(p.strip() for p in value)
 
 
+def split_host_port(text: str) -> tuple[str, int]:
+    """``("127.0.0.1", 9464)`` from ``"127.0.0.1:9464"``; an IPv6 host comes in brackets: ``[::1]:9464``."""
+    if "://" in text:
+        raise ValueError("expected HOST:PORT without a scheme, e.g. 127.0.0.1:9464")
+    host, colon, port = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("write an IPv6 address in brackets, e.g. [::1]:9464")
+    if not (colon and host and port.isdigit() and int(port) <= 65535):
+        raise ValueError(
+            "expected HOST:PORT with a port from 0 to 65535 (0: any free port), e.g. 127.0.0.1:9464, "
+            "0.0.0.0:9464 or [::1]:9464"
+        )
+    return host, int(port)
+
+
+def _host_port(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:9464")
+    split_host_port(value)
+    return value.strip()
+
+
+def _peers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [p for p in value.split(",") if p.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        raise ValueError("expected tcp://HOST:PORT endpoints: a list, or one comma-separated string")
+    out = []
+    for p in (p.strip() for p in value):
+        host, colon, port = p.removeprefix("tcp://").rpartition(":")
+        if not (p.startswith("tcp://") and colon and host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"{p!r} is not tcp://HOST:PORT (an inference daemon's listen endpoint)")
+        out.append(p)
+    return tuple(out)
+
+
+def is_loopback_host(host: str) -> bool:
+    """``127.x.y.z``, ``localhost`` or ``::1``: addresses no other machine can reach."""
+    host = host.strip("[]").lower()
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint; None for any other scheme."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    return endpoint.removeprefix("tcp://").rpartition(":")[0]
+
+
 def _format(value: Any) -> Format:
     return Format.parse(value)
 
@@ -376,6 +470,32 @@ _KNOBS: dict[str, _Knob] = {
     "credit_frames": _Knob("--credit-frames", _count, "N", "frames a remote client may have in flight"),
     "log_format": _Knob("--log-format", _enum(LogFormat), "FMT", "text or json"),
     "log_level": _Knob("--log-level", _enum(LogLevel), "LEVEL", "debug, info, warning or error"),
+    "metrics_listen": _Knob(
+        "--metrics-listen", _optional(_host_port), "HOST:PORT", "serve /healthz, /readyz, /metrics over HTTP"
+    ),
+    "timeline_dir": _Knob(
+        "--timeline-dir", _optional(_path), "DIR", "write a Chrome-trace JSON per step here", is_path=True
+    ),
+    "layout": _Knob("--layout", _enum(NodeLayout), "LAYOUT", "colocated, or disaggregated (needs --role)"),
+    "role": _Knob("--role", _optional(_enum(NodeRole)), "ROLE", "disaggregated: trainer or inference"),
+    "peers": _Knob("--peers", _peers, "URL[,URL]", "trainer role: inference daemons' tcp:// endpoints"),
+    "forward_timeout_s": _Knob("--forward-timeout", _seconds, "SECONDS", "give up on a peer after this"),
+    "curve_secret_key": _Knob(
+        "--curve-secret-key", _optional(_path), "PATH", "this daemon's CURVE keypair (NAME.key)", is_path=True
+    ),
+    "curve_public_key": _Knob(
+        "--curve-public-key",
+        _optional(_path),
+        "PATH",
+        "its public key (default: from NAME.key)",
+        is_path=True,
+    ),
+    "curve_allowed_keys": _Knob(
+        "--curve-allowed-keys", _optional(_path), "PATH", "clients' public keys: file or dir", is_path=True
+    ),
+    "curve_server_key": _Knob(
+        "--curve-server-key", _optional(_path), "PATH", "the peers' public key (trainer role)", is_path=True
+    ),
 }
 _TIMEOUTS = tuple(name for name in _KNOBS if name.endswith("_s"))
 _PLAN_SIZED = "too small; give a size such as 2GiB, or leave it unset to size it from the plan"
@@ -401,6 +521,12 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             get_model(c.model_type)
         except ValueError as exc:
             yield Problem(f"model_type = {c.model_type!r}: {exc}", ("model_type",))
+    timelines = c.timeline_dir
+    if ok("timeline_dir") and timelines is not None and timelines.exists() and not timelines.is_dir():
+        yield Problem(
+            f"timeline_dir = '{timelines}' is not a directory: give a directory (it is created if missing)",
+            ("timeline_dir",),
+        )
     if ok("hf_config") and c.hf_config is not None and not c.hf_config.is_file():
         path = c.hf_config
         yield Problem(f"hf_config = '{path}' is not a file: give the model's config.json", ("hf_config",))
@@ -433,6 +559,7 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             f"num_hidden_layers ({layers}): lower one of them, or use format = 'bf16'",
             keys,
         )
+    yield from _layout_problems(c, ok)
     keys = ("heartbeat_interval_s", "rank_timeout_s")
     if ok(*keys) and c.heartbeat_interval_s >= c.rank_timeout_s:
         yield Problem(
@@ -440,6 +567,77 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             f"({c.rank_timeout_s:g}), or live ranks are declared dead between pings: lower the first "
             f"or raise the second",
             keys,
+        )
+
+
+_KEYGEN_HINT = (
+    "make keys with `refitd keygen NAME` and give curve_secret_key = NAME.key and curve_allowed_keys "
+    "(the clients' *.key.pub files, or a folder of them)"
+)
+
+
+def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+    """The disaggregated layout's settings, and CURVE wherever a TCP endpoint leaves the machine."""
+    disaggregated = c.layout is NodeLayout.DISAGGREGATED
+    if ok("layout", "role") and disaggregated and c.role is None:
+        yield Problem("layout = 'disaggregated' needs role = 'trainer' or 'inference'", ("layout", "role"))
+    if ok("layout", "role") and not disaggregated and c.role is not None:
+        yield Problem(
+            f"role = {c.role.value!r} only applies to layout = 'disaggregated'; set it, or drop role",
+            ("layout", "role"),
+        )
+    trainer = disaggregated and c.role is NodeRole.TRAINER
+    if ok("peers", "role") and trainer and not c.peers:
+        yield Problem(
+            "role = 'trainer' needs peers: the inference daemons' endpoints, e.g. tcp://10.0.0.6:5555",
+            ("peers", "role"),
+        )
+    if ok("peers", "role") and c.peers and not trainer:
+        yield Problem("peers are only for layout = 'disaggregated' with role = 'trainer'", ("peers", "role"))
+    keys = ("forward_timeout_s", "reader_timeout_s")
+    if ok(*keys) and trainer and c.forward_timeout_s >= c.reader_timeout_s:
+        yield Problem(
+            f"forward_timeout_s ({c.forward_timeout_s:g}) must be less than reader_timeout_s "
+            f"({c.reader_timeout_s:g}): a forwarder holds a generation while it sends it, and that hold "
+            "must never be dropped under it",
+            keys,
+        )
+    for name in ("curve_secret_key", "curve_public_key", "curve_allowed_keys", "curve_server_key"):
+        path = getattr(c, name)
+        if ok(name) and path is not None and not path.exists():
+            yield Problem(f"{name} = '{path}' does not exist; {_KEYGEN_HINT}", (name,))
+    host = tcp_host(c.listen or "")
+    port = (c.listen or "").rpartition(":")[2]
+    if not (host and port.isdigit() and 1 <= int(port) <= 65535):
+        host = None  # not a well-formed tcp:// endpoint: _listen_problems says so
+    if ok("listen") and host is not None and not is_loopback_host(host) and c.curve_secret_key is None:
+        yield Problem(
+            f"listen = {c.listen!r} is reachable from other machines, and refitd refuses to listen there "
+            f"without CURVE (authentication and encryption): {_KEYGEN_HINT}",
+            ("listen", "curve_secret_key"),
+        )
+    if (
+        ok("listen", "curve_secret_key")
+        and host is not None
+        and c.curve_secret_key
+        and not c.curve_allowed_keys
+    ):
+        yield Problem(
+            "curve_secret_key is set but curve_allowed_keys is not: without an allow-list any key gets in; "
+            "give the clients' public keys (a NAME.key.pub file, or a folder of them)",
+            ("curve_allowed_keys",),
+        )
+    remote = [p for p in c.peers if not is_loopback_host(tcp_host(p) or "")]
+    if ok("peers") and remote and (c.curve_server_key is None or c.curve_secret_key is None):
+        yield Problem(
+            f"peers {remote} are on other machines: forwarding to them needs CURVE, curve_server_key (the "
+            f"inference daemons' NAME.key.pub) and curve_secret_key (this daemon's keypair); {_KEYGEN_HINT}",
+            ("peers", "curve_server_key", "curve_secret_key"),
+        )
+    if ok("curve_server_key", "curve_secret_key") and c.curve_server_key and not c.curve_secret_key:
+        yield Problem(
+            "curve_server_key needs curve_secret_key too (the keypair this daemon presents to its peers)",
+            ("curve_server_key", "curve_secret_key"),
         )
 
 
@@ -696,4 +894,14 @@ max_header_bytes = "1MiB"
 credit_frames = 8
 log_format = "text"                     # text or json
 log_level = "info"                      # debug, info, warning, error
+# metrics_listen = "127.0.0.1:9464"     # HTTP /healthz, /readyz, /metrics; default: off
+# timeline_dir = "/var/log/refitd/timelines"  # a Chrome-trace JSON per step; default: off
+layout = "colocated"                    # colocated, or disaggregated (then give role)
+# role = "trainer"                      # disaggregated: trainer or inference
+# peers = ["tcp://10.0.0.6:5555"]       # trainer role: the inference daemons' endpoints
+forward_timeout_s = 20                  # below reader_timeout_s
+# curve_secret_key = "/etc/refitd/node.key"           # `refitd keygen node`; needed to listen on a non-loopback tcp://
+# curve_public_key = "/etc/refitd/node.key.pub"       # default: read from curve_secret_key
+# curve_allowed_keys = "/etc/refitd/clients"          # a *.key.pub file or a folder of them
+# curve_server_key = "/etc/refitd/inference.key.pub"  # trainer role: the inference daemons' public key
 """

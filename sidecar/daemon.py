@@ -33,9 +33,10 @@ import zmq
 
 from adapters.manifest import Manifest
 from sidecar.attach import check_manifest, engine_bf16_modules
-from sidecar.config import DaemonConfig
+from sidecar.config import DaemonConfig, NodeRole, default_listen, tcp_host
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.forward import Forwarding, ForwardReceiver
 from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
@@ -55,7 +56,7 @@ CLOSE_LINGER_MS = 500
 @dataclass(slots=True)
 class Peer:
     identity: bytes
-    role: str  # "trainer" | "reader"
+    role: str  # "trainer" | "reader" | "forwarder" (a trainer node's daemon, on an inference node)
     last_seen: float
     rank: int | None = None
     pid: int | None = None
@@ -66,7 +67,7 @@ class Peer:
     hello_seq: int = 0  # trainer: when (in daemon events) its latest HELLO arrived
 
 
-class Daemon:
+class Daemon(ForwardReceiver):
     def __init__(self, config: DaemonConfig, *, observers: Iterable[Observer] = ()):
         self.config = config
         self.observers: list[Observer] = list(observers)
@@ -98,6 +99,9 @@ class Daemon:
         self.router: zmq.Socket | None = None
         self.wake: zmq.Socket | None = None
         self.worker: QuantWorker | None = None
+        self.forwarding: Forwarding | None = None  # trainer node of a disaggregated layout
+        self.auth = None  # the ZAP handler enforcing curve_allowed_keys
+        self.local_listen: str | None = None  # ipc:// beside a tcp:// listen, for this node's engines
         self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(json.loads(Path(config.hf_config).read_text()), self.spec)
@@ -105,14 +109,17 @@ class Daemon:
             self.arenas = Arenas.for_plan(
                 self.prefix, self.plan, staging_bytes=config.staging_bytes, publish_bytes=config.publish_bytes
             )
-        elif config.staging_bytes is not None and config.publish_bytes is not None:
+        elif config.publish_bytes is not None and (
+            config.staging_bytes is not None or config.role is NodeRole.INFERENCE
+        ):
             self.arenas = Arenas(
-                self.prefix, staging_bytes=config.staging_bytes, publish_bytes=config.publish_bytes
+                self.prefix, staging_bytes=config.staging_bytes or 4096, publish_bytes=config.publish_bytes
             )
         else:
             raise RefitError(
                 "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "
-                "start, or both staging_bytes and publish_bytes",
+                "start, or both staging_bytes and publish_bytes (an inference node of a disaggregated "
+                "layout needs only publish_bytes)",
                 kind=ErrorKind.CAPACITY,
             )
         self._record_segments()
@@ -124,11 +131,14 @@ class Daemon:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(self.config.listen)
+        self._bind()
         wake_endpoint = f"inproc://refitd-wake-{self.instance}"
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
         self.worker = QuantWorker(self.ctx, wake_endpoint)
+        if self.config.role is NodeRole.TRAINER:
+            self.forwarding = Forwarding(self.ctx, wake_endpoint, self.config, self.instance)
+            self.forwarding.start()
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.wake, zmq.POLLIN)
@@ -140,6 +150,34 @@ class Daemon:
             self.spec.fmt.value,
         )
         notify(self.observers, "on_ready", self)
+
+    def _bind(self) -> None:
+        """The control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
+        beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines."""
+        from sidecar import keygen
+
+        cfg = self.config
+        tcp = tcp_host(cfg.listen) is not None
+        if tcp and cfg.curve_secret_key is not None:
+            try:
+                public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
+                allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
+            except (OSError, ValueError) as exc:
+                raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
+            self.auth = keygen.start_authenticator(self.ctx, allowed)
+            keygen.set_server(self.router, public, secret)
+            self.router.bind(cfg.listen)
+            keygen.unset_server(self.router)
+            log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
+        else:
+            self.router.bind(cfg.listen)
+        if tcp:
+            local = default_listen(cfg.runtime_dir)
+            try:
+                self.router.bind(local)
+                self.local_listen = local
+            except zmq.ZMQError as exc:
+                log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
 
     @property
     def ready(self) -> bool:
@@ -173,6 +211,8 @@ class Daemon:
                 self._dispatch(frames)
             self._flush_credits()
         self._drain_worker()
+        if self.forwarding is not None:
+            self.forwarding.drain(self)
         now = time.monotonic()
         self._check_timers(now)
         notify(self.observers, "on_tick", self, now)
@@ -189,15 +229,20 @@ class Daemon:
             )
         if self.worker is not None:
             self.worker.close()
+        if self.forwarding is not None:
+            self.forwarding.close()
         if self.arenas is not None:
             self.arenas.close()
         if self.router is not None:
             self.router.close(linger=CLOSE_LINGER_MS)  # the SHUTDOWN errors just queued still go out
         if self.wake is not None:
             self.wake.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
-        if self.config.listen.startswith("ipc://"):
-            Path(self.config.listen.removeprefix("ipc://")).unlink(missing_ok=True)
+        for listen in (self.config.listen, self.local_listen or ""):
+            if listen.startswith("ipc://"):
+                Path(listen.removeprefix("ipc://")).unlink(missing_ok=True)
         self._segments_file().unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------------------------
@@ -280,6 +325,13 @@ class Daemon:
     def handle_hello(self, identity: bytes, msg: Message) -> None:
         rank = msg.require("rank", int)
         world = msg.require("world_size", int)
+        if self.config.role is NodeRole.INFERENCE:
+            raise RefitError(
+                "this daemon is an inference node of a disaggregated layout: trainers push to the trainer "
+                "node's daemon, which forwards each generation here",
+                kind=ErrorKind.INVALID,
+                rank=rank,
+            )
         if world != self.config.world_size:
             raise RefitError(
                 f"rank {rank} says world_size {world} but this daemon serves {self.config.world_size} ranks; "
@@ -662,6 +714,7 @@ class Daemon:
         )
 
     def _maybe_claim(self) -> None:
+        self._forward_claim()
         if self.step is not None and self.step.ready_sent and self.target is None:
             self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
             if self.target is not None:
@@ -699,9 +752,7 @@ class Daemon:
         state = self.step
         if state is None or self.plan is None or not state.sealed(self.plan):
             return
-        self.arenas.publish(self.target, state.step)
         state.phases.published = time.monotonic()
-        self.last_step = state.step
         phases = state.phases.seconds()
         record = {
             "step": state.step,
@@ -710,7 +761,8 @@ class Daemon:
             "bytes_out": self.plan.bytes_out,
             "seconds": {k: round(v, 6) for k, v in phases.items()},
         }
-        self.history = [*self.history[-9:], record]
+        if self.forwarding is not None:  # what each inference node held as this step went live
+            record["peers"] = self.forwarding.snapshot()
         log.info(
             "step %d published in generation %d: receive %.3fs validate %.3fs quantize %.3fs (tail %.3fs) "
             "publish %.3fs total %.3fs; %d bytes in, %d bytes out",
@@ -726,18 +778,36 @@ class Daemon:
             self.plan.bytes_out,
             extra={"step": state.step, "phase": "publish", "record": record},
         )
-        for identity in state.peers.values():
-            self._send(identity, Kind.RESULT, record)
+        self._go_live(self.target, record, state, list(state.peers.values()))
+        if self.forwarding is not None:
+            self.forwarding.published(self.target, state.step, state.bytes_in, self.instance)
+        self.step, self.target = None, None
+        self._start_pending()
+
+    def _go_live(
+        self,
+        gen,
+        record: dict[str, Any],
+        state: StepState,
+        trainers: list[bytes],
+        reply=Kind.RESULT,
+        extra=None,
+    ) -> None:
+        """Publish ``gen`` (a sealed local step, or a forwarded one): flip it live, answer ``trainers``
+        (RESULT, or FORWARDED to a forwarder), start the engines' LoadRound, hand it to waiting readers."""
+        self.arenas.publish(gen, record["step"])
+        self.last_step = record["step"]
+        self.history = [*self.history[-9:], record]
+        for identity in trainers:
+            self._send(identity, reply, {**record, **(extra or {})})
         notify(self.observers, "on_step_published", self, record, state)
-        self.rounds[state.step] = new_round(
-            state.step, self.engines, list(state.peers.values()), self.config.reader_timeout_s
+        self.rounds[record["step"]] = new_round(
+            record["step"], self.engines, trainers, self.config.reader_timeout_s
         )
         self._finish_rounds(time.monotonic())
-        self.step, self.target = None, None
         for peer in list(self.peers.values()):
             if peer.role == "reader":
                 self._serve_waiting(peer)
-        self._start_pending()
 
     def _finish_rounds(self, now: float) -> None:
         """Tell each finished round's trainers which engine workers loaded the step (LOADED)."""
@@ -821,6 +891,7 @@ class Daemon:
             self._maybe_claim()
         if self.rounds:
             self._finish_rounds(now)
+        self._forward_timers(now)
         if self.step is None and self.pending:
             self._start_pending()
 
@@ -834,6 +905,13 @@ class Daemon:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "listen": self.config.listen,
+            "local_listen": self.local_listen,
+            "layout": self.config.layout.value,
+            "role": None if self.config.role is None else self.config.role.value,
+            "peers": None if self.forwarding is None else self.forwarding.snapshot(),
+            "inbound": None
+            if self.inbound is None
+            else {"step": self.inbound.step, "source": self.inbound.source, "bytes": self.inbound.received},
             "format": self.spec.fmt.value,
             "world_size": self.config.world_size,
             "last_step": self.last_step,

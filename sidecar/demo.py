@@ -43,6 +43,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
+    p.add_argument(
+        "--layout",
+        default="colocated",
+        choices=["colocated", "disaggregated"],
+        help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
     p.set_defaults(run=run)
     return p
@@ -215,6 +221,10 @@ class Verifier:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "layout", "colocated") == "disaggregated":
+        from sidecar.demo_disaggregated import run_disaggregated
+
+        return run_disaggregated(args)
     from adapters.base import RefitReader
     from sidecar.plan import RefitSpec, convert
     from sidecar.synthetic import make_hf_config

@@ -74,7 +74,21 @@ def stop_signals(on_stop) -> Iterator[None]:
 
 def make_observers(config) -> list:
     """The operations features watching this daemon (systemd notify, metrics, timelines)."""
-    return []
+    from sidecar.systemd import SystemdNotifier
+
+    observers: list = []
+    notifier = SystemdNotifier(os.environ)  # the one read of $NOTIFY_SOCKET / $WATCHDOG_*
+    if notifier.enabled:  # under systemd only; otherwise nothing is sent
+        observers.append(notifier)
+    if config.metrics_listen is not None:
+        from sidecar.metrics import MetricsObserver  # prometheus_client loads only when asked for
+
+        observers.append(MetricsObserver.from_config(config))
+    if config.timeline_dir is not None:
+        from sidecar.timeline import TimelineObserver
+
+        observers.append(TimelineObserver(config.timeline_dir))
+    return observers
 
 
 def run_serve(args: argparse.Namespace) -> int:

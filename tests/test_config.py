@@ -100,7 +100,7 @@ def test_default_listen_is_never_tcp(env: dict[str, str]) -> None:
     """Whatever the sources say about other settings, a listen nobody gave is ipc in runtime_dir."""
     c = load_config(["--world-size", "4"], env={**env, "REFITD_MODEL_TYPE": "qwen3_moe"})
     assert c.listen == f"ipc://{env['XDG_RUNTIME_DIR']}/refitd/control.sock"
-    assert load_config(["--listen", "tcp://*:5555"], env=env).listen == "tcp://*:5555"
+    assert load_config(["--listen", "tcp://127.0.0.1:5555"], env=env).listen == "tcp://127.0.0.1:5555"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,6 +322,42 @@ def test_heartbeat_must_be_below_rank_timeout(tmp_path: Path, heartbeat: float) 
 def test_value_problems(tmp_path: Path, changes: dict[str, object], needle: str) -> None:
     (message,) = check(tmp_path, **changes)
     assert needle in message
+
+
+@pytest.mark.parametrize(
+    ("listen", "needle"),
+    [
+        ("9464", "expected HOST:PORT with a port from 0 to 65535"),
+        ("localhost:", "expected HOST:PORT"),
+        (":9464", "expected HOST:PORT"),
+        ("127.0.0.1:65536", "expected HOST:PORT"),
+        ("http://127.0.0.1:9464", "expected HOST:PORT"),
+        ("::1:9464", "write an IPv6 address in brackets"),
+        (9464, "expected HOST:PORT, e.g. 127.0.0.1:9464"),
+    ],
+)
+def test_metrics_listen_refused(tmp_path: Path, listen: object, needle: str) -> None:
+    (message,) = check(tmp_path, metrics_listen=listen)
+    assert message.startswith(f"metrics_listen = {listen!r}: ") and needle in message
+
+
+def test_operations_settings_from_every_source(tmp_path: Path, env: dict[str, str]) -> None:
+    """metrics_listen and timeline_dir are off by default; port 0 and IPv6 hosts are accepted; a
+    relative timeline_dir in the file is relative to the file, in a flag to the working directory."""
+    assert DaemonConfig(runtime_dir=tmp_path).metrics_listen is None
+    assert DaemonConfig(runtime_dir=tmp_path).timeline_dir is None
+    assert DaemonConfig(runtime_dir=tmp_path, metrics_listen=" [::1]:0 ").metrics_listen == "[::1]:0"
+    path = write(tmp_path / "r.toml", 'metrics_listen = "0.0.0.0:9464"\ntimeline_dir = "traces"\n')
+    c = load_config([], env={**env, CONFIG_ENV: str(path)})
+    assert (c.metrics_listen, c.timeline_dir) == ("0.0.0.0:9464", tmp_path / "traces")
+    c = load_config(["--metrics-listen", "127.0.0.1:0"], env={**env, "REFITD_TIMELINE_DIR": "/var/t"})
+    assert (c.metrics_listen, c.timeline_dir) == ("127.0.0.1:0", Path("/var/t"))
+    assert load_config(["--timeline-dir", "rel"], env=env).timeline_dir == Path.cwd() / "rel"
+
+
+def test_timeline_dir_that_is_a_file_refused(tmp_path: Path) -> None:
+    (message,) = check(tmp_path, timeline_dir=write(tmp_path / "f", ""))
+    assert "timeline_dir = " in message and "is not a directory" in message
 
 
 def test_hf_config_folder_means_its_config_json(tmp_path: Path) -> None:

@@ -55,6 +55,12 @@ class Kind(enum.IntEnum):
     STATUS = 30  # anyone -> STATUS_REPLY
     STATUS_REPLY = 31
     DETACH = 32  # reader or client leaving
+    FORWARD_BEGIN = 40  # trainer node's forwarder: step, source, layout rows -> FORWARD_READY
+    FORWARD_READY = 41  # inference node: target generation claimed and carved; credits, mover
+    FORWARD_DATA = 42  # forwarder: tensor index, byte offset + 1 data frame (the ZeroMQ mover)
+    FORWARD_COMMIT = 43  # forwarder: every byte sent (or written by NIXL) -> FORWARDED
+    FORWARDED = 44  # inference node: the forwarded step is published there
+    FORWARD_ABORT = 45  # forwarder: drop the transfer in progress (a newer step, or giving up)
 
 
 @dataclass(frozen=True, slots=True)

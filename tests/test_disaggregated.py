@@ -1,0 +1,399 @@
+"""Disaggregated layout: one trainer node's daemon forwards each generation to two inference nodes.
+
+Three ``refitd serve`` processes stand for three nodes. Each inference daemon listens on its own
+loopback address (127.0.0.2, 127.0.0.3: Linux routes all of 127/8 to lo) with CURVE and an
+allow-list holding the trainer daemon's key; its engines (reference engines, in threads of this
+process) attach through its local ipc:// endpoint. The trainer pushes to its own daemon over ipc://.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapters.base import RefitReader
+from adapters.engine import EngineWorker
+from adapters.reference import ReferenceEngine, sample_inputs
+from sidecar.client import RefitClient
+from sidecar.config import EXIT_CONFIG
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.keygen import client_curve, write_keypair
+from sidecar.plan import RefitSpec, convert
+from sidecar.synthetic import make_hf_config, make_state_dict
+
+pytestmark = pytest.mark.timeout(240)
+log = logging.getLogger(__name__)
+
+MODEL = dict(num_layers=2, num_experts=4, unaligned=True)
+CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
+FORMATS = ["block_fp8", "mxfp8", "fp8_per_tensor", "bf16"]
+HOSTS = ["127.0.0.2", "127.0.0.3"]
+FORWARD_TIMEOUT_S = 3.0
+READER_TIMEOUT_S = 6.0
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    return make_state_dict("qwen3_5_moe", seed=300 + step, **MODEL)
+
+
+def expected(step: int, fmt: str) -> dict[str, torch.Tensor]:
+    return convert(weights(step), RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _isolation() -> str:
+    """Why each node is a loopback address rather than a network namespace (logged once)."""
+    if shutil.which("ip") is None:
+        return "no `ip` command"
+    probe = subprocess.run(
+        ["ip", "netns", "add", f"refitd-probe-{os.getpid()}"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"`ip netns add` failed: {probe.stderr.strip() or probe.returncode}"
+    subprocess.run(["ip", "netns", "delete", f"refitd-probe-{os.getpid()}"], capture_output=True)
+    return "namespaces work here, but the daemons' shared-memory and ipc:// paths are per host anyway"
+
+
+class Node:
+    """One ``refitd serve`` process: a trainer node or an inference node."""
+
+    def __init__(self, name: str, root: Path, args: list[str]):
+        self.name, self.run_dir, self.args = name, root / name, args
+        self.log_path = root / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.local = f"ipc://{self.run_dir / 'control.sock'}"
+
+    def start(self) -> Node:
+        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--runtime-dir", str(self.run_dir), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "a"))  # noqa: SIM115
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> Node:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()}")
+            if Path(self.local.removeprefix("ipc://")).exists():
+                with RefitReader(self.local, name="test-probe") as reader, contextlib.suppress(RefitError):
+                    reader.status(timeout=1.0)
+                    return self
+            else:
+                time.sleep(0.05)  # the process is importing torch; nothing to wait on yet
+        raise AssertionError(f"{self.name} did not answer within {timeout} s:\n{self.logs()}")
+
+    def status(self) -> dict:
+        with RefitReader(self.local, name="test-status") as reader:
+            return reader.status(timeout=10)
+
+    def logs(self) -> str:
+        return self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_for(predicate, timeout: float, what: str):
+    """Poll ``predicate`` (a status query: each call waits on the daemon's reply) until true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, root: Path, fmt: str):
+        self.root, self.fmt = root, fmt
+        keys = root / "keys"
+        keys.mkdir()
+        self.trainer_key, _ = write_keypair(keys, "trainer")
+        self.inference_key, self.inference_pub = write_keypair(keys, "inference")
+        self.stranger_key, _ = write_keypair(keys, "stranger")
+        cfg = root / "config.json"
+        cfg.write_text(json.dumps(CONFIG))
+        self.endpoints = [f"tcp://{h}:{free_port(h)}" for h in HOSTS]
+        common = [
+            "--format",
+            fmt,
+            "--forward-timeout",
+            str(FORWARD_TIMEOUT_S),
+            "--reader-timeout",
+            str(READER_TIMEOUT_S),
+        ]
+        common += ["--heartbeat-interval", "0.2", "--layout", "disaggregated", "--log-level", "info"]
+        self.inference = [
+            Node(
+                f"inference{i}",
+                root,
+                [
+                    *common,
+                    *("--role", "inference", "--model-type", "qwen3_5_moe", "--publish-bytes", "4MiB"),
+                    *("--listen", ep, "--curve-secret-key", str(self.inference_key)),
+                    *("--curve-allowed-keys", str(keys / "trainer.key.pub")),
+                ],
+            )
+            for i, ep in enumerate(self.endpoints)
+        ]
+        self.trainer = Node(
+            "trainer",
+            root,
+            [
+                *common,
+                *("--role", "trainer", "--hf-config", str(cfg), "--peers", ",".join(self.endpoints)),
+                *("--curve-secret-key", str(self.trainer_key), "--curve-server-key", str(self.inference_pub)),
+            ],
+        )
+
+    def start(self) -> Cluster:
+        for node in [*self.inference, self.trainer]:
+            node.start()
+        for node in [*self.inference, self.trainer]:
+            node.wait_ready()
+        return self
+
+    def stop(self) -> None:
+        for node in [self.trainer, *self.inference]:
+            node.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    log.info("nodes are loopback addresses %s, not network namespaces: %s", HOSTS, _isolation())
+    made = []
+
+    def make(fmt: str) -> Cluster:
+        c = Cluster(tmp_path, fmt).start()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+class Engine:
+    """A reference engine on one inference node that checks every generation it loads, byte for byte."""
+
+    def __init__(self, endpoint: str, name: str, fmt: str):
+        self.fmt = fmt
+        self.engine = ReferenceEngine.from_config(CONFIG, expert_format=fmt)
+        self.mismatches: dict[int, list[str]] = {}
+        self.worker = EngineWorker(
+            endpoint, name=name, manifest=self.engine.manifest(), load=self._load, timeout=60
+        )
+
+    def _load(self, gen) -> None:
+        want = expected(gen.step, self.fmt)
+        bad = [
+            n
+            for n in want
+            if n not in gen.tensors or not torch.equal(_bytes(gen.tensors[n]), _bytes(want[n]))
+        ]
+        bad += [n for n in gen.tensors if n not in want]
+        self.mismatches[gen.step] = bad
+        self.engine.load(gen.tensors)
+
+    def logits(self) -> torch.Tensor:
+        return self.engine.forward(sample_inputs(self.engine.vocab_size))
+
+
+def reference_logits(step: int, fmt: str) -> torch.Tensor:
+    engine = ReferenceEngine.from_config(CONFIG, expert_format=fmt)
+    engine.load(expected(step, fmt))
+    return engine.forward(sample_inputs(engine.vocab_size))
+
+
+def peers_at(node: Node, step: int):
+    def check():
+        peers = node.status()["peers"]
+        return peers if all(p["last_step"] == step for p in peers.values()) else None
+
+    return check
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_inference_node_publishes_the_trainer_nodes_bytes(cluster, fmt):
+    """The trainer pushes two steps to its own daemon, which quantizes once and forwards each sealed
+    generation to both inference daemons (CURVE, ZeroMQ frames). Each inference node's engine loads
+    exactly the bytes the trainer node published; the trainer learns which node holds which step."""
+    c = cluster(fmt)
+    engines = [Engine(node.local, f"engine-{i}", fmt) for i, node in enumerate(c.inference)]
+    for e in engines:
+        e.worker.attach(timeout=30)
+    with ThreadPoolExecutor(2) as pool, RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
+        for step in range(2):
+            loads = [pool.submit(e.worker.load_next, step, 60) for e in engines]
+            result = client.push_step(step, weights(step), wait="published", timeout=60)
+            assert set(result.peers) == set(c.endpoints)  # the snapshot as the step went live
+            assert [f.result().step for f in loads] == [step, step]
+            assert all(f.result().ok for f in loads)
+            for e in engines:
+                assert e.mismatches[step] == [], e.mismatches[step][:5]
+            peers = wait_for(peers_at(c.trainer, step), 30, f"both peers to acknowledge step {step}")
+    want = reference_logits(1, fmt)
+    for e in engines:
+        assert torch.equal(e.logits(), want)
+        e.worker.detach()
+    published = sum(t.numel() * t.element_size() for t in expected(1, fmt).values())
+    for ep, p in peers.items():
+        assert p["mover"] == "zmq" and p["error"] is None and p["curve"], ep
+        assert p["bytes"] == published and p["bytes_bf16"] == result.bytes_in
+        if fmt != "bf16":
+            assert p["bytes"] < p["bytes_bf16"]  # FP8 on the wire, not BF16
+        assert p["loaded"] is not None
+    for node in c.inference:
+        s = node.status()
+        assert s["role"] == "inference" and s["last_step"] == 1 and s["history"][-1]["forwarded_from"]
+
+
+def test_a_killed_inference_node_does_not_hold_up_the_others_and_catches_up(cluster):
+    """Node 1 is frozen (SIGSTOP) so that step 1's transfer to it hangs, then SIGKILLed mid-transfer.
+    Node 0 still gets step 1, and the trainer pushes step 2 without waiting for node 1. Restarted on
+    the same address, node 1 is sent the newest generation (step 2) and its engine loads it."""
+    fmt = "block_fp8"
+    c = cluster(fmt)
+    alive, doomed = c.inference
+    engine0 = Engine(alive.local, "engine-0", fmt)
+    engine0.worker.attach(timeout=30)
+    with ThreadPoolExecutor(1) as pool, RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
+        loading = pool.submit(engine0.worker.load_next, 0, 60)
+        client.push_step(0, weights(0), timeout=60)
+        assert loading.result().ok
+        wait_for(peers_at(c.trainer, 0), 30, "both peers at step 0")
+
+        doomed.proc.send_signal(signal.SIGSTOP)
+        loading = pool.submit(engine0.worker.load_next, 1, 60)
+        client.push_step(1, weights(1), timeout=60)
+        assert loading.result().step == 1 and engine0.mismatches[1] == []
+        peers = wait_for(
+            lambda: (p := c.trainer.status()["peers"])[doomed_ep(c)]["in_flight"] == 1 and p,
+            30,
+            "the transfer of step 1 to the frozen node",
+        )
+        assert peers[c.endpoints[0]]["last_step"] == 1
+        doomed.proc.kill()  # SIGKILL, mid-transfer
+        doomed.proc.wait(timeout=30)
+
+        loading = pool.submit(engine0.worker.load_next, 2, 60)
+        t0 = time.monotonic()
+        result = client.push_step(2, weights(2), timeout=60)
+        assert time.monotonic() - t0 < FORWARD_TIMEOUT_S + 5  # never waited on the dead node
+        assert loading.result().step == 2 and engine0.mismatches[2] == []
+        assert result.peers[doomed_ep(c)]["last_step"] == 0  # what the trainer knew at publish time
+
+        doomed.start().wait_ready()
+        engine1 = Engine(doomed.local, "engine-1", fmt)
+        engine1.worker.attach(timeout=30)
+        caught_up = engine1.worker.load_next(2, 60)
+        assert caught_up.ok and caught_up.step == 2 and engine1.mismatches[2] == []
+        wait_for(peers_at(c.trainer, 2), 30, "both peers at step 2")
+        assert torch.equal(engine1.logits(), reference_logits(2, fmt))
+        engine1.worker.detach()
+    engine0.worker.detach()
+
+
+def doomed_ep(c: Cluster) -> str:
+    return c.endpoints[1]
+
+
+def test_an_unknown_curve_key_is_refused_and_the_client_says_why(cluster):
+    """A reader presenting a key that is not in the inference daemon's allow-list gets no answer,
+    and its timeout names CURVE as the likely cause; the allowed key is answered."""
+    c = cluster("block_fp8")
+    endpoint = c.endpoints[0]
+    stranger = client_curve(c.inference_pub, c.stranger_key)
+    with RefitReader(endpoint, name="stranger", curve=stranger) as reader, pytest.raises(RefitError) as err:
+        reader.status(timeout=2.0)
+    assert err.value.kind is ErrorKind.TIMEOUT and "CURVE" in str(err.value)
+    assert "curve_allowed_keys" in str(err.value)
+    with RefitReader(endpoint, name="friend", curve=client_curve(c.inference_pub, c.trainer_key)) as reader:
+        assert reader.status(timeout=10)["role"] == "inference"
+    assert "refused a CURVE client" in c.inference[0].logs()
+
+
+def test_listening_beyond_loopback_without_keys_is_refused(tmp_path):
+    """``--listen tcp://0.0.0.0:PORT`` without CURVE keys: exit 78 and the way to make keys."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "sidecar.cli", "serve", "--runtime-dir", str(tmp_path / "run")),
+            *("--model-type", "qwen3_5_moe", "--publish-bytes", "1MiB", "--staging-bytes", "1MiB"),
+            *("--listen", f"tcp://0.0.0.0:{free_port('127.0.0.1')}"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == EXIT_CONFIG, out.stderr
+    assert "refitd keygen" in out.stderr and "CURVE" in out.stderr
+
+
+def test_keygen_writes_a_private_secret_and_a_public_key(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "keygen", "node7", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    secret, public = tmp_path / "node7.key", tmp_path / "node7.key.pub"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert "secret-key" in secret.read_text() and "secret-key" not in public.read_text()
+    assert "--curve-secret-key" in out.stdout
+    import zmq.auth
+
+    assert zmq.auth.load_certificate(secret)[0] == zmq.auth.load_certificate(public)[0]
+    again = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "keygen", "node7", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_demo_disaggregated_verifies_every_node_and_reports_the_wire():
+    """``refitd demo --layout disaggregated``: both inference nodes verified, FP8 on the wire."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "sidecar.cli", "demo", "--layout", "disaggregated"),
+            *("--steps", "2", "--layers", "2", "--format", "mxfp8", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["verified"] and summary["steps"] == 2 and len(summary["nodes"]) == 2
+    for row in summary["per_step"]:
+        assert row["published_exact"] and row["engine_exact"] and row["movers"] == ["zmq", "zmq"]
+        assert 0 < row["wire_fp8"] < row["wire_bf16"]
