@@ -27,7 +27,8 @@ import zmq
 from adapters.manifest import Manifest
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.keygen import curve_hint, set_client
-from transport.shm import ShmArena, open_arena
+from transport.cuda_ipc import open_any_arena
+from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, decode, encode
 
 __all__ = ["Generation", "RefitReader"]
@@ -44,6 +45,7 @@ class Generation:
     tensors: Mapping[str, torch.Tensor]
     segment: str
     released: bool = field(default=False)
+    on_gpu: bool = False  # views into a CUDA-IPC arena (device memory)
 
 
 class RefitReader:
@@ -55,9 +57,13 @@ class RefitReader:
         timeout: float = 600.0,
         manifest: Manifest | None = None,
         curve: tuple[bytes, bytes, bytes] | None = None,
+        device: int | None = None,
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
-        endpoint (``sidecar.keygen.client_curve``); engines on the daemon's node use ipc:// instead."""
+        endpoint (``sidecar.keygen.client_curve``); engines on the daemon's node use ipc:// instead.
+        ``device``: for GPU arenas, the CUDA index to map them on (default: the arena's own GPU,
+        which must be visible to this process; another GPU reads it as peer memory over NVLink)."""
+        self.device = device
         self.endpoint = endpoint
         self.curve = curve
         self.manifest = manifest
@@ -111,6 +117,8 @@ class RefitReader:
         if gen.released:
             return
         gen.released = True
+        if gen.on_gpu:  # copies out of a GPU arena are asynchronous: finish them before handing it back
+            torch.cuda.synchronize()
         if gen in self._held:
             self._held.remove(gen)
         fields: dict[str, Any] = {"generation": gen.index, "step": gen.step, "ok": ok}
@@ -214,7 +222,13 @@ class RefitReader:
         if arena is None or arena.layout.to_wire() != handle["layout"]:
             if arena is not None:
                 arena.close()
-            arena = self._arenas[handle["name"]] = open_arena(handle, writable=False)
-        gen = Generation(int(fields["generation"]), int(fields["step"]), arena.tensors(), arena.name)
+            arena = self._arenas[handle["name"]] = open_any_arena(handle, writable=False, device=self.device)
+        gen = Generation(
+            int(fields["generation"]),
+            int(fields["step"]),
+            arena.tensors(),
+            arena.name,
+            on_gpu=handle.get("kind") == "cuda_ipc",
+        )
         self._held.append(gen)
         return gen

@@ -34,7 +34,8 @@ import zmq
 
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.keygen import curve_hint, set_client
-from transport.shm import ShmArena, open_arena
+from transport.cuda_ipc import open_any_arena
+from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
 
 __all__ = ["RefitClient", "RefitError", "Shard", "StepResult"]
@@ -350,8 +351,9 @@ class RefitClient:
         if self._staging is None or self._staging.name != handle.get("name"):
             if self._staging is not None:
                 self._staging.close()
-            self._staging = open_arena(handle, writable=True)
+            self._staging = open_any_arena(handle, writable=True)
         views = self._staging.tensors()
+        on_gpu = handle.get("kind") == "cuda_ipc"  # device-to-device copies through the mapped handle
         batch, batch_bytes = [], 0
         for piece, pid in zip(pieces, ids):
             region = views[piece.name][
@@ -361,11 +363,15 @@ class RefitClient:
             batch.append(pid)
             batch_bytes += piece.tensor.numel() * piece.tensor.element_size()
             if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
+                if on_gpu:  # the copies are asynchronous: they must land before the daemon reads
+                    torch.cuda.synchronize(region.device)
                 self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
                 batch, batch_bytes = [], 0
             self._poll_async(step)
             self._keepalive(step, deadline, "writing its shards")
         if batch:
+            if on_gpu:
+                torch.cuda.synchronize(region.device)
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
 
     def _stream_remote(self, step: int, pieces: list[_Piece], ids: list[int], deadline: float) -> None:

@@ -64,6 +64,13 @@ class LogFormat(str, enum.Enum):
     JSON = "json"
 
 
+class ArenaKind(str, enum.Enum):
+    """Where the daemon's arenas live: POSIX shared memory, or GPU memory shared through CUDA IPC."""
+
+    SHM = "shm"
+    CUDA = "cuda"
+
+
 class NodeLayout(str, enum.Enum):
     """Where the trainer and the engines run: on this node (``colocated``), or on different nodes."""
 
@@ -167,6 +174,11 @@ class DaemonConfig:
     heartbeat_interval_s: float = 1.0
     reader_timeout_s: float = 30.0
     shutdown_timeout_s: float = 10.0
+
+    """Memory: ``arena`` is ``shm`` (POSIX shared memory, any machine) or ``cuda`` (``cudaMalloc`` on
+    ``gpu``, a UUID or an index, shared with trainers and engines through CUDA IPC)."""
+    arena: ArenaKind = ArenaKind.SHM
+    gpu: str | None = None
 
     """Wire limits: the largest data frame and header accepted, and the frames a remote client may have
     in flight before it waits for credit."""
@@ -465,6 +477,8 @@ _KNOBS: dict[str, _Knob] = {
     "heartbeat_interval_s": _Knob("--heartbeat-interval", _seconds, "SECONDS", "rank ping interval"),
     "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a reader holding a generation"),
     "shutdown_timeout_s": _Knob("--shutdown-timeout", _seconds, "SECONDS", "escalate shutdown after this"),
+    "arena": _Knob("--arena", _enum(ArenaKind), "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),
+    "gpu": _Knob("--gpu", _OPT_TEXT, "UUID|INDEX", "arena=cuda: the GPU holding the arenas (default 0)"),
     "max_frame_bytes": _Knob("--max-frame-bytes", parse_size, "SIZE", "largest data frame accepted"),
     "max_header_bytes": _Knob("--max-header-bytes", parse_size, "SIZE", "largest header accepted"),
     "credit_frames": _Knob("--credit-frames", _count, "N", "frames a remote client may have in flight"),
@@ -889,6 +903,8 @@ rank_timeout_s = 10
 heartbeat_interval_s = 1
 reader_timeout_s = 30
 shutdown_timeout_s = 10
+arena = "shm"                           # shm, or cuda (arenas in GPU memory, CUDA IPC)
+# gpu = "GPU-5c1e..."                   # arena = cuda: UUID or index of the arenas' GPU
 max_frame_bytes = "64MiB"
 max_header_bytes = "1MiB"
 credit_frames = 8

@@ -44,6 +44,7 @@ from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.quant import NonFiniteError
 from sidecar.step import StepState
 from sidecar.worker import QuantWorker
+from transport.gpus import arena_placements, local_gpus
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("refitd.daemon")
@@ -107,13 +108,22 @@ class Daemon(ForwardReceiver):
             self.plan = plan_from_hf_config(json.loads(Path(config.hf_config).read_text()), self.spec)
         if self.plan is not None:
             self.arenas = Arenas.for_plan(
-                self.prefix, self.plan, staging_bytes=config.staging_bytes, publish_bytes=config.publish_bytes
+                self.prefix,
+                self.plan,
+                staging_bytes=config.staging_bytes,
+                publish_bytes=config.publish_bytes,
+                kind=config.arena,
+                gpu=config.gpu,
             )
         elif config.publish_bytes is not None and (
             config.staging_bytes is not None or config.role is NodeRole.INFERENCE
         ):
             self.arenas = Arenas(
-                self.prefix, staging_bytes=config.staging_bytes or 4096, publish_bytes=config.publish_bytes
+                self.prefix,
+                staging_bytes=config.staging_bytes or 4096,
+                publish_bytes=config.publish_bytes,
+                kind=config.arena,
+                gpu=config.gpu,
             )
         else:
             raise RefitError(
@@ -795,6 +805,7 @@ class Daemon(ForwardReceiver):
     ) -> None:
         """Publish ``gen`` (a sealed local step, or a forwarded one): flip it live, answer ``trainers``
         (RESULT, or FORWARDED to a forwarder), start the engines' LoadRound, hand it to waiting readers."""
+        self.arenas.synchronize()  # GPU arenas: every kernel's writes land before anyone is told
         self.arenas.publish(gen, record["step"])
         self.last_step = record["step"]
         self.history = [*self.history[-9:], record]
@@ -900,7 +911,11 @@ class Daemon(ForwardReceiver):
 
     def status(self) -> dict[str, Any]:
         live = self.arenas.live_generation() if self.arenas else None
+        gpus = local_gpus()
         return {
+            "gpus": [g.to_wire() for g in gpus],
+            "gpus_reason": getattr(gpus, "reason", None),
+            "arenas": arena_placements(self.arenas.all_arenas()) if self.arenas else [],
             "instance": self.instance,
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -12,8 +12,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from sidecar.config import ArenaKind
 from sidecar.plan import RefitPlan
-from transport.shm import Layout, ShmArena, segment_name
+from transport.shm import Arena, Layout, ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
 
@@ -23,7 +24,7 @@ N_GENERATIONS = 2
 @dataclass(slots=True)
 class Generation:
     index: int
-    arena: ShmArena
+    arena: Arena
     step: int | None = None  # the step it holds when published; None while being written / invalid
     holders: dict[bytes, float] = field(default_factory=dict)  # reader identity -> time handed out
     needed_since: float | None = None  # when a step first wanted to write it while held
@@ -32,26 +33,52 @@ class Generation:
 class Arenas:
     """Staging + generations for one daemon instance; owns every segment and unlinks them on close."""
 
-    def __init__(self, prefix: str, *, staging_bytes: int, publish_bytes: int):
-        self.prefix = prefix
-        self.staging = ShmArena.create(segment_name(prefix, "staging"), Layout([]), size=staging_bytes)
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        staging_bytes: int,
+        publish_bytes: int,
+        kind: ArenaKind = ArenaKind.SHM,
+        gpu: str | int | None = None,
+    ):
+        self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.generations: list[Generation] = []
+        self.staging = self._create("staging", staging_bytes)
         try:
             for i in range(N_GENERATIONS):
-                arena = ShmArena.create(segment_name(prefix, f"gen{i}"), Layout([]), size=publish_bytes)
-                self.generations.append(Generation(i, arena))
+                self.generations.append(Generation(i, self._create(f"gen{i}", publish_bytes)))
         except BaseException:
             self.close()
             raise
         self.live: int | None = None
 
+    def _create(self, role: str, size: int) -> Arena:
+        name = segment_name(self.prefix, role)
+        if self.kind is ArenaKind.CUDA:
+            from transport.cuda_ipc import CudaIpcArena  # cuda-bindings only where GPU arenas are asked for
+
+            gpu = int(self.gpu) if isinstance(self.gpu, str) and self.gpu.isdigit() else self.gpu
+            return CudaIpcArena.create(name, Layout([]), size=size, gpu=gpu)
+        return ShmArena.create(name, Layout([]), size=size)
+
+    def synchronize(self) -> None:
+        """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
+        if self.kind is ArenaKind.CUDA:
+            import torch
+
+            torch.cuda.synchronize(self.staging.device)
+
     @classmethod
-    def for_plan(cls, prefix: str, plan: RefitPlan, *, staging_bytes=None, publish_bytes=None) -> Arenas:
+    def for_plan(
+        cls, prefix: str, plan: RefitPlan, *, staging_bytes=None, publish_bytes=None, **kw
+    ) -> Arenas:
         staging, outputs = layouts(plan)
         arenas = cls(
             prefix,
             staging_bytes=staging.size if staging_bytes is None else staging_bytes,
             publish_bytes=outputs.size if publish_bytes is None else publish_bytes,
+            **kw,
         )
         try:
             arenas.apply_plan(plan)
@@ -74,7 +101,12 @@ class Arenas:
         self.live = None
 
     def segment_names(self) -> list[str]:
-        return [self.staging.name, *(g.arena.name for g in self.generations)]
+        """The POSIX shared-memory segments (crash clean-up of /dev/shm); GPU memory dies with us."""
+        arenas = [self.staging, *(g.arena for g in self.generations)]
+        return [a.name for a in arenas if getattr(a, "kind", "shm") == "shm"]
+
+    def all_arenas(self) -> list[Arena]:
+        return [self.staging, *(g.arena for g in self.generations)]
 
     # ---- publish cycle
 

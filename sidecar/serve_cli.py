@@ -166,4 +166,8 @@ def render_status(s: dict) -> str:
     for h in s.get("history", [])[-5:]:
         secs = " ".join(f"{k}={v:.3f}s" for k, v in h["seconds"].items())
         lines.append(f"  step {h['step']}: {h['bytes_in']} B in, {h['bytes_out']} B out; {secs}")
+    from transport.gpus import GpuInfo, render_gpus
+
+    gpus = [GpuInfo.from_wire(g) for g in s.get("gpus", [])]
+    lines.append(render_gpus(gpus, s.get("arenas", []), reason=s.get("gpus_reason")))
     return "\n".join(lines)
