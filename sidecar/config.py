@@ -43,6 +43,21 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+#: Settings SIGHUP may change in a running daemon; everything else needs a restart.
+RELOADABLE = frozenset(
+    {
+        "log_level",
+        "log_format",
+        "step_timeout_s",
+        "rank_timeout_s",
+        "heartbeat_interval_s",
+        "reader_timeout_s",
+        "shutdown_timeout_s",
+        "drain",
+        "forward_timeout_s",
+    }
+)
+
 #: Exit status for a configuration error: ``EX_CONFIG`` from sysexits.h. The unit file lists it in
 #: ``RestartPreventExitStatus=`` so systemd does not restart a daemon that would fail the same way.
 EXIT_CONFIG = 78
@@ -62,6 +77,13 @@ KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 class LogFormat(str, enum.Enum):
     TEXT = "text"
     JSON = "json"
+
+
+class DrainMode(str, enum.Enum):
+    """What SIGTERM does to a step in flight: wait for it (up to ``shutdown_timeout_s``) or abort it."""
+
+    FINISH = "finish"
+    ABORT = "abort"
 
 
 class ArenaKind(str, enum.Enum):
@@ -174,6 +196,7 @@ class DaemonConfig:
     heartbeat_interval_s: float = 1.0
     reader_timeout_s: float = 30.0
     shutdown_timeout_s: float = 10.0
+    drain: DrainMode = DrainMode.ABORT  # SIGTERM: abort the step in flight, or let it finish first
 
     """Memory: ``arena`` is ``shm`` (POSIX shared memory, any machine) or ``cuda`` (``cudaMalloc`` on
     ``gpu``, a UUID or an index, shared with trainers and engines through CUDA IPC)."""
@@ -477,6 +500,7 @@ _KNOBS: dict[str, _Knob] = {
     "heartbeat_interval_s": _Knob("--heartbeat-interval", _seconds, "SECONDS", "rank ping interval"),
     "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a reader holding a generation"),
     "shutdown_timeout_s": _Knob("--shutdown-timeout", _seconds, "SECONDS", "escalate shutdown after this"),
+    "drain": _Knob("--drain", _enum(DrainMode), "MODE", "SIGTERM: abort the step in flight, or finish it"),
     "arena": _Knob("--arena", _enum(ArenaKind), "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),
     "gpu": _Knob("--gpu", _OPT_TEXT, "UUID|INDEX", "arena=cuda: the GPU holding the arenas (default 0)"),
     "max_frame_bytes": _Knob("--max-frame-bytes", parse_size, "SIZE", "largest data frame accepted"),
@@ -903,6 +927,7 @@ rank_timeout_s = 10
 heartbeat_interval_s = 1
 reader_timeout_s = 30
 shutdown_timeout_s = 10
+drain = "abort"                         # SIGTERM mid-step: abort it, or finish it (within shutdown_timeout_s)
 arena = "shm"                           # shm, or cuda (arenas in GPU memory, CUDA IPC)
 # gpu = "GPU-5c1e..."                   # arena = cuda: UUID or index of the arenas' GPU
 max_frame_bytes = "64MiB"

@@ -33,7 +33,7 @@ import zmq
 
 from adapters.manifest import Manifest
 from sidecar.attach import check_manifest, engine_bf16_modules
-from sidecar.config import DaemonConfig, NodeRole, default_listen, tcp_host
+from sidecar.config import RELOADABLE, DaemonConfig, DrainMode, NodeRole, default_listen, tcp_host
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward import Forwarding, ForwardReceiver
@@ -95,6 +95,9 @@ class Daemon(ForwardReceiver):
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
+        self._force = False  # a second stop request: no draining
+        self._draining = False  # stopping after the step in flight: new steps are refused
+        self._reload = None  # SIGHUP: a callable returning the new config, applied on the loop
         self._closed = False
         self.ctx = zmq.Context()
         self.router: zmq.Socket | None = None
@@ -194,10 +197,59 @@ class Daemon(ForwardReceiver):
         return self.router is not None and self.arenas is not None
 
     def request_stop(self) -> None:
+        """First call: stop (draining as configured); a second: stop draining at once."""
+        if self._stop:
+            self._force = True
         self._stop = True
 
     def serve_forever(self) -> None:
         while not self._stop:
+            self.tick()
+            if self._reload is not None:
+                load, self._reload = self._reload, None
+                self.reload(load)
+        self._drain()
+
+    def request_reload(self, load_config) -> None:
+        """Re-read the configuration (``load_config() -> DaemonConfig``) on the serve loop (SIGHUP)."""
+        self._reload = load_config
+
+    def reload(self, load_config) -> list[str]:
+        """Apply what may change safely (timeouts, logging, drain); name what needs a restart."""
+        try:
+            new = load_config()
+        except ValueError as exc:  # ConfigError: keep the running configuration
+            log.error("SIGHUP: the new configuration is invalid, keeping the current one:\n%s", exc)
+            return []
+        old, changed, refused = self.config.to_dict(), [], []
+        for key, value in new.to_dict().items():
+            if value != old.get(key):
+                (changed if key in RELOADABLE else refused).append(key)
+        if changed:
+            self.config = self.config.replace(**{k: getattr(new, k) for k in changed})
+            logging.getLogger("refitd").setLevel(self.config.log_level.level)
+            log.info("SIGHUP: reloaded %s", ", ".join(f"{k}={getattr(self.config, k)}" for k in changed))
+        if refused:
+            log.warning(
+                "SIGHUP: %s changed but needs a restart; still running with the old values",
+                ", ".join(refused),
+            )
+        if not changed and not refused:
+            log.info("SIGHUP: the configuration is unchanged")
+        return changed
+
+    def _drain(self) -> None:
+        """On stop: with drain=finish, let the step in flight publish (or fail) within shutdown_timeout_s."""
+        if self.step is None or self.config.drain is not DrainMode.FINISH:
+            return
+        self._draining = True
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        log.info(
+            "draining: waiting up to %.0f s for step %d to finish",
+            self.config.shutdown_timeout_s,
+            self.step.step,
+        )
+        while self.step is not None and time.monotonic() < deadline and not self._force:
             self.tick()
 
     def tick(self, timeout_ms: int | None = None) -> None:
@@ -403,6 +455,13 @@ class Daemon(ForwardReceiver):
             raise RefitError(
                 f"step {step} does not increase: step {self.last_step} is already published; push a later step",
                 kind=ErrorKind.STEP_ORDER,
+                rank=peer.rank,
+                step=step,
+            )
+        if self._draining and (self.step is None or step != self.step.step):
+            raise RefitError(
+                "the daemon is shutting down; push to it again once it is back",
+                kind=ErrorKind.SHUTDOWN,
                 rank=peer.rank,
                 step=step,
             )
@@ -918,6 +977,8 @@ class Daemon(ForwardReceiver):
             "arenas": arena_placements(self.arenas.all_arenas()) if self.arenas else [],
             "instance": self.instance,
             "pid": os.getpid(),
+            "draining": self._draining,
+            "settings": {k: v for k, v in self.config.to_dict().items() if k in RELOADABLE},
             "host": socket.gethostname(),
             "listen": self.config.listen,
             "local_listen": self.local_listen,

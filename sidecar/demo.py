@@ -257,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
             ]
             for p in procs[1:]:
                 p.start()
+            if not args.json:
+                _header(args, spec)
             with RefitReader(endpoint, name="demo-status", timeout=120) as status:
                 previous = None
                 for step in range(args.steps):
@@ -274,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
                             **{k: loaded.get(k) for k in ("load_s", "engine_exact", "kl", "error")},
                         }
                     )
+                    if not args.json:
+                        _row(rows[-1])
                     if bad or not loaded.get("engine_exact") or not loaded.get("ok"):
                         problems.append(f"step {step}: published mismatches {bad[:3]}, engine {loaded}")
                     previous = {k: v.clone() for k, v in expected.items()}
@@ -308,6 +312,32 @@ def _changed_fraction(previous: dict[str, torch.Tensor] | None, current: dict[st
     return changed / max(1, total)
 
 
+def _header(args: argparse.Namespace, spec) -> None:
+    """The table's title and columns, printed before the first step so rows show progress as they land."""
+    print(
+        f"refitd demo: synthetic qwen3_5_moe ({args.layers} layers + MTP, {args.experts} experts), format "
+        f"{spec.fmt.value}; {WORLD_SIZE} trainer ranks (rank 0 via shared memory, rank 1 via ZeroMQ frames), "
+        "1 reference engine"
+    )
+    print(
+        f"{'step':>4} {'bytes in':>10} {'published':>10} {'receive':>8} {'quantize':>8} {'publish':>8} "
+        f"{'load':>8} {'total':>8} {'changed':>8} {'KL vs bf16':>11}  verified",
+        flush=True,
+    )
+
+
+def _row(r: dict[str, Any]) -> None:
+    s = r["seconds"]
+    verified = "yes" if r["published_exact"] and r["engine_exact"] else f"NO {r['mismatches']}"
+    print(
+        f"{r['step']:>4} {human_bytes(r['bytes_in']):>10} {human_bytes(r['bytes_out']):>10} "
+        f"{s['receive'] * 1e3:>6.1f}ms {s['quantize'] * 1e3:>6.1f}ms {s['publish'] * 1e3:>6.2f}ms "
+        f"{(r['load_s'] or 0) * 1e3:>6.1f}ms {s['total'] * 1e3:>6.1f}ms {r['changed'] * 100:>7.1f}% "
+        f"{r['kl']:>11.2e}  {verified}",
+        flush=True,
+    )
+
+
 def _report(
     args: argparse.Namespace, spec, rows: list[dict[str, Any]], ok: bool, problems: list[str]
 ) -> None:
@@ -333,24 +363,6 @@ def _report(
         }
         print(json.dumps(summary, indent=2))
         return
-    print(
-        f"refitd demo: synthetic qwen3_5_moe ({args.layers} layers + MTP, {args.experts} experts), format "
-        f"{spec.fmt.value}; {WORLD_SIZE} trainer ranks (rank 0 via shared memory, rank 1 via ZeroMQ frames), "
-        "1 reference engine"
-    )
-    print(
-        f"{'step':>4} {'bytes in':>10} {'published':>10} {'receive':>8} {'quantize':>8} {'publish':>8} "
-        f"{'load':>8} {'total':>8} {'changed':>8} {'KL vs bf16':>11}  verified"
-    )
-    for r in rows:
-        s = r["seconds"]
-        verified = "yes" if r["published_exact"] and r["engine_exact"] else f"NO {r['mismatches']}"
-        print(
-            f"{r['step']:>4} {human_bytes(r['bytes_in']):>10} {human_bytes(r['bytes_out']):>10} "
-            f"{s['receive'] * 1e3:>6.1f}ms {s['quantize'] * 1e3:>6.1f}ms {s['publish'] * 1e3:>6.2f}ms "
-            f"{(r['load_s'] or 0) * 1e3:>6.1f}ms {s['total'] * 1e3:>6.1f}ms {r['changed'] * 100:>7.1f}% "
-            f"{r['kl']:>11.2e}  {verified}"
-        )
     print(
         "verified: every generation byte for byte, the engine holding exactly the published bytes"
         if ok

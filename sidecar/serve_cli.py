@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 from sidecar.config import (
@@ -33,6 +34,7 @@ from sidecar.logs import setup_logging
 
 log = logging.getLogger("refitd.serve")
 
+DUPLICATE_SIGNAL_S = 1.0  # a second stop signal sooner than this is the same request
 EXIT_OK = 0
 EXIT_FAILURE = 1
 
@@ -53,18 +55,27 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def stop_signals(on_stop) -> Iterator[None]:
-    """SIGTERM/SIGINT ask the daemon to stop (the handler only sets a flag); a second one forces."""
-    seen = []
+def stop_signals(on_stop, on_reload=None) -> Iterator[None]:
+    """SIGTERM/SIGINT ask the daemon to stop (handlers only set flags; the loop acts); a second one,
+    more than ``DUPLICATE_SIGNAL_S`` after the first (Slurm may deliver two at once), forces an exit.
+    SIGHUP asks the loop to reload what can change safely."""
+    seen: list[float] = []
 
     def handler(signum, frame):
-        seen.append(signum)
-        if len(seen) > 1:
+        now = time.monotonic()
+        if seen and now - seen[0] > DUPLICATE_SIGNAL_S:
             log.error("second %s: exiting at once", signal.Signals(signum).name)
             raise SystemExit(EXIT_FAILURE)
-        on_stop()
+        if not seen:
+            on_stop()
+        seen.append(now)
+
+    def reload(signum, frame):
+        if on_reload is not None:
+            on_reload()
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     try:
         yield
     finally:
@@ -115,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"refitd: cannot allocate shared memory: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     try:
-        with stop_signals(daemon.request_stop):
+        with stop_signals(daemon.request_stop, lambda: daemon.request_reload(lambda: config_from_args(args))):
             daemon.start()
             daemon.serve_forever()
     except Exception:
