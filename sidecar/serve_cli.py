@@ -174,6 +174,13 @@ def render_status(s: dict) -> str:
         live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
         lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
     lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
+    for e in s.get("engines", []):
+        lines.append(
+            f"  engine {e['name']}: {e['engine']} {e['version']}, MoE backend {e['moe_backend']}, "
+            f"experts {e['expert_format']}"
+        )
+    for name, peer in (s.get("peers") or {}).items():
+        lines.append(f"  peer {name}: {peer}")
     for h in s.get("history", [])[-5:]:
         secs = " ".join(f"{k}={v:.3f}s" for k, v in h["seconds"].items())
         lines.append(f"  step {h['step']}: {h['bytes_in']} B in, {h['bytes_out']} B out; {secs}")

@@ -1,0 +1,48 @@
+"""``refitd status``'s table: generations, engines, peers, last steps with phase times, GPUs."""
+
+from __future__ import annotations
+
+from sidecar.serve_cli import render_status
+
+
+def test_status_table_names_everything_an_operator_asks_about():
+    status = {
+        "instance": "abc",
+        "pid": 7,
+        "host": "node1",
+        "listen": "ipc:///run/refitd/control.sock",
+        "format": "block_fp8",
+        "world_size": 2,
+        "last_step": 12,
+        "live": {"generation": 1, "step": 12},
+        "step_in_progress": {"step": 13, "begun": [0], "committed": []},
+        "generations": [
+            {"generation": 0, "step": 11, "holders": 0, "segment": "seg0", "bytes": 10},
+            {"generation": 1, "step": 12, "holders": 2, "segment": "seg1", "bytes": 10},
+        ],
+        "trainers": [0, 1],
+        "readers": ["vllm-tp0"],
+        "engines": [
+            {
+                "name": "vllm-tp0",
+                "engine": "vllm",
+                "version": "0.25",
+                "moe_backend": "CutlassFusedMoE",
+                "expert_format": "block_fp8",
+            }
+        ],
+        "peers": {"tcp://10.0.0.2:5555": {"step": 12, "in_flight": None}},
+        "history": [
+            {"step": 12, "bytes_in": 100, "bytes_out": 50, "seconds": {"receive": 0.5, "total": 1.0}}
+        ],
+        "gpus": [],
+        "gpus_reason": "NVML is not available",
+        "arenas": [],
+    }
+    text = render_status(status)
+    assert "step 13 in progress: begun [0], committed []" in text
+    assert "seg1 (live)" in text
+    assert "engine vllm-tp0: vllm 0.25, MoE backend CutlassFusedMoE, experts block_fp8" in text
+    assert "peer tcp://10.0.0.2:5555" in text
+    assert "step 12: 100 B in, 50 B out; receive=0.500s total=1.000s" in text
+    assert "NVML is not available" in text
