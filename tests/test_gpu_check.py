@@ -2,9 +2,10 @@
 
 The GPU machine runs the same script once (``python bench/gpu_check.py --out ...``), so everything
 that does not need a GPU is exercised here: argument handling, the comparison and its report of the
-first mismatch, byte accounting, the torch.compile baseline's arithmetic (run eagerly), and a full
-``--device cpu --small`` run (correctness, timing, and the trainer -> daemon -> engine round trip
-over shared-memory arenas), with pyzmq and NIXL made unimportable.
+first mismatch, byte accounting, the torch.compile baseline's arithmetic (run eagerly), the engine's
+check, and a full ``--device cpu --small`` run: correctness and timing with pyzmq and NIXL made
+unimportable in the checking process, and the real trainer -> ``refitd serve --arena shm`` ->
+engine round trip, whose processes import pyzmq themselves.
 """
 
 from __future__ import annotations
@@ -66,8 +67,50 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     e2e = report["e2e"]
     assert e2e["status"] == "ran" and e2e["ok"], e2e
     assert [r["fmt"] for r in e2e["rounds"]] == ["block_fp8", "mxfp8", "fp8_per_tensor"]
-    assert all(r["engine"]["ok"] and r["sample_layer_exact"] for r in e2e["rounds"])
+    assert e2e["copy_gbps"] > 0
+    for r in e2e["rounds"]:
+        assert "--arena shm" in r["daemon"] and "--world-size 1" in r["daemon"], r["daemon"]
+        assert [s["step"] for s in r["steps"]] == [0, 1], r
+        for s in r["steps"]:
+            assert s["engine"]["ok"] and not s["engine"]["mismatched"] and s["engine"]["sampled"] > 0, s
+            assert [ld["ok"] for ld in s["loads"]] == [True], s["loads"]  # wait="loaded": the engine's ack
+            assert s["bytes_in"] > s["bytes_out"] > 0 and s["engine"]["bytes"] == s["bytes_out"]
+            for phase in ("copy_s", "quantize_s", "publish_s", "engine_load_s", "total_s"):
+                assert s[phase] >= 0, (phase, s)
+            assert s["floor_s"]["total"] > 0 and s["of_floor"] == s["total_s"] / s["floor_s"]["total"]
     assert "correctness:" in proc.stdout and "e2e: ran" in proc.stdout
+    assert "of the floor" in proc.stdout
+
+
+@pytest.mark.parametrize("fmt", [f for f in Format if f.quantized], ids=lambda f: f.value)
+def test_engine_check_catches_a_flipped_byte(fmt):
+    """The engine's check: the regenerated layer-0 inputs through sidecar.quant equal the daemon's
+    conversion, and one flipped byte in a layer-0 expert (or a copy that differs) is named."""
+    from sidecar.plan import RefitSpec, convert
+
+    config = gc._e2e_config(gc.SMALL, 2)
+    plan = gc._e2e_plan(config, fmt.value)
+    state = {
+        i.name: gc._fill(torch.empty(i.shape, dtype=i.dtype), i.name, 5, 1)
+        for i in gc._e2e_plan(config, "bf16").inputs
+    }
+    published = convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt.value))
+    buffers = {n: t.clone() for n, t in published.items()}
+    bad, sampled = gc._engine_check(plan, published, buffers, fmt, 5, 1, torch.device("cpu"))
+    assert not bad and sampled > 2 * gc.SMALL.experts
+    name = next(o.name for o in plan.outputs if ".layers.0." in o.name and o.expert == 3 and o.scale_name)
+    buffers[name].view(torch.uint8).reshape(-1)[7] ^= 1
+    bad, _ = gc._engine_check(plan, published, buffers, fmt, 5, 1, torch.device("cpu"))
+    assert name in bad
+    assert gc._engine_check(plan, published, buffers, fmt, 5, 2, torch.device("cpu"))[
+        0
+    ]  # another step's weights
+
+
+def test_stage_floor_counts_reads_and_writes():
+    f = gc._stage_floor({"bytes_in": 4e9, "bytes_out": 2e9}, gbps=100.0)
+    assert f["copy"] == 0.08 and f["quantize"] == 0.06 and f["load"] == 0.04
+    assert abs(f["total"] - 0.18) < 1e-12
 
 
 def test_args_defaults():
