@@ -107,6 +107,15 @@ class NodeRole(str, enum.Enum):
     INFERENCE = "inference"
 
 
+class ForwardMover(str, enum.Enum):
+    """How forwarded bytes move between nodes: NIXL where both sides have it (``auto``), only NIXL
+    (``nixl``: a forwarder fails rather than fall back), or only ZeroMQ frames (``zmq``)."""
+
+    AUTO = "auto"
+    NIXL = "nixl"
+    ZMQ = "zmq"
+
+
 class LogLevel(str, enum.Enum):
     DEBUG = "debug"
     INFO = "info"
@@ -224,11 +233,14 @@ class DaemonConfig:
     ``tcp://HOST:PORT`` control endpoints); an ``inference`` daemon publishes what it is forwarded
     (it plans nothing: size its arenas with ``publish_bytes``). ``forward_timeout_s`` bounds how long
     a forwarder waits on a peer, and how long it may hold a generation for one transfer (so it must
-    be below ``reader_timeout_s``)."""
+    be below ``reader_timeout_s``). ``forward_mover`` picks how the bytes move: ``auto`` uses NIXL
+    where both sides have it and ZeroMQ frames otherwise, ``zmq`` never uses NIXL, ``nixl`` makes a
+    forwarder fail rather than fall back (an inference daemon treats it as ``auto``)."""
     layout: NodeLayout = NodeLayout.COLOCATED
     role: NodeRole | None = None
     peers: tuple[str, ...] = ()
     forward_timeout_s: float = 20.0
+    forward_mover: ForwardMover = ForwardMover.AUTO
 
     """CURVE on TCP control channels (``refitd keygen NAME`` writes ``NAME.key`` and ``NAME.key.pub``).
     ``curve_secret_key`` is this daemon's keypair file (``curve_public_key`` defaults to the public
@@ -518,6 +530,9 @@ _KNOBS: dict[str, _Knob] = {
     "role": _Knob("--role", _optional(_enum(NodeRole)), "ROLE", "disaggregated: trainer or inference"),
     "peers": _Knob("--peers", _peers, "URL[,URL]", "trainer role: inference daemons' tcp:// endpoints"),
     "forward_timeout_s": _Knob("--forward-timeout", _seconds, "SECONDS", "give up on a peer after this"),
+    "forward_mover": _Knob(
+        "--forward-mover", _enum(ForwardMover), "MOVER", "forwarded bytes: auto (NIXL, else zmq), nixl or zmq"
+    ),
     "curve_secret_key": _Knob(
         "--curve-secret-key", _optional(_path), "PATH", "this daemon's CURVE keypair (NAME.key)", is_path=True
     ),
@@ -941,6 +956,7 @@ layout = "colocated"                    # colocated, or disaggregated (then give
 # role = "trainer"                      # disaggregated: trainer or inference
 # peers = ["tcp://10.0.0.6:5555"]       # trainer role: the inference daemons' endpoints
 forward_timeout_s = 20                  # below reader_timeout_s
+forward_mover = "auto"                  # auto (NIXL where both sides have it, else ZeroMQ frames), nixl, zmq
 # curve_secret_key = "/etc/refitd/node.key"           # `refitd keygen node`; needed to listen on a non-loopback tcp://
 # curve_public_key = "/etc/refitd/node.key.pub"       # default: read from curve_secret_key
 # curve_allowed_keys = "/etc/refitd/clients"          # a *.key.pub file or a folder of them

@@ -256,6 +256,8 @@ class Daemon(ForwardReceiver):
         """One turn of the loop: messages, worker results, timers."""
         if timeout_ms is None:
             timeout_ms = int(max(10, min(100, self.config.heartbeat_interval_s * 250)))
+        if self._forward_nixl_busy():
+            timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
         if self.wake in events:
             while True:
@@ -275,6 +277,7 @@ class Daemon(ForwardReceiver):
         self._drain_worker()
         if self.forwarding is not None:
             self.forwarding.drain(self)
+        self._forward_progress()
         now = time.monotonic()
         self._check_timers(now)
         notify(self.observers, "on_tick", self, now)
@@ -293,6 +296,7 @@ class Daemon(ForwardReceiver):
             self.worker.close()
         if self.forwarding is not None:
             self.forwarding.close()
+        self._forward_close()
         if self.arenas is not None:
             self.arenas.close()
         if self.router is not None:
@@ -987,7 +991,12 @@ class Daemon(ForwardReceiver):
             "peers": None if self.forwarding is None else self.forwarding.snapshot(),
             "inbound": None
             if self.inbound is None
-            else {"step": self.inbound.step, "source": self.inbound.source, "bytes": self.inbound.received},
+            else {
+                "step": self.inbound.step,
+                "source": self.inbound.source,
+                "bytes": self.inbound.received,
+                "mover": self.inbound.mover,
+            },
             "format": self.spec.fmt.value,
             "world_size": self.config.world_size,
             "last_step": self.last_step,

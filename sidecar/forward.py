@@ -23,7 +23,8 @@ Protocol (``transfer`` is a fresh token per attempt, echoed in every reply; stal
     FORWARD_BEGIN {step, source, transfer,   ->   claims its free generation (waiting while one of
                    rows, bytes, movers}           its engines holds it), carves it to ``rows``
                                              <-   FORWARD_READY {transfer, credit_frames,
-                                                                 max_frame_bytes, mover}
+                                                                 max_frame_bytes, mover,
+                                                                 mover_reason, nixl?}
     FORWARD_DATA {transfer, tensor, offset}  ->   (ZeroMQ mover: 1 frame each, in order, under
                  + 1 data frame                    credits)                  <- CREDIT {transfer, frames}
     FORWARD_COMMIT {transfer}                ->   every byte arrived: publish (readers get
@@ -33,8 +34,11 @@ Protocol (``transfer`` is a fresh token per attempt, echoed in every reply; stal
     FORWARD_ABORT {transfer}                 ->   drop the transfer (a newer step, or giving up)
 
 The bulk bytes move through a :class:`Mover`. :class:`ZmqMover` sends ZeroMQ frames under credits;
-a NIXL mover (``transport.nixl``: the inference daemon registers its generation and answers with
-its metadata and region table, the forwarder WRITEs with a notification) plugs into the same seam.
+``sidecar.forward_nixl.NixlMover`` WRITEs them over NIXL (the inference daemon registers its
+generation and answers with its metadata and region table; the forwarder WRITEs with a notification,
+then commits over ZeroMQ; the inference daemon publishes once the notification arrived). NIXL is
+used where both sides have it (``forward_mover = "auto"``), ZeroMQ frames otherwise; each peer's
+``mover`` and ``mover_reason`` are in the trainer daemon's status.
 """
 
 from __future__ import annotations
@@ -53,6 +57,15 @@ import torch
 import zmq
 
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.forward_nixl import (
+    NixlFailed,
+    NixlMover,
+    NixlSetupFailed,
+    SourceSide,
+    TargetSide,
+    shm_region,
+    support,
+)
 from sidecar.keygen import Curve, own_keypair, read_key_file, set_client
 from transport.shm import Layout, Slot
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_from_name, dtype_name, encode
@@ -81,11 +94,16 @@ class Job:
     nbytes: int  # what goes on the wire (FP8 where the plan quantizes)
     bytes_bf16: int  # what the same step weighed in BF16, as the trainer sent it
     source: str  # the trainer daemon's instance
+    region: tuple[int, int] | None = None  # the arena's whole segment (address, size), if host shm
+    offsets: tuple[int, ...] = ()  # each row's byte offset in the arena
 
     @classmethod
     def of(cls, gen: Generation, step: int, bytes_bf16: int, source: str) -> Job:
-        rows = tuple((s.name, dtype_name(s.dtype), s.shape, s.nbytes) for s in gen.arena.layout)
-        return cls(step, gen.index, rows, sum(r[3] for r in rows), bytes_bf16, source)
+        layout = list(gen.arena.layout)
+        rows = tuple((s.name, dtype_name(s.dtype), s.shape, s.nbytes) for s in layout)
+        offsets = tuple(s.offset for s in layout)
+        nbytes = sum(r[3] for r in rows)
+        return cls(step, gen.index, rows, nbytes, bytes_bf16, source, shm_region(gen.arena), offsets)
 
 
 class ForwardFailed(RuntimeError):
@@ -139,9 +157,18 @@ class ZmqMover:
         return sent
 
 
-def choose_mover(ready: Message) -> Mover:
-    """The mover the peer agreed to in FORWARD_READY (only ZeroMQ frames so far)."""
+def choose_mover(
+    ready: Message, offered: list[str] | tuple[str, ...] = ("zmq",), nixl: SourceSide | None = None
+) -> Mover:
+    """The mover the peer agreed to in FORWARD_READY, among those this forwarder offered."""
     name = ready.get("mover", "zmq")
+    if name not in offered:
+        raise ForwardFailed(
+            f"the peer chose mover {name!r}, but this forwarder offered {list(offered)}"
+            + (f" (the peer: {ready.get('mover_reason')})" if ready.get("mover_reason") else "")
+        )
+    if name == "nixl" and nixl is not None:
+        return NixlMover(nixl)
     if name != "zmq":
         raise ForwardFailed(f"the peer chose mover {name!r}, which this forwarder does not speak")
     return ZmqMover()
@@ -167,6 +194,7 @@ class Forwarding:
                 "in_flight": None,
                 "error": None,
                 "mover": None,
+                "mover_reason": None,
                 "bytes": 0,
                 "bytes_bf16": 0,
                 "seconds": None,
@@ -178,8 +206,18 @@ class Forwarding:
             for ep in config.peers
         }
         self.forwarders = [
-            Forwarder(ep, ctx, wake_endpoint, self.inbox, curve, config.forward_timeout_s, instance)
-            for ep in config.peers
+            Forwarder(
+                ep,
+                ctx,
+                wake_endpoint,
+                self.inbox,
+                curve,
+                config.forward_timeout_s,
+                instance,
+                mover=config.forward_mover.value,
+                nixl_name=f"refitd-{instance}-forward{i}",
+            )
+            for i, ep in enumerate(config.peers)
         ]
 
     def start(self) -> None:
@@ -240,10 +278,13 @@ class Forwarder:
         curve: Curve | None,
         timeout_s: float,
         instance: str,
+        *,
+        mover: str = "auto",
+        nixl_name: str | None = None,
     ):
         self.endpoint, self.identity = endpoint, f"forward:{endpoint}".encode()
         self._ctx, self._wake_endpoint, self._inbox, self._curve = ctx, wake_endpoint, inbox, curve
-        self.timeout_s, self.instance = timeout_s, instance
+        self.timeout_s, self.instance, self.mover = timeout_s, instance, mover
         self._lock = threading.Lock()
         self._latest: Job | None = None
         self._grants: queue.SimpleQueue = queue.SimpleQueue()
@@ -257,6 +298,8 @@ class Forwarder:
         self._peer_instance: str | None = None
         self._last_ping = 0.0
         self._failures = 0
+        self._nixl = SourceSide(nixl_name or f"refitd-{instance}-{secrets.token_hex(4)}")
+        self._reported: tuple[str, str] | None = None  # the mover (and why) last logged
         self.transfer = ""
 
     # ---- any thread
@@ -302,6 +345,7 @@ class Forwarder:
                     self._stopping.wait(RETRY_S)
         finally:
             self._reset()
+            self._nixl.close()
             self._wake.close(linger=0)
 
     def _pending(self) -> Job | None:
@@ -434,8 +478,34 @@ class Forwarder:
             if views is not None:  # the answer to a request that timed out: give it back
                 self._post("release", job)
 
+    def _offer(self, job: Job) -> tuple[list[str], str]:
+        """The movers to offer the peer, and why NIXL is not among them."""
+        ok, why = support(self.mover)
+        if ok and job.region is None:
+            ok, why = False, "this daemon's generation arenas are not host shared memory"
+        if ok and self.mover != "nixl" and (earlier := self._nixl.why_not()):
+            ok, why = False, earlier
+        if ok:
+            try:
+                self._nixl.endpoint()  # made before BEGIN: the peer's READY deadline is not spent on it
+            except Exception as exc:
+                self._nixl.fail(f"{type(exc).__name__}: {exc}")
+                ok, why = False, f"NIXL set-up failed: {self._nixl.broken}"
+        if self.mover == "nixl":
+            if not ok:
+                raise ForwardFailed(f"forward_mover=nixl, but {why}")
+            return ["nixl"], ""
+        return (["nixl", "zmq"], "") if ok else (["zmq"], why)
+
+    def _report_mover(self, mover: str, reason: str) -> None:
+        if self._reported != (mover, reason):
+            self._reported = (mover, reason)
+            log.info("forwarding to %s over %s%s", self.endpoint, mover, f" ({reason})" if reason else "")
+        self._post("state", {"mover": mover, "mover_reason": reason})
+
     def _forward(self, job: Job) -> None:
         self.transfer = secrets.token_hex(6)
+        offered, why_not = self._offer(job)
         deadline = time.monotonic() + self.timeout_s
         self._post("state", {"in_flight": job.step})
         self.send(
@@ -447,14 +517,19 @@ class Forwarder:
                 "rows": [[n, d, list(s)] for n, d, s, _ in job.rows],
                 "bytes": job.nbytes,
                 "bytes_bf16": job.bytes_bf16,
-                "movers": ["zmq"],
+                "movers": offered,
             },
         )
         ready = self._await({Kind.FORWARD_READY, Kind.FORWARDED}, deadline, job)
         if ready.kind is Kind.FORWARDED:  # it already has this step (or a later one)
             self._acknowledged(job, ready, 0, 0.0, None)
             return
-        mover = choose_mover(ready)
+        mover = choose_mover(ready, offered, self._nixl)
+        if mover.name == "nixl":
+            reason = "NIXL on both sides"
+        else:
+            reason = why_not or str(ready.get("mover_reason") or "the peer chose ZeroMQ frames")
+        self._report_mover(mover.name, reason)
         views = self._hold(job, deadline)
         if views is None:
             self.send(Kind.FORWARD_ABORT, {"transfer": self.transfer, "reason": "the generation was reused"})
@@ -465,7 +540,13 @@ class Forwarder:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s  # how long the hold may last
         try:
-            sent = mover.send(self, job, views, ready, deadline)
+            try:
+                sent = mover.send(self, job, views, ready, deadline)
+            except NixlFailed as exc:
+                self._nixl.fail(str(exc))  # the next attempt offers ZeroMQ frames only (auto)
+                with contextlib.suppress(ForwardFailed):
+                    self.send(Kind.FORWARD_ABORT, {"transfer": self.transfer, "reason": "NIXL failed"})
+                raise ForwardFailed(f"NIXL to {self.endpoint} failed: {exc}") from exc
             self.send(Kind.FORWARD_COMMIT, {"transfer": self.transfer, "step": job.step})
             done = self._await({Kind.FORWARDED}, deadline)
         finally:
@@ -519,6 +600,10 @@ class Inbound:
     offset: int = 0  # next byte of it
     received: int = 0
     unacked: int = 0
+    offered: tuple[str, ...] = ("zmq",)  # the movers the forwarder offered
+    mover: str = "zmq"
+    mover_reason: str = ""
+    committer: bytes | None = None  # NIXL: FORWARD_COMMIT came, publish once the notification did
 
     def skip_empty(self) -> None:
         while self.index < len(self.slots) and self.offset >= self.slots[self.index].nbytes:
@@ -536,6 +621,7 @@ class ForwardReceiver:
 
     inbound: Inbound | None = None
     forward_source: str | None = None
+    nixl_target: TargetSide | None = None  # made on the first transfer NIXL may carry
 
     def _inference_node(self) -> bool:
         from sidecar.config import NodeRole
@@ -578,7 +664,11 @@ class ForwardReceiver:
             )
         now = time.monotonic()
         old = self.inbound
-        self.inbound = Inbound(identity, transfer, step, source, layout, list(layout), now, now)
+        offered = msg.get("movers", ["zmq"])
+        offered = tuple(str(m) for m in offered) if isinstance(offered, list) else ("zmq",)
+        self.inbound = Inbound(
+            identity, transfer, step, source, layout, list(layout), now, now, offered=offered
+        )
         if old is not None:
             log.info("forwarded step %d replaces the unfinished transfer of step %d", step, old.step)
             self.inbound.target = old.target  # still claimed, still unpublished
@@ -602,17 +692,36 @@ class ForwardReceiver:
         inbound.target.step = None
         inbound.target.arena.relayout(inbound.layout)
         inbound.flat = {n: t.reshape(-1).view(torch.uint8) for n, t in inbound.target.arena.tensors().items()}
-        self._send(
-            inbound.identity,
-            Kind.FORWARD_READY,
-            {
-                "transfer": inbound.transfer,
-                "step": inbound.step,
-                "credit_frames": self.config.credit_frames,
-                "max_frame_bytes": self.config.max_frame_bytes,
-                "mover": "zmq",
-            },
-        )
+        fields: dict[str, Any] = {
+            "transfer": inbound.transfer,
+            "step": inbound.step,
+            "credit_frames": self.config.credit_frames,
+            "max_frame_bytes": self.config.max_frame_bytes,
+        }
+        inbound.mover, inbound.mover_reason, offer = self._choose_mover(inbound)
+        fields.update(mover=inbound.mover, mover_reason=inbound.mover_reason)
+        if offer is not None:
+            fields["nixl"] = offer
+        self._send(inbound.identity, Kind.FORWARD_READY, fields)
+
+    def _choose_mover(self, inbound: Inbound) -> tuple[str, str, dict[str, Any] | None]:
+        """``(mover, why, READY's nixl field)``: NIXL when the forwarder offers it and it works here."""
+        if "nixl" not in inbound.offered:
+            return "zmq", "the forwarder did not offer NIXL", None
+        ok, why = support(self.config.forward_mover.value)
+        if ok and self.nixl_target is not None and self.nixl_target.broken is not None:
+            ok, why = False, f"NIXL set-up failed earlier on the inference daemon: {self.nixl_target.broken}"
+        if not ok:
+            return "zmq", f"inference daemon: {why}", None
+        if self.nixl_target is None:
+            self.nixl_target = TargetSide(f"refitd-{self.instance}")
+        try:
+            offer = self.nixl_target.offer(inbound.target.arena)
+        except NixlSetupFailed as exc:
+            self.nixl_target.broken = str(exc)
+            log.warning("NIXL set-up failed, taking forwarded bytes as ZeroMQ frames: %s", exc)
+            return "zmq", f"NIXL set-up failed on the inference daemon: {exc}", None
+        return "nixl", "NIXL on both sides", offer
 
     def _inbound(self, identity: bytes, msg: Message) -> Inbound:
         inbound = self.inbound
@@ -660,6 +769,34 @@ class ForwardReceiver:
 
     def handle_forward_commit(self, identity: bytes, msg: Message) -> None:
         inbound = self._inbound(identity, msg)
+        if inbound.mover == "nixl" and inbound.received == 0:
+            inbound.committer = identity  # published by _forward_progress once the WRITE's notification is in
+            self._forward_progress()
+            return
+        self._publish_inbound(identity, inbound)
+
+    def _forward_progress(self) -> None:
+        """Progress the NIXL endpoint while a NIXL transfer is in flight (the serve loop, each tick);
+        publish a committed one once its WRITE notification arrived."""
+        inbound = self.inbound
+        if inbound is None or inbound.mover != "nixl" or self.nixl_target is None:
+            return
+        self.nixl_target.progress()
+        if inbound.committer is not None and self.nixl_target.take(inbound.transfer):
+            inbound.received = inbound.layout.size
+            inbound.index, inbound.offset = len(inbound.slots), 0
+            self._publish_inbound(inbound.committer, inbound)
+
+    def _forward_nixl_busy(self) -> bool:
+        inbound = self.inbound
+        return inbound is not None and inbound.mover == "nixl" and inbound.target is not None
+
+    def _forward_close(self) -> None:
+        if self.nixl_target is not None:
+            self.nixl_target.close()
+            self.nixl_target = None
+
+    def _publish_inbound(self, identity: bytes, inbound: Inbound) -> None:
         if not inbound.complete:
             slot = inbound.slots[inbound.index]
             self._drop_inbound("it committed before sending every byte")
@@ -679,12 +816,14 @@ class ForwardReceiver:
             "bytes_out": inbound.layout.size,
             "seconds": {"receive": round(now - inbound.started, 6), "total": round(now - inbound.started, 6)},
             "forwarded_from": inbound.source,
+            "mover": inbound.mover,
         }
         log.info(
-            "forwarded step %d published in generation %d: %d bytes received in %.3fs",
+            "forwarded step %d published in generation %d: %d bytes received over %s in %.3fs",
             inbound.step,
             inbound.target.index,
             inbound.received,
+            inbound.mover,
             now - inbound.started,
             extra={"step": inbound.step, "phase": "publish", "record": record},
         )

@@ -4,6 +4,12 @@ Three ``refitd serve`` processes stand for three nodes. Each inference daemon li
 loopback address (127.0.0.2, 127.0.0.3: Linux routes all of 127/8 to lo) with CURVE and an
 allow-list holding the trainer daemon's key; its engines (reference engines, in threads of this
 process) attach through its local ipc:// endpoint. The trainer pushes to its own daemon over ipc://.
+The bytes move as a NIXL WRITE where NIXL works here (``forward_mover = "auto"``), as ZeroMQ frames
+otherwise; the byte-exact test runs both movers.
+
+Where the test may create network namespaces (root, `ip`), one test also runs the trainer node and
+an inference node each in its own namespace, joined by a veth pair with 10.x addresses inside them;
+the others stay on loopback addresses, which exercise the same TCP and NIXL paths more cheaply.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -30,9 +37,13 @@ from adapters.reference import ReferenceEngine, sample_inputs
 from sidecar.client import RefitClient
 from sidecar.config import EXIT_CONFIG
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.forward import Job
+from sidecar.forward_nixl import descriptors
 from sidecar.keygen import client_curve, write_keypair
 from sidecar.plan import RefitSpec, convert
 from sidecar.synthetic import make_hf_config, make_state_dict
+from transport.nixl import available as nixl_available
+from transport.shm import ALIGN
 
 pytestmark = pytest.mark.timeout(240)
 log = logging.getLogger(__name__)
@@ -43,6 +54,12 @@ FORMATS = ["block_fp8", "mxfp8", "fp8_per_tensor", "bf16"]
 HOSTS = ["127.0.0.2", "127.0.0.3"]
 FORWARD_TIMEOUT_S = 3.0
 READER_TIMEOUT_S = 6.0
+NIXL_OK, NIXL_WHY = nixl_available()
+AUTO_MOVER = "nixl" if NIXL_OK else "zmq"  # what forward_mover = "auto" picks between two daemons here
+MOVERS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL_OK, reason=f"NIXL unavailable: {NIXL_WHY}")),
+    "zmq",
+]
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -73,20 +90,32 @@ def _isolation() -> str:
     if probe.returncode != 0:
         return f"`ip netns add` failed: {probe.stderr.strip() or probe.returncode}"
     subprocess.run(["ip", "netns", "delete", f"refitd-probe-{os.getpid()}"], capture_output=True)
-    return "namespaces work here, but the daemons' shared-memory and ipc:// paths are per host anyway"
+    return (
+        "namespaces work here: test_an_inference_node_in_its_own_network_namespace_gets_the_bytes uses them"
+    )
 
 
 class Node:
     """One ``refitd serve`` process: a trainer node or an inference node."""
 
-    def __init__(self, name: str, root: Path, args: list[str]):
+    def __init__(self, name: str, root: Path, args: list[str], netns: str | None = None):
         self.name, self.run_dir, self.args = name, root / name, args
+        self.wrap = ["ip", "netns", "exec", netns] if netns else []  # `ip netns exec` execs: same pid
         self.log_path = root / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.local = f"ipc://{self.run_dir / 'control.sock'}"
 
     def start(self) -> Node:
-        cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--runtime-dir", str(self.run_dir), *self.args]
+        cmd = [
+            *self.wrap,
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "serve",
+            "--runtime-dir",
+            str(self.run_dir),
+            *self.args,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "a"))  # noqa: SIM115
         return self
 
@@ -131,8 +160,17 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 class Cluster:
-    def __init__(self, root: Path, fmt: str):
+    def __init__(
+        self,
+        root: Path,
+        fmt: str,
+        mover: str = "auto",
+        hosts: list[str] = HOSTS,
+        netns: dict[str, str] | None = None,  # node name -> the namespace it runs in
+        inference_args: tuple[str, ...] = (),  # more flags for the inference nodes (later flags win)
+    ):
         self.root, self.fmt = root, fmt
+        netns = netns or {}
         keys = root / "keys"
         keys.mkdir()
         self.trainer_key, _ = write_keypair(keys, "trainer")
@@ -140,7 +178,9 @@ class Cluster:
         self.stranger_key, _ = write_keypair(keys, "stranger")
         cfg = root / "config.json"
         cfg.write_text(json.dumps(CONFIG))
-        self.endpoints = [f"tcp://{h}:{free_port(h)}" for h in HOSTS]
+        self.endpoints = [
+            f"tcp://{h}:{free_port(h) if f'inference{i}' not in netns else 5555}" for i, h in enumerate(hosts)
+        ]
         common = [
             "--format",
             fmt,
@@ -148,6 +188,8 @@ class Cluster:
             str(FORWARD_TIMEOUT_S),
             "--reader-timeout",
             str(READER_TIMEOUT_S),
+            "--forward-mover",
+            mover,
         ]
         common += ["--heartbeat-interval", "0.2", "--layout", "disaggregated", "--log-level", "info"]
         self.inference = [
@@ -159,7 +201,9 @@ class Cluster:
                     *("--role", "inference", "--model-type", "qwen3_5_moe", "--publish-bytes", "4MiB"),
                     *("--listen", ep, "--curve-secret-key", str(self.inference_key)),
                     *("--curve-allowed-keys", str(keys / "trainer.key.pub")),
+                    *inference_args,
                 ],
+                netns.get(f"inference{i}"),
             )
             for i, ep in enumerate(self.endpoints)
         ]
@@ -171,6 +215,7 @@ class Cluster:
                 *("--role", "trainer", "--hf-config", str(cfg), "--peers", ",".join(self.endpoints)),
                 *("--curve-secret-key", str(self.trainer_key), "--curve-server-key", str(self.inference_pub)),
             ],
+            netns.get("trainer"),
         )
 
     def start(self) -> Cluster:
@@ -190,8 +235,8 @@ def cluster(tmp_path):
     log.info("nodes are loopback addresses %s, not network namespaces: %s", HOSTS, _isolation())
     made = []
 
-    def make(fmt: str) -> Cluster:
-        c = Cluster(tmp_path, fmt).start()
+    def make(fmt: str, mover: str = "auto") -> Cluster:
+        c = Cluster(tmp_path, fmt, mover).start()
         made.append(c)
         return c
 
@@ -240,12 +285,14 @@ def peers_at(node: Node, step: int):
     return check
 
 
+@pytest.mark.parametrize("mover", MOVERS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_inference_node_publishes_the_trainer_nodes_bytes(cluster, fmt):
+def test_every_inference_node_publishes_the_trainer_nodes_bytes(cluster, fmt, mover):
     """The trainer pushes two steps to its own daemon, which quantizes once and forwards each sealed
-    generation to both inference daemons (CURVE, ZeroMQ frames). Each inference node's engine loads
-    exactly the bytes the trainer node published; the trainer learns which node holds which step."""
-    c = cluster(fmt)
+    generation to both inference daemons (CURVE control channel; the bytes as a NIXL WRITE, or as
+    ZeroMQ frames). Each inference node's engine loads exactly the bytes the trainer node published;
+    the trainer learns which node holds which step, and over which mover it got there."""
+    c = cluster(fmt, mover)
     engines = [Engine(node.local, f"engine-{i}", fmt) for i, node in enumerate(c.inference)]
     for e in engines:
         e.worker.attach(timeout=30)
@@ -265,14 +312,126 @@ def test_every_inference_node_publishes_the_trainer_nodes_bytes(cluster, fmt):
         e.worker.detach()
     published = sum(t.numel() * t.element_size() for t in expected(1, fmt).values())
     for ep, p in peers.items():
-        assert p["mover"] == "zmq" and p["error"] is None and p["curve"], ep
-        assert p["bytes"] == published and p["bytes_bf16"] == result.bytes_in
+        assert p["mover"] == mover and p["error"] is None and p["curve"], ep
+        assert p["mover_reason"] == ("NIXL on both sides" if mover == "nixl" else "forward_mover=zmq"), p
+        if (
+            mover == "nixl"
+        ):  # one WRITE of the used range: the payload plus the alignment gaps between tensors
+            assert published <= p["bytes"] < published + ALIGN * len(expected(1, fmt)), (
+                p["bytes"],
+                published,
+            )
+        else:
+            assert p["bytes"] == published
+        assert p["bytes_bf16"] == result.bytes_in
         if fmt != "bf16":
             assert p["bytes"] < p["bytes_bf16"]  # FP8 on the wire, not BF16
         assert p["loaded"] is not None
     for node in c.inference:
         s = node.status()
         assert s["role"] == "inference" and s["last_step"] == 1 and s["history"][-1]["forwarded_from"]
+        assert s["history"][-1]["mover"] == mover
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=f"NIXL unavailable: {NIXL_WHY}")
+def test_a_peer_without_nixl_gets_zeromq_frames_and_the_trainer_says_why(tmp_path):
+    """The trainer daemon offers NIXL, the inference daemons refuse it (forward_mover = "zmq" there,
+    as a node without NIXL would): the bytes fall back to ZeroMQ frames, and each peer's status
+    says which mover and why."""
+    fmt = "mxfp8"
+    c = Cluster(tmp_path, fmt, inference_args=("--forward-mover", "zmq")).start()
+    try:
+        with RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
+            client.push_step(0, weights(0), wait="published", timeout=60)
+            peers = wait_for(peers_at(c.trainer, 0), 30, "both peers to acknowledge step 0")
+        for p in peers.values():
+            assert p["mover"] == "zmq" and p["mover_reason"] == "inference daemon: forward_mover=zmq", p
+        for node in c.inference:
+            assert node.status()["history"][-1]["mover"] == "zmq"
+        assert "over zmq (inference daemon: forward_mover=zmq)" in c.trainer.logs()
+    finally:
+        c.stop()
+
+
+def test_one_descriptor_when_the_carvings_match_else_one_per_tensor():
+    job = Job(
+        0, 0, (("a", "uint8", (10,), 10), ("b", "uint8", (300,), 300)), 310, 620, "x", (1000, 4096), (0, 256)
+    )
+    assert descriptors(job, 5000) == ([(1000, 556)], [(5000, 556)])
+    moved = Job(0, 0, job.rows, 310, 620, "x", (1000, 4096), (512, 0))  # carved otherwise on this side
+    assert descriptors(moved, 5000) == ([(1512, 10), (1000, 300)], [(5000, 10), (5256, 300)])
+
+
+@pytest.fixture
+def namespaces():
+    """Two network namespaces the test makes, joined by a veth pair with 10.x addresses inside them
+    (nothing is added to the default namespace); deleted afterwards. Skips, saying why, where they
+    cannot be made (not root, no `ip`, no CAP_NET_ADMIN, a kernel without veth)."""
+    if shutil.which("ip") is None:
+        pytest.skip("network namespaces: no `ip` command")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CAP_SYS_ADMIN, CAP_NET_ADMIN); nodes stay on loopback")
+    tag = secrets.token_hex(3)
+    trainer_ns, inference_ns = f"refitd-test-{tag}-t", f"refitd-test-{tag}-i"
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
+    made: list[str] = []
+    steps = [
+        ["ip", "netns", "add", trainer_ns],
+        ["ip", "netns", "add", inference_ns],
+        [
+            "ip",
+            "-n",
+            trainer_ns,
+            "link",
+            "add",
+            f"rt{tag}",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"ri{tag}",
+            "netns",
+            inference_ns,
+        ],
+        ["ip", "-n", trainer_ns, "addr", "add", f"{subnet}.1/30", "dev", f"rt{tag}"],
+        ["ip", "-n", inference_ns, "addr", "add", f"{subnet}.2/30", "dev", f"ri{tag}"],
+        *(["ip", "-n", ns, "link", "set", dev, "up"] for ns in (trainer_ns, inference_ns) for dev in ("lo",)),
+        ["ip", "-n", trainer_ns, "link", "set", f"rt{tag}", "up"],
+        ["ip", "-n", inference_ns, "link", "set", f"ri{tag}", "up"],
+    ]
+    try:
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            if cmd[1:3] == ["netns", "add"] and done.returncode == 0:
+                made.append(cmd[3])
+            if done.returncode != 0:
+                pytest.skip(f"network namespaces: `{' '.join(cmd)}` failed: {done.stderr.strip()}")
+        yield {"trainer": trainer_ns, "inference0": inference_ns}, f"{subnet}.2"
+    finally:
+        for ns in made:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=10)
+
+
+def test_an_inference_node_in_its_own_network_namespace_gets_the_bytes(tmp_path, namespaces):
+    """The trainer node and an inference node each in their own network namespace, joined by a veth
+    pair (10.x addresses): the generation crosses it (NIXL where available, else ZeroMQ frames) and
+    the inference node's engine loads exactly the trainer node's bytes."""
+    netns, address = namespaces
+    fmt = "block_fp8"
+    c = Cluster(tmp_path, fmt, hosts=[address], netns=netns).start()
+    try:
+        engine = Engine(c.inference[0].local, "engine-0", fmt)  # ipc:// paths work across namespaces
+        engine.worker.attach(timeout=30)
+        with RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
+            client.push_step(0, weights(0), wait="published", timeout=60)
+            assert engine.worker.load_next(0, 60).ok and engine.mismatches[0] == []
+            peers = wait_for(peers_at(c.trainer, 0), 30, "the namespaced peer to acknowledge step 0")
+        engine.worker.detach()
+        (p,) = peers.values()
+        assert p["mover"] == AUTO_MOVER and p["error"] is None, p
+        assert c.inference[0].status()["history"][-1]["mover"] == AUTO_MOVER
+    finally:
+        c.stop()
 
 
 def test_a_killed_inference_node_does_not_hold_up_the_others_and_catches_up(cluster):
@@ -395,5 +554,5 @@ def test_demo_disaggregated_verifies_every_node_and_reports_the_wire():
     summary = json.loads(out.stdout)
     assert summary["verified"] and summary["steps"] == 2 and len(summary["nodes"]) == 2
     for row in summary["per_step"]:
-        assert row["published_exact"] and row["engine_exact"] and row["movers"] == ["zmq", "zmq"]
+        assert row["published_exact"] and row["engine_exact"] and row["movers"] == [AUTO_MOVER] * 2
         assert 0 < row["wire_fp8"] < row["wire_bf16"]

@@ -89,6 +89,7 @@ def _api() -> Any:
     try:
         from nixl import _api
 
+        _route_logging()
         return _api
     except ImportError as exc:
         first = exc
@@ -97,11 +98,24 @@ def _api() -> Any:
             module = importlib.import_module(f"{name}._api")
         except ImportError:
             continue
+        _route_logging()
         log.warning(
             "nixl: %s; using %s directly (fine for DRAM; VRAM needs the wheel matching CUDA)", first, name
         )
         return module
     raise first
+
+
+def _route_logging() -> None:
+    """NIXL's import sets its ``nixl`` logger to print INFO lines on stdout, which would corrupt a
+    daemon's or a demo's ``--json`` output: send them through the normal logging tree instead, from
+    WARNING up (``NIXL_LOG_LEVEL`` still sets the level)."""
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    if not os.getenv("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
 
 
 def backend_module() -> str | None:
