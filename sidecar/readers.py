@@ -1,0 +1,185 @@
+"""The engine side of the serve loop: readers and engine workers attach, wait, release, detach.
+
+A mixin of :class:`sidecar.daemon.Daemon` (it uses the daemon's state: ``peers``, ``arenas``,
+``engines``, ``rounds``, ``plan``, ``spec``, ``config``). Engine workers attach with a manifest that is
+checked against the plan (``sidecar.attach``); a routed expert the engine holds in BF16 re-plans the
+daemon so it is published in BF16. After each publish a ``LoadRound`` collects every engine worker's
+acknowledgement and reports it to the step's trainers as ``LOADED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from adapters.manifest import Manifest
+from sidecar.attach import check_manifest, engine_bf16_modules
+from sidecar.engines import EngineState
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.observers import notify
+from sidecar.plan import RefitPlan
+from transport.wire import Kind, Message, ProtocolError
+
+log = logging.getLogger("refitd.daemon")
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    role: str  # "trainer" | "reader" | "forwarder" (a trainer node's daemon, on an inference node)
+    last_seen: float
+    rank: int | None = None
+    pid: int | None = None
+    host: str = ""
+    name: str = ""
+    local: bool = False
+    waiting: int | None = None  # reader: min_step of an outstanding WAIT
+    hello_seq: int = 0  # trainer: when (in daemon events) its latest HELLO arrived
+
+
+class ReaderHandlers:
+    """``handle_attach`` / ``handle_wait`` / ``handle_release`` / ``handle_detach`` and what they need."""
+
+    def handle_attach(self, identity: bytes, msg: Message) -> None:
+        name = str(msg.get("name", ""))
+        warnings: list[str] = []
+        if msg.get("manifest") is not None:
+            try:
+                manifest = Manifest.from_wire(msg.require("manifest", dict))
+            except ValueError as exc:
+                raise RefitError(f"engine worker {name!r}: {exc}", kind=ErrorKind.ENGINE) from None
+            warnings = self._attach_engine(identity, name, manifest)
+        self.peers[identity] = Peer(identity, "reader", time.monotonic(), pid=msg.get("pid"), name=name)
+        live = self.arenas.live_generation()
+        self._send(
+            identity,
+            Kind.ATTACHED,
+            {
+                "instance": self.instance,
+                "live_step": None if live is None else live.step,
+                "format": self.spec.fmt.value,
+                "checked": self.plan is not None,
+                "warnings": warnings,
+            },
+        )
+
+    def _attach_engine(self, identity: bytes, name: str, manifest: Manifest) -> list[str]:
+        """Check ``manifest`` against the plan (re-planning for the engine's BF16 experts); the
+        worker is registered only if it passes. Returns warnings for the worker."""
+        for other_id, other in list(self.engines.items()):
+            if other.name == name and other_id != identity:  # a restarted worker replaces itself
+                self._drop_engine(other_id, f"re-attached as a new process ({name})")
+        if self.plan is None:  # no plan before the first step: checked when the step fixes it
+            self.engines[identity] = EngineState(
+                identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type)
+            )
+            return ["no plan yet: the manifest is checked when the first step fixes the plan"]
+        check = check_manifest(self.plan.inputs, self.spec, manifest)
+        if not check.ok:
+            raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
+        if check.plan.keep_bf16 != self.plan.keep_bf16:
+            self._replan_for(name, check.plan)
+        self.engines[identity] = EngineState(identity, name, manifest, check.plan.keep_bf16)
+        if check.warnings:
+            log.warning("engine worker %s attached: %s", name, "; ".join(check.warnings))
+        return check.warnings
+
+    def _replan_for(self, name: str, plan: RefitPlan) -> None:
+        """Publish in BF16 what engine ``name`` holds in BF16 (the manifest wins), if nothing forbids it."""
+        kept = sorted(plan.keep_bf16 - self.plan.keep_bf16)
+        disagree = [e.name for e in self.engines.values() if e.keep_bf16 != plan.keep_bf16]
+        if disagree:
+            raise RefitError(
+                f"engine worker {name!r} holds {len(kept)} routed-expert tensors in BF16 (e.g. {kept[:2]}) that "
+                f"engine workers {disagree} hold in {self.spec.fmt.value}; every engine must agree on one plan",
+                kind=ErrorKind.ENGINE,
+            )
+        if self.step is not None:
+            raise RefitError(
+                f"engine worker {name!r} needs a different plan (BF16 experts) but step {self.step.step} is in "
+                "progress; attach again after it",
+                kind=ErrorKind.BUSY,
+            )
+        try:
+            self.arenas.apply_plan(plan)
+        except ValueError as exc:
+            raise RefitError(
+                f"engine worker {name!r} holds {len(kept)} routed-expert tensors in BF16 that the plan would "
+                f"quantize (e.g. {kept[:2]}), and publishing them in BF16 does not fit: {exc}. Start the daemon "
+                "with the same BF16 exclusions as the engine (--ignore / --first-bf16 / --last-bf16) or a larger "
+                "--publish-bytes",
+                kind=ErrorKind.CAPACITY,
+            ) from None
+        log.warning(
+            "engine worker %s holds %d routed-expert tensors in BF16: publishing them in BF16 from the next step",
+            name,
+            len(kept),
+        )
+        self.plan = plan
+        self.arenas.invalidate()
+
+    def _drop_engine(self, identity: bytes, why: str) -> None:
+        self.engines.pop(identity, None)
+        self.arenas.drop_reader(identity)
+        self.peers.pop(identity, None)
+        for rnd in self.rounds.values():
+            rnd.forget(identity, why)
+
+    def handle_wait(self, identity: bytes, msg: Message) -> None:
+        peer = self.peers.get(identity)
+        if peer is None or peer.role != "reader":
+            raise RefitError(
+                "ATTACH first (the daemon restarted, or this reader never attached)",
+                kind=ErrorKind.UNKNOWN_PEER,
+            )
+        min_step = msg.get("min_step")
+        if min_step is not None and not isinstance(min_step, int):
+            raise ProtocolError("WAIT min_step must be an integer or nil")
+        if msg.get("cancel"):
+            peer.waiting = None
+            return
+        peer.waiting = -1 if min_step is None else min_step
+        self._serve_waiting(peer)
+
+    def handle_release(self, identity: bytes, msg: Message) -> None:
+        index = msg.require("generation", int)
+        step = msg.get("step")
+        if not self.arenas.release(identity, index, step):
+            log.debug("release of generation %d by a reader that no longer held it", index)
+        rnd = self.rounds.get(step) if isinstance(step, int) else None
+        if rnd is not None and "ok" in msg.fields:
+            rnd.record(identity, bool(msg.get("ok")), msg.get("error"), msg.get("seconds"))
+            self._finish_rounds(time.monotonic())
+        self._maybe_claim()
+
+    def handle_detach(self, identity: bytes, msg: Message) -> None:
+        name = self.peers[identity].name if identity in self.peers else "?"
+        self._drop_engine(identity, f"{name} detached before acknowledging")
+        self._finish_rounds(time.monotonic())
+        self._maybe_claim()
+
+    def _serve_waiting(self, peer: Peer) -> None:
+        gen = self.arenas.live_generation()
+        if peer.waiting is None or gen is None or gen.step is None or gen.step < peer.waiting:
+            return
+        handle = gen.arena.handle()
+        if self._send(
+            peer.identity, Kind.GENERATION, {"generation": gen.index, "step": gen.step, "arena": handle}
+        ):
+            self.arenas.hold(peer.identity, gen)
+        peer.waiting = None
+
+    def _finish_rounds(self, now: float) -> None:
+        """Tell each finished round's trainers which engine workers loaded the step (LOADED)."""
+        for step, rnd in list(self.rounds.items()):
+            if not rnd.complete(now):
+                continue
+            del self.rounds[step]
+            report = rnd.report()
+            if rnd.expected:
+                level = logging.INFO if report["ok"] else logging.ERROR
+                log.log(level, "%s", report["message"], extra={"step": step, "phase": "load"})
+            for identity in rnd.trainers:
+                self._send(identity, Kind.LOADED, report)
+            notify(self.observers, "on_step_loaded", self, report)
