@@ -8,8 +8,10 @@
                                         Shard(local_experts, global_shape=(E, 2 * I, H), offsets=(e0, 0, 0))})
 
 Same-node clients (``ipc://``) write straight into the daemon's staging arena: one copy, and the
-trainer's own memory is never exported. Remote clients stream raw frames over ZeroMQ under credits
-granted by the daemon (ZeroMQ's high-water mark counts messages, not bytes). Any failure, on any
+trainer's own memory is never exported. Remote clients let the daemon READ their pieces over NIXL
+when both sides have it (sidecar.pull_nixl: a contiguous CPU copy of each piece is registered for the
+step), else stream raw frames over ZeroMQ under credits granted by the daemon (ZeroMQ's high-water
+mark counts messages, not bytes); ``StepResult.mover`` says which. Any failure, on any
 rank or in the daemon, raises the same ``RefitError`` on every rank.
 
 ZeroMQ sockets are not thread-safe: every socket operation happens on the client's one worker
@@ -34,6 +36,7 @@ import zmq
 
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.keygen import curve_hint, set_client
+from transport import nixl
 from transport.cuda_ipc import open_any_arena
 from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
@@ -67,6 +70,10 @@ class StepResult:
     loads: list[dict[str, Any]] = field(default_factory=list)  # wait="loaded": each engine worker's ack
     # disaggregated trainer node: each inference daemon's forwarding state as this step went live
     peers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # how this rank's bytes moved: "staging" (same node), "nixl" (the daemon READ them), "zmq" (frames),
+    # "nixl+zmq" (some pieces each way); mover_reason says why NIXL was not (or not wholly) used
+    mover: str = ""
+    mover_reason: str = ""
 
 
 @dataclass(slots=True)
@@ -98,9 +105,14 @@ class RefitClient:
         local: bool | None = None,
         timeout: float = 600.0,
         curve: tuple[bytes, bytes, bytes] | None = None,
+        mover: str = "auto",
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
-        endpoint, e.g. ``sidecar.keygen.client_curve("node.key.pub", "trainer.key")``."""
+        endpoint, e.g. ``sidecar.keygen.client_curve("node.key.pub", "trainer.key")``.
+        ``mover``: ``"auto"`` lets a daemon that offers it pull remote shards over NIXL; ``"zmq"``
+        always streams frames."""
+        if mover not in ("auto", "zmq"):
+            raise ValueError(f"mover={mover!r}: choose 'auto' or 'zmq'")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} must lie in [0, world_size={world_size})")
         self.endpoint, self.rank, self.world_size = endpoint, rank, world_size
@@ -115,6 +127,11 @@ class RefitClient:
         self._last_heard = 0.0
         self._last_sent = 0.0
         self._closed = False
+        self.mover = mover
+        self._nixl_ep: nixl.NixlEndpoint | None = None  # worker thread only, made on first use
+        self._nixl_broken = ""  # why NIXL set-up failed here: frames from then on
+        self._pulling = False  # the daemon may be READing: progress the endpoint while waiting
+        self._pulled: dict[str, Any] | None = None  # the step's PULLED, whenever it arrives
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -186,6 +203,9 @@ class RefitClient:
         return self._executor.submit(self._push, step, pieces, deadline, committed, loaded)
 
     def _close_on_worker(self) -> None:
+        if self._nixl_ep is not None:
+            self._nixl_ep.close()
+            self._nixl_ep = None
         if self._staging is not None:
             self._staging.close()
             self._staging = None
@@ -215,16 +235,29 @@ class RefitClient:
     ) -> StepResult:
         try:
             self._hello(step, deadline)
-            self._send(Kind.BEGIN, {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]})
-            ready = self._await(step, deadline, {Kind.READY}).fields
-            ids = ready.get("pieces", [])
-            if len(ids) != len(pieces):
-                raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
-            self._credits = int(ready.get("credit_frames", 1))
-            if "staging" in ready:
-                self._write_local(step, pieces, ids, ready["staging"], deadline)
-            else:
-                self._stream_remote(step, pieces, ids, deadline)
+            begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
+            srcs, reg, why = None, None, ""
+            if not self._welcome.get("local"):
+                srcs = [_cpu(p.tensor) for p in pieces]
+                offer, reg, why = self._nixl_offer(srcs)
+                if offer is not None:
+                    begin["nixl"] = offer
+            try:
+                self._send(Kind.BEGIN, begin)
+                ready = self._await(step, deadline, {Kind.READY}).fields
+                ids = ready.get("pieces", [])
+                if len(ids) != len(pieces):
+                    raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
+                self._credits = int(ready.get("credit_frames", 1))
+                if "staging" in ready:
+                    self._write_local(step, pieces, ids, ready["staging"], deadline)
+                    mover = "staging"
+                else:
+                    mover, why = self._send_remote(step, pieces, srcs, ids, ready, reg, why, deadline)
+            finally:
+                self._pulling = False
+                if reg is not None:
+                    self._nixl_ep.deregister(reg)
             self._send(Kind.COMMIT, {"step": step, "rank": self.rank})
             self._await(step, deadline, {Kind.ACK})
             committed.set()
@@ -243,6 +276,8 @@ class RefitClient:
                 seconds=dict(result.get("seconds", {})),
                 loads=loads,
                 peers=dict(result.get("peers") or {}),
+                mover=mover,
+                mover_reason=why,
             )
         except RefitError:
             raise
@@ -311,6 +346,9 @@ class RefitClient:
         while True:
             self._keepalive(step, deadline, what, silence_ok=silence_ok)
             wait = min(self._heartbeat(), max(0.001, deadline - time.monotonic()))
+            if self._pulling:  # the daemon READs from this process: progress the endpoint meanwhile
+                self._progress_nixl()
+                wait = 0.001
             if not sock.poll(int(wait * 1000)):
                 continue
             msg = self._recv(sock)
@@ -329,6 +367,10 @@ class RefitClient:
             if msg.get("step") == step:
                 self._credits += int(msg.get("frames", 1))
             return True
+        if msg.kind is Kind.PULLED:
+            if msg.get("step") == step:
+                self._pulled = msg.fields
+            return True
         if msg.kind is Kind.ERROR:
             err = RefitError.from_wire(msg.fields)
             if err.step in (None, step):
@@ -337,6 +379,7 @@ class RefitClient:
         return msg.kind is Kind.PONG
 
     def _poll_async(self, step: int) -> None:
+        self._progress_nixl()
         sock = self._socket()
         while sock.poll(0):
             msg = self._recv(sock)
@@ -374,11 +417,88 @@ class RefitClient:
                 torch.cuda.synchronize(region.device)
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
 
-    def _stream_remote(self, step: int, pieces: list[_Piece], ids: list[int], deadline: float) -> None:
+    def _nixl_offer(self, srcs: list[torch.Tensor]) -> tuple[dict[str, Any] | None, Any, str]:
+        """BEGIN's ``nixl`` field (agent metadata, one ``[addr, nbytes]`` per piece) with the step's
+        registration, or ``(None, None, why not)``."""
+        if self.mover == "zmq":
+            return None, None, "mover=zmq"
+        if "nixl" not in self._welcome.get("pull", ()):
+            return None, None, "the daemon does not offer NIXL pulls"
+        if self._nixl_broken:
+            return None, None, self._nixl_broken
+        ok, why = nixl.available()
+        if not ok:
+            return None, None, f"NIXL is unavailable here: {why}"
+        rows = [(t.data_ptr(), t.numel() * t.element_size()) for t in srcs]
+        regions = [[a, n] if n else [0, 0] for a, n in rows]
+        try:
+            if self._nixl_ep is None:
+                self._nixl_ep = nixl.NixlEndpoint(
+                    f"refitd-client-{socket.gethostname()}-{os.getpid()}-r{self.rank}-{id(self):x}"
+                )
+        except (nixl.NixlError, ValueError, TypeError) as exc:  # no endpoint: frames from now on
+            self._nixl_broken = f"NIXL set-up failed here: {type(exc).__name__}: {exc}"
+            return None, None, self._nixl_broken
+        reg = None
+        try:  # this step's copies only: frames for this step if they cannot be registered
+            live = [(a, n) for a, n in rows if n]
+            reg = self._nixl_ep.register(live) if live else None
+            md = self._nixl_ep.metadata()
+        except (nixl.NixlError, ValueError, TypeError) as exc:
+            if reg is not None:
+                self._nixl_ep.deregister(reg)
+            return None, None, f"NIXL registration failed here: {type(exc).__name__}: {exc}"
+        return {"md": md, "regions": regions}, reg, ""
+
+    def _send_remote(self, step, pieces, srcs, ids, ready, reg, why, deadline) -> tuple[str, str]:
+        """Frames for the pieces the daemon does not pull; then wait until it pulled the rest (frames
+        for any whose READ failed). Returns the mover and why NIXL was not (wholly) used."""
+        pull = set(ready.get("pull") or ()) if reg is not None else set()
+        why = why or str(ready.get("mover_reason") or "")
+        self._pulling, self._pulled = bool(pull), None
+        rest = [i for i, pid in enumerate(ids) if pid not in pull]
+        self._stream_remote(
+            step, [pieces[i] for i in rest], [ids[i] for i in rest], deadline, srcs=[srcs[i] for i in rest]
+        )
+        if not pull:
+            return "zmq", why
+        sock = self._socket()
+        while self._pulled is None:  # it may have arrived already, while frames were streamed
+            self._keepalive(step, deadline, "waiting for the daemon to pull its shards (PULLED)")
+            self._progress_nixl()
+            if sock.poll(1):
+                msg = self._recv(sock)
+                self._last_heard = time.monotonic()
+                self._handle_async(msg, step)
+        pulled, self._pulled, self._pulling = self._pulled, None, False
+        failed = set(pulled.get("failed") or ())
+        if failed:
+            why = str(pulled.get("reason") or "the NIXL READ failed")
+            again = [i for i, pid in enumerate(ids) if pid in failed]
+            self._stream_remote(
+                step,
+                [pieces[i] for i in again],
+                [ids[i] for i in again],
+                deadline,
+                srcs=[srcs[i] for i in again],
+            )
+            return "zmq", why
+        return ("nixl+zmq" if rest else "nixl"), why
+
+    def _progress_nixl(self) -> None:
+        if self._pulling and self._nixl_ep is not None:
+            try:
+                self._nixl_ep.progress()
+            except nixl.NixlError as exc:  # the daemon's READ then fails and it says so
+                self._pulling = False
+                self._nixl_broken = f"progressing the NIXL endpoint failed: {exc}"
+
+    def _stream_remote(
+        self, step: int, pieces: list[_Piece], ids: list[int], deadline: float, srcs=None
+    ) -> None:
         limit = int(self._welcome.get("max_frame_bytes", 64 << 20))
-        for piece, pid in zip(pieces, ids):
-            src = piece.tensor.detach()
-            src = (src.cpu() if src.device.type != "cpu" else src).contiguous()
+        for i, (piece, pid) in enumerate(zip(pieces, ids)):
+            src = srcs[i] if srcs is not None else _cpu(piece.tensor)
             for rel, shape in _blocks(tuple(src.shape), src.element_size(), limit):
                 while self._credits <= 0:
                     self._await_credit(step, deadline)
@@ -394,7 +514,8 @@ class RefitClient:
     def _await_credit(self, step: int, deadline: float) -> None:
         sock = self._socket()
         self._keepalive(step, deadline, "waiting for the daemon to take its data (credit)")
-        if sock.poll(int(self._heartbeat() * 1000)):
+        self._progress_nixl()
+        if sock.poll(1 if self._pulling else int(self._heartbeat() * 1000)):
             msg = self._recv(sock)
             self._last_heard = time.monotonic()
             self._handle_async(msg, step)
@@ -421,6 +542,11 @@ def _pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> lis
                 )
             pieces.append(_Piece(name, t, g, o))
     return pieces
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    src = tensor.detach()
+    return (src.cpu() if src.device.type != "cpu" else src).contiguous()
 
 
 def _blocks(

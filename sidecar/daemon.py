@@ -12,7 +12,9 @@ Lifecycle::
 
 Step protocol (per rank): HELLO -> WELCOME; BEGIN -> READY (once every rank began and the
 declarations cover every tensor exactly once); data (local: write into staging, PIECE_DONE; remote:
-SHARD frames under credits); COMMIT -> ACK; then RESULT (published) or ERROR (on every rank).
+the daemon READs the pieces READY lists in ``pull`` over NIXL and says PULLED, the rest come as SHARD
+frames under credits: sidecar.pull_nixl); COMMIT -> ACK; then RESULT (published) or ERROR (on every
+rank).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
 from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.pull_nixl import PullSide, keep_signal_handlers
+from sidecar.pull_nixl import support as pull_support
 from sidecar.quant import NonFiniteError
 from sidecar.readers import Peer, ReaderHandlers
 from sidecar.step import StepState
@@ -92,6 +96,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         self.auth = None  # the ZAP handler enforcing curve_allowed_keys
         self.local_listen: str | None = None  # ipc:// beside a tcp:// listen, for this node's engines
         self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
+        self.pull: PullSide | None = None  # NIXL READs of remote trainers' shards (sidecar.pull_nixl)
+        self.pull_ok, self.pull_reason = False, "not started"
+        self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(json.loads(Path(config.hf_config).read_text()), self.spec)
         if self.plan is not None:
@@ -147,6 +154,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             self.config.world_size,
             self.spec.fmt.value,
         )
+        self.pull_ok, self.pull_reason = pull_support(self.arenas.staging)
+        if not self.pull_ok:
+            log.info("remote trainer shards travel as ZeroMQ frames: %s", self.pull_reason)
         notify(self.observers, "on_ready", self)
 
     def _bind(self) -> None:
@@ -241,7 +251,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         """One turn of the loop: messages, worker results, timers."""
         if timeout_ms is None:
             timeout_ms = int(max(10, min(100, self.config.heartbeat_interval_s * 250)))
-        if self._forward_nixl_busy():
+        if self._forward_nixl_busy() or (self.pull is not None and self.pull.inflight):
             timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
         if self.wake in events:
@@ -263,7 +273,12 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         if self.forwarding is not None:
             self.forwarding.drain(self)
         self._forward_progress()
+        self._pull_progress()
         now = time.monotonic()
+        if self.forwarding is not None:
+            # a forwarder thread may have created a UCX backend, which replaces SIGHUP's disposition
+            # under Python's handler; only this (main) thread can put it back (sidecar.pull_nixl)
+            keep_signal_handlers()
         self._check_timers(now)
         notify(self.observers, "on_tick", self, now)
 
@@ -282,6 +297,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         if self.forwarding is not None:
             self.forwarding.close()
         self._forward_close()
+        if self.pull is not None:
+            self.pull.close()
+            self.pull = None
         if self.arenas is not None:
             self.arenas.close()
         if self.router is not None:
@@ -418,6 +436,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 "heartbeat_interval_s": self.config.heartbeat_interval_s,
                 "rank_timeout_s": self.config.rank_timeout_s,
                 "last_step": self.last_step,
+                **({"pull": ["nixl"]} if self.pull_ok and not local else {}),
             },
         )
 
@@ -475,6 +494,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         state = self.step
         state.begin(peer.rank, rows)
         state.peers[peer.rank] = identity
+        offer = msg.get("nixl")
+        if isinstance(offer, dict) and not peer.local:
+            state.nixl_offers[peer.rank] = (offer, rows)
         if state.all_begun:
             self._all_begun()
 
@@ -504,6 +526,8 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             }
             if peer is not None and peer.local:
                 fields["staging"] = staging
+            elif peer is not None:
+                fields.update(self._pull_start(state, rank, identity, fields["pieces"]))
             self._send(identity, Kind.READY, fields)
         state.ready_sent = True
         for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
@@ -615,6 +639,72 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 f"{msg.kind.name} for step {step}, which is not in progress (failed or not begun)"
             )
         return self.step
+
+    # ---- remote shards over NIXL (sidecar.pull_nixl)
+
+    def _pull_start(self, state: StepState, rank: int, identity: bytes, ids: list[int]) -> dict[str, Any]:
+        """READY's ``pull`` fields for a remote rank: post the READ of its pieces whose staging
+        destination is contiguous; anything else (or any failure) travels as ZeroMQ frames."""
+        offer, rows = state.nixl_offers.get(rank, (None, None))
+        if offer is None:
+            why = self.pull_reason if not self.pull_ok else "the client did not offer NIXL"
+            self.pull_movers[str(rank)] = {"mover": "zmq", "reason": why}
+            return {"pull": [], "mover_reason": why}
+        try:
+            regions = offer["regions"]
+            if len(regions) != len(ids) or len(rows) != len(ids):
+                raise ValueError(f"{len(regions)} regions for {len(ids)} pieces")
+            views = self.arenas.staging.tensors()
+            targets = []
+            for index, (pid, row) in enumerate(zip(ids, rows)):
+                name, offsets, shape = row[0], row[3], row[4]
+                view = views[name][tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
+                if view.numel() and view.is_contiguous() and int(regions[index][1]):
+                    targets.append((pid, view, index))
+            if not targets:
+                raise ValueError("no piece has a contiguous staging destination")
+            if self.pull is None:
+                self.pull = PullSide(f"refitd-{self.instance}-pull")
+            pull = self.pull.start(self.arenas.staging, rank, identity, offer, targets, b"")
+        except Exception as exc:  # NixlError, a malformed offer: frames instead
+            why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
+            log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
+            self.pull_movers[str(rank)] = {"mover": "zmq", "reason": why}
+            return {"pull": [], "mover_reason": why}
+        streamed = len(ids) - len(pull.pieces)
+        why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
+        self.pull_movers[str(rank)] = {"mover": "nixl" if not streamed else "nixl+zmq", "reason": why}
+        return {"pull": pull.pieces, "mover_reason": why}
+
+    def _pull_progress(self) -> None:
+        if self.pull is None or not self.pull.inflight:
+            return
+        for pull, failed in self.pull.poll():
+            state = self.step
+            if state is None:
+                continue
+            if failed is not None:
+                why = f"NIXL READ failed: {failed}"
+                log.warning(
+                    "rank %d step %d: %s; the client sends frames instead", pull.rank, state.step, why
+                )
+                self.pull_movers[str(pull.rank)] = {"mover": "zmq", "reason": why}
+                self._send(
+                    pull.identity,
+                    Kind.PULLED,
+                    {"step": state.step, "pieces": [], "failed": pull.pieces, "reason": why},
+                )
+                continue
+            try:
+                for pid in pull.pieces:
+                    name, tid = state.piece(pull.rank, pid)
+                    done = state.piece_received(pull.rank, pid, state.tracker.piece_nbytes(name, tid))
+                    if done:
+                        self._tensor_complete(done)
+            except RefitError as exc:
+                self._fail_step(exc)
+                return
+            self._send(pull.identity, Kind.PULLED, {"step": state.step, "pieces": pull.pieces})
 
     # ---- readers
 
@@ -761,6 +851,8 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         while len(self.failures) > MAX_REMEMBERED_FAILURES:
             self.failures.pop(next(iter(self.failures)))
         self.worker.cancel(state.step)
+        if self.pull is not None:
+            self.pull.cancel()
         if self.target is not None:
             self.target.step = None  # half-written: never hand it out
         self.step, self.target, self.deferred = None, None, []
@@ -839,6 +931,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 "bytes": self.inbound.received,
                 "mover": self.inbound.mover,
             },
+            "pull": {"nixl": self.pull_ok, "reason": self.pull_reason, "ranks": self.pull_movers},
             "format": self.spec.fmt.value,
             "world_size": self.config.world_size,
             "last_step": self.last_step,

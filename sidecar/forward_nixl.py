@@ -186,6 +186,9 @@ class TargetSide:
         try:
             if self._ep is None:
                 self._ep = nixl.NixlEndpoint(self.name)
+                from sidecar.pull_nixl import keep_signal_handlers  # (it imports this module)
+
+                keep_signal_handlers()  # UCX replaced SIGHUP's disposition (see sidecar.pull_nixl)
             if region not in self._regs:
                 self._regs[region] = self._ep.register([region])
             md = self._ep.metadata()

@@ -93,6 +93,9 @@ class StepState:
     bytes_in: int = 0
     phases: Phases = field(default_factory=Phases)
     ready_sent: bool = False
+    nixl_offers: dict[int, tuple[dict[str, Any], list[Any]]] = field(
+        default_factory=dict
+    )  # rank -> (offer, rows)
 
     # ---- BEGIN
 

@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     ACK = 14  # daemon: a request was accepted ("of": the kind it acknowledges)
     RESULT = 10  # daemon: the step was published (step, generation, phase times)
     LOADED = 15  # daemon: every engine attached at publish time loaded the step, or which did not
+    PULLED = 16  # daemon: the pieces it READ over NIXL from a remote client (or which failed)
     ERROR = 11  # either: {kind, message, rank, step}
     PING = 12  # liveness, both ways
     PONG = 13
