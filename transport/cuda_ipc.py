@@ -52,7 +52,7 @@ from transport.gpus import (
     local_gpus,
     normalize_uuid,
 )
-from transport.shm import ALIGN, Layout, ShmArena
+from transport.shm import ALIGN, CarvedArena, Layout, ShmArena
 from transport.shm import open_arena as open_shm_arena
 from transport.wire import ProtocolError
 
@@ -431,7 +431,7 @@ def _free_memory(driver: Driver, device: int, uuid: str, nvml: Any = None) -> tu
     return free, total, f"cuda:{device} ({uuid})"
 
 
-class CudaIpcArena:
+class CudaIpcArena(CarvedArena):
     """GPU memory carved by a layout, shared over CUDA IPC. Same interface as ShmArena.
 
     Create (daemon) with ``create``; open (client, engine) with ``open`` or ``open_any_arena``.
@@ -511,9 +511,6 @@ class CudaIpcArena:
             raise ValueError(f"arena {self.name!r} is closed")
         return self._mem
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.tensors()[name]
-
     def tensors(self) -> Mapping[str, torch.Tensor]:
         if self._views is None:
             flat = self._memory().tensor(self.offset, self.size)
@@ -521,15 +518,6 @@ class CudaIpcArena:
                 s.name: flat[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.layout
             }
         return self._views
-
-    def relayout(self, layout: Layout) -> None:
-        """Carve the same memory differently (the plan became known after the arena was made)."""
-        if layout.size > self.size:
-            raise ValueError(
-                f"arena {self.name!r} holds {self.size} bytes but the plan needs {layout.size}; "
-                "raise the configured arena size or give the daemon the model's config so it sizes itself"
-            )
-        self.layout, self._views = layout, None
 
     def handle(self) -> dict[str, Any]:
         mem = self._memory()

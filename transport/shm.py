@@ -179,7 +179,34 @@ class Arena(Protocol):
     def close(self) -> None: ...
 
 
-class ShmArena:
+class CarvedArena:
+    """What every arena shares: named views over its memory, cut by a layout that may change.
+
+    Subclasses set ``name``, ``size``, ``layout`` and ``_views`` and implement ``tensors()``.
+    """
+
+    name: str
+    size: int
+    layout: Layout
+    _views: dict[str, torch.Tensor] | None
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.tensors()[name]
+
+    def relayout(self, layout: Layout) -> None:
+        """Carve the same memory differently (the plan became known after the arena was made)."""
+        if layout.size > self.size:
+            raise ValueError(
+                f"arena {self.name!r} holds {self.size} bytes but the plan needs {layout.size}; "
+                "raise the configured arena size or give the daemon the model's config so it sizes itself"
+            )
+        self.layout, self._views = layout, None
+
+
+class ShmArena(CarvedArena):
     """A POSIX shared-memory segment carved by a layout.
 
     >>> arena = ShmArena.create("refitd-demo-staging", Layout.build([("w", torch.bfloat16, (4, 4))]))
@@ -209,22 +236,10 @@ class ShmArena:
     def size(self) -> int:
         return self.segment.size
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.tensors()[name]
-
     def tensors(self) -> Mapping[str, torch.Tensor]:
         if self._views is None:
             self._views = {s.name: self.segment.view(s.offset, s.dtype, s.shape) for s in self.layout}
         return self._views
-
-    def relayout(self, layout: Layout) -> None:
-        """Carve the same segment differently (the plan became known after the arena was made)."""
-        if layout.size > self.size:
-            raise ValueError(
-                f"arena {self.name!r} holds {self.size} bytes but the plan needs {layout.size}; "
-                "raise the configured arena size or give the daemon the model's config so it sizes itself"
-            )
-        self.layout, self._views = layout, None
 
     def handle(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "size": self.size, "layout": self.layout.to_wire()}
