@@ -67,7 +67,8 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             max_frame_bytes=config.max_frame_bytes,
             max_frames=max(4, config.credit_frames),
         )
-        self.spec = refit_spec(config)
+        hf_config = json.loads(Path(config.hf_config).read_text()) if config.hf_config is not None else None
+        self.spec = refit_spec(config, hf_config)
         self.plan: RefitPlan | None = None
         self.arenas: Arenas | None = None
         self.peers: dict[bytes, Peer] = {}
@@ -100,7 +101,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         self.pull_ok, self.pull_reason = False, "not started"
         self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
         if config.hf_config is not None:
-            self.plan = plan_from_hf_config(json.loads(Path(config.hf_config).read_text()), self.spec)
+            self.plan = plan_from_hf_config(hf_config, self.spec)
         if self.plan is not None:
             self.arenas = Arenas.for_plan(
                 self.prefix,
@@ -997,10 +998,11 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         path.write_text(json.dumps({"pid": os.getpid(), "segments": self.arenas.segment_names()}))
 
 
-def refit_spec(config: DaemonConfig) -> RefitSpec:
+def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:
+    """The daemon's RefitSpec; the model type comes from the config, else from ``hf_config``."""
     model_type = config.model_type
-    if model_type is None and config.hf_config is not None:
-        model_type = json.loads(Path(config.hf_config).read_text()).get("model_type")
+    if model_type is None and hf_config is not None:
+        model_type = hf_config.get("model_type")
     if model_type is None:
         raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
     get_model(model_type)
