@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
+# torch loads on first use of a dtype (FP8_DTYPE, FLOAT_DTYPES, Format.scale_dtype), not on import:
+# ``refitd status`` / ``--version`` / ``--help`` import this module and must not pay for torch.
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLT_MIN = 2.0**-126  # smallest normal float32; floor of a block-FP8 / per-tensor scale
 BLOCK = 128  # block-FP8 tile edge (128x128 tiles of the last two dims)
@@ -15,8 +18,32 @@ E8M0_BIAS = 127
 E8M0_MIN_BYTE = 1  # byte 0 is never emitted: some kernels reject it
 E8M0_MAX_BYTE = 254  # byte 255 is NaN in E8M0
 
-#: Input dtypes a quantizer accepts; each upcasts to float32 exactly.
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+def _torch_constants() -> dict[str, Any]:
+    import torch
+
+    return {
+        "FP8_DTYPE": torch.float8_e4m3fn,
+        # the input dtypes a quantizer accepts; each upcasts to float32 exactly
+        "FLOAT_DTYPES": (torch.bfloat16, torch.float16, torch.float32),
+    }
+
+
+_LAZY = ("FP8_DTYPE", "FLOAT_DTYPES")
+
+
+def __getattr__(name: str) -> Any:
+    """``FP8_DTYPE`` (``torch.float8_e4m3fn``) and ``FLOAT_DTYPES`` (bfloat16, float16, float32),
+    made on first access (``from sidecar.formats import FP8_DTYPE`` included) and then kept."""
+    if name in _LAZY:
+        values = _torch_constants()
+        globals().update(values)
+        return values[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 class Format(str, enum.Enum):
@@ -53,6 +80,8 @@ class Format(str, enum.Enum):
 
     @property
     def scale_dtype(self) -> torch.dtype | None:
+        import torch
+
         return {
             Format.BLOCK_FP8: torch.float32,
             Format.MXFP8: torch.uint8,

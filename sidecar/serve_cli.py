@@ -139,26 +139,66 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from adapters.base import RefitReader
     from sidecar.config import default_listen, default_runtime_dir
 
     endpoint = args.endpoint
     if endpoint is None:
         runtime = args.runtime_dir or default_runtime_dir(os.environ)
         endpoint = default_listen(runtime)
-    reader = RefitReader(endpoint, name="refitd-status")
     try:
-        status = reader.status(timeout=args.timeout)
+        status = query_status(endpoint, timeout=args.timeout)
     except RefitError as exc:
         print(f"refitd status: no daemon answered at {endpoint}: {exc.message}", file=sys.stderr)
         return EXIT_FAILURE
-    finally:
-        reader.close()
     if args.json:
         print(json.dumps(status, indent=2))
         return EXIT_OK
     print(render_status(status))
     return EXIT_OK
+
+
+#: what ``adapters.base.RefitReader`` accepts from the daemon (a status with many steps is large)
+_STATUS_HEADER_BYTES = 256 << 20
+
+
+def query_status(endpoint: str, timeout: float) -> dict:
+    """The daemon's STATUS_REPLY fields: what ``adapters.base.RefitReader(endpoint).status(timeout)``
+    returns, with the same messages on the wire, but importing only pyzmq and ``transport.wire``.
+    The reader imports torch and the arena code, seconds that ``refitd status`` (polled by readiness
+    checks) must not spend. Raises ``RefitError`` (``TIMEOUT``) when nothing answers in time."""
+    import zmq
+
+    from transport.wire import Kind, Limits, Message, decode, encode
+
+    limits = Limits(max_header_bytes=_STATUS_HEADER_BYTES)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+
+    def courtesy(kind: Kind, fields: dict) -> None:  # never blocks: dropped if no connection came up
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
+
+    try:
+        deadline = time.monotonic() + timeout
+        sock.send_multipart(encode(Message(Kind.STATUS, {})))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                courtesy(Kind.WAIT, {"cancel": True})
+                raise RefitError(
+                    f"no answer from {endpoint} within the timeout while waiting for STATUS_REPLY",
+                    kind=ErrorKind.TIMEOUT,
+                )
+            if sock.poll(int(min(left, 1.0) * 1000)):
+                msg = decode(sock.recv_multipart(copy=False), limits)
+                if msg.kind is Kind.STATUS_REPLY:
+                    return msg.fields
+    finally:
+        courtesy(Kind.DETACH, {})
+        sock.close(linger=100)
+        ctx.term()
 
 
 def render_status(s: dict) -> str:

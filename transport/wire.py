@@ -21,10 +21,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 1
 
@@ -153,22 +155,34 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
 # --------------------------------------------------------------------------------------------------
 # dtypes on the wire: a closed list of names, never an arbitrary attribute lookup
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# filled on first use, so that importing this module (``refitd status`` does) does not import torch
+_DTYPES: dict[str, torch.dtype] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _load_dtypes() -> None:
+    import torch
+
+    _DTYPES.update(
+        {
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float32": torch.float32,
+            "float64": torch.float64,
+            "float8_e4m3fn": torch.float8_e4m3fn,
+            "uint8": torch.uint8,
+            "int8": torch.int8,
+            "int32": torch.int32,
+            "int64": torch.int64,
+            "bool": torch.bool,
+        }
+    )
+    _DTYPE_NAMES.update({v: k for k, v in _DTYPES.items()})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    if not _DTYPE_NAMES:
+        _load_dtypes()
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
@@ -176,6 +190,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    if not _DTYPES:
+        _load_dtypes()
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):
