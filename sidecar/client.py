@@ -8,7 +8,8 @@
                                         Shard(local_experts, global_shape=(E, 2 * I, H), offsets=(e0, 0, 0))})
 
 Same-node clients (``ipc://``) write straight into the daemon's staging arena: one copy, and the
-trainer's own memory is never exported. Remote clients let the daemon READ their pieces over NIXL
+trainer's own memory is never exported. When the daemon stages through a ring of regions (GPU
+arenas by default), each layer group is written once the daemon grants it a region (SLOT). Remote clients let the daemon READ their pieces over NIXL
 when both sides have it (sidecar.pull_nixl: a contiguous CPU copy of each piece is registered for the
 step), else stream raw frames over ZeroMQ under credits granted by the daemon (ZeroMQ's high-water
 mark counts messages, not bytes); ``StepResult.mover`` says which. Any failure, on any
@@ -132,6 +133,7 @@ class RefitClient:
         self._nixl_broken = ""  # why NIXL set-up failed here: frames from then on
         self._pulling = False  # the daemon may be READing: progress the endpoint while waiting
         self._pulled: dict[str, Any] | None = None  # the step's PULLED, whenever it arrives
+        self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -234,6 +236,7 @@ class RefitClient:
         loaded: bool = False,
     ) -> StepResult:
         try:
+            self._slots = {}
             self._hello(step, deadline)
             begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
             srcs, reg, why = None, None, ""
@@ -249,7 +252,9 @@ class RefitClient:
                 if len(ids) != len(pieces):
                     raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
                 self._credits = int(ready.get("credit_frames", 1))
-                if "staging" in ready:
+                if "ring" in ready:
+                    mover, why = self._write_ring(step, pieces, ids, ready, deadline)
+                elif "staging" in ready:
                     self._write_local(step, pieces, ids, ready["staging"], deadline)
                     mover = "staging"
                 else:
@@ -367,6 +372,10 @@ class RefitClient:
             if msg.get("step") == step:
                 self._credits += int(msg.get("frames", 1))
             return True
+        if msg.kind is Kind.SLOT:
+            if msg.get("step") == step:
+                self._slots[int(msg.require("group", int))] = int(msg.require("offset", int))
+            return True
         if msg.kind is Kind.PULLED:
             if msg.get("step") == step:
                 self._pulled = msg.fields
@@ -391,31 +400,78 @@ class RefitClient:
     def _write_local(
         self, step: int, pieces: list[_Piece], ids: list[int], handle: dict, deadline: float
     ) -> None:
+        """Whole-step staging: every piece into its tensor's slot of the arena."""
+        self._open_staging(handle)
+        views = self._staging.tensors()  # device-to-device copies through the mapped handle on GPUs
+        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+
+    def _write_ring(self, step: int, pieces, ids, ready: dict, deadline: float) -> tuple[str, str]:
+        """Staging ring: write each of this rank's layer groups once the daemon grants it a region
+        (SLOT), in whatever order the grants come; the daemon quantizes a group, then reuses its
+        region for a later one. Same node: straight into the region; else ZeroMQ frames."""
+        placement = ready.get("placement")
+        if not isinstance(placement, list) or len(placement) != len(pieces):
+            raise ProtocolError(
+                f"READY places {len(placement or ())} pieces, this rank declared {len(pieces)}"
+            )
+        local = "staging" in ready
+        if local:
+            self._open_staging(ready["staging"])
+        groups: dict[int, list[tuple[_Piece, int, int]]] = {}
+        for piece, pid, (group, rel) in zip(pieces, ids, placement):
+            groups.setdefault(int(group), []).append((piece, pid, int(rel)))
+        sock = self._socket()
+        while groups:
+            granted = [g for g in groups if g in self._slots]
+            if not granted:
+                self._keepalive(step, deadline, "waiting for a staging region (SLOT)")
+                if sock.poll(int(self._heartbeat() * 1000)):
+                    msg = self._recv(sock)
+                    self._last_heard = time.monotonic()
+                    self._handle_async(msg, step)
+                continue
+            for g in granted:
+                rows, offset = groups.pop(g), self._slots.pop(g)
+                if local:
+                    self._write_group(step, rows, offset, deadline)
+                else:
+                    self._stream_remote(step, [r[0] for r in rows], [r[1] for r in rows], deadline)
+        if local:
+            return "staging", ""
+        return "zmq", str(ready.get("mover_reason") or "")
+
+    def _open_staging(self, handle: dict) -> None:
         if self._staging is None or self._staging.name != handle.get("name"):
             if self._staging is not None:
                 self._staging.close()
             self._staging = open_any_arena(handle, writable=True)
-        views = self._staging.tensors()
-        on_gpu = handle.get("kind") == "cuda_ipc"  # device-to-device copies through the mapped handle
-        batch, batch_bytes = [], 0
-        for piece, pid in zip(pieces, ids):
-            region = views[piece.name][
-                tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))
-            ]
+
+    def _write_group(self, step: int, rows, offset: int, deadline: float) -> None:
+        """One granted group: each piece into its tensor's place in the region at ``offset``."""
+        view = self._staging.view
+        dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel in rows)
+        self._copy_in(step, dests, deadline)
+
+    def _copy_in(self, step: int, dests, deadline: float) -> None:
+        """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
+        batch, batch_bytes, region = [], 0, None
+        for piece, pid, full in dests:
+            region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))]
             region.copy_(piece.tensor)
             batch.append(pid)
             batch_bytes += piece.tensor.numel() * piece.tensor.element_size()
             if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
-                if on_gpu:  # the copies are asynchronous: they must land before the daemon reads
-                    torch.cuda.synchronize(region.device)
-                self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
+                self._pieces_done(step, batch, region)
                 batch, batch_bytes = [], 0
             self._poll_async(step)
             self._keepalive(step, deadline, "writing its shards")
         if batch:
-            if on_gpu:
-                torch.cuda.synchronize(region.device)
-            self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
+            self._pieces_done(step, batch, region)
+
+    def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
+        if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads
+            torch.cuda.synchronize(last.device)
+        self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
 
     def _nixl_offer(self, srcs: list[torch.Tensor]) -> tuple[dict[str, Any] | None, Any, str]:
         """BEGIN's ``nixl`` field (agent metadata, one ``[addr, nbytes]`` per piece) with the step's

@@ -69,6 +69,9 @@ CONFIG_ENV = "REFITD_CONFIG"
 #: (the Slurm launcher hands trainers and engines their endpoints in REFITD_ENDPOINT*)
 NON_SETTING_ENV = frozenset({CONFIG_ENV, "REFITD_ENDPOINT", "REFITD_ENDPOINTS", "REFITD_ENDPOINTS_FILE"})
 CONTROL_SOCKET = "control.sock"
+#: staging regions when ``arena = "cuda"`` and ``staging_regions`` is unset: a whole step of BF16
+#: (67 GB for Qwen3.5-35B-A3B) does not belong on a GPU the engines share; four layer groups do.
+DEFAULT_GPU_REGIONS = 4
 #: Longest ``ipc://`` path the kernel accepts: ``sun_path`` is 108 bytes including the final NUL.
 MAX_IPC_PATH_BYTES = 107
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
@@ -192,9 +195,12 @@ class DaemonConfig:
     """The trainer: how many ranks push each step."""
     world_size: int = 1
 
-    """Arena sizes in bytes, allocated once at start. None sizes them from the plan."""
+    """Arena sizes in bytes, allocated once at start. None sizes them from the plan.
+    ``staging_regions``: 0 stages a whole step; N streams it through N regions the size of its
+    largest layer group (sidecar.staging). None: 0 for shm arenas, ``DEFAULT_GPU_REGIONS`` for cuda."""
     staging_bytes: int | None = None
     publish_bytes: int | None = None
+    staging_regions: int | None = None
 
     """Timeouts in seconds. A step not sealed within ``step_timeout_s`` is aborted; a trainer rank silent
     for ``rank_timeout_s`` mid-step is declared dead (ranks ping every ``heartbeat_interval_s``, which
@@ -280,6 +286,13 @@ class DaemonConfig:
         ):
             changes["listen"] = None
         return dataclasses.replace(self, **changes)
+
+    @property
+    def ring_regions(self) -> int:
+        """Staging regions in effect: ``staging_regions``, else 0 on shm and DEFAULT_GPU_REGIONS on cuda."""
+        if self.staging_regions is not None:
+            return self.staging_regions
+        return DEFAULT_GPU_REGIONS if self.arena is ArenaKind.CUDA else 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (str, int, float, list, None) by field name; drop the Nones for TOML."""
@@ -507,6 +520,13 @@ _KNOBS: dict[str, _Knob] = {
     "world_size": _Knob("--world-size", _count, "N", "trainer ranks that push each step"),
     "staging_bytes": _Knob("--staging-bytes", _AUTO_SIZE, "SIZE", "staging arena (auto: from the plan)"),
     "publish_bytes": _Knob("--publish-bytes", _AUTO_SIZE, "SIZE", "publish arena (auto: from the plan)"),
+    "staging_regions": _Knob(
+        "--staging-regions",
+        _OPT_COUNT,
+        "N",
+        f"stream steps through N layer-sized staging regions; 0: whole step (default: 0 shm, "
+        f"{DEFAULT_GPU_REGIONS} cuda)",
+    ),
     "step_timeout_s": _Knob("--step-timeout", _seconds, "SECONDS", "abort a step not sealed by then"),
     "rank_timeout_s": _Knob("--rank-timeout", _seconds, "SECONDS", "a rank silent this long is dead"),
     "heartbeat_interval_s": _Knob("--heartbeat-interval", _seconds, "SECONDS", "rank ping interval"),
@@ -590,6 +610,7 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
         "world_size": (1, "give the number of trainer ranks, at least 1"),
         "staging_bytes": (1, _PLAN_SIZED),
         "publish_bytes": (1, _PLAN_SIZED),
+        "staging_regions": (0, "give 0 to stage whole steps, or a number of regions such as 4"),
         "max_frame_bytes": (1, "too small; give a size such as 64MiB"),
         "max_header_bytes": (1, "too small; give a size such as 1MiB"),
         "credit_frames": (1, "give at least 1 frame in flight"),
@@ -937,6 +958,8 @@ ignore_patterns = []                    # fnmatch over module names, e.g. ["*.la
 world_size = 1
 # staging_bytes = "16GiB"               # default: sized from the plan
 # publish_bytes = "8GiB"                # default: sized from the plan
+# staging_regions = 4                   # stream a step through N layer-sized regions, 0: stage it whole;
+#                                       # default: 0 with arena = "shm", 4 with arena = "cuda"
 step_timeout_s = 300
 rank_timeout_s = 10
 heartbeat_interval_s = 1

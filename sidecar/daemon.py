@@ -14,7 +14,8 @@ Step protocol (per rank): HELLO -> WELCOME; BEGIN -> READY (once every rank bega
 declarations cover every tensor exactly once); data (local: write into staging, PIECE_DONE; remote:
 the daemon READs the pieces READY lists in ``pull`` over NIXL and says PULLED, the rest come as SHARD
 frames under credits: sidecar.pull_nixl); COMMIT -> ACK; then RESULT (published) or ERROR (on every
-rank).
+rank). With a staging ring (``staging_regions``) the data of each layer group goes only after the
+daemon's SLOT for that group, into the region it names (sidecar.staging).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import zmq
 
 from sidecar.attach import check_manifest
-from sidecar.config import RELOADABLE, DaemonConfig, DrainMode, NodeRole, default_listen, tcp_host
+from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeRole, default_listen, tcp_host
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward import Forwarding, ForwardReceiver
@@ -102,6 +103,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec)
+        regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
+        self.parked: dict[int, list] = {}  # staging ring: ready units whose group holds no region yet
+        self.ring_ranks: dict[int, set[int]] = {}  # staging ring: group -> ranks holding part of it
         if self.plan is not None:
             self.arenas = Arenas.for_plan(
                 self.prefix,
@@ -110,6 +114,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 publish_bytes=config.publish_bytes,
                 kind=config.arena,
                 gpu=config.gpu,
+                staging_regions=regions,
             )
         elif config.publish_bytes is not None and (
             config.staging_bytes is not None or config.role is NodeRole.INFERENCE
@@ -120,6 +125,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 publish_bytes=config.publish_bytes,
                 kind=config.arena,
                 gpu=config.gpu,
+                staging_regions=regions,
             )
         else:
             raise RefitError(
@@ -156,6 +162,14 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             self.spec.fmt.value,
         )
         self.pull_ok, self.pull_reason = pull_support(self.arenas.staging)
+        if self.pull_ok and self.arenas.staging_regions:
+            self.pull_ok, self.pull_reason = (
+                False,
+                (
+                    f"staging is a ring of {self.arenas.staging_regions} regions (staging_regions): remote shards "
+                    "travel as ZeroMQ frames, a layer group at a time"
+                ),
+            )
         if not self.pull_ok:
             log.info("remote trainer shards travel as ZeroMQ frames: %s", self.pull_reason)
         notify(self.observers, "on_ready", self)
@@ -518,6 +532,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         state.phases.validate = time.monotonic() - t0
         self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
         staging = self.arenas.staging.handle()
+        ring = self.arenas.ring
         for rank, identity in state.peers.items():
             peer = self.peers.get(identity)
             fields = {
@@ -527,12 +542,36 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             }
             if peer is not None and peer.local:
                 fields["staging"] = staging
-            elif peer is not None:
+            elif peer is not None and ring is None:
                 fields.update(self._pull_start(state, rank, identity, fields["pieces"]))
+            elif peer is not None:
+                self.pull_movers[str(rank)] = {"mover": "zmq", "reason": self.pull_reason}
+                fields.update({"pull": [], "mover_reason": self.pull_reason})
+            if ring is not None:
+                fields["ring"] = ring.wire()
+                fields["placement"] = [list(ring.placement(state.pieces[pid][1])) for pid in fields["pieces"]]
             self._send(identity, Kind.READY, fields)
         state.ready_sent = True
+        self.parked = {}
+        if ring is not None:
+            self.ring_ranks = {}
+            for rank, name, _ in state.pieces:
+                self.ring_ranks.setdefault(ring.group_of[name], set()).add(rank)
+            self._grant(ring.start())
         for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
             self._tensor_complete(name)  # zero-byte tensors complete at once
+
+    def _grant(self, grants) -> None:
+        """Staging ring: tell every rank holding part of each newly granted group where to write it."""
+        state, ring = self.step, self.arenas.ring
+        for gi, slot in grants:
+            for rank in sorted(self.ring_ranks.get(gi, ())):
+                self._send(
+                    state.peers[rank], Kind.SLOT, {"step": state.step, "group": gi, "offset": slot.offset}
+                )
+            ring.preload(gi, state.complete)
+            for unit in self.parked.pop(gi, ()):
+                self._submit(unit)
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.values()}
@@ -571,6 +610,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         peer, state = self._trainer(identity), self._current(msg)
         for pid in msg.require("pieces", list):
             name, tid = state.piece(peer.rank, pid)
+            self._check_granted(peer.rank, name, state)
             done = state.piece_received(peer.rank, pid, state.tracker.piece_nbytes(name, tid))
             if done:
                 self._tensor_complete(done)
@@ -582,7 +622,8 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         name, tid = state.piece(peer.rank, pid)
         if len(msg.frames) != 1:
             raise ProtocolError(f"SHARD of {name!r} must carry exactly one data frame")
-        dest_full = self.arenas.staging.tensor(name)
+        self._check_granted(peer.rank, name, state)
+        dest_full = self._staged(name)
         data = msg.frames[0].buffer if hasattr(msg.frames[0], "buffer") else memoryview(msg.frames[0])
         nbytes = len(data)
         expected = dest_full.element_size() * _prod(shape)
@@ -609,6 +650,23 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         done = state.piece_received(peer.rank, pid, nbytes)
         if done:
             self._tensor_complete(done)
+
+    def _staged(self, name: str) -> torch.Tensor:
+        """Input ``name`` in staging: its slot there, or its group's region of the staging ring."""
+        ring = self.arenas.ring
+        return self.arenas.staging.tensor(name) if ring is None else ring.view(self.arenas.staging, name)
+
+    def _check_granted(self, rank: int, name: str, state: StepState) -> None:
+        ring = self.arenas.ring
+        if ring is not None and not ring.granted(ring.group_of[name]):
+            group = ring.groups[ring.group_of[name]]
+            raise RefitError(
+                f"rank {rank} sent data of {name!r} ({group.label}) before the daemon granted that group a "
+                "staging region (SLOT): a client must write a group only after its SLOT",
+                kind=ErrorKind.PROTOCOL,
+                rank=rank,
+                step=state.step,
+            )
 
     def handle_commit(self, identity: bytes, msg: Message) -> None:
         peer, state = self._trainer(identity), self._current(msg)
@@ -716,6 +774,8 @@ class Daemon(ReaderHandlers, ForwardReceiver):
     # pipeline
 
     def _tensor_complete(self, name: str) -> None:
+        if self.arenas.ring is not None:
+            self.arenas.ring.tensor_complete(name)
         for unit in self.step.ready_units(self.plan, name):
             if self.target is None:
                 self.deferred.append(unit)
@@ -723,14 +783,23 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 self._submit(unit)
 
     def _submit(self, unit) -> None:
-        state, staging, target = self.step, self.arenas.staging, self.target.arena
+        state, ring, target = self.step, self.arenas.ring, self.target.arena
+        sync = False
+        if ring is not None:
+            group = ring.unit_group[unit.index]
+            if not ring.granted(group):  # its bytes are all zero-sized: run it once the group is granted
+                self.parked.setdefault(group, []).append(unit)
+                return
+            # the group's last unit waits for the GPU before it reports: the region is then reused
+            sync = ring.unit_submitted(unit.index) and self.arenas.kind is ArenaKind.CUDA
         if not state.phases.quant_start:
             state.phases.quant_start = time.monotonic()
         self.worker.submit(
             state.step,
             unit,
-            lambda: {n: staging.tensor(n) for n in unit.inputs},
+            lambda: {n: self._staged(n) for n in unit.inputs},
             lambda: {o.name: target.tensor(o.name) for o in unit.outputs},
+            sync=sync,
         )
 
     def _maybe_claim(self) -> None:
@@ -762,6 +831,12 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 self._fail_step(RefitError(str(done.error), kind=kind, step=done.step))
                 continue
             self.step.units_done.add(done.unit)
+            if self.arenas.ring is not None:
+                try:
+                    self._grant(self.arenas.ring.unit_done(done.unit))
+                except ValueError as exc:
+                    self._fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
+                    continue
             if len(self.step.units_done) == len(self.plan.units):
                 self.step.phases.quant_end = time.monotonic()
             self._maybe_publish()
@@ -856,7 +931,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             self.pull.cancel()
         if self.target is not None:
             self.target.step = None  # half-written: never hand it out
-        self.step, self.target, self.deferred = None, None, []
+        if self.arenas.ring is not None:
+            self.arenas.ring.reset()
+        self.step, self.target, self.deferred, self.parked = None, None, [], {}
         self._start_pending()
 
     def _start_pending(self) -> None:
@@ -956,7 +1033,13 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             ],
             "staging": None
             if self.arenas is None
-            else {"segment": self.arenas.staging.name, "bytes": self.arenas.staging.size},
+            else {
+                "segment": self.arenas.staging.name,
+                "bytes": self.arenas.staging.size,
+                "ring": None
+                if self.arenas.ring is None
+                else {**self.arenas.ring.wire(), "held": self.arenas.ring.held()},
+            },
             "trainers": sorted(p.rank for p in self.peers.values() if p.role == "trainer"),
             "readers": [p.name for p in self.peers.values() if p.role == "reader"],
             "engines": [

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from sidecar.config import ArenaKind
 from sidecar.plan import RefitPlan
+from sidecar.staging import RingStaging, region_size, ring_groups
 from transport.shm import Arena, Layout, ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
@@ -41,8 +42,13 @@ class Arenas:
         publish_bytes: int,
         kind: ArenaKind = ArenaKind.SHM,
         gpu: str | int | None = None,
+        staging_regions: int = 0,
     ):
+        """``staging_regions``: 0 stages a whole step; N > 0 streams it through a ring of N regions
+        (sidecar.staging), carved once the plan is known."""
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
+        self.staging_regions = staging_regions
+        self.ring: RingStaging | None = None
         self.generations: list[Generation] = []
         self.staging = self._create("staging", staging_bytes)
         try:
@@ -74,9 +80,11 @@ class Arenas:
         cls, prefix: str, plan: RefitPlan, *, staging_bytes=None, publish_bytes=None, **kw
     ) -> Arenas:
         staging, outputs = layouts(plan)
+        regions = kw.get("staging_regions", 0)
+        need = regions * region_size(ring_groups(plan)) if regions else staging.size
         arenas = cls(
             prefix,
-            staging_bytes=staging.size if staging_bytes is None else staging_bytes,
+            staging_bytes=need if staging_bytes is None else staging_bytes,
             publish_bytes=outputs.size if publish_bytes is None else publish_bytes,
             **kw,
         )
@@ -90,7 +98,11 @@ class Arenas:
     def apply_plan(self, plan: RefitPlan) -> None:
         """Carve the arenas for ``plan``; ValueError (naming sizes) when they are too small."""
         staging, outputs = layouts(plan)
-        self.staging.relayout(staging)
+        if self.staging_regions:
+            self.ring = RingStaging(plan, regions=self.staging_regions, capacity=self.staging.size)
+            self.staging.relayout(Layout([]))  # the ring places each group's tensors itself
+        else:
+            self.staging.relayout(staging)
         for g in self.generations:
             g.arena.relayout(outputs)
 

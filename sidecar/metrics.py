@@ -266,19 +266,26 @@ class MetricsObserver(Observer):
     # quantization quality
 
     def _sample_sqnr(self, daemon: Daemon) -> None:
-        """SQNR of one quantized weight of the live generation against staging (a few ms at most)."""
+        """SQNR of one quantized weight of the live generation against staging (a few ms at most).
+
+        With a staging ring only the groups the ring's regions still hold are candidates (the last
+        ``staging_regions`` groups of the step: the final layers, the norm, lm_head)."""
         plan, live = daemon.plan, daemon.arenas.live_generation()
         if plan is None or live is None:
             return
         if self._candidates[0] is not plan:  # the plan changes when an engine needs a re-plan
             self._candidates = (plan, [o for o in plan.outputs if o.role is Role.WEIGHT])
-        weights = self._candidates[1]
+        weights, ring = self._candidates[1], daemon.arenas.ring
+        if ring is not None:  # a staging ring keeps only the step's last groups: sample among those
+            weights = [o for o in weights if ring.resident(o.source)]
         if not weights:
             return  # format bf16, or every routed expert kept in BF16
         out = self._rng.choice(weights)
         fmt = daemon.spec.fmt
         t0 = time.perf_counter()
-        src = out.source_view(daemon.arenas.staging.tensor(out.source))
+        staging = daemon.arenas.staging
+        src = staging.tensor(out.source) if ring is None else ring.resident_view(staging, out.source)
+        src = out.source_view(src)
         q, scale = live.arena.tensor(out.name), live.arena.tensor(out.scale_name)
         rows, cols = (self._window(n, edge) for n, edge in zip(src.shape[-2:], SQNR_TILE))
         db = sqnr_db(src[rows, cols], dequantize_tile(q, scale, fmt, rows, cols))

@@ -201,6 +201,10 @@ def query_status(endpoint: str, timeout: float) -> dict:
         ctx.term()
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def render_status(s: dict) -> str:
     lines = [
         f"refitd {s['instance']} pid {s['pid']} on {s['host']}, listening on {s['listen']}",
@@ -213,6 +217,16 @@ def render_status(s: dict) -> str:
     for g in s.get("generations", []):
         live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
         lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
+    staging = s.get("staging") or {}
+    ring = staging.get("ring")
+    if ring:
+        held = ", ".join(ring.get("held") or []) or "none"
+        lines.append(
+            f"staging: ring of {ring['regions']} x {_mib(ring['region_bytes'])} for {ring['groups']} layer "
+            f"groups ({_mib(staging['bytes'])}); held now: {held}"
+        )
+    elif staging:
+        lines.append(f"staging: whole steps ({_mib(staging['bytes'])})")
     lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
     for e in s.get("engines", []):
         lines.append(

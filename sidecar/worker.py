@@ -47,6 +47,13 @@ def check_finite(unit: Unit, tensors: dict) -> None:
                 raise NonFiniteError(f"tensor {name!r} holds NaN or Inf; refusing to publish it")
 
 
+def _synchronize(tensors: dict) -> None:
+    for t in tensors.values():
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+            return
+
+
 class QuantWorker:
     """Runs ``run_unit`` for submitted units in order; ``close()`` joins the thread."""
 
@@ -60,9 +67,19 @@ class QuantWorker:
         self._thread = threading.Thread(target=self._run, name="refitd-quant", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, unit: Unit, inputs: Callable[[], dict], outputs: Callable[[], dict]) -> None:
+    def submit(
+        self,
+        step: int,
+        unit: Unit,
+        inputs: Callable[[], dict],
+        outputs: Callable[[], dict],
+        *,
+        sync: bool = False,
+    ) -> None:
+        """Queue ``unit``. ``sync``: wait for its GPU work before reporting it done (the staging ring
+        reuses the region it read as soon as it is reported)."""
         self.inflight += 1
-        self._jobs.put((step, unit, inputs, outputs))
+        self._jobs.put((step, unit, inputs, outputs, sync))
 
     def cancel(self, step: int) -> None:
         """Skip whatever of ``step`` has not started (a failed step); running units finish."""
@@ -84,7 +101,7 @@ class QuantWorker:
         wake.connect(self._wake_endpoint)
         try:
             while (job := self._jobs.get()) is not None:
-                step, unit, inputs, outputs = job
+                step, unit, inputs, outputs, sync = job
                 with self._lock:
                     skip = step in self._cancelled
                 t0 = time.monotonic()
@@ -99,6 +116,8 @@ class QuantWorker:
                             if unit.fmt is None:
                                 check_finite(unit, tensors)
                             run_unit(unit, tensors, outputs())
+                            if sync:
+                                _synchronize(tensors)
                     except Exception as exc:  # reported to the serve loop, which fails the step
                         error = exc
                         if not isinstance(exc, (ValueError, NonFiniteError)):

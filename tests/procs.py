@@ -185,6 +185,7 @@ def _die_after_ready(client, conn) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     client._write_local = die
+    client._write_ring = die
     client._stream_remote = die
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import multiprocessing as mp
-import random
 import re
 import struct
 import subprocess
@@ -34,9 +33,6 @@ from transport.cuda_ipc import (
     CudaError,
     CudaIpcArena,
     CudaIpcHandle,
-    RingError,
-    SlotState,
-    StagingRing,
     allocation_size,
     cuda_available,
     cuda_unavailable_reason,
@@ -715,127 +711,6 @@ def test_the_real_driver_wrapper_translates_failures(nvml_off):
     stale = _wire(gpu_uuid=UUIDS[0], offset=0)
     with pytest.raises(CudaError, match=r"cudaErrorInvalidResourceHandle .* has exited or freed it"):
         CudaIpcArena.open(stale, writable=False, driver=driver)
-
-
-# --------------------------------------------------------------------------------------------------
-# the staging ring
-
-
-def test_ring_cycle_and_offsets():
-    ring = StagingRing(regions=3, region_bytes=1024, base_offset=512)
-    assert ring.size == 3072 and [s.offset for s in ring.slots] == [512, 1536, 2560]
-    a = ring.claim(owner=0)
-    b = ring.claim(owner=1)
-    assert (a.index, b.index, a.state) == (0, 1, SlotState.CLAIMED)
-    ring.fill(b.index, b.ticket, contents=["piece 9"], nbytes=1000)
-    ring.fill(a.index, a.ticket, contents=["piece 4"])
-    first = ring.take()
-    assert first.index == 1 and first.contents == ["piece 9"] and first.state is SlotState.DRAINING
-    assert ring.take().index == 0 and ring.take() is None  # filled order, not index order
-    assert ring.release(1, first.ticket) == []
-    assert ring.count(SlotState.FREE) == 2 and ring.count(SlotState.DRAINING) == 1
-
-
-def test_ring_waiters_are_granted_in_order_on_release():
-    ring = StagingRing(regions=1, region_bytes=256)
-    s = ring.claim("r0")
-    assert ring.claim("r1") is None and ring.claim("r2") is None and ring.claim("r1") is None
-    assert ring.waiting == ["r1", "r2"]
-    ring.fill(s.index, s.ticket)
-    taken = ring.take()
-    (granted,) = ring.release(taken.index, taken.ticket)
-    assert granted.owner == "r1" and granted.ticket != s.ticket and ring.waiting == ["r2"]
-    assert ring.claim("r3") is None  # a newcomer queues behind r2 rather than jumping it
-
-
-def test_ring_per_owner_limit_keeps_one_rank_from_taking_every_region():
-    ring = StagingRing(regions=3, region_bytes=256, per_owner=1)
-    a = ring.claim("fast")
-    assert ring.claim("fast") is None and ring.waiting == ["fast"]  # at its limit: queued
-    b = ring.claim("slow")
-    assert b.owner == "slow"  # "fast" waits on its limit, not on a region: "slow" is not held up
-    (again,) = ring.fill(a.index, a.ticket)  # writing done: "fast" is under its limit again
-    assert again.owner == "fast" and ring.waiting == []
-    assert ring.count(SlotState.CLAIMED) == 2 and ring.count(SlotState.FILLED) == 1
-
-
-def test_ring_refuses_stale_tickets_and_wrong_states():
-    ring = StagingRing(regions=2, region_bytes=256)
-    s = ring.claim(0)
-    with pytest.raises(RingError, match="release: region 0 is claimed, expected draining"):
-        ring.release(s.index, s.ticket)
-    with pytest.raises(RingError, match="region 0 holds 256 bytes; the producer says it wrote 300"):
-        ring.fill(s.index, s.ticket, nbytes=300)
-    with pytest.raises(RingError, match="region 5 does not exist"):
-        ring.fill(5, s.ticket)
-    ring.reset()
-    with pytest.raises(RingError, match=r"ticket \d+ is stale"):
-        ring.fill(s.index, s.ticket)
-    assert ring.count(SlotState.FREE) == 2
-
-
-def test_ring_drop_frees_a_dead_ranks_claims_and_grants_them():
-    ring = StagingRing(regions=2, region_bytes=256)
-    a, b = ring.claim("dead"), ring.claim("dead")
-    ring.fill(b.index, b.ticket)
-    assert ring.claim("live") is None
-    granted = ring.drop("dead")
-    assert [(g.owner, g.index) for g in granted] == [("live", a.index)]
-    assert ring.slots[b.index].state is SlotState.FILLED  # whole bytes stay for the step to judge
-
-
-def test_ring_bookkeeping_holds_under_random_operations():
-    """Random producers and a consumer: no region is ever granted twice, every queue stays consistent."""
-    rng = random.Random(1234)
-    ring = StagingRing(regions=4, region_bytes=256, per_owner=2)
-    held: dict[int, tuple[int, object]] = {}  # index -> (ticket, owner) as producers believe
-    draining: list = []
-    for _ in range(5000):
-        op = rng.random()
-        if op < 0.35:
-            owner = rng.randrange(5)
-            s = ring.claim(owner)
-            grants = [s] if s else []
-        elif op < 0.6 and held:
-            index = rng.choice(list(held))
-            ticket, _ = held.pop(index)
-            grants = ring.fill(index, ticket)
-        elif op < 0.8:
-            s = ring.take()
-            if s:
-                draining.append(s)
-            grants = []
-        elif op < 0.97 and draining:
-            s = draining.pop(rng.randrange(len(draining)))
-            grants = ring.release(s.index, s.ticket)
-        elif op < 0.99:
-            owner = rng.randrange(5)
-            for s in ring.held_by(owner):
-                held.pop(s.index, None)
-            grants = ring.drop(owner)
-        else:
-            ring.reset()
-            held.clear()
-            draining.clear()
-            grants = []
-        for g in grants:
-            assert g.index not in held, "a region was granted while a producer still held it"
-            held[g.index] = (g.ticket, g.owner)
-        states = collections.Counter(s.state for s in ring.slots)
-        assert states[SlotState.CLAIMED] == len(held)
-        assert states[SlotState.DRAINING] == len(draining)
-        assert sorted(ring._free) == sorted(s.index for s in ring.slots if s.state is SlotState.FREE)
-        assert len(set(ring.waiting)) == len(ring.waiting)
-        assert all(len(ring.held_by(o)) <= 2 for o in range(5))
-        if ring._free:  # nobody waits for a free region it is allowed to take
-            assert all(len(ring.held_by(o)) >= 2 for o in ring.waiting)
-
-
-def test_ring_rejects_bad_geometry():
-    with pytest.raises(ValueError, match="at least 1 region"):
-        StagingRing(regions=0, region_bytes=256)
-    with pytest.raises(ValueError, match="positive multiple of 256"):
-        StagingRing(regions=2, region_bytes=100)
 
 
 # --------------------------------------------------------------------------------------------------

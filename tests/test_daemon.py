@@ -394,6 +394,31 @@ def test_rank_killed_mid_step_fails_the_step_on_every_other_rank(cluster):
     cluster.publish(3, seed=13)
 
 
+@pytest.mark.timeout(120)
+def test_four_ranks_through_a_staging_ring_and_a_rank_killed_mid_stream(cluster):
+    """The daemon stages through two layer-sized regions (``--staging-regions 2``), a fraction of a
+    step. Four ranks publish byte-exact through it; then rank 3 is SIGKILLed after READY while the
+    others wait for regions its groups hold up: every other rank gets RANK_DIED naming rank 3, the
+    published step stays intact, and a replacement rank 3 publishes the next step."""
+    daemon = cluster.start_daemon("block_fp8", "--staging-regions", "2")
+    status = daemon.status()
+    assert status["staging"]["ring"]["regions"] == 2
+    assert status["staging"]["bytes"] < status["plan"]["bytes_in"]
+    cluster.connect(daemon)
+    cluster.publish(1, seed=21)
+    cluster.hold(1, seed=21)
+    cluster.send_push(2, seed=22, fault={"kind": "die_after_ready", "rank": 3}, ranks=[0, 1, 2, 3])
+    assert cluster.ranks[3].reply(PUSH_TIMEOUT_S)["kind"] == "dying"
+    cluster.ranks[3].proc.join(10)
+    replies = cluster.collect([0, 1, 2])
+    assert_all_failed(replies, "rank_died", 2, "rank 3")
+    cluster.assert_intact(daemon, 1, seed=21)
+    assert daemon.status()["staging"]["ring"]["held"] == []
+    cluster.pool.ensure()
+    cluster.connect(daemon, ranks=[3], reader=False)
+    cluster.publish(3, seed=23)
+
+
 @pytest.mark.timeout(90)
 def test_missing_shard_is_a_coverage_gap_on_every_rank(cluster):
     """In step 2 rank 1 leaves out its experts [2, 4) of layer 1's down_proj slab. Every rank gets

@@ -39,9 +39,11 @@ gc = _load()
 
 def test_cpu_dry_run_end_to_end(tmp_path):
     """`gpu_check.py --device cpu --small` runs every section without pyzmq or NIXL, writes JSON, and
-    reports the kernels as skipped with the capability predicate's reason."""
+    reports the kernels as skipped with the capability predicate's reason; its refit stages through
+    a ring of two regions, as a GPU run does by default."""
     out = tmp_path / "check.json"
     argv = [str(SCRIPT), "--device", "cpu", "--small", "--iters", "1", "--warmup", "0", "--out", str(out)]
+    argv += ["--staging-regions", "2"]  # the staging ring GPU arenas use by default
     code = (
         "import runpy, sys\n"
         "sys.modules['zmq'] = None; sys.modules['nixl'] = None  # the GPU machine has neither\n"
@@ -67,9 +69,10 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     e2e = report["e2e"]
     assert e2e["status"] == "ran" and e2e["ok"], e2e
     assert [r["fmt"] for r in e2e["rounds"]] == ["block_fp8", "mxfp8", "fp8_per_tensor"]
-    assert e2e["copy_gbps"] > 0
+    assert e2e["copy_gbps"] > 0 and e2e["staging_regions"] == 2
     for r in e2e["rounds"]:
         assert "--arena shm" in r["daemon"] and "--world-size 1" in r["daemon"], r["daemon"]
+        assert "--staging-regions 2" in r["daemon"], r["daemon"]
         assert [s["step"] for s in r["steps"]] == [0, 1], r
         for s in r["steps"]:
             assert s["engine"]["ok"] and not s["engine"]["mismatched"] and s["engine"]["sampled"] > 0, s

@@ -27,7 +27,9 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.formats import Format
 from sidecar.metrics import PHASES, MetricsObserver, sqnr_db
 from sidecar.plan import RefitPlan, RefitSpec, Role, convert
+from sidecar.staging import RingStaging, region_size, ring_groups
 from sidecar.synthetic import make_hf_config, make_state_dict
+from transport.shm import nbytes_of
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3_5_moe"
@@ -88,9 +90,32 @@ class FakeDaemon(SimpleNamespace):
         spec = RefitSpec(model_type=MODEL, fmt=fmt)
         outputs = convert(sd, spec)
         live = SimpleNamespace(index=0, step=0, arena=SimpleNamespace(tensor=outputs.__getitem__))
-        arenas = SimpleNamespace(staging=SimpleNamespace(tensor=sd.__getitem__), live_generation=lambda: live)
+        arenas = SimpleNamespace(
+            staging=SimpleNamespace(tensor=sd.__getitem__), live_generation=lambda: live, ring=None
+        )
         plan = RefitPlan.build(list(sd.items()), spec)
-        return cls(plan=plan, spec=spec, engines={}, arenas=arenas, outputs=outputs)
+        return cls(plan=plan, spec=spec, engines={}, arenas=arenas, outputs=outputs, sd=sd)
+
+    def stream_through_ring(self, regions: int) -> None:
+        """Stage the step through a ring of ``regions`` as the daemon does: each group written into
+        its region when granted, then released; the last ``regions`` groups stay resident."""
+        ring = RingStaging(self.plan, regions=regions, capacity=regions * region_size(ring_groups(self.plan)))
+        memory = torch.zeros(ring.size, dtype=torch.uint8)
+        staging = SimpleNamespace(
+            view=lambda offset, dtype, shape: (
+                memory[offset : offset + nbytes_of(dtype, shape)].view(dtype).view(shape)
+            )
+        )
+        grants = ring.start()
+        while grants:
+            gi, _ = grants.pop(0)
+            for name in ring.groups[gi].inputs:
+                ring.view(staging, name).copy_(self.sd[name])
+                ring.tensor_complete(name)
+            for unit in ring.groups[gi].units:
+                ring.unit_submitted(unit)
+                grants += ring.unit_done(unit)
+        self.arenas.staging, self.arenas.ring = staging, ring
 
 
 @pytest.fixture
@@ -125,6 +150,21 @@ def test_sqnr_compares_a_live_weight_with_its_staging_source(observers, fmt):
             daemon.outputs[o.name].zero_()
     m.on_step_published(daemon, record(1), None)
     assert value(m, "refitd_quant_sqnr_db", format=fmt) == pytest.approx(0.0)
+
+
+def test_sqnr_with_a_staging_ring_samples_only_groups_still_staged(observers):
+    """With a ring only the step's last groups are still in staging (the MTP layer here): every
+    sample comes from those, and is a real ~31 dB comparison, never bytes of another group."""
+    m = observers(sqnr_every=1)
+    daemon = FakeDaemon.converted("block_fp8")
+    daemon.stream_through_ring(regions=4)
+    ring = daemon.arenas.ring
+    resident = [g.label for g in ring.groups if ring.resident(g.inputs[0])]
+    assert resident == ["layer mtp.0", *(g.label for g in ring.groups[7:])]
+    for step in range(12):
+        m.on_step_published(daemon, record(step), None)
+        db = value(m, "refitd_quant_sqnr_db", format="block_fp8")
+        assert SQNR_RANGE_DB[0] < db < SQNR_RANGE_DB[1], step
 
 
 def test_sqnr_sampled_every_n_steps_only(observers):

@@ -46,3 +46,22 @@ def test_status_table_names_everything_an_operator_asks_about():
     assert "peer tcp://10.0.0.2:5555" in text
     assert "step 12: 100 B in, 50 B out; receive=0.500s total=1.000s" in text
     assert "NVML is not available" in text
+
+
+def test_status_says_how_staging_is_held():
+    base = {
+        "instance": "abc",
+        "pid": 7,
+        "host": "node1",
+        "listen": "ipc:///x",
+        "format": "block_fp8",
+        "world_size": 1,
+        "last_step": None,
+        "gpus": [],
+        "arenas": [],
+    }
+    ring = {"regions": 4, "region_bytes": 3 << 20, "groups": 48, "held": ["layer 7", "layer 8"]}
+    text = render_status({**base, "staging": {"segment": "s", "bytes": 12 << 20, "ring": ring}})
+    assert "staging: ring of 4 x 3.0 MiB for 48 layer groups (12.0 MiB); held now: layer 7, layer 8" in text
+    text = render_status({**base, "staging": {"segment": "s", "bytes": 5 << 20, "ring": None}})
+    assert "staging: whole steps (5.0 MiB)" in text

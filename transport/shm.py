@@ -122,6 +122,10 @@ class ShmSegment:
 # layouts
 
 
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.empty((), dtype=dtype).element_size() * int(np.prod(shape, dtype=np.int64))
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     name: str
@@ -142,7 +146,7 @@ class Layout:
     def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
         slots, offset = [], 0
         for name, dtype, shape in specs:
-            nbytes = torch.empty((), dtype=dtype).element_size() * int(np.prod(shape, dtype=np.int64))
+            nbytes = nbytes_of(dtype, shape)
             slots.append(Slot(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
             offset += -(-nbytes // align) * align
         return cls(slots)
@@ -196,6 +200,18 @@ class CarvedArena:
     def tensor(self, name: str) -> torch.Tensor:
         return self.tensors()[name]
 
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over bytes ``[offset, offset + nbytes)`` of this arena, whatever its layout says
+        (a staging ring places each group's tensors at offsets of their own)."""
+        raise NotImplementedError
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or offset % ALIGN or offset + nbytes > self.size:
+            raise ValueError(
+                f"view [{offset}, {offset + nbytes}) of arena {self.name!r} ({self.size} B) is out of "
+                f"bounds or not {ALIGN}-byte aligned"
+            )
+
     def relayout(self, layout: Layout) -> None:
         """Carve the same memory differently (the plan became known after the arena was made)."""
         if layout.size > self.size:
@@ -240,6 +256,10 @@ class ShmArena(CarvedArena):
         if self._views is None:
             self._views = {s.name: self.segment.view(s.offset, s.dtype, s.shape) for s in self.layout}
         return self._views
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self._check_range(offset, nbytes_of(dtype, shape))
+        return self.segment.view(offset, dtype, shape)
 
     def handle(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "size": self.size, "layout": self.layout.to_wire()}

@@ -47,6 +47,7 @@ class Kind(enum.IntEnum):
     RESULT = 10  # daemon: the step was published (step, generation, phase times)
     LOADED = 15  # daemon: every engine attached at publish time loaded the step, or which did not
     PULLED = 16  # daemon: the pieces it READ over NIXL from a remote client (or which failed)
+    SLOT = 17  # daemon (staging ring): write group ``group`` now, into the region at byte ``offset``
     ERROR = 11  # either: {kind, message, rank, step}
     PING = 12  # liveness, both ways
     PONG = 13
