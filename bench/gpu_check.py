@@ -30,7 +30,8 @@ Three sections, each recorded even when another fails:
    (device-to-device into the staging arena); an engine process whose ``EngineWorker`` copies every
    published tensor into buffers allocated at attach and checks them (byte sums, and layer 0 against
    ``sidecar.quant`` on the same GPU). Routed experts at full size, as many layers as fit in free
-   memory (trainer weights + staging + 2 generations + the engine's copy). Each phase's seconds
+   memory (trainer weights + staging, a ring of 4 layer groups on GPU by default (``--staging-regions``),
+   + 2 generations + the engine's copy). Each phase's seconds
    (trainer -> staging copy, quantize, publish, from the StepResult; engine load) against the floor:
    the bytes each stage must read and write (staging: bf16 x 2; quantize: bf16 + published; engine:
    published x 2) over the copy bandwidth measured in the same run; target: within 2x. An e2e
@@ -792,18 +793,25 @@ def _engine_main(conn, device: str) -> None:
                 torch.cuda.empty_cache()
 
 
-def _e2e_layers(device: torch.device, shape: LayerShape, small: bool, requested: int | None) -> int:
-    """As many Qwen3.5 layers (40 at most) as fit in free GPU memory: the trainer's BF16 weights and
-    the daemon's staging copy of them, two published generations and the engine's copy of one, with
-    headroom for four CUDA contexts and the engine's layer-0 check."""
+def _e2e_layers(
+    device: torch.device, shape: LayerShape, small: bool, requested: int | None, regions: int = 0
+) -> int:
+    """As many Qwen3.5 layers (40 at most) as fit in free GPU memory: the trainer's BF16 weights, the
+    daemon's staging (all of them, or ``regions`` layer groups of a staging ring), two published
+    generations and the engine's copy of one, with headroom for four CUDA contexts and the engine's
+    layer-0 check."""
     if requested:
         return requested
     if small or device.type != "cuda":
         return 2
+    from sidecar.staging import region_size, ring_groups
+
     one, two = (_e2e_plan(_e2e_config(shape, n), "mxfp8") for n in (1, 2))  # mxfp8: the most scale bytes
 
     def need(plan) -> int:
-        return 2 * sum(i.nbytes for i in plan.inputs) + 3 * sum(o.nbytes for o in plan.outputs)
+        bf16 = sum(i.nbytes for i in plan.inputs)
+        staging = regions * region_size(ring_groups(plan)) if regions else bf16
+        return bf16 + staging + 3 * sum(o.nbytes for o in plan.outputs)
 
     per_layer, base = need(two) - need(one), 2 * need(one) - need(two)
     free, _ = torch.cuda.mem_get_info(device)
@@ -844,11 +852,23 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _start_daemon(run_dir: Path, config_path: Path, fmt: str, device: torch.device, log: Path):
+def _staging_regions(device: torch.device, args) -> int:
+    """The daemon's staging ring in effect: ``--staging-regions``, else its default for the arena."""
+    from sidecar.config import DEFAULT_GPU_REGIONS
+
+    if args.staging_regions is not None:
+        return args.staging_regions
+    return DEFAULT_GPU_REGIONS if device.type == "cuda" else 0
+
+
+def _start_daemon(
+    run_dir: Path, config_path: Path, fmt: str, device: torch.device, log: Path, regions: int = 0
+):
     import subprocess
 
     cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--runtime-dir", str(run_dir)]
     cmd += ["--hf-config", str(config_path), "--world-size", "1", "--format", fmt, "--log-level", "warning"]
+    cmd += ["--staging-regions", str(regions)]
     if device.type == "cuda":
         cmd += [
             "--arena",
@@ -893,7 +913,7 @@ def _e2e_round(
     timeout = args.e2e_timeout
     run_dir, log = tmp / f"run-{fmt}", tmp / f"daemon-{fmt}.log"
     config_path = tmp / "config.json"
-    daemon, cmd = _start_daemon(run_dir, config_path, fmt, device, log)
+    daemon, cmd = _start_daemon(run_dir, config_path, fmt, device, log, _staging_regions(device, args))
     out: dict[str, Any] = {"fmt": fmt, "daemon": " ".join(cmd[1:]), "ok": False}
     try:
         sock = run_dir / "control.sock"
@@ -975,7 +995,9 @@ def run_e2e(device: torch.device, shape: LayerShape, args) -> dict[str, Any]:
     result: dict[str, Any] = {"rounds": []}
     procs, ends = [], {}
     try:
-        layers = _e2e_layers(device, shape, args.small, args.e2e_layers)
+        regions = _staging_regions(device, args)
+        layers = _e2e_layers(device, shape, args.small, args.e2e_layers, regions)
+        result["staging_regions"] = regions
         config = _e2e_config(shape, layers)
         result.update(layers=layers, shape=[shape.experts, shape.inter, shape.hidden])
         gbps = _copy_gbps(device, GiB if device.type == "cuda" and not args.small else (16 << 20))
@@ -1133,6 +1155,12 @@ def parse_args(argv=None):
     ap.add_argument("--e2e-layers", type=int, default=None, help="default: as many as fit (40 at most)")
     ap.add_argument("--e2e-formats", nargs="*", default=[f.value for f in FORMATS], help="one daemon each")
     ap.add_argument("--e2e-steps", type=int, default=2, help="steps each trainer pushes")
+    ap.add_argument(
+        "--staging-regions",
+        type=int,
+        default=None,
+        help="the daemon's staging ring (0: whole steps); default: the daemon's (4 on cuda, 0 on shm)",
+    )
     ap.add_argument(
         "--e2e-timeout", type=float, default=120.0, help="seconds any one wait of the e2e section may take"
     )

@@ -14,8 +14,16 @@ transport): ``RefitClient(local=True)`` and ``local=False`` over ipc:// and tcp:
 push_step until the daemon holds every byte (ingest), "published" until the generation is live.
 Then one ``--format block_fp8`` step end to end, and the per-step overhead of a step of 10,000
 small tensors against a step of one tensor of the same total bytes.
+Staging ring (``--staging-regions N``): the same step, local client to "published", ``--format bf16``
+and ``block_fp8``, on whole-step staging (``--staging-regions 0``) and on rings of 1, 2 and 4 regions
+of the largest layer group; each against the whole-step row of its format in time and in the staging
+arena's bytes (the daemon's status); plus a remote (ipc://) bf16 pair, whole step against ring 2.
+The four daemons of a format run side by side and take their steps in turns, so that load from
+elsewhere on the machine falls on every row alike; the best step is reported beside the median.
 
-    python bench/ingest.py [--mib 256] [--repeat 5] [--skip-tcp] [--json PATH]
+    python bench/ingest.py [--mib 256] [--repeat 5] [--skip-tcp] [--ring] [--json PATH]
+
+``--ring`` runs only the staging-ring section.
 
 Medians over ``--repeat`` steps after warm-up steps (the first touches of fresh shm pages are
 reported apart). Sized for a 2-core, 24 GiB machine: the default run takes about a minute and
@@ -45,6 +53,10 @@ from typing import Any
 import torch
 import zmq
 
+#: ``python bench/ingest.py`` puts bench/ first on sys.path, where bench/transport.py (the transport
+#: benchmark) hides the ``transport`` package; the repository root goes ahead of it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from adapters.base import RefitReader
 from sidecar.client import RefitClient, _blocks
 from sidecar.errors import RefitError
@@ -70,6 +82,11 @@ WARMUP_STEPS = 2  # two publish generations: both get their first touch before t
 #: torch.inference_mode(), so they are inference tensors, and the serve loop's ``dest.copy_(src)``
 #: outside inference mode raises RuntimeError, which no handler catches (found by this benchmark).
 REMOTE_FIRST = True
+#: Staging-ring section: region counts (0: whole-step staging, the baseline), the formats, and the
+#: region counts that also get a remote (ipc://) bf16 row.
+RING_REGIONS = (0, 1, 2, 4)
+RING_FORMATS = ("bf16", "block_fp8")
+RING_REMOTE = (0, 2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,6 +456,177 @@ def step_overhead(n: int, repeat: int, startup: dict) -> dict:
     return out
 
 
+def daemon_status(d: DaemonProc) -> dict:
+    reader = RefitReader(d.endpoint, name="bench-status")
+    try:
+        return reader.status(timeout=10.0)
+    finally:
+        reader.close()
+
+
+def interleaved_steps(
+    daemons: dict[str, DaemonProc], sd: dict[str, torch.Tensor], *, local: bool, repeat: int, warmup: int
+) -> dict[str, dict]:
+    """:func:`timed_steps` on several daemons at once, one client each: the warm-up steps, then
+    ``repeat`` rounds of one timed step per daemon, in an order that rotates every round, so load
+    from elsewhere on the machine falls on every row alike. A daemon whose step fails gets
+    ``{"error": ...}`` and leaves the rotation."""
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    rows = {
+        key: {"bytes": nbytes, "tensors": len(sd), "committed_s": [], "published_s": [], "warmup": []}
+        for key in daemons
+    }
+    phases: dict[str, list[dict]] = {key: [] for key in daemons}
+    live = list(daemons)
+
+    def one(key: str, client: RefitClient, timed: bool) -> None:
+        d = daemons[key]
+        step, d.next_step = d.next_step, d.next_step + 1
+        t0 = time.perf_counter()
+        future = client.push_step(step, sd, wait="committed")
+        t1 = time.perf_counter()
+        result = future.result()
+        t2 = time.perf_counter()
+        if not timed:
+            rows[key]["warmup"].append({"committed_s": t1 - t0, "published_s": t2 - t0})
+            return
+        rows[key]["committed_s"].append(t1 - t0)
+        rows[key]["published_s"].append(t2 - t0)
+        phases[key].append(result.seconds)
+
+    with contextlib.ExitStack() as stack:
+        clients = {
+            key: stack.enter_context(
+                RefitClient(d.endpoint, rank=0, world_size=1, local=local, timeout=STEP_TIMEOUT_S)
+            )
+            for key, d in daemons.items()
+        }
+        schedule = [(k, False) for k in daemons for _ in range(warmup)]
+        for r in range(repeat):
+            order = list(daemons)[r % len(daemons) :] + list(daemons)[: r % len(daemons)]
+            schedule += [(k, True) for k in order]
+        for key, timed in schedule:
+            if key not in live:
+                continue
+            try:
+                one(key, clients[key], timed)
+            except (RefitError, RuntimeError) as exc:
+                d = daemons[key]
+                print(f"{d.label}: {exc}\n{d.tail()}", file=sys.stderr, flush=True)
+                rows[key] = {"error": str(exc).splitlines()[0], "daemon_log_tail": d.tail()}
+                live.remove(key)
+        for key in live:
+            if bool(clients[key]._welcome.get("local")) != local:
+                rows[key] = {"error": f"asked for local={local}, the daemon granted another"}
+    for key in live:
+        if "error" not in rows[key] and phases[key]:
+            rows[key]["daemon_phases_median_s"] = {
+                k: statistics.median(p[k] for p in phases[key]) for k in phases[key][0]
+            }
+    return rows
+
+
+def ring_section(config: dict, sd: dict[str, torch.Tensor], repeat: int, startup: dict) -> dict:
+    """Whole-step staging against staging rings, on one daemon per (format, regions), same step.
+
+    Per format the daemons of every region count run side by side and take their steps in turns
+    (:func:`interleaved_steps`). Each row: local push_step timed to "published" (and "committed"),
+    the daemon's per-phase medians, and its staging arena as ``status["staging"]``. The bf16 daemons
+    in RING_REMOTE first take remote (ipc://) steps, then the local ones (see REMOTE_FIRST)."""
+    out: dict[str, Any] = {"regions": list(RING_REGIONS), "formats": list(RING_FORMATS), "rows": {}}
+    for fmt in RING_FORMATS:
+        with contextlib.ExitStack() as stack:
+            daemons: dict[str, DaemonProc] = {}
+            for regions in RING_REGIONS:
+                key = f"{fmt}/r{regions}"
+                try:
+                    d = DaemonProc(
+                        "--format", fmt, "--staging-regions", str(regions), config=config, label=f"ring {key}"
+                    )
+                except RuntimeError as exc:
+                    print(f"ring {key}: {exc}", file=sys.stderr, flush=True)
+                    out["rows"][key] = {"local": {"error": str(exc).splitlines()[0]}}
+                    continue
+                stack.enter_context(d)
+                startup[f"ring_{fmt}_r{regions}"] = d.startup_s
+                daemons[key] = d
+                out["rows"][key] = {}
+            remote = {
+                k: d for k, d in daemons.items() if fmt == "bf16" and int(k.split("/r")[1]) in RING_REMOTE
+            }
+            if remote:
+                got = interleaved_steps(remote, sd, local=False, repeat=repeat, warmup=WARMUP_STEPS)
+                for key, row in got.items():
+                    out["rows"][key]["remote_ipc"] = row
+            got = interleaved_steps(daemons, sd, local=True, repeat=repeat, warmup=WARMUP_STEPS)
+            for key, row in got.items():
+                out["rows"][key]["local"] = row
+            for key, d in daemons.items():
+                try:
+                    status = daemon_status(d)
+                except RefitError as exc:
+                    out["rows"][key]["status_error"] = str(exc)
+                    continue
+                out["rows"][key]["staging"] = status.get("staging")
+                out["rows"][key]["history_seconds"] = [h.get("seconds") for h in status.get("history", [])]
+        print(f"staging ring {fmt} done", flush=True)
+    return out
+
+
+def _published(row: dict | None) -> float | None:
+    if not row or "error" in row or not row.get("published_s"):
+        return None
+    return statistics.median(row["published_s"])
+
+
+def ring_table(ring: dict, nbytes: int) -> str:
+    rows = ring["rows"]
+    head = (
+        f"{'staging':<26}{'median ms':>10}{'GB/s':>7}{'vs whole':>9}{'best ms':>9}{'vs whole':>9}"
+        f"{'staging MiB':>12}{'vs whole':>9}{'groups':>7}  daemon medians ms: receive/quantize/tail/publish"
+    )
+    lines = [
+        f"staging ring: one {nbytes / MiB:.1f} MiB BF16 step, push_step to published; median and best "
+        "of the timed steps; 'vs whole' is time / whole-step time of the same format and path, and "
+        "staging arena bytes / whole-step staging bytes",
+        "",
+        head,
+    ]
+    paths = [("local", fmt) for fmt in ring["formats"]] + [("remote_ipc", "bf16")]
+    for path, fmt in paths:
+        base_row = rows.get(f"{fmt}/r0", {})
+        base_s = _published(base_row.get(path))
+        base_best = min(base_row[path]["published_s"]) if base_s else None
+        base_bytes = (base_row.get("staging") or {}).get("bytes")
+        for regions in ring["regions"]:
+            row = rows.get(f"{fmt}/r{regions}")
+            if row is None or path not in row:
+                continue
+            where = "local" if path == "local" else "remote ipc"
+            label = f"{where} {fmt}, " + ("whole step" if regions == 0 else f"ring {regions}")
+            r = row[path]
+            if "error" in r:
+                lines.append(f"{label:<26}  FAILED: {r['error']}")
+                continue
+            s, best = statistics.median(r["published_s"]), min(r["published_s"])
+            staging = row.get("staging") or {}
+            sbytes = staging.get("bytes")
+            groups = (staging.get("ring") or {}).get("groups", "-")
+            t_ratio = f"{s / base_s:.2f}x" if base_s else "-"
+            best_ratio = f"{best / base_best:.2f}x" if base_best else "-"
+            b_ratio = f"{sbytes / base_bytes:.3f}" if sbytes and base_bytes else "-"
+            smib = f"{sbytes / MiB:.1f}" if sbytes else "-"
+            ph = r.get("daemon_phases_median_s", {})
+            phases = "/".join(
+                f"{ph.get(k, 0) * 1e3:.0f}" for k in ("receive", "quantize", "quantize_tail", "publish")
+            )
+            lines.append(
+                f"{label:<26}{s * 1e3:>10.1f}{gbps(nbytes, s):>7.2f}{t_ratio:>9}{best * 1e3:>9.1f}{best_ratio:>9}"
+                f"{smib:>12}{b_ratio:>9}{groups!s:>7}  {phases}"
+            )
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------------
 # reporting
 
@@ -542,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-tcp", action="store_true", help="skip the tcp://127.0.0.1 rows")
     ap.add_argument("--small", type=int, default=SMALL_N, help="tensors in the overhead step")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--ring", action="store_true", help="run only the staging-ring section")
     ap.add_argument("--zmq-receiver", help=argparse.SUPPRESS)
     ap.add_argument("--zmq-total", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -580,7 +769,39 @@ def main(argv: list[str] | None = None) -> int:
         "refitd": {},
     }
     print(f"step: {nbytes / MiB:.1f} MiB in {len(sd)} tensors, {len(frames)} frames", flush=True)
+    startup: dict[str, float] = {}
+    if not args.ring:
+        full_run(args, config, flat, sd, frames, results, startup)
+    results["ring"] = ring_section(config, sd, args.repeat, startup)
+    print("staging ring done", flush=True)
+    results["meta"]["daemon_startup_s"] = startup
+    results["meta"]["wall_s"] = time.perf_counter() - t_start
+    results["meta"]["loadavg_end"] = os.getloadavg()
 
+    print()
+    if not args.ring:
+        print(table(results))
+        print()
+    print(ring_table(results["ring"], nbytes))
+    load = ", ".join(f"{v:.1f}" for v in results["meta"]["loadavg_end"])
+    starts = ", ".join(f"{v:.1f}" for v in startup.values())
+    print(f"\n(wall {results['meta']['wall_s']:.0f} s; daemon startups {starts} s; load average {load})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def full_run(
+    args: argparse.Namespace,
+    config: dict,
+    flat: torch.Tensor,
+    sd: dict[str, torch.Tensor],
+    frames: list,
+    results: dict,
+    startup: dict,
+) -> None:
+    """Baselines, the refitd rows and the per-step overhead (everything but the staging ring)."""
     base = results["baselines"]
     base.update(memcpy_baselines(flat, sd, args.repeat))
     print("memcpy baselines done", flush=True)
@@ -593,7 +814,6 @@ def main(argv: list[str] | None = None) -> int:
     print("zmq baselines done", flush=True)
 
     ref = results["refitd"]
-    startup = {}
     with daemon("--format", "bf16", config=config, label="bf16 ipc") as d:
         startup["bf16_ipc"] = d.startup_s
         # remote first: see REMOTE_FIRST
@@ -613,19 +833,6 @@ def main(argv: list[str] | None = None) -> int:
     for n in sorted({BELOW_WAKE_HWM, args.small}):
         overhead[str(n)] = step_overhead(n, args.repeat, startup)
     results["overhead"] = overhead
-    results["meta"]["daemon_startup_s"] = startup
-    results["meta"]["wall_s"] = time.perf_counter() - t_start
-    results["meta"]["loadavg_end"] = os.getloadavg()
-
-    print()
-    print(table(results))
-    load = ", ".join(f"{v:.1f}" for v in results["meta"]["loadavg_end"])
-    starts = ", ".join(f"{v:.1f}" for v in startup.values())
-    print(f"\n(wall {results['meta']['wall_s']:.0f} s; daemon startups {starts} s; load average {load})")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
