@@ -80,8 +80,8 @@ class Arenas:
         cls, prefix: str, plan: RefitPlan, *, staging_bytes=None, publish_bytes=None, **kw
     ) -> Arenas:
         staging, outputs = layouts(plan)
-        regions = kw.get("staging_regions", 0)
-        need = regions * region_size(ring_groups(plan)) if regions else staging.size
+        regions, groups = kw.get("staging_regions", 0), ring_groups(plan)
+        need = min(regions, len(groups)) * region_size(groups) if regions else staging.size
         arenas = cls(
             prefix,
             staging_bytes=need if staging_bytes is None else staging_bytes,

@@ -126,6 +126,7 @@ class RingStaging:
         if regions < 1:
             raise ValueError(f"a staging ring needs at least 1 region, got staging_regions={regions}")
         self.groups = ring_groups(plan)
+        regions = min(regions, max(1, len(self.groups)))  # a region per group at most: more sit idle
         region_bytes = (capacity // regions) // ALIGN * ALIGN
         largest = max(self.groups, key=lambda g: g.nbytes, default=None)
         if largest is not None and largest.nbytes > region_bytes:

@@ -500,3 +500,21 @@ def test_gpu_arenas_stage_through_the_default_ring_device_to_device(running):
                 ]
                 reader.release(gen)
             assert bad == []
+
+
+def test_more_regions_than_groups_cost_no_memory():
+    """A ring never holds more regions than the plan has groups: the rest would sit idle."""
+    plan = small_plan()
+    groups = ring_groups(plan)
+    ring = RingStaging(plan, regions=len(groups) + 5, capacity=len(groups) * region_size(groups))
+    assert ring.regions == len(groups) and ring.region_bytes == region_size(groups)
+    assert [g for g, _ in ring.start()] == list(range(len(groups)))
+    from sidecar.generations import Arenas
+
+    arenas = Arenas.for_plan(
+        f"refitd-test-{random.getrandbits(32):08x}", plan, staging_regions=len(groups) + 5
+    )
+    try:
+        assert arenas.staging.size == len(groups) * region_size(groups) and arenas.ring.regions == len(groups)
+    finally:
+        arenas.close()
