@@ -697,6 +697,13 @@ def table(results: dict) -> str:
             f"{'local, block_fp8, published (end to end)':<44}{p * 1e3:>9.1f}{gbps(nbytes, p):>8.2f}"
             f"  quantize busy {fp8['daemon_phases_median_s'].get('quantize', 0) * 1e3:.0f} ms"
         )
+    if results.get("overhead"):
+        lines.append(overhead_table(results))
+    return "\n".join(lines)
+
+
+def overhead_table(results: dict) -> str:
+    lines: list[str] = []
     for ov in results.get("overhead", {}).values():
         n = ov["n"]
         lines += [
@@ -731,6 +738,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", type=int, default=SMALL_N, help="tensors in the overhead step")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--ring", action="store_true", help="run only the staging-ring section")
+    ap.add_argument(
+        "--overhead-only",
+        action="store_true",
+        help="run only the per-step overhead section (--small tensors)",
+    )
     ap.add_argument("--zmq-receiver", help=argparse.SUPPRESS)
     ap.add_argument("--zmq-total", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -739,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeat < 1 or args.mib < 1:
         ap.error("--repeat and --mib must be at least 1")
+
+    if args.overhead_only:
+        return overhead_only(args)
 
     t_start = time.perf_counter()
     config = synthetic_config(args.mib)
@@ -786,6 +801,26 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{v:.1f}" for v in results["meta"]["loadavg_end"])
     starts = ", ".join(f"{v:.1f}" for v in startup.values())
     print(f"\n(wall {results['meta']['wall_s']:.0f} s; daemon startups {starts} s; load average {load})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def overhead_only(args: argparse.Namespace) -> int:
+    """``--overhead-only``: the per-step overhead rows for ``--small`` tensors, nothing else."""
+    t_start = time.perf_counter()
+    startup: dict[str, float] = {}
+    results: dict[str, Any] = {"overhead": {str(args.small): step_overhead(args.small, args.repeat, startup)}}
+    results["meta"] = {
+        "repeat": args.repeat,
+        "daemon_startup_s": startup,
+        "wall_s": time.perf_counter() - t_start,
+        "loadavg_end": os.getloadavg(),
+    }
+    print(overhead_table(results))
+    load = ", ".join(f"{v:.1f}" for v in results["meta"]["loadavg_end"])
+    print(f"\n(wall {results['meta']['wall_s']:.0f} s; load average {load})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

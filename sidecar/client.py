@@ -15,6 +15,10 @@ step), else stream raw frames over ZeroMQ under credits granted by the daemon (Z
 mark counts messages, not bytes); ``StepResult.mover`` says which. Any failure, on any
 rank or in the daemon, raises the same ``RefitError`` on every rank.
 
+While it builds, sends and copies a step's pieces the client pauses Python's cyclic garbage
+collection (``sidecar.gcpause``; never when the trainer already turned it off): a step of thousands of
+tensors would otherwise trigger collections that walk the trainer's whole heap.
+
 ZeroMQ sockets are not thread-safe: every socket operation happens on the client's one worker
 thread, which also runs ``push_step_async``'s futures.
 """
@@ -36,6 +40,7 @@ import torch
 import zmq
 
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.gcpause import gc_paused
 from sidecar.keygen import curve_hint, set_client
 from transport import nixl
 from transport.cuda_ipc import open_any_arena
@@ -46,6 +51,12 @@ __all__ = ["RefitClient", "RefitError", "Shard", "StepResult"]
 
 DONE_BATCH_BYTES = 32 << 20  # local path: tell the daemon about written pieces at least this often
 DONE_BATCH_PIECES = 512
+#: local path: while copying pieces, look for an ERROR (and keep the daemon's heartbeat) this often,
+#: not after every piece (a poll costs more than copying a small tensor)
+POLL_INTERVAL_S = 0.001
+#: local path: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE
+#: batch), not one torch call each
+FOREACH_COPY_BYTES = 256 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,14 +94,16 @@ class _Piece:
     tensor: torch.Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    whole: bool = False  # the whole global tensor (offsets all 0): written without slicing
 
     def wire(self) -> list[Any]:
+        shape = list(self.tensor.shape)
         return [
             self.name,
             dtype_name(self.tensor.dtype),
-            list(self.global_shape),
+            shape if self.whole else list(self.global_shape),
             list(self.offsets),
-            list(self.tensor.shape),
+            shape,
         ]
 
 
@@ -238,11 +251,13 @@ class RefitClient:
         try:
             self._slots = {}
             self._hello(step, deadline)
-            begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
+            with gc_paused():
+                begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
             srcs, reg, why = None, None, ""
             if not self._welcome.get("local"):
-                srcs = [_cpu(p.tensor) for p in pieces]
-                offer, reg, why = self._nixl_offer(srcs)
+                with gc_paused():
+                    srcs = [_cpu(p.tensor) for p in pieces]
+                    offer, reg, why = self._nixl_offer(srcs)
                 if offer is not None:
                     begin["nixl"] = offer
             try:
@@ -364,7 +379,9 @@ class RefitClient:
                 return msg
 
     def _recv(self, sock: zmq.Socket) -> Message:
-        return decode(sock.recv_multipart(copy=False), Limits(max_header_bytes=256 << 20))
+        frames = sock.recv_multipart(copy=False)
+        with gc_paused():  # a READY lists every piece (and the staging layout): many small objects
+            return decode(frames, Limits(max_header_bytes=256 << 20))
 
     def _handle_async(self, msg: Message, step: int) -> bool:
         """Credits and errors that may arrive at any time; True if consumed."""
@@ -454,18 +471,44 @@ class RefitClient:
 
     def _copy_in(self, step: int, dests, deadline: float) -> None:
         """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
+        with gc_paused():  # many small copies make many small objects: no collections meanwhile
+            self._copy_pieces(step, dests, deadline)
+
+    def _copy_pieces(self, step: int, dests, deadline: float) -> None:
         batch, batch_bytes, region = [], 0, None
+        next_poll = 0.0
+        regions: list[torch.Tensor] = []  # small copies wait for one foreach copy before PIECE_DONE
+        srcs: list[torch.Tensor] = []
         for piece, pid, full in dests:
-            region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))]
-            region.copy_(piece.tensor)
+            src = piece.tensor
+            if piece.whole and full.shape == src.shape:
+                region = full
+            else:
+                region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, src.shape))]
+            nbytes = src.numel() * src.element_size()
+            if (
+                nbytes <= FOREACH_COPY_BYTES
+                and region.shape == src.shape
+                and region.dtype == src.dtype
+                and region.device == src.device
+            ):
+                regions.append(region)
+                srcs.append(src)
+            else:
+                region.copy_(src)
             batch.append(pid)
-            batch_bytes += piece.tensor.numel() * piece.tensor.element_size()
+            batch_bytes += nbytes
             if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
+                _copy_all(regions, srcs)
                 self._pieces_done(step, batch, region)
                 batch, batch_bytes = [], 0
-            self._poll_async(step)
-            self._keepalive(step, deadline, "writing its shards")
+            now = time.monotonic()
+            if now >= next_poll:
+                self._poll_async(step)
+                self._keepalive(step, deadline, "writing its shards")
+                next_poll = now + POLL_INTERVAL_S
         if batch:
+            _copy_all(regions, srcs)
             self._pieces_done(step, batch, region)
 
     def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
@@ -553,19 +596,33 @@ class RefitClient:
         self, step: int, pieces: list[_Piece], ids: list[int], deadline: float, srcs=None
     ) -> None:
         limit = int(self._welcome.get("max_frame_bytes", 64 << 20))
-        for i, (piece, pid) in enumerate(zip(pieces, ids)):
-            src = srcs[i] if srcs is not None else _cpu(piece.tensor)
-            for rel, shape in _blocks(tuple(src.shape), src.element_size(), limit):
-                while self._credits <= 0:
-                    self._await_credit(step, deadline)
-                block = src[tuple(slice(o, o + s) for o, s in zip(rel, shape))] if shape else src
-                data = block.reshape(-1).view(torch.uint8).numpy() if block.numel() else b""
-                offsets = [o + r for o, r in zip(piece.offsets, rel)]
-                self._send(
-                    Kind.SHARD, {"step": step, "piece": pid, "offsets": offsets, "shape": list(shape)}, [data]
-                )
-                self._credits -= 1
-                self._poll_async(step)
+        next_poll = 0.0
+        for start in range(0, len(pieces), DONE_BATCH_PIECES):
+            # many small frames make many small objects: at most one collection per run of pieces
+            with gc_paused():
+                for i in range(start, min(start + DONE_BATCH_PIECES, len(pieces))):
+                    piece, pid = pieces[i], ids[i]
+                    src = srcs[i] if srcs is not None else _cpu(piece.tensor)
+                    whole = tuple(src.shape)
+                    for rel, shape in _blocks(whole, src.element_size(), limit):
+                        while self._credits <= 0:
+                            self._await_credit(step, deadline)
+                        if shape and shape != whole:
+                            block = src[tuple(slice(o, o + s) for o, s in zip(rel, shape))]
+                        else:
+                            block = src
+                        data = block.reshape(-1).view(torch.uint8).numpy() if block.numel() else b""
+                        offsets = [o + r for o, r in zip(piece.offsets, rel)]
+                        self._send(
+                            Kind.SHARD,
+                            {"step": step, "piece": pid, "offsets": offsets, "shape": list(shape)},
+                            [data],
+                        )
+                        self._credits -= 1
+                        now = time.monotonic()
+                        if now >= next_poll:  # credits and errors; waiting for credit polls anyway
+                            self._poll_async(step)
+                            next_poll = now + POLL_INTERVAL_S
 
     def _await_credit(self, step: int, deadline: float) -> None:
         sock = self._socket()
@@ -579,12 +636,17 @@ class RefitClient:
 
 def _pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Piece]:
     """Normalize user input (tensors, Shards, lists of Shards) into pieces, validating each."""
+    with gc_paused():  # many small objects at once: no collections meanwhile
+        return _pieces_of(named_tensors)
+
+
+def _pieces_of(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Piece]:
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     pieces = []
     for name, value in items:
         for v in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(v, torch.Tensor):
-                pieces.append(_Piece(name, v, tuple(v.shape), (0,) * v.dim()))
+                pieces.append(_Piece(name, v, tuple(v.shape), (0,) * v.dim(), True))
                 continue
             if not isinstance(v, Shard):
                 raise TypeError(f"{name!r}: expected a tensor or a Shard, got {type(v).__name__}")
@@ -598,6 +660,14 @@ def _pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> lis
                 )
             pieces.append(_Piece(name, t, g, o))
     return pieces
+
+
+def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, in one call for a batch of small tensors; empties both lists."""
+    if dests:
+        torch._foreach_copy_(dests, srcs)
+        dests.clear()
+        srcs.clear()
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:

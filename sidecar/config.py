@@ -221,7 +221,7 @@ class DaemonConfig:
     """Wire limits: the largest data frame and header accepted, and the frames a remote client may have
     in flight before it waits for credit."""
     max_frame_bytes: int = 64 * MiB
-    max_header_bytes: int = 1 * MiB
+    max_header_bytes: int = 16 * MiB  # a BEGIN takes ~40 B per piece (~100 with a NIXL offer)
     credit_frames: int = 8
 
     """Logging: ``text`` or ``json`` lines, at ``debug`` / ``info`` / ``warning`` / ``error``."""
@@ -969,7 +969,7 @@ drain = "abort"                         # SIGTERM mid-step: abort it, or finish 
 arena = "shm"                           # shm, or cuda (arenas in GPU memory, CUDA IPC)
 # gpu = "GPU-5c1e..."                   # arena = cuda: UUID or index of the arenas' GPU
 max_frame_bytes = "64MiB"
-max_header_bytes = "1MiB"
+max_header_bytes = "16MiB"
 credit_frames = 8
 log_format = "text"                     # text or json
 log_level = "info"                      # debug, info, warning, error

@@ -58,6 +58,16 @@ def _ints(values: Iterable[Any], what: str) -> tuple[int, ...]:
         raise CoverageError(f"{what} must be a sequence of ints, got {values!r}") from None
 
 
+def _piece_ints(values: Iterable[Any], rank: int, which: str) -> tuple[int, ...]:
+    """:func:`_ints` for a piece's ``which`` (offsets or shape): the message is only made on failure."""
+    try:
+        return tuple(map(operator.index, values))
+    except TypeError:
+        raise CoverageError(
+            f"rank {rank}'s piece {which} must be a sequence of ints, got {values!r}"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
     """One rank's slice of a global tensor: ``[offsets[d], offsets[d] + shape[d])`` in every dim d.
@@ -76,8 +86,8 @@ class Piece:
     numel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        offsets = _ints(self.offsets, f"rank {self.rank}'s piece offsets")
-        shape = _ints(self.shape, f"rank {self.rank}'s piece shape")
+        offsets = _piece_ints(self.offsets, self.rank, "offsets")
+        shape = _piece_ints(self.shape, self.rank, "shape")
         if len(offsets) != len(shape):
             raise CoverageError(
                 f"rank {self.rank}'s piece has {len(offsets)} offsets {list(offsets)} but a "
@@ -113,7 +123,10 @@ def _shape(shape: Sequence[int]) -> str:
 
 
 def _global_shape(name: str, global_shape: Sequence[int]) -> tuple[int, ...]:
-    gs = _ints(global_shape, f"tensor {name!r}: global shape")
+    try:
+        gs = tuple(map(operator.index, global_shape))
+    except TypeError:
+        gs = _ints(global_shape, f"tensor {name!r}: global shape")  # raises, naming the tensor
     for d, size in enumerate(gs):
         if size < 0:
             raise CoverageError(f"tensor {name!r}: global shape {_shape(gs)} has negative size in dim {d}")

@@ -38,6 +38,7 @@ from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeR
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward import Forwarding, ForwardReceiver
+from sidecar.gcpause import gc_paused
 from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
@@ -49,6 +50,7 @@ from sidecar.readers import Peer, ReaderHandlers
 from sidecar.step import StepState
 from sidecar.worker import QuantWorker
 from transport.gpus import arena_placements, local_gpus
+from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("refitd.daemon")
@@ -104,6 +106,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec)
         regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
+        self._staging_cache: tuple | None = None  # (staging arena, its layout, its handle)
         self.parked: dict[int, list] = {}  # staging ring: ready units whose group holds no region yet
         self.ring_ranks: dict[int, set[int]] = {}  # staging ring: group -> ranks holding part of it
         if self.plan is not None:
@@ -269,6 +272,12 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         if self._forward_nixl_busy() or (self.pull is not None and self.pull.inflight):
             timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
+        # A step of many tensors allocates many small objects per turn (pieces, units, results): one
+        # collection after the turn instead of several during it (each full one walks the whole heap).
+        with gc_paused():
+            self._turn(events)
+
+    def _turn(self, events: dict) -> None:
         if self.wake in events:
             while True:
                 try:
@@ -360,8 +369,15 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         try:
             msg = decode(frames[1:], self.limits)
         except ProtocolError as exc:
-            log.warning("refused a malformed message: %s", exc)
-            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL))
+            text = str(exc)
+            if text.startswith("header of"):  # a BEGIN of very many pieces, most likely
+                text += (
+                    f" (the daemon's max_header_bytes); a BEGIN takes about 40 bytes per piece, 100 with a "
+                    f"NIXL offer: raise max_header_bytes (--max-header-bytes, REFITD_MAX_HEADER_BYTES) or "
+                    f"send fewer, larger tensors"
+                )
+            log.warning("refused a malformed message: %s", text)
+            self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
             return
         peer = self.peers.get(identity)
         if peer is not None:
@@ -531,7 +547,7 @@ class Daemon(ReaderHandlers, ForwardReceiver):
         state.validate_against(self.plan)
         state.phases.validate = time.monotonic() - t0
         self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
-        staging = self.arenas.staging.handle()
+        staging = self._staging_handle()
         ring = self.arenas.ring
         for rank, identity in state.peers.items():
             peer = self.peers.get(identity)
@@ -560,6 +576,17 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             self._grant(ring.start())
         for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
             self._tensor_complete(name)  # zero-byte tensors complete at once
+
+    def _staging_handle(self) -> dict[str, Any]:
+        """The staging arena's handle for READY. A shared-memory arena's is remade only when its
+        layout changes: it lists every input, and the same plan keeps the same layout."""
+        staging = self.arenas.staging
+        if not isinstance(staging, ShmArena):
+            return staging.handle()
+        cached = self._staging_cache
+        if cached is None or cached[0] is not staging or cached[1] is not staging.layout:
+            cached = self._staging_cache = (staging, staging.layout, staging.handle())
+        return cached[2]
 
     def _grant(self, grants) -> None:
         """Staging ring: tell every rank holding part of each newly granted group where to write it."""
@@ -608,10 +635,12 @@ class Daemon(ReaderHandlers, ForwardReceiver):
 
     def handle_piece_done(self, identity: bytes, msg: Message) -> None:
         peer, state = self._trainer(identity), self._current(msg)
+        ring, piece_nbytes = self.arenas.ring, state.tracker.piece_nbytes
         for pid in msg.require("pieces", list):
             name, tid = state.piece(peer.rank, pid)
-            self._check_granted(peer.rank, name, state)
-            done = state.piece_received(peer.rank, pid, state.tracker.piece_nbytes(name, tid))
+            if ring is not None:
+                self._check_granted(peer.rank, name, state)
+            done = state.piece_received(peer.rank, pid, piece_nbytes(name, tid))
             if done:
                 self._tensor_complete(done)
 
@@ -642,7 +671,10 @@ class Daemon(ReaderHandlers, ForwardReceiver):
                 rank=peer.rank,
                 step=state.step,
             )
-        dest = dest_full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+        if not any(offsets) and dest_full.shape == shape and all(type(s) is int for s in shape):
+            dest = dest_full  # the whole tensor
+        else:
+            dest = dest_full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         if nbytes:
             src = torch.frombuffer(data, dtype=torch.uint8).view(dest.dtype).view(shape)
             dest.copy_(src)
@@ -717,7 +749,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             targets = []
             for index, (pid, row) in enumerate(zip(ids, rows)):
                 name, offsets, shape = row[0], row[3], row[4]
-                view = views[name][tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
+                view = views[name]
+                if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
+                    view = view[tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
                 if view.numel() and view.is_contiguous() and int(regions[index][1]):
                     targets.append((pid, view, index))
             if not targets:

@@ -26,7 +26,7 @@ import logging
 import re
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -530,6 +530,15 @@ class RefitPlan:
     outputs: tuple[OutputSpec, ...]
     keep_bf16: frozenset[str]
     _units_of_input: Mapping[str, tuple[int, ...]]
+    #: ``units_for_input``'s answers, made once (the daemon asks for every input of every step)
+    _input_units: Mapping[str, tuple[Unit, ...]] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "_input_units",
+            {n: tuple(self.units[i] for i in ix) for n, ix in self._units_of_input.items()},
+        )
 
     @classmethod
     def build(
@@ -633,9 +642,10 @@ class RefitPlan:
 
     def units_for_input(self, name: str) -> tuple[Unit, ...]:
         """The units that read input ``name`` (one, for every input of the Qwen families)."""
-        if name not in self._units_of_input:
+        units = self._input_units.get(name)
+        if units is None:
             raise ValueError(f"no input named {name!r} in this plan")
-        return tuple(self.units[i] for i in self._units_of_input[name])
+        return units
 
     def allocate(self, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """An empty tensor for every output, in plan order (tests and the CPU path; the daemon

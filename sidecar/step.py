@@ -15,6 +15,7 @@ from typing import Any
 
 from sidecar.coverage import CoverageError, CoverageTracker, Piece
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.gcpause import gc_paused
 from sidecar.plan import RefitPlan, TensorSpec, Unit
 from transport.wire import ProtocolError, dtype_from_name
 
@@ -36,9 +37,12 @@ class Declared:
             )
         name, dtype, global_shape, offsets, shape = row
         dtype_from_name(dtype)  # refuse unknown dtypes early
-        ints = (global_shape, offsets, shape)
-        if not all(isinstance(v, list) and all(isinstance(d, int) for d in v) for v in ints):
-            raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
+        for v in (global_shape, offsets, shape):
+            if not isinstance(v, list):
+                raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
+            for d in v:
+                if not isinstance(d, int):
+                    raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
         return cls(name, dtype, tuple(global_shape), Piece(rank, tuple(offsets), tuple(shape)))
 
 
@@ -116,6 +120,10 @@ class StepState:
             )
         if not self.declared:
             self.phases.first_begin = time.monotonic()
+        with gc_paused():  # a BEGIN of many pieces makes many small objects: no collections meanwhile
+            self._declare(rank, rows)
+
+    def _declare(self, rank: int, rows: list[Any]) -> None:
         pieces = []
         for row in rows:
             d = Declared.from_wire(rank, row)
@@ -206,9 +214,15 @@ class StepState:
     def ready_units(self, plan: RefitPlan, name: str) -> list[Unit]:
         """Units reading ``name`` whose inputs are now all complete and that were not yet submitted."""
         units = []
+        submitted, complete = self.units_submitted, self.complete
         for unit in plan.units_for_input(name):
-            if unit.index not in self.units_submitted and all(i in self.complete for i in unit.inputs):
-                self.units_submitted.add(unit.index)
+            if unit.index in submitted:
+                continue
+            for i in unit.inputs:
+                if i not in complete:
+                    break
+            else:
+                submitted.add(unit.index)
                 units.append(unit)
         return units
 

@@ -17,10 +17,19 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from sidecar.convert import run_passthroughs
 from sidecar.plan import Unit, run_unit
 from sidecar.quant import NonFiniteError
 
 log = logging.getLogger("refitd.worker")
+
+#: Small passthrough units (norm weights, per-expert biases, ... of at most this many input bytes) that
+#: are queued back to back run as one batch: one finiteness check and one copy for all of them, and
+#: one wake-up of the serve loop, instead of a few torch calls and a socket send per unit.
+BATCH_UNIT_BYTES = 256 << 10
+#: at most this many units (and this many input bytes) in one batch: its results are reported together
+BATCH_MAX_UNITS = 256
+BATCH_MAX_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -45,6 +54,46 @@ def check_finite(unit: Unit, tensors: dict) -> None:
             lo, hi = torch.aminmax(t)
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 raise NonFiniteError(f"tensor {name!r} holds NaN or Inf; refusing to publish it")
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every floating, non-empty tensor of ``tensors`` is free of NaN and Inf, in a few torch
+    calls for the lot (the infinity norm propagates NaN and is Inf on an Inf). A False names no
+    tensor: :func:`check_finite` on each unit then says which one."""
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return True
+    norms = torch._foreach_norm(floats, float("inf"))
+    return bool(torch.stack(norms).isfinite().all())
+
+
+def batchable(job: tuple) -> bool:
+    """A small passthrough without a GPU sync: it may run in a batch with its neighbours."""
+    _step, unit, _inputs, _outputs, sync = job
+    return unit.fmt is None and not sync and unit.bytes_in <= BATCH_UNIT_BYTES
+
+
+def batches(jobs: list) -> list[list]:
+    """Split queued ``jobs`` (in order) into runs: consecutive batchable jobs of one step share a run
+    (up to BATCH_MAX_UNITS units and BATCH_MAX_BYTES); every other job is a run of its own."""
+    runs: list[list] = []
+    run_bytes = 0
+    for job in jobs:
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and batchable(job)
+            and batchable(last[0])
+            and last[0][0] == job[0]
+            and len(last) < BATCH_MAX_UNITS
+            and run_bytes + job[1].bytes_in <= BATCH_MAX_BYTES
+        ):
+            last.append(job)
+            run_bytes += job[1].bytes_in
+        else:
+            runs.append([job])
+            run_bytes = job[1].bytes_in
+    return runs
 
 
 def _synchronize(tensors: dict) -> None:
@@ -100,30 +149,81 @@ class QuantWorker:
         wake = self._ctx.socket(zmq.PUSH)
         wake.connect(self._wake_endpoint)
         try:
-            while (job := self._jobs.get()) is not None:
-                step, unit, inputs, outputs, sync = job
-                with self._lock:
-                    skip = step in self._cancelled
-                t0 = time.monotonic()
-                error = None
-                if not skip:
+            stop = False
+            while not stop:
+                jobs = [self._jobs.get()]
+                while len(jobs) < BATCH_MAX_UNITS:  # whatever else is queued already
                     try:
-                        # no_grad, not inference_mode: the arenas cache their views, and a view first
-                        # made here would be an inference tensor that the serve loop may not write
-                        # into (handle_shard copying a remote frame into staging would raise)
-                        with torch.no_grad():
-                            tensors = inputs()
-                            if unit.fmt is None:
-                                check_finite(unit, tensors)
-                            run_unit(unit, tensors, outputs())
-                            if sync:
-                                _synchronize(tensors)
-                    except Exception as exc:  # reported to the serve loop, which fails the step
-                        error = exc
-                        if not isinstance(exc, (ValueError, NonFiniteError)):
-                            log.exception("unit %d of step %d failed", unit.index, step)
-                self.results.put(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
-                with contextlib.suppress(zmq.Again):  # a full pipe already holds a pending wake-up
-                    wake.send(b"", flags=zmq.NOBLOCK)
+                        jobs.append(self._jobs.get_nowait())
+                    except queue.Empty:
+                        break
+                if None in jobs:
+                    stop = True
+                    jobs = jobs[: jobs.index(None)]
+                for run in batches(jobs):
+                    if len(run) == 1 or not self._run_batch(run):
+                        for job in run:
+                            self._run_one(job)
+                    with contextlib.suppress(zmq.Again):  # a full pipe already holds a pending wake-up
+                        wake.send(b"", flags=zmq.NOBLOCK)
         finally:
             wake.close(linger=0)
+
+    def _skipped(self, step: int) -> bool:
+        with self._lock:
+            return step in self._cancelled
+
+    def _run_one(self, job: tuple) -> None:
+        step, unit, inputs, outputs, sync = job
+        skip = self._skipped(step)
+        t0 = time.monotonic()
+        error = None
+        if not skip:
+            try:
+                # no_grad, not inference_mode: the arenas cache their views, and a view first
+                # made here would be an inference tensor that the serve loop may not write
+                # into (handle_shard copying a remote frame into staging would raise)
+                with torch.no_grad():
+                    tensors = inputs()
+                    if unit.fmt is None:
+                        check_finite(unit, tensors)
+                    run_unit(unit, tensors, outputs())
+                    if sync:
+                        _synchronize(tensors)
+            except Exception as exc:  # reported to the serve loop, which fails the step
+                error = exc
+                if not isinstance(exc, (ValueError, NonFiniteError)):
+                    log.exception("unit %d of step %d failed", unit.index, step)
+        self.results.put(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
+
+    def _run_batch(self, run: list) -> bool:
+        """Run a batch of small passthroughs of one step together; False (nothing reported, maybe some
+        outputs copied, which running them one by one redoes) when any of them needs the one-by-one
+        path: a NaN, a mismatched buffer, anything unexpected, whose error that path then reports."""
+        step = run[0][0]
+        if self._skipped(step):
+            for _, unit, *_ in run:
+                self.results.put(Done(step, unit.index, 0.0, None, True, time.monotonic()))
+            return True
+        t0 = time.monotonic()
+        try:
+            with torch.no_grad():  # not inference_mode: see _run_one
+                units = [job[1] for job in run]
+                ins = [job[2]() for job in run]
+                outs = [job[3]() for job in run]
+                if not all_finite(
+                    [t for unit, tensors in zip(units, ins) for t in _inputs_of(unit, tensors)]
+                ):
+                    return False
+                if not run_passthroughs(units, ins, outs):
+                    return False
+        except Exception:  # the one-by-one path reports it, with its unit
+            return False
+        share = (time.monotonic() - t0) / len(run)
+        for k, unit in enumerate(units):
+            self.results.put(Done(step, unit.index, share, None, False, t0 + k * share))
+        return True
+
+
+def _inputs_of(unit: Unit, tensors: dict) -> list[torch.Tensor]:
+    return [tensors[name] for name in unit.inputs]

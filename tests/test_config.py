@@ -72,7 +72,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert (c.staging_bytes, c.publish_bytes, c.model_type, c.hf_config) == (None, None, None, None)
     assert (c.step_timeout_s, c.rank_timeout_s, c.heartbeat_interval_s) == (300.0, 10.0, 1.0)
     assert (c.reader_timeout_s, c.shutdown_timeout_s) == (30.0, 10.0)
-    assert (c.max_frame_bytes, c.max_header_bytes, c.credit_frames) == (64 * MiB, MiB, 8)
+    assert (c.max_frame_bytes, c.max_header_bytes, c.credit_frames) == (64 * MiB, 16 * MiB, 8)
     assert (c.log_format, c.log_level) == (LogFormat.TEXT, LogLevel.INFO)
     assert LogLevel.WARNING.level == 30
 
