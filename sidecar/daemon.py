@@ -372,9 +372,9 @@ class Daemon(ReaderHandlers, ForwardReceiver):
             text = str(exc)
             if text.startswith("header of"):  # a BEGIN of very many pieces, most likely
                 text += (
-                    f" (the daemon's max_header_bytes); a BEGIN takes about 40 bytes per piece, 100 with a "
-                    f"NIXL offer: raise max_header_bytes (--max-header-bytes, REFITD_MAX_HEADER_BYTES) or "
-                    f"send fewer, larger tensors"
+                    " (the daemon's max_header_bytes); a BEGIN takes about 40 bytes per piece, 100 with a "
+                    "NIXL offer: raise max_header_bytes (--max-header-bytes, REFITD_MAX_HEADER_BYTES) or "
+                    "send fewer, larger tensors"
                 )
             log.warning("refused a malformed message: %s", text)
             self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
