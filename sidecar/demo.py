@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=["colocated", "disaggregated"],
         help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
     )
+    p.add_argument(
+        "--staging-regions",
+        type=int,
+        default=0,
+        help="stream each step through N layer-sized staging regions (the GPU default is 4); 0: whole steps",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
     p.set_defaults(run=run)
     return p
@@ -137,7 +143,7 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
         worker.detach()
 
 
-def start_daemon(run_dir: Path, config: Path, fmt: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(run_dir: Path, config: Path, fmt: str, regions: int = 0) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -149,6 +155,7 @@ def start_daemon(run_dir: Path, config: Path, fmt: str) -> tuple[subprocess.Pope
         str(config),
     ]
     cmd += ["--world-size", str(WORLD_SIZE), "--format", fmt, "--log-level", "warning"]
+    cmd += ["--staging-regions", str(regions)]
     return subprocess.Popen(cmd), f"ipc://{run_dir / 'control.sock'}"
 
 
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(make_hf_config("qwen3_5_moe", **kwargs)))
-        daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format)
+        daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format, args.staging_regions)
         failures, results, attached = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs: list = []
         try:

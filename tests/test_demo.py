@@ -10,8 +10,9 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fmt", ["mxfp8"])
-def test_demo_verifies_and_reports_kl(fmt):
+@pytest.mark.parametrize(("fmt", "regions"), [("mxfp8", 0), ("block_fp8", 2)])
+def test_demo_verifies_and_reports_kl(fmt, regions):
+    """Whole-step staging, and a ring of two regions (what GPU arenas use, with four)."""
     out = subprocess.run(
         [
             sys.executable,
@@ -24,6 +25,8 @@ def test_demo_verifies_and_reports_kl(fmt):
             "2",
             "--layers",
             "2",
+            "--staging-regions",
+            str(regions),
             "--json",
         ],
         capture_output=True,
