@@ -165,7 +165,8 @@ class RefitClient:
         published; ``wait="loaded"`` also waits until every engine worker attached at publication
         loaded it (RefitError naming each worker that failed, or none attached); ``wait="committed"``
         returns as soon as the daemon holds all of this rank's bytes (the trainer may then change its
-        tensors), with a Future for the publication.
+        tensors), with a Future for the publication. With a staging ring that is when the rank's last
+        layer group is written, which waits for the groups before it to be quantized.
         """
         if wait not in ("published", "loaded", "committed"):
             raise ValueError(f"wait={wait!r}: choose 'published', 'loaded' or 'committed'")
