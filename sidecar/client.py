@@ -147,6 +147,8 @@ class RefitClient:
         self._pulling = False  # the daemon may be READing: progress the endpoint while waiting
         self._pulled: dict[str, Any] | None = None  # the step's PULLED, whenever it arrives
         self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
+        self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
+        self._ready_events: list = []  # CUDA events: the step's tensors are written once they fire
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -216,7 +218,12 @@ class RefitClient:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         pieces = _pieces(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        return self._executor.submit(self._push, step, pieces, deadline, committed, loaded)
+        # on the caller's thread: its current streams hold the work that wrote the tensors
+        ready = [
+            torch.cuda.current_stream(d).record_event()
+            for d in {p.tensor.device for p in pieces if p.tensor.is_cuda}
+        ]
+        return self._executor.submit(self._push, step, pieces, deadline, committed, loaded, ready)
 
     def _close_on_worker(self) -> None:
         if self._nixl_ep is not None:
@@ -248,14 +255,17 @@ class RefitClient:
         deadline: float,
         committed: threading.Event,
         loaded: bool = False,
+        ready: list | None = None,
     ) -> StepResult:
         try:
-            self._slots = {}
+            self._slots, self._ready_events = {}, ready or []
             self._hello(step, deadline)
             with gc_paused():
                 begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
             srcs, reg, why = None, None, ""
             if not self._welcome.get("local"):
+                for event in self._ready_events:  # the trainer's writes land before reading to host
+                    event.synchronize()
                 with gc_paused():
                     srcs = [_cpu(p.tensor) for p in pieces]
                     offer, reg, why = self._nixl_offer(srcs)
@@ -269,7 +279,7 @@ class RefitClient:
                     raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
                 self._credits = int(ready.get("credit_frames", 1))
                 if "ring" in ready:
-                    mover, why = self._write_ring(step, pieces, ids, ready, deadline)
+                    mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs)
                 elif "staging" in ready:
                     self._write_local(step, pieces, ids, ready["staging"], deadline)
                     mover = "staging"
@@ -423,7 +433,7 @@ class RefitClient:
         views = self._staging.tensors()  # device-to-device copies through the mapped handle on GPUs
         self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
 
-    def _write_ring(self, step: int, pieces, ids, ready: dict, deadline: float) -> tuple[str, str]:
+    def _write_ring(self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None) -> tuple[str, str]:
         """Staging ring: write each of this rank's layer groups once the daemon grants it a region
         (SLOT), in whatever order the grants come; the daemon quantizes a group, then reuses its
         region for a later one. Same node: straight into the region; else ZeroMQ frames."""
@@ -435,9 +445,10 @@ class RefitClient:
         local = "staging" in ready
         if local:
             self._open_staging(ready["staging"])
-        groups: dict[int, list[tuple[_Piece, int, int]]] = {}
-        for piece, pid, (group, rel) in zip(pieces, ids, placement):
-            groups.setdefault(int(group), []).append((piece, pid, int(rel)))
+        groups: dict[int, list[tuple[_Piece, int, int, Any]]] = {}
+        for i, (piece, pid, (group, rel)) in enumerate(zip(pieces, ids, placement)):
+            src = srcs[i] if srcs is not None else None  # remote: the host copy made for the step
+            groups.setdefault(int(group), []).append((piece, pid, int(rel), src))
         sock = self._socket()
         while groups:
             granted = [g for g in groups if g in self._slots]
@@ -453,7 +464,8 @@ class RefitClient:
                 if local:
                     self._write_group(step, rows, offset, deadline)
                 else:
-                    self._stream_remote(step, [r[0] for r in rows], [r[1] for r in rows], deadline)
+                    host = [r[3] for r in rows] if srcs is not None else None
+                    self._stream_remote(step, [r[0] for r in rows], [r[1] for r in rows], deadline, srcs=host)
         if local:
             return "staging", ""
         return "zmq", str(ready.get("mover_reason") or "")
@@ -467,13 +479,32 @@ class RefitClient:
     def _write_group(self, step: int, rows, offset: int, deadline: float) -> None:
         """One granted group: each piece into its tensor's place in the region at ``offset``."""
         view = self._staging.view
-        dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel in rows)
+        dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel, _ in rows)
         self._copy_in(step, dests, deadline)
 
     def _copy_in(self, step: int, dests, deadline: float) -> None:
         """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
-        with gc_paused():  # many small copies make many small objects: no collections meanwhile
+        # many small copies make many small objects: no collections meanwhile
+        with gc_paused(), self._copy_stream():
             self._copy_pieces(step, dests, deadline)
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """GPU staging: the copies run on a stream of the client's own, which first waits for what
+        the trainer had queued when it called push_step (the work that wrote the tensors). They then
+        neither queue behind the trainer's later work nor hold it up, and PIECE_DONE waits for the
+        copies alone, not for the whole device."""
+        if self._staging is None or getattr(self._staging, "kind", "shm") == "shm":
+            yield
+            return
+        device = torch.device("cuda", self._staging.device)
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        for event in self._ready_events:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
 
     def _copy_pieces(self, step: int, dests, deadline: float) -> None:
         batch, batch_bytes, region = [], 0, None
@@ -514,7 +545,7 @@ class RefitClient:
 
     def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
         if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads
-            torch.cuda.synchronize(last.device)
+            torch.cuda.current_stream(last.device).synchronize()  # the copy stream (_copy_stream)
         self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
 
     def _nixl_offer(self, srcs: list[torch.Tensor]) -> tuple[dict[str, Any] | None, Any, str]:

@@ -419,7 +419,7 @@ def test_nan_mid_stream_fails_every_rank_and_the_next_step_publishes(running):
 class Eager(RefitClient):
     """Writes (claims) every group at once, without waiting for the daemon's SLOTs."""
 
-    def _write_ring(self, step, pieces, ids, ready, deadline):
+    def _write_ring(self, step, pieces, ids, ready, deadline, srcs=None):
         if "staging" in ready:
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": list(ids)})
             return "staging", ""
