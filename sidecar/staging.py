@@ -30,7 +30,7 @@ import torch
 
 from sidecar.plan import RefitPlan
 from transport.shm import ALIGN, Layout
-from transport.staging_ring import RingSlot, StagingRing
+from transport.staging_ring import RingError, RingSlot, StagingRing
 
 __all__ = ["Group", "RingStaging", "ring_groups"]
 
@@ -247,5 +247,8 @@ class RingStaging:
         if not grant.filled and len(grant.complete) == len(self.groups[gi].inputs):
             grant.filled = True
             self.ring.fill(grant.slot.index, grant.slot.ticket)
-            taken = self.ring.take()
-            assert taken is not None and taken.index == grant.slot.index
+            taken = self.ring.take()  # the only filled region: fills are taken at once
+            if taken is None or taken.index != grant.slot.index:
+                raise RingError(
+                    f"{self.groups[gi].label}: region {grant.slot.index} filled but not the next taken"
+                )

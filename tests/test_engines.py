@@ -6,21 +6,16 @@ engine workers are reference engines, in threads or, where one is killed, in a c
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
+from daemons import daemon_factory
 
-from adapters.base import RefitReader
 from adapters.engine import EngineWorker, LoadResult, check_results
 from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
 from sidecar.client import RefitClient
-from sidecar.config import DaemonConfig, prepare_runtime_dir
-from sidecar.daemon import Daemon
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan import RefitSpec, convert
 from sidecar.synthetic import make_hf_config, make_state_dict
@@ -35,51 +30,12 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return make_state_dict("qwen3_5_moe", seed=100 + step, **MODEL)
 
 
-class RunningDaemon:
-    def __init__(self, tmp_path: Path, fmt: str, **overrides):
-        cfg_path = tmp_path / "config.json"
-        cfg_path.write_text(json.dumps(CONFIG))
-        settings = dict(
-            runtime_dir=tmp_path / "run",
-            hf_config=cfg_path,
-            world_size=1,
-            format=fmt,
-            reader_timeout_s=3.0,
-            rank_timeout_s=10.0,
-            heartbeat_interval_s=0.2,
-        )
-        settings.update(overrides)
-        self.config = DaemonConfig(**settings)
-        prepare_runtime_dir(self.config)
-        self.daemon = Daemon(self.config)
-        self.daemon.start()
-        self.thread = threading.Thread(target=self.daemon.serve_forever, name="refitd-test", daemon=True)
-        self.thread.start()
-        self.endpoint = self.config.listen
-
-    def status(self) -> dict:
-        """Asked over the control socket, as an operator would (the serve loop owns the state)."""
-        with RefitReader(self.endpoint, name="test-status") as reader:
-            return reader.status(timeout=30)
-
-    def close(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(timeout=30)
-        self.daemon.close()
-
-
 @pytest.fixture
 def run_daemon(tmp_path):
-    started = []
-
-    def start(fmt: str = "block_fp8", **overrides) -> RunningDaemon:
-        d = RunningDaemon(tmp_path, fmt, **overrides)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.close()
+    factory = daemon_factory(tmp_path, hf_config=CONFIG, world_size=1)
+    start = next(factory)
+    yield lambda fmt="block_fp8", **settings: start(format=fmt, **settings)
+    next(factory, None)
 
 
 def reference_worker(endpoint: str, name: str, fmt: str, keep_bf16=(), fail: bool = False):

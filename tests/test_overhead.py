@@ -385,42 +385,26 @@ def test_begin_rows_unchanged():
 
 def test_a_begin_over_max_header_bytes_says_which_setting_to_raise(tmp_path):
     """Many tensors make a large BEGIN: over the daemon's max_header_bytes the step fails with a
-    message naming the setting and the per-piece cost; the daemon keeps serving smaller steps."""
-    import threading
+    message naming the setting and the per-piece cost; the daemon keeps serving."""
+    from daemons import RunningDaemon
 
-    from sidecar.config import DaemonConfig, prepare_runtime_dir
-    from sidecar.daemon import Daemon
     from sidecar.errors import ErrorKind
 
-    config = DaemonConfig(
-        runtime_dir=tmp_path / "run",
+    d = RunningDaemon(
+        tmp_path,
         model_type="qwen3_5_moe",
         staging_bytes=1 << 20,
         publish_bytes=1 << 20,
         format="bf16",
         max_header_bytes=8 << 10,
-        heartbeat_interval_s=0.2,
     )
-    prepare_runtime_dir(config)
-    daemon = Daemon(config)
-    daemon.start()
-    thread = threading.Thread(target=daemon.serve_forever, daemon=True)
-    thread.start()
     try:
         many = {f"model.language_model.layers.0.mlp.gate.w{i}.weight": torch.zeros(4) for i in range(400)}
-        with client_mod.RefitClient(config.listen, 0, 1, timeout=30) as c:
-            with pytest.raises(RefitError) as err:
-                c.push_step(0, many)
-            assert err.value.kind is ErrorKind.PROTOCOL
-            text = str(err.value)
-            assert (
-                "exceeds the limit of 8192" in text and "raise max_header_bytes (--max-header-bytes" in text
-            )
-        from adapters.base import RefitReader
-
-        with RefitReader(config.listen, name="check") as reader:
-            assert reader.status(timeout=30)["step_in_progress"] is None
+        with client_mod.RefitClient(d.endpoint, 0, 1, timeout=30) as c, pytest.raises(RefitError) as err:
+            c.push_step(0, many)
+        assert err.value.kind is ErrorKind.PROTOCOL
+        text = str(err.value)
+        assert "exceeds the limit of 8192" in text and "raise max_header_bytes (--max-header-bytes" in text
+        assert d.status()["step_in_progress"] is None
     finally:
-        daemon.request_stop()
-        thread.join(30)
-        daemon.close()
+        d.close()

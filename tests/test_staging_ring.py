@@ -12,12 +12,12 @@ import collections
 import itertools
 import json
 import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from daemons import daemon_factory
 
 from adapters.base import RefitReader
 from sidecar.client import RefitClient, Shard
@@ -271,51 +271,14 @@ def test_staging_regions_setting_defaults_to_a_ring_on_gpu_arenas_only(tmp_path)
 # whole steps through the ring, in a running daemon
 
 
-class RunningDaemon:
-    def __init__(self, tmp_path: Path, **overrides):
-        cfg_path = tmp_path / "config.json"
-        cfg_path.write_text(json.dumps(CONFIG))
-        settings = dict(
-            runtime_dir=tmp_path / "run",
-            hf_config=cfg_path,
-            world_size=2,
-            reader_timeout_s=3.0,
-            rank_timeout_s=10.0,
-            heartbeat_interval_s=0.2,
-            max_frame_bytes=64 << 10,
-            credit_frames=2,
-        )
-        settings.update(overrides)
-        self.config = DaemonConfig(**settings)
-        prepare_runtime_dir(self.config)
-        self.daemon = Daemon(self.config)
-        self.daemon.start()
-        self.thread = threading.Thread(target=self.daemon.serve_forever, name="refitd-test", daemon=True)
-        self.thread.start()
-        self.endpoint = self.config.listen
-
-    def status(self) -> dict:
-        with RefitReader(self.endpoint, name="test-status") as reader:
-            return reader.status(timeout=30)
-
-    def close(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(timeout=30)
-        self.daemon.close()
-
-
 @pytest.fixture
 def running(tmp_path):
-    started = []
-
-    def start(**overrides) -> RunningDaemon:
-        d = RunningDaemon(tmp_path, **overrides)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.close()
+    """A daemon in a thread, two ranks, frames of 64 KiB under two credits (many per tensor)."""
+    factory = daemon_factory(
+        tmp_path, hf_config=CONFIG, world_size=2, max_frame_bytes=64 << 10, credit_frames=2
+    )
+    yield next(factory)
+    next(factory, None)
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
