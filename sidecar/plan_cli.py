@@ -160,6 +160,17 @@ def render_text(s: dict[str, Any]) -> str:
         f"total: {human_bytes(totals['bytes_in'])} in ({counts['inputs']} tensors) -> "
         f"{human_bytes(totals['bytes_out'])} out ({counts['outputs']} tensors), out/in {totals['ratio']:.3f}",
         f"routed-expert params: {s['routed_expert_params']:,}",
+    ]
+    m = s["memory"]
+    gens = m["generations"] * m["generation"]
+    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} groups (cuda default)"
+    lines += [
+        "",
+        f"daemon memory: {m['generations']} generations of {human_bytes(m['generation'])}, plus staging:",
+        f"  {'':<50} {'staging':>12} {'in all':>12}",
+        f"  {'whole steps (staging_regions = 0; shm default)':<50} {human_bytes(m['staging_whole']):>12} "
+        f"{human_bytes(m['staging_whole'] + gens):>12}",
+        f"  {ring:<50} {human_bytes(m['staging_ring']):>12} {human_bytes(m['staging_ring'] + gens):>12}",
         "",
         "largest inputs:",
     ]

@@ -93,6 +93,7 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
             {"layer": _layer_label(lay), **row}
             for lay, row in sorted(layers.items(), key=lambda kv: _layer_sort_key(kv[0]))
         ],
+        "memory": daemon_memory(plan),
         "totals": {
             "bytes_in": plan.bytes_in,
             "bytes_out": plan.bytes_out,
@@ -108,4 +109,25 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
             }
             for i in largest
         ],
+    }
+
+
+def daemon_memory(plan: RefitPlan) -> dict[str, int]:
+    """What a daemon serving ``plan`` allocates: staging (whole steps, or a ring of the default GPU
+    region count) and each of its two publish generations, in bytes as the arenas carve them."""
+    from sidecar.config import DEFAULT_GPU_REGIONS
+    from sidecar.generations import N_GENERATIONS, layouts
+    from sidecar.staging import region_size, ring_groups
+
+    staging, outputs = layouts(plan)
+    groups = ring_groups(plan)
+    regions = min(DEFAULT_GPU_REGIONS, len(groups))
+    return {
+        "staging_whole": staging.size,
+        "ring_groups": len(groups),
+        "ring_regions": regions,
+        "ring_region": region_size(groups),
+        "staging_ring": regions * region_size(groups),
+        "generation": outputs.size,
+        "generations": N_GENERATIONS,
     }

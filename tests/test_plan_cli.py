@@ -119,3 +119,18 @@ def test_through_the_refitd_entry_point(capsys):
 
     assert main(["plan", QWEN3, "--format", "mxfp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "mxfp8"
+
+
+def test_plan_says_what_the_daemon_allocates_with_and_without_a_staging_ring(capsys):
+    """Qwen3.5-35B-A3B: staging a whole step is 66 GiB; the default GPU ring of four layer groups
+    is 6.3 GiB, so the daemon's GPU needs 77 GiB instead of 137 GiB with its two generations."""
+    s = run_json(capsys, QWEN3_5, "--format", "block_fp8")
+    m = s["memory"]
+    assert m["staging_whole"] >= s["totals"]["bytes_in"] and m["generation"] >= s["totals"]["bytes_out"]
+    assert (m["ring_groups"], m["ring_regions"], m["generations"]) == (48, 4, 2)
+    assert m["staging_ring"] == 4 * m["ring_region"] < m["staging_whole"] / 10
+    assert run_plan(QWEN3_5, "--format", "block_fp8") == 0
+    out = capsys.readouterr().out
+    assert "daemon memory: 2 generations of 35.39 GiB, plus staging:" in out
+    assert "whole steps (staging_regions = 0; shm default)" in out and "136.92 GiB" in out
+    assert "ring of 4 x 1.57 GiB, 48 groups (cuda default)" in out and "77.06 GiB" in out
