@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from sidecar import __version__
@@ -76,7 +77,14 @@ def _requested_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+#: OpenMP threads that wait by spinning take the cores refitd shares with trainers and engines, and
+#: each other's: on the 2-core CI machine `refitd demo`'s quantize time went from 30-90 ms to up to
+#: 2 s per step with the default policy. Set before torch loads; an explicit setting wins.
+OMP_WAIT_POLICY = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     argv = sys.argv[1:] if argv is None else list(argv)
     module = SUBCOMMAND_MODULE.get(_requested_command(argv) or "")
     parser = _build_parser({module} if module else set())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -186,3 +187,14 @@ def test_subcommand_list_matches_the_modules_parsers():
     assert list(listed) == ["version", *cli.SUBCOMMAND_HELP]
     for name in cli.SUBCOMMAND_HELP:  # main imports SUBCOMMAND_MODULE[name] to run it
         assert sub.choices[name].get_default("run").__module__ == cli.SUBCOMMAND_MODULE[name], name
+
+
+def test_refitd_waits_passively_unless_told_otherwise(monkeypatch):
+    """``refitd`` sets OMP_WAIT_POLICY=PASSIVE for itself and its children (spinning OpenMP threads
+    starve the trainers and engines on the node), and leaves an explicit setting alone."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.main(["version"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cli.main(["version"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
