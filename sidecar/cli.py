@@ -77,14 +77,17 @@ def _requested_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-#: OpenMP threads that wait by spinning take the cores refitd shares with trainers and engines, and
-#: each other's: on the 2-core CI machine `refitd demo`'s quantize time went from 30-90 ms to up to
-#: 2 s per step with the default policy. Set before torch loads; an explicit setting wins.
-OMP_WAIT_POLICY = "PASSIVE"
+#: OpenMP (libgomp, torch's on Linux) threads that wait by spinning take the cores refitd shares with
+#: trainers and engines, and each other's: on the 2-core CI machine `refitd demo`'s quantize time per
+#: step went from a 276 ms median (worst 1.8 s) to 41 ms with a short spin before sleeping, while one
+#: daemon alone quantizes as fast as with the default (OMP_WAIT_POLICY=PASSIVE lost 20-33% there).
+#: Set before torch loads, only where neither variable is set.
+GOMP_SPINCOUNT = "1000"
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     argv = sys.argv[1:] if argv is None else list(argv)
     module = SUBCOMMAND_MODULE.get(_requested_command(argv) or "")
     parser = _build_parser({module} if module else set())

@@ -189,12 +189,18 @@ def test_subcommand_list_matches_the_modules_parsers():
         assert sub.choices[name].get_default("run").__module__ == cli.SUBCOMMAND_MODULE[name], name
 
 
-def test_refitd_waits_passively_unless_told_otherwise(monkeypatch):
-    """``refitd`` sets OMP_WAIT_POLICY=PASSIVE for itself and its children (spinning OpenMP threads
-    starve the trainers and engines on the node), and leaves an explicit setting alone."""
+def test_refitd_spins_briefly_unless_told_otherwise(monkeypatch):
+    """``refitd`` makes OpenMP threads spin only briefly before they sleep (GOMP_SPINCOUNT=1000, for
+    itself and its children: spinning threads starve the node's trainers and engines), and leaves an
+    explicit spin count or wait policy alone."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert cli.main(["version"]) == 0
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert os.environ["GOMP_SPINCOUNT"] == "1000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "50000")
+    assert cli.main(["version"]) == 0
+    assert os.environ["GOMP_SPINCOUNT"] == "50000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert cli.main(["version"]) == 0
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "GOMP_SPINCOUNT" not in os.environ
