@@ -104,7 +104,6 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec)
         regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
-        self._staging_cache: tuple | None = None  # (staging arena, its layout, its handle)
         self.parked: dict[int, list] = {}  # staging ring: ready units whose group holds no region yet
         self.ring_ranks: dict[int, set[int]] = {}  # staging ring: group -> ranks holding part of it
         if self.plan is not None:

@@ -179,8 +179,7 @@ class RingStaging:
         """Input ``name`` where its group was last staged (``resident(name)`` must hold)."""
         gi = self.group_of[name]
         region = next(r for r, g in self.residents.items() if g == gi)
-        s = self.groups[gi].layout.slots[name]
-        return arena.view(self.ring.slots[region].offset + s.offset, s.dtype, s.shape)
+        return self._at(arena, self.ring.slots[region].offset, gi, name)
 
     def granted(self, group: int) -> bool:
         return group in self.grants
@@ -197,8 +196,11 @@ class RingStaging:
             raise ValueError(
                 f"{name!r} belongs to {self.groups[gi].label}, which holds no staging region now"
             )
+        return self._at(arena, grant.slot.offset, gi, name)
+
+    def _at(self, arena, region_offset: int, gi: int, name: str) -> torch.Tensor:
         s = self.groups[gi].layout.slots[name]
-        return arena.view(grant.slot.offset + s.offset, s.dtype, s.shape)
+        return arena.view(region_offset + s.offset, s.dtype, s.shape)
 
     def tensor_complete(self, name: str) -> None:
         """Every byte of input ``name`` arrived: its group is FILLED once all its inputs are."""

@@ -23,7 +23,6 @@ from sidecar.plan import RefitPlan
 from sidecar.pull_nixl import PullSide
 from sidecar.readers import Peer
 from sidecar.step import StepState
-from transport.shm import ShmArena
 from transport.wire import Kind, Message, ProtocolError
 
 log = logging.getLogger("refitd.daemon")
@@ -168,7 +167,7 @@ class TrainerHandlers:
         state.validate_against(self.plan)
         state.phases.validate = time.monotonic() - t0
         self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
-        staging = self._staging_handle()
+        staging = self.arenas.staging.handle()
         ring = self.arenas.ring
         for rank, identity in state.peers.items():
             peer = self.peers.get(identity)
@@ -197,17 +196,6 @@ class TrainerHandlers:
             self._grant(ring.start())
         for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
             self._tensor_complete(name)  # zero-byte tensors complete at once
-
-    def _staging_handle(self) -> dict[str, Any]:
-        """The staging arena's handle for READY. A shared-memory arena's is remade only when its
-        layout changes: it lists every input, and the same plan keeps the same layout."""
-        staging = self.arenas.staging
-        if not isinstance(staging, ShmArena):
-            return staging.handle()
-        cached = self._staging_cache
-        if cached is None or cached[0] is not staging or cached[1] is not staging.layout:
-            cached = self._staging_cache = (staging, staging.layout, staging.handle())
-        return cached[2]
 
     def _grant(self, grants) -> None:
         """Staging ring: tell every rank holding part of each newly granted group where to write it."""

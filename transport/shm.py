@@ -141,6 +141,7 @@ class Layout:
     def __init__(self, slots: Iterable[Slot]):
         self.slots: dict[str, Slot] = {s.name: s for s in slots}
         self.size = max((s.offset + s.nbytes for s in self.slots.values()), default=0)
+        self._wire: list[list[Any]] | None = None
 
     @classmethod
     def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
@@ -152,7 +153,13 @@ class Layout:
         return cls(slots)
 
     def to_wire(self) -> list[list[Any]]:
-        return [[s.name, dtype_name(s.dtype), list(s.shape), s.offset, s.nbytes] for s in self.slots.values()]
+        """The rows of every arena handle: made once (a layout never changes; a plan's lists every
+        tensor, and each READY and GENERATION carries it). Treat the result as read-only."""
+        if self._wire is None:
+            self._wire = [
+                [s.name, dtype_name(s.dtype), list(s.shape), s.offset, s.nbytes] for s in self.slots.values()
+            ]
+        return self._wire
 
     @classmethod
     def from_wire(cls, rows: list[list[Any]]) -> Layout:
