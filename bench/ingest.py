@@ -403,23 +403,28 @@ def push_steps(d: DaemonProc, sd: dict[str, torch.Tensor], **kw: Any) -> dict:
         return {"error": str(exc).splitlines()[0], "daemon_log_tail": d.tail()}
 
 
+def timed_push(d: DaemonProc, client: RefitClient, sd: dict[str, torch.Tensor]) -> tuple[float, float, Any]:
+    """One step of ``sd`` on ``d``: (seconds to "committed", seconds to "published", StepResult)."""
+    step, d.next_step = d.next_step, d.next_step + 1
+    t0 = time.perf_counter()
+    future = client.push_step(step, sd, wait="committed")
+    t1 = time.perf_counter()
+    result = future.result()
+    return t1 - t0, time.perf_counter() - t0, result
+
+
 def timed_steps(d: DaemonProc, sd: dict[str, torch.Tensor], *, local: bool, repeat: int, warmup: int) -> dict:
     """One client, ``warmup + repeat`` steps; each timed to "committed" and to "published"."""
     committed, published, phases, first = [], [], [], []
     endpoint = d.endpoint
     with RefitClient(endpoint, rank=0, world_size=1, local=local, timeout=STEP_TIMEOUT_S) as client:
         for k in range(warmup + repeat):
-            step, d.next_step = d.next_step, d.next_step + 1
-            t0 = time.perf_counter()
-            future = client.push_step(step, sd, wait="committed")
-            t1 = time.perf_counter()
-            result = future.result()
-            t2 = time.perf_counter()
+            to_commit, to_publish, result = timed_push(d, client, sd)
             if k < warmup:
-                first.append({"committed_s": t1 - t0, "published_s": t2 - t0})
+                first.append({"committed_s": to_commit, "published_s": to_publish})
                 continue
-            committed.append(t1 - t0)
-            published.append(t2 - t0)
+            committed.append(to_commit)
+            published.append(to_publish)
             phases.append(result.seconds)
         used_local = bool(client._welcome.get("local"))
     if used_local != local:
@@ -480,18 +485,12 @@ def interleaved_steps(
     live = list(daemons)
 
     def one(key: str, client: RefitClient, timed: bool) -> None:
-        d = daemons[key]
-        step, d.next_step = d.next_step, d.next_step + 1
-        t0 = time.perf_counter()
-        future = client.push_step(step, sd, wait="committed")
-        t1 = time.perf_counter()
-        result = future.result()
-        t2 = time.perf_counter()
+        to_commit, to_publish, result = timed_push(daemons[key], client, sd)
         if not timed:
-            rows[key]["warmup"].append({"committed_s": t1 - t0, "published_s": t2 - t0})
+            rows[key]["warmup"].append({"committed_s": to_commit, "published_s": to_publish})
             return
-        rows[key]["committed_s"].append(t1 - t0)
-        rows[key]["published_s"].append(t2 - t0)
+        rows[key]["committed_s"].append(to_commit)
+        rows[key]["published_s"].append(to_publish)
         phases[key].append(result.seconds)
 
     with contextlib.ExitStack() as stack:
