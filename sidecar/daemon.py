@@ -339,10 +339,11 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     # sending
 
     def _send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
+        """Every reply carries this start's ``instance``: a client that sees a new one knows the daemon
+        restarted (and that the step it had in flight was lost)."""
+        fields = {**(fields or {}), "instance": self.instance}
         try:
-            self.router.send_multipart(
-                [identity, *encode(Message(kind, fields or {}, list(frames)))], zmq.NOBLOCK
-            )
+            self.router.send_multipart([identity, *encode(Message(kind, fields, list(frames)))], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
             log.debug("cannot send %s to a peer: %s", kind.name, exc)
