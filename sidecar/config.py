@@ -258,6 +258,9 @@ class DaemonConfig:
     curve_public_key: Path | None = None
     curve_allowed_keys: Path | None = None
     curve_server_key: Path | None = None
+    #: inference role: the trainer daemons' public keys (a file or a folder of ``*.pub``), the only
+    #: clients whose FORWARD_* messages it takes; default: every key of ``curve_allowed_keys``
+    curve_trainer_keys: Path | None = None
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -569,6 +572,13 @@ _KNOBS: dict[str, _Knob] = {
     "curve_server_key": _Knob(
         "--curve-server-key", _optional(_path), "PATH", "the peers' public key (trainer role)", is_path=True
     ),
+    "curve_trainer_keys": _Knob(
+        "--curve-trainer-keys",
+        _optional(_path),
+        "PATH",
+        "inference role: the trainer daemons' public keys, file or dir (default: curve_allowed_keys)",
+        is_path=True,
+    ),
 }
 _TIMEOUTS = tuple(name for name in _KNOBS if name.endswith("_s"))
 _PLAN_SIZED = "too small; give a size such as 2GiB, or leave it unset to size it from the plan"
@@ -676,7 +686,13 @@ def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Probl
             "must never be dropped under it",
             keys,
         )
-    for name in ("curve_secret_key", "curve_public_key", "curve_allowed_keys", "curve_server_key"):
+    for name in (
+        "curve_secret_key",
+        "curve_public_key",
+        "curve_allowed_keys",
+        "curve_server_key",
+        "curve_trainer_keys",
+    ):
         path = getattr(c, name)
         if ok(name) and path is not None and not path.exists():
             yield Problem(f"{name} = '{path}' does not exist; {_KEYGEN_HINT}", (name,))
@@ -984,4 +1000,5 @@ forward_mover = "auto"                  # auto (NIXL where both sides have it, e
 # curve_public_key = "/etc/refitd/node.key.pub"       # default: read from curve_secret_key
 # curve_allowed_keys = "/etc/refitd/clients"          # a *.key.pub file or a folder of them
 # curve_server_key = "/etc/refitd/inference.key.pub"  # trainer role: the inference daemons' public key
+# curve_trainer_keys = "/etc/refitd/trainers"         # inference role: who may forward; default: curve_allowed_keys
 """

@@ -26,6 +26,7 @@ class ErrorKind(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # no daemon answered
     ENGINE = "engine"  # an engine worker failed to attach or to load a generation
     UNKNOWN_PEER = "unknown_peer"  # the daemon does not know this peer (it restarted): introduce yourself
+    UNAUTHORIZED = "unauthorized"  # a request this peer may not make (forwarding from a non-trainer)
     RESTARTED = "restarted"  # the daemon restarted mid-step (a new instance): the step was lost, push again
     INTERNAL = "internal"  # a bug: please report it
 
