@@ -678,6 +678,20 @@ def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Probl
         )
     if ok("peers", "role") and c.peers and not trainer:
         yield Problem("peers are only for layout = 'disaggregated' with role = 'trainer'", ("peers", "role"))
+    inference = disaggregated and c.role is NodeRole.INFERENCE
+    curve = ("listen", "curve_secret_key", "curve_allowed_keys")
+    if ok("role", *curve) and inference and not (tcp_host(c.listen or "") and c.curve_secret_key):
+        yield Problem(
+            "role = 'inference' takes forwarded generations only from trainer daemons identified by their "
+            "CURVE key: listen on tcp://HOST:PORT with curve_secret_key and curve_allowed_keys (the trainer "
+            f"daemons' *.key.pub); {_KEYGEN_HINT}",
+            ("role", *curve),
+        )
+    if ok("role", "curve_trainer_keys") and c.curve_trainer_keys is not None and not inference:
+        yield Problem(
+            "curve_trainer_keys is only for layout = 'disaggregated' with role = 'inference'",
+            ("role", "curve_trainer_keys"),
+        )
     keys = ("forward_timeout_s", "reader_timeout_s")
     if ok(*keys) and trainer and c.forward_timeout_s >= c.reader_timeout_s:
         yield Problem(

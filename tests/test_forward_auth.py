@@ -21,6 +21,7 @@ from daemons import RunningDaemon
 
 from adapters.base import RefitReader
 from sidecar.client import RefitClient
+from sidecar.config import ConfigError, DaemonConfig
 from sidecar.keygen import client_curve, set_client, write_keypair
 from sidecar.synthetic import make_hf_config, make_state_dict
 from transport.wire import Kind, Limits, Message, decode, encode
@@ -161,3 +162,15 @@ def test_a_tcp_client_with_an_allowed_but_non_trainer_key_cannot_forward(nodes):
     assert after["live"] == before["live"] and after["last_step"] == 0 and after["inbound"] is None
     push_and_land(trainer, inference, 1)
     assert Path(local.removeprefix("ipc://")).exists()
+
+
+def test_an_inference_node_without_curve_is_a_configuration_error(tmp_path):
+    """Without CURVE nobody can be identified as the trainer, so an inference node would refuse every
+    forwarded step: refused at start instead, saying what to give. curve_trainer_keys elsewhere too."""
+    base = dict(runtime_dir=tmp_path / "run", model_type="qwen3_5_moe", publish_bytes=4 << 20)
+    with pytest.raises(ConfigError, match="CURVE key: listen on tcp://"):
+        DaemonConfig(layout="disaggregated", role="inference", **base)
+    key = tmp_path / "trainer.key.pub"
+    key.write_text("")
+    with pytest.raises(ConfigError, match="curve_trainer_keys is only for"):
+        DaemonConfig(curve_trainer_keys=key, **base)

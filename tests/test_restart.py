@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from daemons import RunningDaemon
 
 from adapters.base import RefitReader
@@ -37,6 +38,7 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.keygen import client_curve, write_keypair
 from sidecar.plan import RefitSpec, convert
 from sidecar.synthetic import make_hf_config, make_state_dict
+from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -294,3 +296,79 @@ def test_close_during_a_push_that_cannot_connect_returns(curve_daemon):
     with pytest.raises(RefitError) as err:
         future.result(timeout=10)
     assert err.value.kind is ErrorKind.UNAVAILABLE and "closed" in str(err.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# a scripted daemon: the restart seen in the middle of the data
+
+
+class ScriptedDaemon:
+    """A ROUTER that answers a remote client as the daemon would, in a thread. Its instance changes
+    to ``second`` once it has refused the first SHARD as from an unknown peer (what a restarted
+    daemon says to data meant for its predecessor); the HELLO identities it saw are kept."""
+
+    def __init__(self, tmp_path: Path, first: str, second: str):
+        self.endpoint = f"ipc://{tmp_path / 'scripted.sock'}"
+        self.instance, self.second = first, second
+        self.hellos: list[bytes] = []
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.endpoint)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def send(self, identity: bytes, kind: Kind, fields: dict) -> None:
+        self.sock.send_multipart([identity, *encode(Message(kind, {**fields, "instance": self.instance}))])
+
+    def serve(self) -> None:
+        refused = False
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, *frames = self.sock.recv_multipart()
+            msg = decode(frames, Limits())
+            step = msg.get("step")
+            if msg.kind is Kind.HELLO:
+                self.hellos.append(identity)
+                welcome = dict(local=False, heartbeat_interval_s=0.2, rank_timeout_s=30, credit_frames=64)
+                self.send(identity, Kind.WELCOME, welcome)
+            elif msg.kind is Kind.BEGIN:
+                self.send(identity, Kind.READY, {"step": step, "pieces": list(range(len(msg.get("pieces"))))})
+                self.send(identity, Kind.CREDIT, {"step": step, "frames": 64})
+            elif msg.kind is Kind.SHARD and not refused:
+                refused, self.instance = True, self.second
+                self.send(identity, Kind.ERROR, {"kind": "unknown_peer", "message": "say HELLO first"})
+            elif msg.kind is Kind.COMMIT:
+                self.send(identity, Kind.ACK, {"step": step, "of": "commit"})
+                self.send(
+                    identity, Kind.RESULT, {"step": step, "generation": 0, "bytes_in": 0, "bytes_out": 0}
+                )
+            elif msg.kind is Kind.PING:
+                self.send(identity, Kind.PONG, {})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_restart_seen_while_streaming_fails_the_step_once_on_a_fresh_connection(tmp_path):
+    """A remote rank streams its shards; the daemon answers one with UNKNOWN_PEER from a new instance
+    (it restarted). The push fails with DaemonRestarted naming both instances, the client drops that
+    connection (its queued frames were meant for the dead daemon), and the next push says HELLO on a
+    new connection and publishes."""
+    daemon = ScriptedDaemon(tmp_path, "a" * 16, "b" * 16)
+    client = RefitClient(daemon.endpoint, 0, 1, local=False, mover="zmq", timeout=60)
+    try:
+        with pytest.raises(DaemonRestarted) as lost:
+            client.push_step(5, {"w": torch.ones(8, 8)}, timeout=30)
+        assert (lost.value.old, lost.value.new, lost.value.step) == ("a" * 16, "b" * 16, 5)
+        assert "step 5 was lost, push again" in str(lost.value)
+        assert client.push_step(6, {"w": torch.ones(8, 8)}, timeout=30).step == 6
+        assert len(daemon.hellos) == 2 and daemon.hellos[0] != daemon.hellos[1]  # a fresh connection
+    finally:
+        client.close()
+        daemon.close()
