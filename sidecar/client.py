@@ -242,9 +242,6 @@ class RefitClient:
         if self._nixl_ep is not None:
             self._nixl_ep.close()
             self._nixl_ep = None
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
         self._drop_connection()
 
     def _drop_connection(self) -> None:
@@ -266,11 +263,17 @@ class RefitClient:
             self._sock.connect(self.endpoint)
         return self._sock
 
-    def _send(self, kind: Kind, fields: dict[str, Any], frames=(), *, wait: bool = True) -> None:
+    def _send(self, kind: Kind, fields: dict[str, Any], frames=()) -> None:
         """Send without ever blocking past the step's deadline. A socket that cannot take the message
         (no connection: a server refusing our CURVE key never completes the handshake) is retried
-        until then, and the step fails with TIMEOUT. ``wait=False``: a courtesy message, dropped if
-        it cannot leave at once."""
+        until then, and the step fails with TIMEOUT."""
+        self._send_within(kind, fields, frames, wait=True)
+
+    def _try_send(self, kind: Kind, fields: dict[str, Any]) -> None:
+        """A courtesy message (PING, ABORT): dropped if the socket cannot take it at once."""
+        self._send_within(kind, fields, (), wait=False)
+
+    def _send_within(self, kind: Kind, fields: dict[str, Any], frames, *, wait: bool) -> None:
         sock, parts = self._socket(), encode(Message(kind, fields, list(frames)))
         while True:
             try:
@@ -382,7 +385,7 @@ class RefitClient:
 
     def _abort(self, step: int, reason: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason}, wait=False)
+            self._try_send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
 
     def _hello(self, step: int, deadline: float) -> None:
         self._send(
@@ -436,7 +439,7 @@ class RefitClient:
                 step=step,
             )
         if now - self._last_sent > self._heartbeat():
-            self._send(Kind.PING, {"step": step, "rank": self.rank}, wait=False)
+            self._try_send(Kind.PING, {"step": step, "rank": self.rank})
 
     def _heartbeat(self) -> float:
         return float(self._welcome.get("heartbeat_interval_s", 1.0))
