@@ -15,6 +15,7 @@ use one reader per thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -34,6 +35,12 @@ from transport.wire import Kind, Limits, Message, decode, encode
 __all__ = ["Generation", "RefitReader"]
 
 _READER_LIMITS = Limits(max_header_bytes=256 << 20)
+#: a waiting reader pings after this much silence: a reply from a new daemon instance means it restarted
+PING_S = 1.0
+#: a send the socket cannot take at once (no connection yet) is retried this often until the deadline
+SEND_RETRY_S = 0.05
+
+log = logging.getLogger("refitd.reader")
 
 
 @dataclass(eq=False)
@@ -46,6 +53,7 @@ class Generation:
     segment: str
     released: bool = field(default=False)
     on_gpu: bool = False  # views into a CUDA-IPC arena (device memory)
+    instance: str | None = None  # the daemon start that published it
 
 
 class RefitReader:
@@ -78,6 +86,7 @@ class RefitReader:
         self._attached = False
         self.instance: str | None = None
         self._arenas: dict[str, ShmArena] = {}
+        self._arena_instance: dict[str, str | None] = {}  # segment name -> the daemon start it belongs to
         self._held: list[Generation] = []
         self._closed = False
 
@@ -89,15 +98,22 @@ class RefitReader:
         self._ensure_attached(deadline)
         self._send(Kind.WAIT, {"min_step": min_step})
         while True:
-            msg = self._recv(deadline, f"a generation with step >= {min_step}")
+            msg = self._recv(deadline, f"a generation with step >= {min_step}", ping=True)
+            if self._from_new_instance(msg) or _unknown_peer(msg):
+                # the daemon restarted: attach again (same name and manifest) and re-ask
+                log.warning(
+                    "reader %s: the daemon at %s restarted (instance %s -> %s); attaching again",
+                    self.name,
+                    self.endpoint,
+                    self.instance,
+                    msg.get("instance"),
+                )
+                self._attached = False
+                self._ensure_attached(deadline)
+                self._send(Kind.WAIT, {"min_step": min_step}, deadline=deadline)
+                continue
             if msg.kind is Kind.ERROR:
-                err = RefitError.from_wire(msg.fields)
-                if err.kind is ErrorKind.UNKNOWN_PEER:  # the daemon restarted: attach again and re-ask
-                    self._attached = False
-                    self._ensure_attached(deadline)
-                    self._send(Kind.WAIT, {"min_step": min_step})
-                    continue
-                raise err
+                raise RefitError.from_wire(msg.fields)
             if msg.kind is not Kind.GENERATION:
                 continue
             gen = self._generation(msg.fields)
@@ -121,6 +137,9 @@ class RefitReader:
             torch.cuda.synchronize()
         if gen in self._held:
             self._held.remove(gen)
+        if gen.instance != self.instance:  # a daemon that is gone handed it out: nobody to tell
+            self._forget_arenas()  # and its segment is unmapped once no held generation uses it
+            return
         fields: dict[str, Any] = {"generation": gen.index, "step": gen.step, "ok": ok}
         if error is not None:
             fields["error"] = str(error)
@@ -158,6 +177,7 @@ class RefitReader:
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
+        self._arena_instance.clear()
         self._sock.close(linger=100)
         self._ctx.term()
 
@@ -169,16 +189,34 @@ class RefitReader:
 
     # ------------------------------------------------------------------------------------------
 
-    def _send(self, kind: Kind, fields: dict[str, Any], *, wait: bool = True) -> None:
-        """``wait=False`` for courtesy messages: a DEALER whose connection never came up (a refused
-        CURVE key) would block on them forever; they are dropped instead."""
-        if wait:
-            self._sock.send_multipart(encode(Message(kind, fields)))
-            return
-        with contextlib.suppress(zmq.Again):
-            self._sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
+    def _send(
+        self, kind: Kind, fields: dict[str, Any], *, wait: bool = True, deadline: float | None = None
+    ) -> None:
+        """Never blocks past ``deadline`` (default: this reader's timeout from now): a DEALER whose
+        connection never came up (a refused CURVE key) cannot take messages, and the call fails with
+        TIMEOUT. ``wait=False`` for courtesy messages: dropped if they cannot leave at once."""
+        parts = encode(Message(kind, fields))
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self._sock.send_multipart(parts, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                left = deadline - time.monotonic()
+                if not wait:
+                    return
+                if left <= 0:
+                    raise RefitError(
+                        f"could not send {kind.name} to {self.endpoint} within the timeout: no connection "
+                        "to the daemon came up" + curve_hint(self.curve),
+                        kind=ErrorKind.TIMEOUT,
+                    ) from None
+                self._sock.poll(int(min(left, SEND_RETRY_S) * 1000) + 1, zmq.POLLOUT)
 
-    def _recv(self, deadline: float, what: str) -> Message:
+    def _recv(self, deadline: float, what: str, *, ping: bool = False) -> Message:
+        """The next message; ``ping``: after PING_S of silence ask the daemon for a PONG, whose
+        instance tells whether it restarted meanwhile (a WAIT sent to a dead daemon is never answered)."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -188,8 +226,14 @@ class RefitReader:
                     + curve_hint(self.curve),
                     kind=ErrorKind.TIMEOUT,
                 )
-            if self._sock.poll(int(min(left, 1.0) * 1000)):
+            if self._sock.poll(int(min(left, PING_S) * 1000)):
                 return decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+            if ping:
+                self._send(Kind.PING, {}, wait=False)
+
+    def _from_new_instance(self, msg: Message) -> bool:
+        instance = msg.get("instance")
+        return self.instance is not None and isinstance(instance, str) and instance != self.instance
 
     def _ensure_attached(self, deadline: float) -> None:
         if self._attached:
@@ -197,23 +241,23 @@ class RefitReader:
         fields: dict[str, Any] = {"name": self.name, "pid": os.getpid()}
         if self.manifest is not None:
             fields["manifest"] = self.manifest.to_wire()
-        self._send(Kind.ATTACH, fields)
+        self._send(Kind.ATTACH, fields, deadline=deadline)
         while True:
             msg = self._recv(deadline, "ATTACHED")
             if msg.kind is Kind.ATTACHED:
                 break
-            if msg.kind is Kind.ERROR:
+            if msg.kind is Kind.ERROR and not _unknown_peer(msg):  # that one answers an earlier message
                 raise RefitError.from_wire(msg.fields)
         self.attach_info = dict(msg.fields)
-        instance = msg.get("instance")
-        if instance != self.instance:
-            self._forget_arenas()
-        self.instance, self._attached = instance, True
+        self.instance, self._attached = msg.get("instance"), True
+        self._forget_arenas()
 
     def _forget_arenas(self) -> None:
-        """Unmap segments of a previous daemon instance that no held generation still uses."""
+        """Unmap the segments of previous daemon instances that no held generation still uses (a
+        generation held across a restart keeps its segment mapped until it is released)."""
         in_use = {g.segment for g in self._held}
-        for name in [n for n in self._arenas if n not in in_use]:
+        for name in [n for n, i in self._arena_instance.items() if i != self.instance and n not in in_use]:
+            del self._arena_instance[name]
             self._arenas.pop(name).close()
 
     def _generation(self, fields: dict[str, Any]) -> Generation:
@@ -223,12 +267,18 @@ class RefitReader:
             if arena is not None:
                 arena.close()
             arena = self._arenas[handle["name"]] = open_any_arena(handle, writable=False, device=self.device)
+            self._arena_instance[handle["name"]] = self.instance
         gen = Generation(
             int(fields["generation"]),
             int(fields["step"]),
             arena.tensors(),
             arena.name,
             on_gpu=handle.get("kind") == "cuda_ipc",
+            instance=self.instance,
         )
         self._held.append(gen)
         return gen
+
+
+def _unknown_peer(msg: Message) -> bool:
+    return msg.kind is Kind.ERROR and msg.get("kind") == ErrorKind.UNKNOWN_PEER.value

@@ -88,7 +88,8 @@ class EngineWorker:
         """Wait for a generation >= ``min_step``, load it, acknowledge and release it."""
         if self.reader is None:
             self.attach(timeout)
-        gen = self.reader.wait(min_step=min_step, timeout=timeout)
+        gen = self.reader.wait(min_step=min_step, timeout=timeout)  # re-attaches if the daemon restarted
+        self.attach_info = self.reader.attach_info
         t0 = time.perf_counter()
         error = None
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import zmq
 
-from sidecar.errors import ErrorKind, RefitError
+from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.gcpause import gc_paused
 from sidecar.keygen import curve_hint, set_client
 from transport import nixl
@@ -47,13 +48,20 @@ from transport.cuda_ipc import open_any_arena
 from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
 
-__all__ = ["RefitClient", "RefitError", "Shard", "StepResult"]
+__all__ = ["DaemonRestarted", "RefitClient", "RefitError", "Shard", "StepResult"]
+
+log = logging.getLogger("refitd.client")
 
 DONE_BATCH_BYTES = 32 << 20  # local path: tell the daemon about written pieces at least this often
 DONE_BATCH_PIECES = 512
 #: local path: while copying pieces, look for an ERROR (and keep the daemon's heartbeat) this often,
 #: not after every piece (a poll costs more than copying a small tensor)
 POLL_INTERVAL_S = 0.001
+#: a send the socket cannot take at once (no connection yet: e.g. a server refusing our CURVE key)
+#: is retried this often until the step's deadline, never blocked on
+SEND_RETRY_S = 0.05
+#: on close, queued messages (an ABORT) get this long to leave; close() never waits longer
+CLOSE_LINGER_MS = 100
 #: local path: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE
 #: batch), not one torch call each
 FOREACH_COPY_BYTES = 256 << 10
@@ -137,6 +145,9 @@ class RefitClient:
         self._sock: zmq.Socket | None = None  # created and used on the worker thread only
         self._staging: ShmArena | None = None
         self._welcome: dict[str, Any] = {}
+        self.instance: str | None = None  # the daemon instance of the latest WELCOME
+        self._step_instance: str | None = None  # this step's daemon (None until its WELCOME)
+        self._deadline = float("inf")  # the step in flight's: every wait and send ends by it
         self._credits = 0
         self._last_heard = 0.0
         self._last_sent = 0.0
@@ -196,6 +207,8 @@ class RefitClient:
         return self._submit(step, named_tensors, timeout, threading.Event())
 
     def close(self) -> None:
+        """Release the connection. Never blocks for long: a step in flight stops at its next wait
+        (within a heartbeat) with an UNAVAILABLE error, and queued messages get CLOSE_LINGER_MS."""
         if self._closed:
             return
         self._closed = True
@@ -229,24 +242,68 @@ class RefitClient:
         if self._nixl_ep is not None:
             self._nixl_ep.close()
             self._nixl_ep = None
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        """Forget the daemon this client talked to: its socket (and anything queued on it either
+        way) and its staging mapping. The next push says HELLO on a fresh socket."""
         if self._staging is not None:
             self._staging.close()
             self._staging = None
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=CLOSE_LINGER_MS)
             self._sock = None
+        self._welcome, self._slots, self._credits = {}, {}, 0
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
             set_client(self._sock, self.curve)
             self._sock.connect(self.endpoint)
         return self._sock
 
     def _send(self, kind: Kind, fields: dict[str, Any], frames=()) -> None:
-        self._socket().send_multipart(encode(Message(kind, fields, list(frames))), copy=False)
+        """Send without ever blocking past the step's deadline. A socket that cannot take the message
+        (no connection: a server refusing our CURVE key never completes the handshake) is retried
+        until then, and the step fails with TIMEOUT."""
+        self._send_within(kind, fields, frames, wait=True)
+
+    def _try_send(self, kind: Kind, fields: dict[str, Any]) -> None:
+        """A courtesy message (PING, ABORT): dropped if the socket cannot take it at once."""
+        self._send_within(kind, fields, (), wait=False)
+
+    def _send_within(self, kind: Kind, fields: dict[str, Any], frames, *, wait: bool) -> None:
+        sock, parts = self._socket(), encode(Message(kind, fields, list(frames)))
+        while True:
+            try:
+                sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                left = self._deadline - time.monotonic()
+                if not wait:
+                    return
+                if left <= 0:
+                    step = fields.get("step")
+                    raise RefitError(
+                        f"rank {self.rank} could not send {kind.name} to {self.endpoint} within the step's "
+                        "timeout: no connection to the daemon came up" + curve_hint(self.curve),
+                        kind=ErrorKind.TIMEOUT,
+                        rank=self.rank,
+                        step=step if isinstance(step, int) else None,
+                    ) from None
+                if self._closed:
+                    raise self._closed_error(fields.get("step")) from None
+                sock.poll(int(min(left, SEND_RETRY_S) * 1000) + 1, zmq.POLLOUT)
         self._last_sent = time.monotonic()
+
+    def _closed_error(self, step: Any) -> RefitError:
+        return RefitError(
+            "the client was closed while the step was in flight",
+            kind=ErrorKind.UNAVAILABLE,
+            rank=self.rank,
+            step=step if isinstance(step, int) else None,
+        )
 
     def _push(
         self,
@@ -258,7 +315,7 @@ class RefitClient:
         ready: list | None = None,
     ) -> StepResult:
         try:
-            self._slots, self._ready_events = {}, ready or []
+            self._slots, self._ready_events, self._deadline = {}, ready or [], deadline
             self._hello(step, deadline)
             with gc_paused():
                 begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
@@ -310,7 +367,9 @@ class RefitClient:
                 mover=mover,
                 mover_reason=why,
             )
-        except RefitError:
+        except RefitError as exc:
+            if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE):
+                self._drop_connection()  # whatever is queued on it belongs to this step: start afresh
             raise
         except ProtocolError as exc:
             self._abort(step, f"protocol error: {exc}")
@@ -326,7 +385,7 @@ class RefitClient:
 
     def _abort(self, step: int, reason: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
+            self._try_send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
 
     def _hello(self, step: int, deadline: float) -> None:
         self._send(
@@ -340,12 +399,30 @@ class RefitClient:
             },
         )
         self._last_heard = time.monotonic()
-        self._welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
+        self._step_instance = None  # until WELCOME: stale replies to an earlier connection are ignored
+        welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
+        instance = welcome.get("instance")
+        if self.instance is not None and instance != self.instance:
+            log.warning(
+                "rank %d: the daemon at %s restarted between steps (instance %s -> %s); reconnected",
+                self.rank,
+                self.endpoint,
+                self.instance,
+                instance,
+                extra={"step": step, "rank": self.rank},
+            )
+            if self._staging is not None:  # the old daemon's segment: never written again
+                self._staging.close()
+                self._staging = None
+        self._welcome, self.instance = welcome, instance
+        self._step_instance = instance if isinstance(instance, str) else None
 
     # ---- waiting
 
     def _keepalive(self, step: int, deadline: float, what: str, *, silence_ok: bool = False) -> None:
         """Raise on a passed deadline (aborting the step) or a silent daemon; ping when one is due."""
+        if self._closed:
+            raise self._closed_error(step)
         now = time.monotonic()
         if now > deadline:
             self._abort(step, f"rank {self.rank} timed out {what}")
@@ -362,7 +439,7 @@ class RefitClient:
                 step=step,
             )
         if now - self._last_sent > self._heartbeat():
-            self._send(Kind.PING, {"step": step, "rank": self.rank})
+            self._try_send(Kind.PING, {"step": step, "rank": self.rank})
 
     def _heartbeat(self) -> float:
         return float(self._welcome.get("heartbeat_interval_s", 1.0))
@@ -395,7 +472,17 @@ class RefitClient:
             return decode(frames, Limits(max_header_bytes=256 << 20))
 
     def _handle_async(self, msg: Message, step: int) -> bool:
-        """Credits and errors that may arrive at any time; True if consumed."""
+        """Credits and errors that may arrive at any time; True if consumed. Raises DaemonRestarted
+        when a reply comes from another daemon instance than this step's, or the daemon no longer
+        knows this client."""
+        instance = msg.get("instance")
+        unknown = msg.kind is Kind.ERROR and msg.get("kind") == ErrorKind.UNKNOWN_PEER.value
+        if self._step_instance is None:  # waiting for WELCOME: replies to what an earlier step sent
+            if unknown:
+                log.debug("rank %d ignored a stale reply before WELCOME: %s", self.rank, msg.get("message"))
+                return True
+        elif unknown or (isinstance(instance, str) and instance != self._step_instance):
+            self._restarted(step, instance if isinstance(instance, str) else None)
         if msg.kind is Kind.CREDIT:
             if msg.get("step") == step:
                 self._credits += int(msg.get("frames", 1))
@@ -414,6 +501,24 @@ class RefitClient:
                 raise err
             return True  # a stale error about an earlier step
         return msg.kind is Kind.PONG
+
+    def _restarted(self, step: int, new: str | None) -> None:
+        """The step's daemon is gone (or forgot this client): drop the connection, fail the step once."""
+        old = self._step_instance
+        self._step_instance = None
+        if new is not None:
+            self.instance = new  # the next WELCOME from it is no news
+        self._drop_connection()
+        if new is None or new == old:
+            what = f"the daemon (instance {old}) no longer knows this client"
+        else:
+            what = f"daemon restarted (instance {old} -> {new})"
+        log.warning(
+            "rank %d: %s; step %d was lost", self.rank, what, step, extra={"step": step, "rank": self.rank}
+        )
+        raise DaemonRestarted(
+            f"{what}; step {step} was lost, push again", old=old, new=new, rank=self.rank, step=step
+        )
 
     def _poll_async(self, step: int) -> None:
         self._progress_nixl()

@@ -258,6 +258,9 @@ class DaemonConfig:
     curve_public_key: Path | None = None
     curve_allowed_keys: Path | None = None
     curve_server_key: Path | None = None
+    #: inference role: the trainer daemons' public keys (a file or a folder of ``*.pub``), the only
+    #: clients whose FORWARD_* messages it takes; default: every key of ``curve_allowed_keys``
+    curve_trainer_keys: Path | None = None
 
     def __post_init__(self) -> None:
         problems: list[Problem] = []
@@ -569,6 +572,13 @@ _KNOBS: dict[str, _Knob] = {
     "curve_server_key": _Knob(
         "--curve-server-key", _optional(_path), "PATH", "the peers' public key (trainer role)", is_path=True
     ),
+    "curve_trainer_keys": _Knob(
+        "--curve-trainer-keys",
+        _optional(_path),
+        "PATH",
+        "inference role: the trainer daemons' public keys, file or dir (default: curve_allowed_keys)",
+        is_path=True,
+    ),
 }
 _TIMEOUTS = tuple(name for name in _KNOBS if name.endswith("_s"))
 _PLAN_SIZED = "too small; give a size such as 2GiB, or leave it unset to size it from the plan"
@@ -668,6 +678,20 @@ def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Probl
         )
     if ok("peers", "role") and c.peers and not trainer:
         yield Problem("peers are only for layout = 'disaggregated' with role = 'trainer'", ("peers", "role"))
+    inference = disaggregated and c.role is NodeRole.INFERENCE
+    curve = ("listen", "curve_secret_key", "curve_allowed_keys")
+    if ok("role", *curve) and inference and not (tcp_host(c.listen or "") and c.curve_secret_key):
+        yield Problem(
+            "role = 'inference' takes forwarded generations only from trainer daemons identified by their "
+            "CURVE key: listen on tcp://HOST:PORT with curve_secret_key and curve_allowed_keys (the trainer "
+            f"daemons' *.key.pub); {_KEYGEN_HINT}",
+            ("role", *curve),
+        )
+    if ok("role", "curve_trainer_keys") and c.curve_trainer_keys is not None and not inference:
+        yield Problem(
+            "curve_trainer_keys is only for layout = 'disaggregated' with role = 'inference'",
+            ("role", "curve_trainer_keys"),
+        )
     keys = ("forward_timeout_s", "reader_timeout_s")
     if ok(*keys) and trainer and c.forward_timeout_s >= c.reader_timeout_s:
         yield Problem(
@@ -676,7 +700,13 @@ def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Probl
             "must never be dropped under it",
             keys,
         )
-    for name in ("curve_secret_key", "curve_public_key", "curve_allowed_keys", "curve_server_key"):
+    for name in (
+        "curve_secret_key",
+        "curve_public_key",
+        "curve_allowed_keys",
+        "curve_server_key",
+        "curve_trainer_keys",
+    ):
         path = getattr(c, name)
         if ok(name) and path is not None and not path.exists():
             yield Problem(f"{name} = '{path}' does not exist; {_KEYGEN_HINT}", (name,))
@@ -984,4 +1014,5 @@ forward_mover = "auto"                  # auto (NIXL where both sides have it, e
 # curve_public_key = "/etc/refitd/node.key.pub"       # default: read from curve_secret_key
 # curve_allowed_keys = "/etc/refitd/clients"          # a *.key.pub file or a folder of them
 # curve_server_key = "/etc/refitd/inference.key.pub"  # trainer role: the inference daemons' public key
+# curve_trainer_keys = "/etc/refitd/trainers"         # inference role: who may forward; default: curve_allowed_keys
 """

@@ -35,7 +35,7 @@ import zmq
 from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeRole, default_listen, tcp_host
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.forward import Forwarding, ForwardReceiver
+from sidecar.forward import FORWARD_KINDS, Forwarding, ForwardReceiver, curve_user_id, forward_keys
 from sidecar.gcpause import gc_paused
 from sidecar.generations import Arenas
 from sidecar.models import get_model
@@ -84,6 +84,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.history: list[dict[str, Any]] = []  # last few steps, for status
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
+        self.forwarded_steps: dict[str, tuple[str, int]] = {}  # inference node: trainer key -> (source, step)
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
         self._force = False  # a second stop request: no draining
@@ -185,6 +186,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             try:
                 public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
                 allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
+                self.forward_keys = forward_keys(cfg, allowed)
             except (OSError, ValueError) as exc:
                 raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
             self.auth = keygen.start_authenticator(self.ctx, allowed)
@@ -339,10 +341,11 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     # sending
 
     def _send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
+        """Every reply carries this start's ``instance``: a client that sees a new one knows the daemon
+        restarted (and that the step it had in flight was lost)."""
+        fields = {**(fields or {}), "instance": self.instance}
         try:
-            self.router.send_multipart(
-                [identity, *encode(Message(kind, fields or {}, list(frames)))], zmq.NOBLOCK
-            )
+            self.router.send_multipart([identity, *encode(Message(kind, fields, list(frames)))], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # the peer is gone (ROUTER_MANDATORY) or not reading
             log.debug("cannot send %s to a peer: %s", kind.name, exc)
@@ -379,6 +382,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         peer = self.peers.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
+        if msg.kind in FORWARD_KINDS:  # who sent it: its CURVE key (ZAP User-Id), none over ipc://
+            self.sender_key = curve_user_id(frames[1])
         handler = getattr(self, f"handle_{msg.kind.name.lower()}", None)
         if handler is None:
             self._send_error(

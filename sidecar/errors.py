@@ -26,6 +26,8 @@ class ErrorKind(str, enum.Enum):
     UNAVAILABLE = "unavailable"  # no daemon answered
     ENGINE = "engine"  # an engine worker failed to attach or to load a generation
     UNKNOWN_PEER = "unknown_peer"  # the daemon does not know this peer (it restarted): introduce yourself
+    UNAUTHORIZED = "unauthorized"  # a request this peer may not make (forwarding from a non-trainer)
+    RESTARTED = "restarted"  # the daemon restarted mid-step (a new instance): the step was lost, push again
     INTERNAL = "internal"  # a bug: please report it
 
     @classmethod
@@ -62,3 +64,13 @@ class RefitError(RuntimeError):
             rank=fields.get("rank"),
             step=fields.get("step"),
         )
+
+
+class DaemonRestarted(RefitError):
+    """The daemon restarted while a step was in flight (a reply came from a new instance, or the
+    daemon no longer knew this client): the step was lost. The client has already dropped its old
+    connection; the next call (``push_step`` again) introduces itself to the new daemon."""
+
+    def __init__(self, message: str, *, old: str | None, new: str | None, rank: int | None = None, step=None):
+        super().__init__(message, kind=ErrorKind.RESTARTED, rank=rank, step=step)
+        self.old, self.new = old, new

@@ -594,6 +594,7 @@ class Inbound:
     slots: list[Slot]
     started: float
     last_seen: float
+    sender: str = ""  # the forwarder's CURVE public key (z85): who may continue this transfer
     target: Generation | None = None
     flat: dict[str, torch.Tensor] = field(default_factory=dict)
     index: int = 0  # next tensor expected
@@ -615,12 +616,42 @@ class Inbound:
         return self.index == len(self.slots)
 
 
+FORWARD_KINDS = frozenset({Kind.FORWARD_BEGIN, Kind.FORWARD_DATA, Kind.FORWARD_COMMIT, Kind.FORWARD_ABORT})
+
+
+def curve_user_id(frame: Any) -> str | None:
+    """The CURVE public key (z85) the ZAP handler authenticated for a received frame; None when the
+    connection has none (``ipc://``, or a listener without CURVE)."""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return user or None
+
+
+def forward_keys(config: DaemonConfig, allowed: set[bytes]) -> frozenset[str]:
+    """The z85 public keys that may forward to this inference node: ``curve_trainer_keys`` when
+    given, else every key allowed to connect."""
+    from sidecar.keygen import allowed_keys
+
+    keys = allowed if config.curve_trainer_keys is None else allowed_keys(config.curve_trainer_keys)
+    return frozenset(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+
+
 class ForwardReceiver:
     """The inference side of forwarding, mixed into ``Daemon`` (which supplies ``arenas``, ``_send``,
-    ``_go_live`` and the rest). Each FORWARD_* message is dispatched to ``handle_forward_*``."""
+    ``_go_live`` and the rest). Each FORWARD_* message is dispatched to ``handle_forward_*``.
+
+    Forwarding is accepted only from this node's trainer daemons, identified by their CURVE public
+    key over ``tcp://`` (``curve_trainer_keys``, by default every key of ``curve_allowed_keys``): never
+    from the local ``ipc://`` socket (engine readers) nor from a listener without CURVE. The daemon
+    sets ``sender_key`` (the ZAP User-Id of the message being handled) before each FORWARD_* handler.
+    Step order is kept per trainer key: what one sender claims never moves another's."""
 
     inbound: Inbound | None = None
-    forward_source: str | None = None
+    forward_source: str | None = None  # the source (trainer daemon instance) of the latest forwarded step
+    forward_keys: frozenset[str] = frozenset()  # z85 public keys allowed to forward here
+    sender_key: str | None = None  # the CURVE key of the FORWARD_* message being handled, if any
     nixl_target: TargetSide | None = None  # made on the first transfer NIXL may carry
 
     def _inference_node(self) -> bool:
@@ -628,22 +659,43 @@ class ForwardReceiver:
 
         return self.config.role is NodeRole.INFERENCE
 
+    def _forwarder(self, msg: Message) -> str:
+        """The sender's CURVE key if it may forward here; RefitError (UNAUTHORIZED) otherwise."""
+        key = self.sender_key
+        if key is None:
+            raise RefitError(
+                f"{msg.kind.name} refused: an inference node takes forwarded generations only from its trainer "
+                "daemons, identified by their CURVE key over tcp://; this message came without one (the local "
+                "ipc:// socket is for engine readers, and a listener without CURVE identifies nobody)",
+                kind=ErrorKind.UNAUTHORIZED,
+            )
+        if key not in self.forward_keys:
+            log.warning("refused %s from CURVE key %s, which is not a trainer daemon's", msg.kind.name, key)
+            raise RefitError(
+                f"{msg.kind.name} refused: CURVE key {key} may connect but is not a trainer daemon's; add its "
+                "NAME.key.pub to this node's curve_trainer_keys if it is one",
+                kind=ErrorKind.UNAUTHORIZED,
+            )
+        return key
+
     def handle_forward_begin(self, identity: bytes, msg: Message) -> None:
         if not self._inference_node():
             raise RefitError(
                 "this daemon is not an inference node: start it with --layout disaggregated --role inference",
                 kind=ErrorKind.INVALID,
             )
+        sender = self._forwarder(msg)
         step, source = msg.require("step", int), msg.require("source", str)
         transfer, rows = msg.require("transfer", str), msg.require("rows", list)
         live = self.arenas.live_generation()
-        if source == self.forward_source and self.last_step is not None and step <= self.last_step:
+        done = self.forwarded_steps.get(sender)  # (source, step) this sender last published here
+        if done is not None and done[0] == source and step <= done[1]:
             self._send(
                 identity,
                 Kind.FORWARDED,
                 {
                     "transfer": transfer,
-                    "step": self.last_step,
+                    "step": done[1],
                     "generation": None if live is None else live.index,
                     "instance": self.instance,
                     "already": True,
@@ -667,7 +719,7 @@ class ForwardReceiver:
         offered = msg.get("movers", ["zmq"])
         offered = tuple(str(m) for m in offered) if isinstance(offered, list) else ("zmq",)
         self.inbound = Inbound(
-            identity, transfer, step, source, layout, list(layout), now, now, offered=offered
+            identity, transfer, step, source, layout, list(layout), now, now, sender=sender, offered=offered
         )
         if old is not None:
             log.info("forwarded step %d replaces the unfinished transfer of step %d", step, old.step)
@@ -724,9 +776,15 @@ class ForwardReceiver:
         return "nixl", "NIXL on both sides", offer
 
     def _inbound(self, identity: bytes, msg: Message) -> Inbound:
+        sender = self._forwarder(msg)
         inbound = self.inbound
         transfer = msg.require("transfer", str)
-        if inbound is None or inbound.identity != identity or inbound.transfer != transfer:
+        if (
+            inbound is None
+            or inbound.identity != identity
+            or inbound.sender != sender
+            or inbound.transfer != transfer
+        ):
             raise RefitError(
                 f"{msg.kind.name} for transfer {transfer}, which is not in progress here (this daemon "
                 "restarted, timed it out, or a newer transfer replaced it)",
@@ -808,6 +866,7 @@ class ForwardReceiver:
             )
         self.inbound = None
         self.forward_source = inbound.source
+        self.forwarded_steps[inbound.sender] = (inbound.source, inbound.step)
         now = time.monotonic()
         record = {
             "step": inbound.step,
@@ -843,8 +902,14 @@ class ForwardReceiver:
         )
 
     def handle_forward_abort(self, identity: bytes, msg: Message) -> None:
+        sender = self._forwarder(msg)
         inbound = self.inbound
-        if inbound is not None and inbound.identity == identity and inbound.transfer == msg.get("transfer"):
+        if (
+            inbound is not None
+            and inbound.identity == identity
+            and inbound.sender == sender
+            and inbound.transfer == msg.get("transfer")
+        ):
             self._drop_inbound(f"the forwarder aborted it: {msg.get('reason', 'no reason given')}")
 
     def _drop_inbound(self, why: str) -> None:

@@ -13,7 +13,9 @@ A message on the wire is a ZeroMQ multipart message::
 On a ROUTER socket the peer identity frame comes first. Every frame is size-checked against
 ``Limits`` before anything is decoded; a bad message is refused with a ``ProtocolError`` that says
 which check failed, and the receiver keeps serving. Errors travel as data: an ``ERROR`` message's
-fields are ``{"kind", "message", "rank", "step"}`` (see ``sidecar.errors``).
+fields are ``{"kind", "message", "rank", "step"}`` (see ``sidecar.errors``). Every message a daemon
+sends also carries its ``"instance"`` field (random per start): a client that sees a new one knows
+the daemon restarted.
 """
 
 from __future__ import annotations
