@@ -106,6 +106,19 @@ class Piece:
         object.__setattr__(self, "end", tuple(map(operator.add, offsets, shape)))
         object.__setattr__(self, "numel", math.prod(shape))
 
+    @classmethod
+    def of_ints(cls, rank: int, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Piece:
+        """A piece from offsets and shape already checked to be tuples of plain ints of one length
+        (a BEGIN row's fast path: no normalisation)."""
+        piece = object.__new__(cls)
+        setattr_ = object.__setattr__
+        setattr_(piece, "rank", rank)
+        setattr_(piece, "offsets", offsets)
+        setattr_(piece, "shape", shape)
+        setattr_(piece, "end", tuple(map(operator.add, offsets, shape)))
+        setattr_(piece, "numel", math.prod(shape))
+        return piece
+
     def slices(self) -> tuple[slice, ...]:
         """Index of this piece inside the global tensor: ``full[piece.slices()]`` is the slice."""
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape))
@@ -486,7 +499,18 @@ class CoverageTracker:
         announcement leaves the tracker as it was. Returns the piece ids in order."""
         new: dict[str, _Tensor] = {}
         checked = []
+        tensors = self._tensors
         for name, global_shape, piece, itemsize in items:
+            t = tensors.get(name) or new.get(name)
+            if (
+                t is not None
+                and type(itemsize) is int
+                and itemsize == t.itemsize
+                and global_shape == t.global_shape
+            ):
+                _validate(name, t.global_shape, piece)  # a known tensor, described the same way
+                checked.append((name, piece))
+                continue
             gs = _global_shape(name, global_shape)
             try:
                 size = operator.index(itemsize)  # numpy ints too, but not 2.0
@@ -498,7 +522,6 @@ class CoverageTracker:
                     "give the element size in bytes (2 for bf16)"
                 )
             _validate(name, gs, piece)
-            t = self._tensors.get(name) or new.get(name)
             if t is None:
                 t = new[name] = _Tensor(gs, size, piece.rank)
             elif t.global_shape != gs:

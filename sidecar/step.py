@@ -18,7 +18,7 @@ from sidecar.coverage import CoverageError, CoverageTracker, FrameError, Piece
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.gcpause import gc_paused
 from sidecar.plan import RefitPlan, TensorSpec, Unit
-from transport.wire import ProtocolError, dtype_from_name
+from transport.wire import ProtocolError, dtype_from_name, dtype_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,34 +34,60 @@ class Declared:
     def from_wire(cls, rank: int, row: Any, index: int = 0) -> Declared:
         """Row ``index`` of rank ``rank``'s BEGIN, its field types checked (ProtocolError naming the
         field, the type expected and the type sent); the values are checked by the tracker."""
-        where = f"rank {rank}: BEGIN piece {index}"
-        if not (isinstance(row, list) and len(row) == 5):
-            raise ProtocolError(
-                f"{where} is a {wire_type(row)}, expected a list [name, dtype, global_shape, offsets, shape]: "
-                "send one such list per piece"
-            )
-        name, dtype, global_shape, offsets, shape = row
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(
-                f"{where}: name is a {wire_type(name)}, expected a non-empty str (the tensor's name)"
-            )
-        if not isinstance(dtype, str):
-            raise ProtocolError(
-                f"{where} ({name!r}): dtype is a {wire_type(dtype)}, expected a str such as 'bfloat16'"
-            )
-        dtype_from_name(dtype)  # refuse unknown dtypes early
-        for field_name, v in (("global_shape", global_shape), ("offsets", offsets), ("shape", shape)):
-            if not isinstance(v, list) or any(type(d) is not int for d in v):
-                raise ProtocolError(
-                    f"{where} ({name!r}): {field_name} is a {wire_type(v)}, expected a list of ints "
-                    "(one per dim of the global tensor)"
+        if type(row) is list and len(row) == 5:  # the fast path: one check per field, no message built
+            name, dtype, global_shape, offsets, shape = row
+            if (
+                type(name) is str
+                and name
+                and type(dtype) is str
+                and dtype in _WIRE_DTYPES
+                and type(global_shape) is list
+                and type(offsets) is list
+                and type(shape) is list
+                and len(global_shape) == len(offsets) == len(shape)
+                and set(map(type, global_shape + offsets + shape)) <= _INT
+            ):
+                return cls(
+                    name, dtype, tuple(global_shape), Piece.of_ints(rank, tuple(offsets), tuple(shape))
                 )
-        if not len(global_shape) == len(offsets) == len(shape):
-            raise ProtocolError(
-                f"{where} ({name!r}): global_shape, offsets and shape have {len(global_shape)}, {len(offsets)} "
-                f"and {len(shape)} entries: give one per dim of the global tensor"
+        raise _row_error(rank, row, index)
+
+
+_INT = frozenset({int})
+_WIRE_DTYPES = dtype_names()
+
+
+def _row_error(rank: int, row: Any, index: int) -> ProtocolError:
+    """What is wrong with BEGIN row ``index`` that :meth:`Declared.from_wire` refused."""
+    where = f"rank {rank}: BEGIN piece {index}"
+    if not (isinstance(row, list) and len(row) == 5):
+        return ProtocolError(
+            f"{where} is a {wire_type(row)}, expected a list [name, dtype, global_shape, offsets, shape]: "
+            "send one such list per piece"
+        )
+    name, dtype, global_shape, offsets, shape = row
+    if not isinstance(name, str) or not name:
+        return ProtocolError(
+            f"{where}: name is a {wire_type(name)}, expected a non-empty str (the tensor's name)"
+        )
+    if not isinstance(dtype, str):
+        return ProtocolError(
+            f"{where} ({name!r}): dtype is a {wire_type(dtype)}, expected a str such as 'bfloat16'"
+        )
+    if dtype not in _WIRE_DTYPES:
+        return ProtocolError(
+            f"{where} ({name!r}): unknown dtype {dtype[:40]!r}; supported: {sorted(_WIRE_DTYPES)}"
+        )
+    for field_name, v in (("global_shape", global_shape), ("offsets", offsets), ("shape", shape)):
+        if not isinstance(v, list) or any(type(d) is not int for d in v):
+            return ProtocolError(
+                f"{where} ({name!r}): {field_name} is a {wire_type(v)}, expected a list of ints "
+                "(one per dim of the global tensor)"
             )
-        return cls(name, dtype, tuple(global_shape), Piece(rank, tuple(offsets), tuple(shape)))
+    return ProtocolError(
+        f"{where} ({name!r}): global_shape, offsets and shape have {len(global_shape)}, {len(offsets)} "
+        f"and {len(shape)} entries: give one per dim of the global tensor"
+    )
 
 
 def wire_type(value: Any) -> str:
