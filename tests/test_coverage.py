@@ -434,3 +434,45 @@ def test_random_partitions_pass_and_fail_when_a_piece_is_dropped_or_doubled(
     what = f"rows {where}" if shape else "the 0-d value"
     assert msg.splitlines()[1] == f"  overlap: rank {p.rank} sent {what} in two pieces"
     assert "gap" not in msg
+
+
+# --- cost: no pairwise work on a hostile declaration ---------------------------------------------
+
+
+def test_many_identical_pieces_cost_n_log_n_and_the_report_stays_short() -> None:
+    """n copies of one piece: each overlaps the first one open, so the sweep makes about n
+    comparisons (the pairwise report made n^2 / 2: 8k pieces held the serve loop 13.4 s). Measured
+    here as a ratio: 8x the pieces may cost at most 30x the time (quadratic would be 64x)."""
+    import time
+
+    seconds = {}
+    for n in (4096, 32768):
+        pieces = [Piece(0, (0, 0), (4, 8))] * n + [Piece(1, (4, 0), (4, 8))]
+        count, pairs, exact = coverage._overlaps(pieces, keep=coverage.MAX_LISTED)
+        assert (count, exact) == (n - 1, True) and pairs == [(0, j) for j in range(1, 6)]
+        t0 = time.perf_counter()
+        msg = error("w", (8, 8), pieces)
+        seconds[n] = time.perf_counter() - t0
+        assert f"({n - 1} overlaps):" in msg and msg.count("  overlap: rank 0 sent") == 5
+        assert f"  ... and {n - 6} more overlaps\n" in msg and len(msg) < 1024
+    assert seconds[32768] < 30 * seconds[4096], seconds
+
+
+def staircase(n: int) -> list[Piece]:
+    """An exact cover of (n, n) by columns cut at the diagonal: along dim 0 every upper piece stays
+    open while the lower ones start, without touching them (n^2 / 2 comparisons for a plain sweep)."""
+    lower = [Piece(0, (i, i), (n - i, 1)) for i in range(n)]
+    upper = [Piece(1, (0, j), (j, 1)) for j in range(1, n)]
+    return upper + lower
+
+
+def test_a_sweep_over_budget_decides_on_the_grid() -> None:
+    n = 1000
+    pieces = staircase(n)
+    count, _, exact = coverage._overlaps(pieces, keep=0)
+    assert (count, exact) == (0, False)  # stopped at its budget, not after n^2 / 2 comparisons
+    check_cover("w", (n, n), pieces)  # decided exactly on the grid instead
+    doubled = [*pieces, Piece(2, (0, 5), (3, 1))]
+    msg = error("w", (n, n), [p for p in doubled if p.offsets != (0, 7)])
+    assert "(at least 1 overlap; 1 gap, 7 of 1000000 elements uncovered):" in msg
+    assert "  gap: no rank sent rows [0, 7) x [7, 8)\n" in msg
