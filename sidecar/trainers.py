@@ -136,7 +136,7 @@ class TrainerHandlers:
             )
         if self.step is None:
             if not self._can_start_step():
-                self.pending.append((identity, msg))
+                self._park_begin(identity, msg)
                 return
             self.step = StepState(
                 step,
@@ -155,7 +155,7 @@ class TrainerHandlers:
                     rank=peer.rank,
                     step=step,
                 )
-            self.pending.append((identity, msg))
+            self._park_begin(identity, msg)
             return
         state = self.step
         state.begin(peer.rank, rows)
@@ -165,6 +165,13 @@ class TrainerHandlers:
             state.nixl_offers[peer.rank] = (offer, rows)
         if state.all_begun:
             self._all_begun()
+
+    def _park_begin(self, identity: bytes, msg: Message) -> None:
+        """Keep a BEGIN of a later step until the step in progress ends: the latest one per peer (a
+        rank waits for each step before it begins the next, so an earlier one is superseded), so
+        a peer repeating BEGINs cannot grow the queue."""
+        self.pending = [(i, m) for i, m in self.pending if i != identity]
+        self.pending.append((identity, msg))
 
     def _next_event(self) -> int:
         self.events += 1

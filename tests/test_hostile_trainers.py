@@ -99,11 +99,11 @@ class RawRank:
         return decode(self.sock.recv_multipart(), BIG)
 
     def expect(self, kind: Kind, timeout: float = WAIT_S) -> Message:
-        """The next message that is not flow control (CREDIT, PONG); it must be ``kind``."""
+        """The next message that is not flow control (CREDIT, or PONG unless asked for); it must be ``kind``."""
         deadline = time.monotonic() + timeout
         while True:
             msg = self.recv(max(0.0, deadline - time.monotonic()))
-            if msg.kind in (Kind.CREDIT, Kind.PONG):
+            if msg.kind is not kind and msg.kind in (Kind.CREDIT, Kind.PONG):
                 continue
             assert msg.kind is kind, f"expected {kind.name}, got {msg.kind.name} {msg.fields}"
             return msg
@@ -549,3 +549,35 @@ def test_undecodable_message_from_a_rank_of_the_step_fails_it_on_every_rank(star
         assert failure(honest).message == err.message
         raw.close()
     assert_intact(pool, d, 1, good, 3)
+
+
+@pytest.mark.timeout(120)
+def test_begins_repeated_for_a_later_step_are_kept_once(start, pool):
+    """A rank that BEGINs step 3 five hundred times while step 2 is in progress holds one place in
+    the queue, not five hundred; once step 2 ends its BEGIN of step 3 is taken up as usual."""
+    d = start()
+    good = honest_step(pool, d, 1, seed=1)
+    sd = weights(2)
+    with RefitClient(d.endpoint, 1, 2, timeout=WAIT_S) as c1:
+        honest = push(pool, c1, 2, sd)
+        raw, _, rows = begin_raw(d, 2, sd)
+        raw.expect(Kind.READY)
+        for _ in range(500):
+            raw.send(Kind.BEGIN, {"step": 3, "pieces": rows})
+        raw.send(Kind.PING, {})
+        raw.expect(Kind.PONG)  # every BEGIN before it was handled
+        assert len(d.daemon.pending) == 1
+        raw.send(Kind.ABORT, {"step": 2, "reason": "test"})
+        assert raw.error().kind is ErrorKind.ABORTED and failure(honest).kind is ErrorKind.ABORTED
+        assert d.status()["live"]["step"] == 1
+        assert_published(d.endpoint, 1, good)
+        nxt = weights(3)
+        honest = push(pool, c1, 3, nxt)
+        ids = raw.expect(Kind.READY).fields["pieces"]
+        for pid, (_, block, offsets) in zip(ids, rank_part(nxt, 0)):
+            raw.shard(3, pid, offsets, block)
+        raw.send(Kind.COMMIT, {"step": 3})
+        raw.expect(Kind.ACK)
+        assert raw.expect(Kind.RESULT).fields["step"] == 3 and honest.result(timeout=WAIT_S).step == 3
+        raw.close()
+    assert_published(d.endpoint, 3, nxt)
