@@ -270,9 +270,9 @@ class TrainerHandlers:
         if not peer.local or peer.rank not in state.staged:
             raise RefitError(
                 f"rank {peer.rank} said PIECE_DONE, but this daemon never handed it the staging arena "
-                f"(it is a remote peer{': over tcp:// every peer is' if not peer.local else ''}): only a "
-                "local rank that READY gave the staging handle writes pieces in place; send the data as "
-                "SHARD frames",
+                "(a remote peer: it did not say local in HELLO, or it came over tcp://, where every peer is "
+                "remote): only a local rank that READY gave the staging handle writes pieces in place; send "
+                "the data as SHARD frames",
                 kind=ErrorKind.PROTOCOL,
                 rank=peer.rank,
                 step=state.step,
