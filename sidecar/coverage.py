@@ -8,9 +8,16 @@ the sharding plan and one of them silently wins. Both are plan bugs that should 
 message naming the tensor, the ranks and the element ranges, not surface later as a bad eval.
 
 The check never materialises a tensor. The common case (the pieces' volumes add up to the tensor's
-and no two pieces intersect) is decided with a few integer comparisons per pair. Only when that
-fails is the coordinate-compressed grid built (one cell per interval between consecutive piece
-boundaries, in every dim) to name the gaps; overlaps are named from the pairwise intersections.
+and no two pieces intersect) is decided by a sweep: pieces sorted along one dim, each compared with
+the few still open there, O(n log n) for TP, EP and block-grid splits. Only when that fails, or the
+sweep exceeds its budget, is the coordinate-compressed grid built (one cell per interval between
+consecutive piece boundaries, in every dim, counted with a difference array) to decide and to name
+the gaps; overlaps are named by the sweep, a few of them, the rest counted. No declaration, however
+hostile, costs pairwise work.
+
+Data is tracked by position: each piece keeps the ranges of its flattened elements received so far,
+so a block sent twice is refused (:class:`FrameError`) even when as many bytes as the piece holds
+have arrived, and a piece completes only when its blocks tile it.
 
 Ranges print half-open per dim, joined with `` x ``: ``[0, 128) x [0, 1024)``.
 
