@@ -223,6 +223,7 @@ class DaemonConfig:
     max_frame_bytes: int = 64 * MiB
     max_header_bytes: int = 16 * MiB  # a BEGIN takes ~40 B per piece (~100 with a NIXL offer)
     credit_frames: int = 8
+    max_step_pieces: int = 1 << 20  # pieces all ranks may declare in one step (Qwen3.5 per expert: ~30k)
 
     """Logging: ``text`` or ``json`` lines, at ``debug`` / ``info`` / ``warning`` / ``error``."""
     log_format: LogFormat = LogFormat.TEXT
@@ -541,6 +542,7 @@ _KNOBS: dict[str, _Knob] = {
     "max_frame_bytes": _Knob("--max-frame-bytes", parse_size, "SIZE", "largest data frame accepted"),
     "max_header_bytes": _Knob("--max-header-bytes", parse_size, "SIZE", "largest header accepted"),
     "credit_frames": _Knob("--credit-frames", _count, "N", "frames a remote client may have in flight"),
+    "max_step_pieces": _Knob("--max-step-pieces", _count, "N", "pieces all ranks may declare in one step"),
     "log_format": _Knob("--log-format", _enum(LogFormat), "FMT", "text or json"),
     "log_level": _Knob("--log-level", _enum(LogLevel), "LEVEL", "debug, info, warning or error"),
     "metrics_listen": _Knob(
@@ -624,6 +626,7 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
         "max_frame_bytes": (1, "too small; give a size such as 64MiB"),
         "max_header_bytes": (1, "too small; give a size such as 1MiB"),
         "credit_frames": (1, "give at least 1 frame in flight"),
+        "max_step_pieces": (1, "give at least 1; a real model needs up to ~1M (a piece per expert per rank)"),
     }
     for name, (least, hint) in minimums.items():
         value = getattr(c, name)
@@ -1001,6 +1004,7 @@ arena = "shm"                           # shm, or cuda (arenas in GPU memory, CU
 max_frame_bytes = "64MiB"
 max_header_bytes = "16MiB"
 credit_frames = 8
+max_step_pieces = 1048576               # pieces all ranks may declare in one step
 log_format = "text"                     # text or json
 log_level = "info"                      # debug, info, warning, error
 # metrics_listen = "127.0.0.1:9464"     # HTTP /healthz, /readyz, /metrics; default: off

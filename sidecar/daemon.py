@@ -377,7 +377,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     "send fewer, larger tensors"
                 )
             log.warning("refused a malformed message: %s", text)
-            self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
+            if not self._step_protocol_error(identity, ProtocolError(text)):
+                self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
             return
         peer = self.peers.get(identity)
         if peer is not None:
@@ -397,6 +398,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         try:
             handler(identity, msg)
         except ProtocolError as exc:
+            if self._step_protocol_error(identity, exc):  # a rank of the step: every rank hears it
+                return
             self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
         except RefitError as exc:
             if self.step is not None and exc.step == self.step.step:

@@ -8,16 +8,17 @@ at fault, so the daemon can fail the step on every rank with one message.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.coverage import CoverageError, CoverageTracker, Piece
+from sidecar.coverage import CoverageError, CoverageTracker, FrameError, Piece
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.gcpause import gc_paused
 from sidecar.plan import RefitPlan, TensorSpec, Unit
-from transport.wire import ProtocolError, dtype_from_name
+from transport.wire import ProtocolError, dtype_from_name, dtype_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,20 +31,70 @@ class Declared:
     piece: Piece
 
     @classmethod
-    def from_wire(cls, rank: int, row: Any) -> Declared:
-        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)):
-            raise ProtocolError(
-                f"rank {rank}: a BEGIN piece must be [name, dtype, global_shape, offsets, shape]"
+    def from_wire(cls, rank: int, row: Any, index: int = 0) -> Declared:
+        """Row ``index`` of rank ``rank``'s BEGIN, its field types checked (ProtocolError naming the
+        field, the type expected and the type sent); the values are checked by the tracker."""
+        if type(row) is list and len(row) == 5:  # the fast path: one check per field, no message built
+            name, dtype, global_shape, offsets, shape = row
+            if (
+                type(name) is str
+                and name
+                and type(dtype) is str
+                and dtype in _WIRE_DTYPES
+                and type(global_shape) is list
+                and type(offsets) is list
+                and type(shape) is list
+                and len(global_shape) == len(offsets) == len(shape)
+                and set(map(type, global_shape + offsets + shape)) <= _INT
+            ):
+                return cls(
+                    name, dtype, tuple(global_shape), Piece.of_ints(rank, tuple(offsets), tuple(shape))
+                )
+        raise _row_error(rank, row, index)
+
+
+_INT = frozenset({int})
+_WIRE_DTYPES = dtype_names()
+
+
+def _row_error(rank: int, row: Any, index: int) -> ProtocolError:
+    """What is wrong with BEGIN row ``index`` that :meth:`Declared.from_wire` refused."""
+    where = f"rank {rank}: BEGIN piece {index}"
+    if not (isinstance(row, list) and len(row) == 5):
+        return ProtocolError(
+            f"{where} is a {wire_type(row)}, expected a list [name, dtype, global_shape, offsets, shape]: "
+            "send one such list per piece"
+        )
+    name, dtype, global_shape, offsets, shape = row
+    if not isinstance(name, str) or not name:
+        return ProtocolError(
+            f"{where}: name is a {wire_type(name)}, expected a non-empty str (the tensor's name)"
+        )
+    if not isinstance(dtype, str):
+        return ProtocolError(
+            f"{where} ({name!r}): dtype is a {wire_type(dtype)}, expected a str such as 'bfloat16'"
+        )
+    if dtype not in _WIRE_DTYPES:
+        return ProtocolError(
+            f"{where} ({name!r}): unknown dtype {dtype[:40]!r}; supported: {sorted(_WIRE_DTYPES)}"
+        )
+    for field_name, v in (("global_shape", global_shape), ("offsets", offsets), ("shape", shape)):
+        if not isinstance(v, list) or any(type(d) is not int for d in v):
+            return ProtocolError(
+                f"{where} ({name!r}): {field_name} is a {wire_type(v)}, expected a list of ints "
+                "(one per dim of the global tensor)"
             )
-        name, dtype, global_shape, offsets, shape = row
-        dtype_from_name(dtype)  # refuse unknown dtypes early
-        for v in (global_shape, offsets, shape):
-            if not isinstance(v, list):
-                raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
-            for d in v:
-                if not isinstance(d, int):
-                    raise ProtocolError(f"rank {rank}: piece of {name!r} has non-integer shapes or offsets")
-        return cls(name, dtype, tuple(global_shape), Piece(rank, tuple(offsets), tuple(shape)))
+    return ProtocolError(
+        f"{where} ({name!r}): global_shape, offsets and shape have {len(global_shape)}, {len(offsets)} "
+        f"and {len(shape)} entries: give one per dim of the global tensor"
+    )
+
+
+def wire_type(value: Any) -> str:
+    """A wire value's type for a message (never its repr: it may be huge or nested deep)."""
+    if isinstance(value, list):
+        return f"list of {len(value)}"
+    return "bool" if isinstance(value, bool) else type(value).__name__
 
 
 @dataclass(slots=True)
@@ -97,6 +148,8 @@ class StepState:
     bytes_in: int = 0
     phases: Phases = field(default_factory=Phases)
     ready_sent: bool = False
+    max_pieces: int = 1 << 20  # pieces all ranks may declare in the step (max_step_pieces)
+    staged: set[int] = field(default_factory=set)  # ranks READY handed the staging handle (local writers)
     nixl_offers: dict[int, tuple[dict[str, Any], list[Any]]] = field(
         default_factory=dict
     )  # rank -> (offer, rows)
@@ -124,25 +177,41 @@ class StepState:
             self._declare(rank, rows)
 
     def _declare(self, rank: int, rows: list[Any]) -> None:
-        pieces = []
-        for row in rows:
-            d = Declared.from_wire(rank, row)
-            known = self.tensors.setdefault(d.name, (d.dtype_name, d.global_shape))
+        """Parse and check every row first, then declare them all: a refused BEGIN declares nothing."""
+        total = len(self.pieces) + len(rows)
+        if total > self.max_pieces:
+            raise RefitError(
+                f"rank {rank}'s BEGIN declares {len(rows)} pieces, {total} in step {self.step} with the other "
+                f"ranks', over max_step_pieces={self.max_pieces}: send fewer, larger pieces (a whole expert "
+                "slab rather than one piece per expert), or raise max_step_pieces (--max-step-pieces, "
+                "REFITD_MAX_STEP_PIECES)",
+                kind=ErrorKind.INVALID,
+                rank=rank,
+                step=self.step,
+            )
+        declared = [Declared.from_wire(rank, row, i) for i, row in enumerate(rows)]
+        new: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for d in declared:
+            known = self.tensors.get(d.name) or new.setdefault(d.name, (d.dtype_name, d.global_shape))
             if known != (d.dtype_name, d.global_shape):
                 raise RefitError(
-                    f"tensor {d.name!r}: rank {rank} says {d.dtype_name} {list(d.global_shape)} but another "
-                    f"rank said {known[0]} {list(known[1])}; every rank must describe the same global tensor",
+                    f"tensor {d.name!r}: rank {rank} says {d.dtype_name} {list(d.global_shape)} but "
+                    f"{'another rank' if d.name in self.tensors else 'an earlier piece'} said {known[0]} "
+                    f"{list(known[1])}; every rank must describe the same global tensor",
                     kind=ErrorKind.INVALID,
                     rank=rank,
                     step=self.step,
                 )
-            try:
-                pid = self.tracker.declare(d.name, d.global_shape, d.piece, _itemsize(d.dtype_name))
-            except CoverageError as exc:
-                raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
-            pieces.append(len(self.pieces))
-            self.pieces.append((rank, d.name, pid))
-        self.declared[rank] = pieces
+        try:
+            ids = self.tracker.declare_all(
+                [(d.name, d.global_shape, d.piece, _itemsize(d.dtype_name)) for d in declared]
+            )
+        except CoverageError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
+        self.tensors.update(new)
+        first = len(self.pieces)
+        self.pieces.extend((rank, d.name, pid) for d, pid in zip(declared, ids))
+        self.declared[rank] = list(range(first, len(self.pieces)))
 
     @property
     def all_begun(self) -> bool:
@@ -180,14 +249,23 @@ class StepState:
 
     # ---- data
 
-    def piece_received(self, rank: int, piece_id: int, nbytes: int) -> str | None:
-        """Account ``nbytes`` of a piece; returns the tensor name if that tensor just completed."""
+    def piece_received(
+        self, rank: int, piece_id: int, offsets: list[int] | None = None, shape: list[int] | None = None
+    ) -> str | None:
+        """Record the block ``offsets``/``shape`` of a piece (global coordinates; the whole piece when
+        None); returns the tensor name if that tensor just completed. A block outside the piece or
+        overlapping data already received is a PROTOCOL error of ``rank``."""
         name, tid = self.piece(rank, piece_id)
         try:
-            self.tracker.received(name, tid, nbytes)
+            self.tracker.received(name, tid, offsets, shape)
+        except FrameError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=rank, step=self.step) from None
         except CoverageError as exc:
             raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
-        self.bytes_in += nbytes
+        if shape is None:
+            self.bytes_in += self.tracker.piece_nbytes(name, tid)
+        else:
+            self.bytes_in += math.prod(shape) * _itemsize(self.tensors[name][0])
         if self.tracker.tensor_complete(name) and name not in self.complete:
             self.complete.add(name)
             if len(self.complete) == len(self.tensors):
@@ -197,12 +275,14 @@ class StepState:
 
     def piece(self, rank: int, piece_id: int) -> tuple[str, int]:
         """(tensor name, tracker piece id) of wire piece ``piece_id``, which ``rank`` must own."""
-        if isinstance(piece_id, int) and 0 <= piece_id < len(self.pieces):
+        if type(piece_id) is int and 0 <= piece_id < len(self.pieces):
             owner, name, tid = self.pieces[piece_id]
             if owner == rank:
                 return name, tid
+        shown = piece_id if type(piece_id) is int else f"<{wire_type(piece_id)}>"
         raise RefitError(
-            f"rank {rank} sent data for piece {piece_id}, which it did not declare in BEGIN",
+            f"rank {rank} sent data for piece {shown}, which it did not declare in BEGIN: "
+            "piece ids are the ints READY listed for this rank",
             kind=ErrorKind.PROTOCOL,
             rank=rank,
             step=self.step,
@@ -233,11 +313,7 @@ class StepState:
             raise RefitError(
                 f"rank {rank} committed before BEGIN", kind=ErrorKind.PROTOCOL, rank=rank, step=self.step
             )
-        lacking = [
-            line
-            for line in self.tracker.incomplete()
-            if line.startswith(f"rank {rank}:") or f"rank {rank} " in line
-        ]
+        lacking = self.tracker.incomplete(rank)
         if lacking:
             raise RefitError(
                 f"rank {rank} committed step {self.step} with data missing: " + _join(lacking),

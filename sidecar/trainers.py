@@ -22,7 +22,7 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan import RefitPlan
 from sidecar.pull_nixl import PullSide
 from sidecar.readers import Peer
-from sidecar.step import StepState
+from sidecar.step import StepState, wire_type
 from transport.wire import Kind, Message, ProtocolError
 
 log = logging.getLogger("refitd.daemon")
@@ -64,14 +64,24 @@ class TrainerHandlers:
         for other in list(self.peers.values()):
             if other.role == "trainer" and other.rank == rank and other.identity != identity:
                 del self.peers[other.identity]  # a restarted rank replaces its old connection
-        local = bool(msg.get("local")) and self.config.listen.startswith("ipc://")
+        pid, host, asked_local = msg.get("pid"), msg.get("host", ""), msg.get("local", False)
+        if (
+            not (pid is None or type(pid) is int)
+            or not isinstance(host, str)
+            or type(asked_local) is not bool
+        ):
+            raise ProtocolError(
+                f"HELLO of rank {rank}: pid must be an int or absent (got {wire_type(pid)}), host a str "
+                f"(got {wire_type(host)}), local a bool (got {wire_type(asked_local)}): send them with those types"
+            )
+        local = asked_local and self.config.listen.startswith("ipc://")
         self.peers[identity] = Peer(
             identity,
             "trainer",
             time.monotonic(),
             rank=rank,
-            pid=msg.get("pid"),
-            host=str(msg.get("host", "")),
+            pid=pid,
+            host=host,
             local=local,
             hello_seq=self._next_event(),
         )
@@ -126,9 +136,14 @@ class TrainerHandlers:
             )
         if self.step is None:
             if not self._can_start_step():
-                self.pending.append((identity, msg))
+                self._park_begin(identity, msg)
                 return
-            self.step = StepState(step, self.config.world_size, time.monotonic() + self.config.step_timeout_s)
+            self.step = StepState(
+                step,
+                self.config.world_size,
+                time.monotonic() + self.config.step_timeout_s,
+                max_pieces=self.config.max_step_pieces,
+            )
             self.failures.pop(step, None)
             if self.worker is not None:
                 self.worker.forget_cancelled()  # nothing in flight; a retried step number must run
@@ -140,7 +155,7 @@ class TrainerHandlers:
                     rank=peer.rank,
                     step=step,
                 )
-            self.pending.append((identity, msg))
+            self._park_begin(identity, msg)
             return
         state = self.step
         state.begin(peer.rank, rows)
@@ -150,6 +165,13 @@ class TrainerHandlers:
             state.nixl_offers[peer.rank] = (offer, rows)
         if state.all_begun:
             self._all_begun()
+
+    def _park_begin(self, identity: bytes, msg: Message) -> None:
+        """Keep a BEGIN of a later step until the step in progress ends: the latest one per peer (a
+        rank waits for each step before it begins the next, so an earlier one is superseded), so
+        a peer repeating BEGINs cannot grow the queue."""
+        self.pending = [(i, m) for i, m in self.pending if i != identity]
+        self.pending.append((identity, msg))
 
     def _next_event(self) -> int:
         self.events += 1
@@ -178,6 +200,7 @@ class TrainerHandlers:
             }
             if peer is not None and peer.local:
                 fields["staging"] = staging
+                state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
             elif peer is not None and ring is None:
                 fields.update(self._pull_start(state, rank, identity, fields["pieces"]))
             elif peer is not None:
@@ -244,43 +267,72 @@ class TrainerHandlers:
 
     def handle_piece_done(self, identity: bytes, msg: Message) -> None:
         peer, state = self._trainer(identity), self._current(msg)
-        ring, piece_nbytes = self.arenas.ring, state.tracker.piece_nbytes
-        for pid in msg.require("pieces", list):
-            name, tid = state.piece(peer.rank, pid)
+        if not peer.local or peer.rank not in state.staged:
+            raise RefitError(
+                f"rank {peer.rank} said PIECE_DONE, but this daemon never handed it the staging arena "
+                "(a remote peer: it did not say local in HELLO, or it came over tcp://, where every peer is "
+                "remote): only a local rank that READY gave the staging handle writes pieces in place; send "
+                "the data as SHARD frames",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
+        ids = msg.require("pieces", list)
+        bad = next((pid for pid in ids if type(pid) is not int), None)
+        if bad is not None or not ids:
+            raise RefitError(
+                f"rank {peer.rank}'s PIECE_DONE: pieces must be a non-empty list of ints (the ids READY "
+                f"listed), got {'an empty list' if not ids else 'a ' + wire_type(bad) + ' in it'}",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
+        ring = self.arenas.ring
+        for pid in ids:
+            name, _ = state.piece(peer.rank, pid)
             if ring is not None:
                 self._check_granted(peer.rank, name, state)
-            done = state.piece_received(peer.rank, pid, piece_nbytes(name, tid))
+            done = state.piece_received(peer.rank, pid)
             if done:
                 self._tensor_complete(done)
 
     def handle_shard(self, identity: bytes, msg: Message) -> None:
         peer, state = self._trainer(identity), self._current(msg)
         pid = msg.require("piece", int)
-        offsets, shape = tuple(msg.require("offsets", list)), tuple(msg.require("shape", list))
-        name, tid = state.piece(peer.rank, pid)
+        offsets, shape = msg.require("offsets", list), msg.require("shape", list)
+        name, _ = state.piece(peer.rank, pid)
         if len(msg.frames) != 1:
-            raise ProtocolError(f"SHARD of {name!r} must carry exactly one data frame")
+            raise RefitError(
+                f"rank {peer.rank}: SHARD of {name!r} carries {len(msg.frames)} data frames: send exactly one",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
         self._check_granted(peer.rank, name, state)
         dest_full = self._staged(name)
+        for field_name, v in (("offsets", offsets), ("shape", shape)):
+            if len(v) != dest_full.dim() or any(type(d) is not int or d < 0 for d in v):
+                raise RefitError(
+                    f"rank {peer.rank}: SHARD of {name!r}: {field_name} is a {wire_type(v)}, expected a "
+                    f"list of {dest_full.dim()} non-negative ints (global coordinates of the block)",
+                    kind=ErrorKind.PROTOCOL,
+                    rank=peer.rank,
+                    step=state.step,
+                )
         data = msg.frames[0].buffer if hasattr(msg.frames[0], "buffer") else memoryview(msg.frames[0])
         nbytes = len(data)
         expected = dest_full.element_size() * _prod(shape)
-        if nbytes != expected or len(offsets) != dest_full.dim() or len(shape) != dest_full.dim():
+        if nbytes != expected:
             raise RefitError(
-                f"rank {peer.rank}: SHARD of {name!r} at {list(offsets)} shape {list(shape)} carries {nbytes} bytes, "
+                f"rank {peer.rank}: SHARD of {name!r} at {offsets} shape {shape} carries {nbytes} bytes, "
                 f"expected {expected}",
                 kind=ErrorKind.PROTOCOL,
                 rank=peer.rank,
                 step=state.step,
             )
-        if not state.tracker.contains(name, tid, offsets, shape):
-            raise RefitError(
-                f"rank {peer.rank}: SHARD of {name!r} at {list(offsets)} shape {list(shape)} lies outside the piece it declared",
-                kind=ErrorKind.COVERAGE,
-                rank=peer.rank,
-                step=state.step,
-            )
-        if not any(offsets) and dest_full.shape == shape and all(type(s) is int for s in shape):
+        # by position, before a byte is written: a block outside its piece or sent twice fails the step
+        done = state.piece_received(peer.rank, pid, offsets, shape)
+        if not any(offsets) and list(dest_full.shape) == shape:
             dest = dest_full  # the whole tensor
         else:
             dest = dest_full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
@@ -288,7 +340,6 @@ class TrainerHandlers:
             src = torch.frombuffer(data, dtype=torch.uint8).view(dest.dtype).view(shape)
             dest.copy_(src)
         self._credits[identity] = self._credits.get(identity, 0) + 1
-        done = state.piece_received(peer.rank, pid, nbytes)
         if done:
             self._tensor_complete(done)
 
@@ -319,7 +370,9 @@ class TrainerHandlers:
         peer = self._trainer(identity)
         step = msg.require("step", int)
         if self.step is not None and self.step.step == step:
-            reason = str(msg.get("reason", "no reason given"))
+            reason = msg.get("reason", "no reason given")
+            if not isinstance(reason, str):
+                reason = f"(a {wire_type(reason)} instead of a str reason)"
             self._fail_step(
                 RefitError(
                     f"rank {peer.rank} aborted the step: {reason}",
@@ -331,6 +384,15 @@ class TrainerHandlers:
 
     def handle_ping(self, identity: bytes, msg: Message) -> None:
         self._send(identity, Kind.PONG, {"instance": self.instance})
+
+    def _step_protocol_error(self, identity: bytes, exc: ProtocolError) -> bool:
+        """A ProtocolError from a rank taking part in the step in progress fails that step on every
+        rank at once (they would otherwise wait for the step timeout); True if it did."""
+        state, peer = self.step, self.peers.get(identity)
+        if state is None or peer is None or peer.role != "trainer" or state.peers.get(peer.rank) != identity:
+            return False
+        self._fail_step(RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=peer.rank, step=state.step))
+        return True
 
     def _current(self, msg: Message) -> StepState:
         step = msg.require("step", int)
@@ -399,8 +461,7 @@ class TrainerHandlers:
                 continue
             try:
                 for pid in pull.pieces:
-                    name, tid = state.piece(pull.rank, pid)
-                    done = state.piece_received(pull.rank, pid, state.tracker.piece_nbytes(name, tid))
+                    done = state.piece_received(pull.rank, pid)
                     if done:
                         self._tensor_complete(done)
             except RefitError as exc:

@@ -183,6 +183,13 @@ def _load_dtypes() -> None:
     _DTYPE_NAMES.update({v: k for k, v in _DTYPES.items()})
 
 
+def dtype_names() -> frozenset[str]:
+    """Every dtype name that may travel on the wire."""
+    if not _DTYPES:
+        _load_dtypes()
+    return frozenset(_DTYPES)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     if not _DTYPE_NAMES:
         _load_dtypes()
