@@ -412,8 +412,9 @@ for aligned in (True, False):
     out[f"mxfp8 aligned={aligned}"] = build(tq._mxfp8_kernel, sig,
         {"stride_k": 1, "PARTS": 2, "BR": 32, "BK": 256, "ALIGNED": aligned, "WIDE": False}, hints, 4)
 sig = {"x_ptr": "*bf16", "part_ptr": "*i32", "flag_ptr": "*i32", "stride_e": "i32", "stride_r": "i32", "stride_k": "constexpr",
-       "total_rows": "i32", "cols": "i32", "rows_per_chunk": "i32", "n_chunks": "i32", "BR": "constexpr", "BK": "constexpr", "WIDE": "constexpr"}
-out["amax"] = build(tq._amax_kernel, sig, {"stride_k": 1, "BR": 32, "BK": 256, "WIDE": True},
+       "total_rows": "i32", "cols": "i32", "rows_per_chunk": "i32", "n_chunks": "i32", "BR": "constexpr", "BK": "constexpr", "ROW_ITERS": "constexpr",
+       "COL_ITERS": "constexpr", "WIDE": "constexpr"}
+out["amax"] = build(tq._amax_kernel, sig, {"stride_k": 1, "BR": 32, "BK": 256, "ROW_ITERS": 4, "COL_ITERS": 16, "WIDE": True},
                     ["x_ptr", "part_ptr", "stride_e", "stride_r", "total_rows", "cols", "rows_per_chunk"], 4)
 sig = {**ptrs, **ints, "n_chunks": "i32", "PARTS": "constexpr", "BR": "constexpr", "BK": "constexpr", "CHUNKS": "constexpr",
        "ALIGNED": "constexpr", "WIDE": "constexpr"}
