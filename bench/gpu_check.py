@@ -1,10 +1,13 @@
 """One command on a one-GPU machine: the Triton kernels checked and timed, and a colocated refit.
 
-On the GPU machine (no pyzmq there: carry the pyzmq and msgpack wheels in ``.whl/``; only the e2e
-section needs them, in its own processes)::
+On the GPU machine (no network, no pyzmq there: ``make gpu-wheels`` here fills ``.whl/`` with the
+wheels for its Python; only the e2e section needs pyzmq, in its own processes)::
 
-    pip install --no-index --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site python bench/gpu_check.py --out bench/results/gpu-h200.json
+    bash bench/gpu_run.sh --out bench/results/gpu-h200.json   # pip install --no-index --target, then this
+
+It prints the environment first (Python, torch, Triton, driver, cuda-bindings, GPU), runs what the
+packages it finds allow (saying what it skipped and why), and rewrites the JSON as each section
+ends; e2e rounds not started within ``--minutes`` (8) are skipped, so a default run ends in ~9.
 
 Here, the same code paths on CPU torch (shared-memory arenas, tiny shapes, under a minute)::
 
