@@ -1056,3 +1056,10 @@ def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
         )
     finally:
         m.close()
+
+
+@kernel_tier
+def test_the_probe_launch_matches_the_reference_where_kernels_run():
+    """The probe's own input through the real kernel (the GPU, or the interpreter here) equals the
+    torch reference, so a healthy Triton is never mistaken for a broken one."""
+    kernels._probe_launch(torch.device(DEVICE))
