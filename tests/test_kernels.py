@@ -891,7 +891,11 @@ def test_flag_group_reads_every_launchs_flag_with_one_copy(monkeypatch):
     assert "unit3.w9" in str(errors[3]) and len(group) == 0
     for _ in range(10):
         group.slot(device)
-    assert group._buffers[device] == buffers and all((b == slab_mod.FLAG_CLEAR).all() for b in buffers)
+    assert len(group._buffers[device]) == len(buffers)
+    assert all(a is b for a, b in zip(group._buffers[device], buffers))
+    assert all((b == slab_mod.FLAG_CLEAR).all() for b in buffers)
+    aligned = kernels.FlagGroup()  # every flag 16-byte aligned: one specialisation for all launches
+    assert all(aligned.slot(device)[0].data_ptr() % 16 == 0 for _ in range(9))
     assert group.check() == {}  # slots taken but no launch added: nothing to read
 
 

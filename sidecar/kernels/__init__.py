@@ -18,6 +18,13 @@ Usage::
 
 One launch per slab (two for fp8_per_tensor: amax, then quantize) writes every expert's values and
 scales straight into the caller's tensors, found through a table of their base addresses.
+
+On the GPU path: every launch and allocation happens with the slab's device current (Triton
+launches on the current device's stream); the daemon's quantize worker collects the launches' NaN/Inf
+flags in a :class:`FlagGroup` and reads them once per batch instead of once per launch; the per-tensor
+scratch is kept per device and stream. At start :func:`warm_up` probes a tiny launch on the daemon's
+GPU (a Triton that imports but cannot launch makes the torch reference quantize, said in the log,
+status and metrics) and compiles the plan's distinct specialisations before READY.
 """
 
 from __future__ import annotations
@@ -255,6 +262,9 @@ class FlagGroup:
 
     #: slots per buffer; a group that needs more takes another buffer of this size
     CHUNK = 4096
+    #: int32s from one slot to the next: every flag pointer is 16-byte aligned, so every launch has
+    #: the specialisation the warm-up compiled (Triton specialises on a pointer's 16-byte alignment)
+    STRIDE = 4
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, list[torch.Tensor]] = {}
@@ -270,9 +280,11 @@ class FlagGroup:
         i = self._used.get(device, 0)
         buffers = self._buffers.setdefault(device, [])
         if i // self.CHUNK >= len(buffers):
-            buffers.append(torch.full((self.CHUNK,), FLAG_CLEAR, dtype=torch.int32, device=device))
+            buffers.append(
+                torch.full((self.CHUNK * self.STRIDE,), FLAG_CLEAR, dtype=torch.int32, device=device)
+            )
         self._used[device] = i + 1
-        k = i % self.CHUNK
+        k = i % self.CHUNK * self.STRIDE
         return buffers[i // self.CHUNK][k : k + 1], i
 
     def add(self, tag: Any, device: torch.device, slot: int, launch: SlabLaunch) -> None:
@@ -289,7 +301,7 @@ class FlagGroup:
             buffers = self._buffers[device][: -(-used // self.CHUNK)]
             with device_scope(device):
                 flat = buffers[0] if len(buffers) == 1 else torch.cat(buffers)
-                values[device] = flat[:used].tolist()  # the one host sync for this device
+                values[device] = flat[:: self.STRIDE][:used].tolist()  # the one host sync for this device
                 for b in buffers:
                     b.fill_(FLAG_CLEAR)
         errors: dict[Any, Exception] = {}
