@@ -677,11 +677,14 @@ class WarmUp:
 def warm_up(plan: Any, device: torch.device | str, *, compile: Callable[[list], Any] | None = None) -> WarmUp:
     """Before the daemon says READY: probe the kernels on ``device`` and compile every distinct
     specialisation of ``plan`` there (the first step would otherwise compile each, ~0.5 s apiece),
-    and reserve the per-tensor scratch its largest launch needs. A no-op on a CPU device (the
-    torch reference quantizes there). ``compile`` replaces Triton's compile-only call (tests)."""
+    and reserve the per-tensor scratch its largest launch needs. Without a plan (one fixed by the
+    first step) only the probe runs. A no-op on a CPU device (the torch reference quantizes
+    there). ``compile`` replaces Triton's compile-only call (tests)."""
     device = torch.device(device)
-    if plan is None or (reason := unavailable_reason(device)) is not None:
-        return WarmUp(str(device), "torch", reason if plan is not None else "no plan yet: nothing to compile")
+    if (reason := unavailable_reason(device)) is not None:
+        return WarmUp(str(device), "torch", reason)
+    if plan is None:  # the plan comes with the first step: its kernels compile then
+        return WarmUp(str(device), "triton")
     tq = _load()
     compile = compile or tq.compile_only
     t0 = time.monotonic()
