@@ -649,7 +649,7 @@ def specialisation(spec: LaunchSpec, config: TileConfig | None = None) -> tuple:
 def specialisations(plan: Any) -> dict[tuple, LaunchSpec]:
     """The plan's distinct kernel specialisations, each with one launch that needs it."""
     out: dict[tuple, LaunchSpec] = {}
-    for spec in _plan_launches(plan):
+    for spec in dict.fromkeys(_plan_launches(plan)):  # equal launches (every layer's) once
         out.setdefault(specialisation(spec), spec)
     return out
 
