@@ -241,6 +241,7 @@ def dlpack_tensor(
     )
     managed.deleter = _dlpack_deleter
     from torch.utils.dlpack import from_dlpack
+
     _dlpack_alive[ctypes.addressof(managed)] = (managed, shape, owner)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype, new_capsule.argtypes = (
