@@ -628,7 +628,6 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if self.step is None and self.pending:
             self._start_pending()
 
-    # ------------------------------------------------------------------------------------------
     def _warm_up(self) -> kernels.WarmUp:
         """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
         READY; on host arenas (or when the probe fails) the torch reference quantizes."""
@@ -638,6 +637,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
         return done
 
+    # ------------------------------------------------------------------------------------------
     # status and bookkeeping
 
     def status(self) -> dict[str, Any]:
