@@ -1041,14 +1041,21 @@ def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
     from daemons import RunningDaemon
 
     from sidecar.metrics import MetricsObserver
+    from sidecar.serve_cli import render_status
     from sidecar.synthetic import make_hf_config
 
     d = RunningDaemon(tmp_path, hf_config=make_hf_config("qwen3_5_moe", num_layers=1, num_experts=2))
     try:
-        q = d.status()["quantizer"]
+        status = d.status()
     finally:
         d.close()
+    q = status["quantizer"]
     assert q["impl"] == "torch" and q["device"] == "cpu" and "CUDA tensors only" in q["reason"]
+    assert "quantizer: torch reference on cpu (the kernels run on CUDA tensors only" in render_status(status)
+    status["quantizer"] = kernels.WarmUp("cuda:1", "triton", None, 4, 2.0).to_dict()
+    assert "quantizer: triton kernels on cuda:1 (4 specialisations compiled in 2.0 s)" in render_status(
+        status
+    )
     m = MetricsObserver("127.0.0.1:0")
     try:
         m.on_ready(SimpleNamespace(quantizer=kernels.WarmUp("cuda:1", "triton", None, 4, 2.0), engines={}))
