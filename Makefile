@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ test: venv lint
 
 bench: venv
 	$(PY) bench/quant.py
+
+# wheels for the GPU machine's Python 3.12 (no network there) into .whl/; CUDA_MAJOR=12 for a CUDA 12
+# driver. There: `bash bench/gpu_run.sh` installs them and runs bench/gpu_check.py
+gpu-wheels: venv
+	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

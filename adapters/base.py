@@ -2,14 +2,15 @@
 
     reader = RefitReader("ipc:///run/refitd/control.sock", name="vllm-worker-0")
     gen = reader.wait(min_step=0, timeout=60)       # blocks until a generation >= step 0 is live
-    for name, tensor in gen.tensors.items():         # read-only views into daemon-owned memory
+    for name, tensor in gen.tensors.items():         # views into daemon-owned memory: read them only
         params[name].copy_(tensor)
     reader.release(gen)                              # the daemon may now reuse that generation
 
 The daemon never writes into a generation a reader holds; a reader that does not release within the
-daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views are mapped read-only:
-a stray write faults in the reader instead of corrupting what every engine loads. Not thread-safe:
-use one reader per thread.
+daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views of a shared-memory
+arena are mapped read-only: a stray write faults in the reader instead of corrupting what every
+engine loads. Views of a GPU (CUDA-IPC) arena are writable (CUDA has no read-only mapping): readers
+are trusted not to write. Not thread-safe: use one reader per thread.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ log = logging.getLogger("refitd.reader")
 
 @dataclass(eq=False)
 class Generation:
-    """One published step: checkpoint names to read-only tensor views. Release it when loaded."""
+    """One published step: checkpoint names to tensor views (read them only). Release it when loaded."""
 
     index: int
     step: int
@@ -54,6 +55,17 @@ class Generation:
     released: bool = field(default=False)
     on_gpu: bool = False  # views into a CUDA-IPC arena (device memory)
     instance: str | None = None  # the daemon start that published it
+    device: int | None = None  # CUDA index the arena is mapped on in this process (on_gpu only)
+
+
+def _finish_copies(gen: Generation) -> None:
+    """Wait for copies out of ``gen``'s GPU arena: they run on the streams of the GPU it is mapped on
+    and of the engine's current GPU (a copy's destination), which may be different chips."""
+    devices = {torch.cuda.current_device()}
+    if gen.device is not None:
+        devices.add(gen.device)
+    for device in sorted(devices):
+        torch.cuda.synchronize(device)
 
 
 class RefitReader:
@@ -134,7 +146,7 @@ class RefitReader:
             return
         gen.released = True
         if gen.on_gpu:  # copies out of a GPU arena are asynchronous: finish them before handing it back
-            torch.cuda.synchronize()
+            _finish_copies(gen)
         if gen in self._held:
             self._held.remove(gen)
         if gen.instance != self.instance:  # a daemon that is gone handed it out: nobody to tell
@@ -275,6 +287,7 @@ class RefitReader:
             arena.name,
             on_gpu=handle.get("kind") == "cuda_ipc",
             instance=self.instance,
+            device=getattr(arena, "device", None) if handle.get("kind") == "cuda_ipc" else None,
         )
         self._held.append(gen)
         return gen

@@ -1,10 +1,13 @@
 """One command on a one-GPU machine: the Triton kernels checked and timed, and a colocated refit.
 
-On the GPU machine (no pyzmq there: carry the pyzmq and msgpack wheels in ``.whl/``; only the e2e
-section needs them, in its own processes)::
+On the GPU machine (no network, no pyzmq there: ``make gpu-wheels`` here fills ``.whl/`` with the
+wheels for its Python; only the e2e section needs pyzmq, in its own processes)::
 
-    pip install --no-index --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site python bench/gpu_check.py --out bench/results/gpu-h200.json
+    bash bench/gpu_run.sh --out bench/results/gpu-h200.json   # pip install --no-index --target, then this
+
+It prints the environment first (Python, torch, Triton, driver, cuda-bindings, GPU), runs what the
+packages it finds allow (saying what it skipped and why), and rewrites the JSON as each section
+ends; e2e rounds not started within ``--minutes`` (8) are skipped, so a default run ends in ~9.
 
 Here, the same code paths on CPU torch (shared-memory arenas, tiny shapes, under a minute)::
 
@@ -587,12 +590,50 @@ def _send(conn, msg: dict) -> None:
     conn.send_bytes(msgpack.packb(msg, use_bin_type=True))
 
 
-def _recv(conn, timeout: float) -> dict:
+def _recv(conn, timeout: float, proc=None, name: str = "peer") -> dict:
+    """The next message on ``conn``; with ``proc`` (the process at the other end), RuntimeError as
+    soon as it exits without answering instead of waiting out ``timeout``."""
+    from multiprocessing.connection import wait
+
     import msgpack
 
-    if not conn.poll(timeout):
-        raise TimeoutError(f"no message within {timeout:.0f} s")
-    return msgpack.unpackb(conn.recv_bytes(), raw=False)
+    ready = wait([conn] if proc is None else [conn, proc.sentinel], timeout)
+    if not ready:
+        raise TimeoutError(f"no message from the {name} within {timeout:.0f} s")
+    if conn in ready or conn.poll():
+        try:
+            return msgpack.unpackb(conn.recv_bytes(), raw=False)
+        except EOFError:
+            pass
+    if proc is not None:
+        proc.join(5)
+    status = "" if proc is None else f" with status {proc.exitcode}"
+    raise RuntimeError(f"the {name} process exited{status} without answering (see its output above)")
+
+
+@dataclass
+class Child:
+    """A spawned trainer or engine process and the parent's end of its pipe."""
+
+    name: str
+    conn: Any
+    proc: Any
+
+    @classmethod
+    def spawn(cls, ctx, name: str, target, *args) -> Child:
+        """Start ``target(child_end, *args)``; the parent closes its copy of the child's end, so a
+        dead child is seen (EOF, and its sentinel) instead of waited on until a timeout."""
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=f"gpu-check-{name}")
+        proc.start()
+        child.close()
+        return cls(name, parent, proc)
+
+    def send(self, msg: dict) -> None:
+        _send(self.conn, msg)
+
+    def recv(self, timeout: float) -> dict:
+        return _recv(self.conn, timeout, self.proc, self.name)
 
 
 def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -832,16 +873,27 @@ def _copy_gbps(device: torch.device, nbytes: int) -> float:
 def _zmq_reason() -> str | None:
     """Why the trainer and engine processes cannot run (pyzmq or msgpack missing), or None. Asked
     in a subprocess: this process never imports zmq."""
+    return _import_reason("import zmq, msgpack")
+
+
+#: exits non-zero with the reason when the daemon could not allocate CUDA-IPC arenas here
+_CUDA_IPC_CHECK = (
+    "import sys\n"
+    "from transport.cuda_ipc import cuda_unavailable_reason\n"
+    "r = cuda_unavailable_reason()\n"
+    "sys.exit(r) if r else None\n"
+)
+
+
+def _import_reason(code: str) -> str | None:
+    """Run ``code`` in a fresh interpreter (the children's environment); the last line of its
+    error output when it fails, else None."""
     import subprocess
 
     proc = subprocess.run(
-        [sys.executable, "-c", "import zmq, msgpack"],
-        capture_output=True,
-        text=True,
-        env=_child_env(),
-        check=False,
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(), cwd=ROOT, check=False
     )
-    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["import failed"])[-1]
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["failed"])[-1]
 
 
 def _child_env() -> dict[str, str]:
@@ -933,13 +985,13 @@ def _e2e_round(
             "seed": args.seed,
             "timeout": timeout,
         }
-        _send(ends["engine"], {**job, "fmt": fmt})
-        attached = _recv(ends["engine"], timeout + 30)
+        ends["engine"].send({**job, "fmt": fmt})
+        attached = ends["engine"].recv(timeout + 30)
         if not attached.get("attached"):
             raise RuntimeError(f"engine: {attached.get('error')}\n{attached.get('trace', '')}")
-        _send(ends["trainer"], job)
-        trainer = _recv(ends["trainer"], timeout * (args.e2e_steps + 1))
-        engine = _recv(ends["engine"], timeout)
+        ends["trainer"].send(job)
+        trainer = ends["trainer"].recv(timeout * (args.e2e_steps + 1))
+        engine = ends["engine"].recv(timeout)
         if not trainer.get("ok"):
             raise RuntimeError(f"trainer: {trainer.get('error')}\n{trainer.get('trace', '')}")
         if not engine.get("ok"):
@@ -990,6 +1042,8 @@ def run_e2e(device: torch.device, shape: LayerShape, args) -> dict[str, Any]:
     reason = _zmq_reason()
     if reason:
         return {"status": f"skipped: pyzmq/msgpack not importable ({reason})", "ok": None}
+    if device.type == "cuda" and (reason := _import_reason(_CUDA_IPC_CHECK)):
+        return {"status": f"skipped: the daemon's CUDA-IPC arenas cannot run ({reason})", "ok": None}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the timing section's cached blocks: the daemon's arenas are cudaMalloc'd
     result: dict[str, Any] = {"rounds": []}
@@ -1004,23 +1058,30 @@ def run_e2e(device: torch.device, shape: LayerShape, args) -> dict[str, Any]:
         result["copy_gbps"] = gbps
         ctx = mp.get_context("spawn")
         for name, target in (("trainer", _trainer_main), ("engine", _engine_main)):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=target, args=(child, str(device)), daemon=True, name=f"gpu-check-{name}")
-            p.start()
-            procs.append(p)
-            ends[name] = parent
+            ends[name] = Child.spawn(ctx, name, target, str(device))
+            procs.append(ends[name].proc)
         with tempfile.TemporaryDirectory(prefix="refitd-gpu-check-") as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             for fmt in args.e2e_formats:
+                if time.monotonic() > args.deadline:
+                    result["rounds"].append(
+                        {
+                            "fmt": fmt,
+                            "ok": None,
+                            "status": f"skipped: past the --minutes {args.minutes:g} budget",
+                        }
+                    )
+                    continue
                 result["rounds"].append(_e2e_round(fmt, config, ends, Path(tmp), device, args, gbps))
-        result["ok"] = bool(result["rounds"]) and all(r["ok"] for r in result["rounds"])
+        ran = [r for r in result["rounds"] if r["ok"] is not None]
+        result["ok"] = bool(ran) and all(r["ok"] for r in ran)
         result["status"] = "ran"
     except Exception as err:
         result.update(ok=False, status=f"error: {type(err).__name__}: {err}", trace=traceback.format_exc())
     finally:
         for end in ends.values():
             with contextlib.suppress(Exception):
-                _send(end, {"stop": True})
+                end.send({"stop": True})
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -1164,6 +1225,12 @@ def parse_args(argv=None):
     ap.add_argument(
         "--e2e-timeout", type=float, default=120.0, help="seconds any one wait of the e2e section may take"
     )
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=8.0,
+        help="wall-clock budget: e2e rounds not started by then are skipped (recorded as such)",
+    )
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device, args.small = "cpu", True
@@ -1173,7 +1240,89 @@ def parse_args(argv=None):
     if args.small:
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
     args.out = args.out or ROOT / "bench" / "results" / f"gpu-check-{args.device.type}.json"
+    args.deadline = time.monotonic() + 60 * args.minutes  # later e2e rounds are skipped past it
     return args
+
+
+def _version(module: str, dist: str | None = None) -> str:
+    """``module``'s version, or why it cannot be imported (the check then skips what needs it)."""
+    from importlib import metadata
+
+    try:
+        mod = __import__(module, fromlist=["_"])
+    except Exception as err:  # missing, or broken: either way the sections that need it skip
+        return f"missing ({type(err).__name__}: {err})"
+    version = getattr(mod, "__version__", None)
+    if version is None and dist is not None:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            version = metadata.version(dist)
+    return str(version or "installed")
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver's CUDA version (cuDriverGetVersion through libcuda), without cuda-bindings."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(v)) != 0:
+            return "libcuda.so.1 loaded, cuDriverGetVersion failed"
+        return f"CUDA {v.value // 1000}.{v.value % 1000 // 10}"
+    except OSError as err:
+        return f"none ({err})"
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """What this run stands on, printed before anything runs (and kept in the JSON): Python, torch,
+    Triton, NumPy, the driver, cuda-bindings and cuda-pathfinder, pyzmq, msgpack, the GPU. pyzmq is
+    asked in a subprocess: this process never imports it."""
+    env = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+        "driver": _driver_version(),
+        "cuda-bindings": _version("cuda.bindings", "cuda-bindings"),
+        "cuda-pathfinder": _version("cuda.pathfinder", "cuda-pathfinder"),
+        "msgpack": _version("msgpack", "msgpack"),
+        "pyzmq": "importable" if (r := _import_reason("import zmq")) is None else f"missing ({r})",
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+    }
+    if device.type == "cuda":
+        env["quantizer"] = kernels.unavailable_reason(device) or "triton kernels (probe launch passed)"
+    return env
+
+
+def _write(path: Path, report: dict[str, Any]) -> None:
+    """The report so far, on disk: a section that fails or a run that is killed keeps the rest."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _section(report: dict[str, Any], name: str, fn: Callable[[], Any], out: Path) -> None:
+    """Run one section into ``report[name]``; an exception is recorded there (as an error row for
+    the correctness list) and the run goes on. The JSON is rewritten after each section."""
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as err:  # recorded; later sections still run and the JSON is still written
+        error = {"status": f"error: {type(err).__name__}: {err}", "trace": traceback.format_exc()}
+        if name == "correctness":
+            report[name].append({"impl": "-", "fmt": "-", "case": "section", "ok": False, **error})
+        else:
+            report[name] = {"ok": False, **error}
+        print(f"{name}: {error['status']}", flush=True)
+    else:
+        if name == "correctness":
+            report[name] += result
+        else:
+            report[name] = result
+    report["meta"][f"{name}_s"] = report["meta"].get(f"{name}_s", 0.0) + time.perf_counter() - t0
+    _write(out, report)
 
 
 def main(argv=None) -> int:
@@ -1182,19 +1331,16 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     shape = SMALL if args.small else QWEN35
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
+    env = environment(device)
+    print("environment:", flush=True)
+    for k, v in env.items():
+        print(f"  {k:16s} {v}", flush=True)
     meta = {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
+        "device_name": env["gpu"] if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": None if env["triton"].startswith("missing") else env["triton"],
+        "environment": env,
         "seed": args.seed,
         "small": args.small,
         "iters": args.iters,
@@ -1204,38 +1350,21 @@ def main(argv=None) -> int:
     impls = implementations(device)
     report: dict[str, Any] = {"meta": meta, "correctness": []}
     t0 = time.perf_counter()
+    _write(args.out, report)
     if "correctness" not in args.skip:
-        report["correctness"] += check_random(impls, device, args.small, args.seed)
-        report["correctness"] += check_non_finite(impls, device)
-        report["correctness"] += check_table(impls, device)
-    meta["correctness_s"] = time.perf_counter() - t0
+        _section(report, "correctness", lambda: check_random(impls, device, args.small, args.seed), args.out)
+        _section(report, "correctness", lambda: check_non_finite(impls, device), args.out)
+        _section(report, "correctness", lambda: check_table(impls, device), args.out)
     if "timing" not in args.skip:
-        try:
-            report["timing"] = timing_section(device, shape, args, impls)
+        _section(report, "timing", lambda: timing_section(device, shape, args, impls), args.out)
+        if "checks" in report["timing"]:
             report["correctness"] += report["timing"].pop("checks")
-        except Exception as err:
-            report["timing"] = {
-                "status": f"error: {type(err).__name__}: {err}",
-                "trace": traceback.format_exc(),
-            }
-    meta["timing_s"] = time.perf_counter() - t0 - meta["correctness_s"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if "e2e" not in args.skip:  # what ran so far is on disk even if the e2e section is killed
-        args.out.write_text(
-            json.dumps({**report, "e2e": {"status": "running"}}, indent=1, default=str) + "\n"
-        )
-        try:
-            report["e2e"] = run_e2e(device, shape, args)
-        except Exception as err:  # recorded; the other sections' results are still written
-            report["e2e"] = {
-                "ok": False,
-                "status": f"error: {type(err).__name__}: {err}",
-                "trace": traceback.format_exc(),
-            }
+    if "e2e" not in args.skip:
+        report["e2e"] = {"status": "running"}
+        _section(report, "e2e", lambda: run_e2e(device, shape, args), args.out)
     meta["total_s"] = time.perf_counter() - t0
     print_report(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    _write(args.out, report)
     print(f"\nwrote {args.out}")
     failed = [c for c in report["correctness"] if c.get("ok") is False]
     e2e_failed = report.get("e2e", {}).get("ok") is False

@@ -30,8 +30,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
+from sidecar import kernels
 from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeRole, default_listen, tcp_host
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
@@ -101,6 +103,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
         self.pull: PullSide | None = None  # NIXL READs of remote trainers' shards (sidecar.pull_nixl)
         self.pull_ok, self.pull_reason = False, "not started"
+        self.quantizer: kernels.WarmUp | None = None  # which quantizer runs, and why (status, metrics)
         self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec)
@@ -149,6 +152,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
         self.worker = QuantWorker(self.ctx, wake_endpoint)
+        self.quantizer = self._warm_up()
         if self.config.role is NodeRole.TRAINER:
             self.forwarding = Forwarding(self.ctx, wake_endpoint, self.config, self.instance)
             self.forwarding.start()
@@ -632,6 +636,15 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if self.step is None and self.pending:
             self._start_pending()
 
+    def _warm_up(self) -> kernels.WarmUp:
+        """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
+        READY; on host arenas (or when the probe fails) the torch reference quantizes."""
+        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA
+        device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
+        done = kernels.warm_up(self.plan, device)
+        log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
+        return done
+
     # ------------------------------------------------------------------------------------------
     # status and bookkeeping
 
@@ -662,6 +675,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             },
             "pull": {"nixl": self.pull_ok, "reason": self.pull_reason, "ranks": self.pull_movers},
             "format": self.spec.fmt.value,
+            "quantizer": None if self.quantizer is None else self.quantizer.to_dict(),
             "world_size": self.config.world_size,
             "last_step": self.last_step,
             "live": None if live is None else {"generation": live.index, "step": live.step},

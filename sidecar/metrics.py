@@ -154,6 +154,13 @@ class MetricsObserver(Observer):
             ["format"],
             registry=r,
         )
+        self.quantizer = Gauge(
+            "refitd_quantizer",
+            "1 for the quantizer in use (impl: triton kernels, or the torch reference when they cannot "
+            "run; reason: why not) on the daemon's device",
+            ["impl", "device", "reason"],
+            registry=r,
+        )
         self.failures = Counter("refitd_step_failures", "Steps failed, by error kind", ["kind"], registry=r)
         for kind in ErrorKind:
             self.failures.labels(kind=kind.value)
@@ -202,6 +209,11 @@ class MetricsObserver(Observer):
     # hooks, on the serve loop
 
     def on_ready(self, daemon: Daemon) -> None:
+        quantizer = getattr(daemon, "quantizer", None)
+        if quantizer is not None:
+            self.quantizer.labels(
+                impl=quantizer.impl, device=quantizer.device, reason=quantizer.reason or ""
+            ).set(1)
         with self._lock:
             self._ready, self._last_tick = True, self.clock()
         if self._thread is None and not self._closed:

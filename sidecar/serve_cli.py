@@ -210,6 +210,13 @@ def render_status(s: dict) -> str:
         f"refitd {s['instance']} pid {s['pid']} on {s['host']}, listening on {s['listen']}",
         f"format {s['format']}, world_size {s['world_size']}, last published step {s['last_step']}",
     ]
+    if q := s.get("quantizer"):
+        how = (
+            f"triton kernels on {q['device']} ({q['compiled']} specialisations compiled in {q['seconds']:.1f} s)"
+            if q["impl"] == "triton"
+            else f"torch reference on {q['device']} ({q['reason']})"
+        )
+        lines.append(f"quantizer: {how}")
     if s.get("step_in_progress"):
         p = s["step_in_progress"]
         lines.append(f"step {p['step']} in progress: begun {p['begun']}, committed {p['committed']}")

@@ -2,6 +2,10 @@
 
 Torch releases the GIL inside its kernels, so quantizing layer L overlaps with layers L+1... still
 arriving. Results go back through a queue; a message on an inproc socket wakes the serve loop.
+
+On a GPU the Triton kernels launch without a host sync each: their NaN/Inf flags collect in one
+``kernels.FlagGroup`` and are read once per batch of queued units (or right after a unit that had
+to synchronize anyway), before any of those units is reported done.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from sidecar import kernels
 from sidecar.convert import run_passthroughs
 from sidecar.plan import Unit, run_unit
 from sidecar.quant import NonFiniteError
@@ -97,6 +102,7 @@ def batches(jobs: list) -> list[list]:
 
 
 def _synchronize(tensors: dict) -> None:
+    """Wait for the GPU work of the device these tensors live on (the kernels ran there)."""
     for t in tensors.values():
         if t.is_cuda:
             torch.cuda.synchronize(t.device)
@@ -112,6 +118,8 @@ class QuantWorker:
         self._ctx, self._wake_endpoint = ctx, wake_endpoint
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
+        self._flags = kernels.FlagGroup()  # the kernels' NaN/Inf flags, read once per batch
+        self._unreported: list[Done] = []  # run, waiting for their flags to be read
         self.inflight = 0  # submitted and not yet reported back; touched by the serve loop only
         self._thread = threading.Thread(target=self._run, name="refitd-quant", daemon=True)
         self._thread.start()
@@ -164,10 +172,32 @@ class QuantWorker:
                     if len(run) == 1 or not self._run_batch(run):
                         for job in run:
                             self._run_one(job)
-                    with contextlib.suppress(zmq.Again):  # a full pipe already holds a pending wake-up
-                        wake.send(b"", flags=zmq.NOBLOCK)
+                            if job[4]:  # synchronized already: reading its flags waits for nothing
+                                self._report(wake)
+                    if not len(self._flags):  # no kernel flag to read: reporting costs no sync
+                        self._report(wake)
+                self._report(wake)  # the batch's one read of the kernels' flags
         finally:
             wake.close(linger=0)
+
+    def _report(self, wake: zmq.Socket) -> None:
+        """Read the flags of the kernels launched since the last report (one host sync per device),
+        turn a flagged unit's result into its NonFiniteError, hand every result run since to the
+        serve loop and wake it."""
+        if not self._unreported:
+            return
+        try:
+            errors = self._flags.check()
+        except Exception as exc:  # the read itself failed (a faulted kernel): every unit in it fails
+            log.exception("reading the kernels' NaN/Inf flags failed")
+            errors = {(d.step, d.unit): exc for d in self._unreported}
+        for done in self._unreported:
+            if done.error is None and not done.skipped:
+                done.error = errors.get((done.step, done.unit))
+            self.results.put(done)
+        self._unreported.clear()
+        with contextlib.suppress(zmq.Again):  # a full pipe already holds a pending wake-up
+            wake.send(b"", flags=zmq.NOBLOCK)
 
     def _skipped(self, step: int) -> bool:
         with self._lock:
@@ -183,7 +213,7 @@ class QuantWorker:
                 # no_grad, not inference_mode: the arenas cache their views, and a view first
                 # made here would be an inference tensor that the serve loop may not write
                 # into (handle_shard copying a remote frame into staging would raise)
-                with torch.no_grad():
+                with torch.no_grad(), kernels.collecting(self._flags, (step, unit.index)):
                     tensors = inputs()
                     if unit.fmt is None:
                         check_finite(unit, tensors)
@@ -194,7 +224,7 @@ class QuantWorker:
                 error = exc
                 if not isinstance(exc, (ValueError, NonFiniteError)):
                     log.exception("unit %d of step %d failed", unit.index, step)
-        self.results.put(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
+        self._unreported.append(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
 
     def _run_batch(self, run: list) -> bool:
         """Run a batch of small passthroughs of one step together; False (nothing reported, maybe some
@@ -203,7 +233,7 @@ class QuantWorker:
         step = run[0][0]
         if self._skipped(step):
             for _, unit, *_ in run:
-                self.results.put(Done(step, unit.index, 0.0, None, True, time.monotonic()))
+                self._unreported.append(Done(step, unit.index, 0.0, None, True, time.monotonic()))
             return True
         t0 = time.monotonic()
         try:
@@ -221,7 +251,7 @@ class QuantWorker:
             return False
         share = (time.monotonic() - t0) / len(run)
         for k, unit in enumerate(units):
-            self.results.put(Done(step, unit.index, share, None, False, t0 + k * share))
+            self._unreported.append(Done(step, unit.index, share, None, False, t0 + k * share))
         return True
 
 

@@ -605,10 +605,18 @@ class FakeRuntime:
         def getPtr(self):
             return ctypes.addressof(self._raw)
 
-    def __init__(self, uuids, malloc_limit=1 << 30):
+    def __init__(self, uuids, malloc_limit=1 << 30, *, context: bool = True):
+        """``context``: the thread starts with device 0's primary context current (a process that
+        used CUDA already); False: no context at all, as in a fresh thread."""
         self.uuids, self.malloc_limit = uuids, malloc_limit
-        self.device, self.log = 0, []
+        self.tls_device, self.log = 0, []  # the runtime's per-thread device (cudaSetDevice)
+        self.ctx = ("primary", 0) if context else None  # the driver's current context
         self.buffers: dict[int, np.ndarray] = {}
+
+    @property
+    def device(self) -> int:
+        """The device runtime calls act on: the current context's, else the runtime's own."""
+        return self.ctx[1] if self.ctx is not None else self.tls_device
 
     # runtime
     def cudaGetDeviceCount(self):
@@ -622,8 +630,11 @@ class FakeRuntime:
         return (0, self.device)
 
     def cudaSetDevice(self, d):
-        self.device = d
+        self.tls_device, self.ctx = d, ("primary", d)
         return (0,)
+
+    def cudaDriverGetVersion(self):
+        return (0, 13000)
 
     def cudaMemGetInfo(self):
         return (0, 50 * GIB, 141 * GIB)
@@ -669,11 +680,21 @@ class FakeRuntime:
         return (0, b"described")
 
     # driver
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuDeviceGet(self, ordinal):
+        return (0, ordinal)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self.log.append(("retain", dev))
+        return (0, ("primary", dev))
+
     def cuCtxGetCurrent(self):
-        return (0, ("ctx", self.device))
+        return (0, self.ctx)
 
     def cuCtxSetCurrent(self, ctx):
-        self.device = ctx[1]
+        self.ctx = ctx
         return (0,)
 
 
@@ -688,7 +709,7 @@ def test_the_real_driver_wrapper_over_a_fake_runtime(nvml_off):
     daemon = HostCudaDriver(rt, rt)
     assert daemon.visible_uuids() == UUIDS[:3]
     arena = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[2], driver=daemon, nvml=nvml_off)
-    assert rt.log == [("malloc", 2, ALLOC_GRANULARITY)] and rt.device == 0
+    assert rt.log == [("retain", 2), ("malloc", 2, ALLOC_GRANULARITY)] and rt.device == 0
     arena.tensor("w").fill_(1.5)
     handle = arena.handle()
     assert handle["ipc_handle"][:2] == b"RT" and len(handle["ipc_handle"]) == IPC_HANDLE_BYTES
@@ -711,6 +732,132 @@ def test_the_real_driver_wrapper_translates_failures(nvml_off):
     stale = _wire(gpu_uuid=UUIDS[0], offset=0)
     with pytest.raises(CudaError, match=r"cudaErrorInvalidResourceHandle .* has exited or freed it"):
         CudaIpcArena.open(stale, writable=False, driver=driver)
+
+
+def test_a_thread_without_a_context_is_not_left_on_the_arenas_gpu(nvml_off):
+    """A fresh thread (no CUDA context current, the runtime's device 0) creates an arena on GPU 2:
+    the calls run in GPU 2's primary context, and afterwards the thread has no context again and
+    its device is still 0 (cudaSetDevice(2) would have left it on 2 for torch and every later call)."""
+    rt = FakeRuntime(UUIDS[:3], context=False)
+    driver = HostCudaDriver(rt, rt)
+    arena = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[2], driver=driver, nvml=nvml_off)
+    assert ("malloc", 2, ALLOC_GRANULARITY) in rt.log
+    assert rt.ctx is None and rt.cudaGetDevice() == (0, 0) and rt.tls_device == 0
+    arena.close()
+    assert rt.log[-1] == ("free", 2) and rt.ctx is None and rt.cudaGetDevice() == (0, 0)
+    assert rt.log.count(("retain", 2)) == 1  # the primary context is retained once, then reused
+
+
+def test_peer_mappings_are_labelled_with_the_gpu_that_mapped_them(monkeypatch):
+    """torch labels a wrapped pointer with the GPU owning the memory; an arena mapped on cuda:1 as
+    peer memory of cuda:0 is relabelled cuda:1 through DLPack, same address, same owner."""
+    from transport import cuda_ipc
+
+    ptr = 0x7F0000000000
+    made = []
+    monkeypatch.setattr(
+        torch,
+        "as_tensor",
+        lambda obj: SimpleNamespace(is_cuda=True, data_ptr=lambda: ptr, device=torch.device("cuda", 0)),
+    )
+
+    def relabel(p, nbytes, device, owner):
+        made.append((p, nbytes, device, owner))
+        return SimpleNamespace(device=torch.device("cuda", device), data_ptr=lambda: p)
+
+    monkeypatch.setattr(cuda_ipc, "dlpack_tensor", relabel)
+    driver = CudaDriver(None, None)
+    owner = object()
+    assert driver.tensor(ptr, 4096, 0, owner).device == torch.device("cuda", 0) and not made
+    assert driver.tensor(ptr, 4096, 1, owner).device == torch.device("cuda", 1)
+    assert made == [(ptr, 4096, 1, owner)]
+
+
+def test_dlpack_wrapping_keeps_the_owner_alive_while_any_view_lives():
+    """The DLPack path wraps memory in place (host memory here), and the owner lives exactly as long
+    as some view of it does."""
+    import gc
+    import weakref
+
+    from transport import cuda_ipc
+
+    buf = np.arange(64, dtype=np.uint8)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    t = cuda_ipc.dlpack_tensor(buf.ctypes.data, 64, 0, owner, device_type=cuda_ipc.DL_CPU)
+    del owner
+    assert t.data_ptr() == buf.ctypes.data and t.dtype == torch.uint8 and t.shape == (64,) and t[5] == 5
+    view = t[8:16].view(torch.int64)
+    del t
+    gc.collect()
+    assert alive() is not None and int(view[0]) == int(buf[8:16].view(np.int64)[0])
+    del view
+    gc.collect()
+    assert alive() is None
+
+
+@pytest.mark.parametrize(
+    "driver_version,bindings,expect",
+    [
+        (12040, 13, r"cuda-bindings 13.x needs a CUDA 13 driver.*CUDA 12.4.*refitd\[gpu-cu12\]"),
+        (12080, 12, None),
+        (13000, 12, None),  # a newer driver runs older bindings
+        (13000, 13, None),
+        (11080, 12, r"CUDA 11.8: refitd needs a driver for CUDA 12 or newer"),
+        (12040, None, None),  # version unknown: try, and let the calls say
+    ],
+)
+def test_bindings_major_is_checked_against_the_driver(driver_version, bindings, expect):
+    from transport.cuda_ipc import bindings_mismatch
+
+    got = bindings_mismatch(driver_version, bindings)
+    assert (got is None) if expect is None else re.search(expect, got), got
+
+
+def test_a_mismatched_or_incomplete_install_is_refused_naming_the_extra():
+    """cuda-bindings 13 on a CUDA 12 driver: every --arena cuda daemon would refuse with an opaque
+    error; the probe says which extra to install instead. Without cuda-pathfinder it says that."""
+    from transport.cuda_ipc import _probe_with
+
+    rt = FakeRuntime(UUIDS[:1])
+    rt.cudaDriverGetVersion = lambda: (0, 12020)
+    driver, reason = _probe_with(lambda: (rt, rt), 13)
+    assert driver is None and "pip install 'refitd[gpu-cu12]'" in reason and "CUDA 12.2" in reason
+    driver, reason = _probe_with(lambda: (rt, rt), 12)
+    assert driver is not None and reason is None
+
+    def no_pathfinder():
+        raise ModuleNotFoundError("No module named 'cuda.pathfinder'")
+
+    driver, reason = _probe_with(no_pathfinder, 13)
+    assert driver is None and "cuda-pathfinder is missing" in reason and "refitd[gpu-cu13]" in reason
+
+
+def test_release_waits_for_copies_on_the_arenas_gpu(monkeypatch):
+    """An engine on cuda:0 copies out of an arena mapped on cuda:1: release synchronizes both GPUs
+    before telling the daemon (the copies may run on either's stream), not only the current one."""
+    from adapters.base import Generation, RefitReader
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    reader = RefitReader("ipc:///nonexistent/refitd-test.sock", name="engine")
+    sent = []
+    monkeypatch.setattr(reader, "_send", lambda kind, fields, **kw: sent.append((kind, synced[:])))
+    try:
+        reader.release(Generation(0, 7, {}, "refitd-gen0", on_gpu=True, device=1))
+        assert synced == [0, 1] and sent and sent[0][1] == [0, 1]  # both before RELEASE went out
+        synced.clear()
+        reader.release(Generation(1, 8, {}, "refitd-gen1"))  # host memory: nothing to wait for
+        assert synced == []
+    finally:
+        reader._closed = True
+        reader._sock.close(linger=0)
+        reader._ctx.term()
 
 
 # --------------------------------------------------------------------------------------------------

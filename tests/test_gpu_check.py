@@ -173,3 +173,53 @@ def test_compile_baseline_arithmetic_is_the_reference(fmt):
     if fmt is Format.BLOCK_FP8:
         rq, _ = quant.quantize_block_fp8(slab)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+def test_a_dead_child_is_noticed_at_once_not_after_the_timeout():
+    """An engine process that dies before answering: the parent closed its copy of the child's pipe
+    end and waits on the process sentinel too, so the wait ends with the exit status instead of
+    hanging for the whole timeout (up to ~7.5 min on the GPU machine)."""
+    import multiprocessing as mp
+
+    # sys.exit(<its pipe end>): a child that exits with status 1 without sending anything
+    child = gc.Child.spawn(mp.get_context("spawn"), "engine", sys.exit)
+    try:
+        with pytest.raises(RuntimeError, match="the engine process exited with status 1 without answering"):
+            child.recv(timeout=600)
+    finally:
+        child.proc.join(10)
+        child.conn.close()
+
+
+def test_a_failing_section_is_recorded_and_the_json_written_as_each_section_ends(tmp_path, monkeypatch):
+    """The GPU torch reference raising in the correctness section: the error is a row of the report,
+    the next sections still run, the JSON on disk already holds each finished section when the next
+    starts, and the exit status says something failed. The environment is printed first."""
+    out = tmp_path / "check.json"
+    seen_on_disk = {}
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def timing(device, shape, args, impls):
+        seen_on_disk.update(json.loads(out.read_text()))
+        return {"rows": [], "checks": []}
+
+    monkeypatch.setattr(gc, "check_random", broken)
+    monkeypatch.setattr(gc, "timing_section", timing)
+    code = gc.main(["--device", "cpu", "--small", "--skip", "e2e", "--out", str(out)])
+    assert code == 1
+    report = json.loads(out.read_text())
+    errors = [c for c in report["correctness"] if c["ok"] is False]
+    assert len(errors) == 1 and "illegal memory access" in errors[0]["status"]
+    assert any(c["ok"] for c in report["correctness"])  # the non-finite and table checks still ran
+    assert "illegal memory access" in json.dumps(seen_on_disk["correctness"])
+    env = report["meta"]["environment"]
+    for key in ("python", "torch", "triton", "numpy", "driver", "cuda-bindings", "pyzmq", "msgpack", "gpu"):
+        assert key in env, key
+
+
+def test_environment_names_what_is_missing():
+    assert gc._version("refitd_no_such_module").startswith("missing (ModuleNotFoundError")
+    assert gc._version("shlex") == "installed"  # importable, no version to tell
+    assert gc._driver_version().startswith(("none", "CUDA", "libcuda"))

@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -412,8 +413,9 @@ for aligned in (True, False):
     out[f"mxfp8 aligned={aligned}"] = build(tq._mxfp8_kernel, sig,
         {"stride_k": 1, "PARTS": 2, "BR": 32, "BK": 256, "ALIGNED": aligned, "WIDE": False}, hints, 4)
 sig = {"x_ptr": "*bf16", "part_ptr": "*i32", "flag_ptr": "*i32", "stride_e": "i32", "stride_r": "i32", "stride_k": "constexpr",
-       "total_rows": "i32", "cols": "i32", "rows_per_chunk": "i32", "n_chunks": "i32", "BR": "constexpr", "BK": "constexpr", "WIDE": "constexpr"}
-out["amax"] = build(tq._amax_kernel, sig, {"stride_k": 1, "BR": 32, "BK": 256, "WIDE": True},
+       "total_rows": "i32", "cols": "i32", "rows_per_chunk": "i32", "n_chunks": "i32", "BR": "constexpr", "BK": "constexpr", "ROW_ITERS": "constexpr",
+       "COL_ITERS": "constexpr", "WIDE": "constexpr"}
+out["amax"] = build(tq._amax_kernel, sig, {"stride_k": 1, "BR": 32, "BK": 256, "ROW_ITERS": 4, "COL_ITERS": 16, "WIDE": True},
                     ["x_ptr", "part_ptr", "stride_e", "stride_r", "total_rows", "cols", "rows_per_chunk"], 4)
 sig = {**ptrs, **ints, "n_chunks": "i32", "PARTS": "constexpr", "BR": "constexpr", "BK": "constexpr", "CHUNKS": "constexpr",
        "ALIGNED": "constexpr", "WIDE": "constexpr"}
@@ -726,3 +728,349 @@ def test_try_run_unit_on_cuda_matches_reference(fmt):
     for unit in plan.units:
         shared = any(len(grp) > 1 for grp in unit.scale_groups)
         assert kernels.try_run_unit(unit, per_expert, got) is not shared
+
+
+# --------------------------------------------------------------------------------------------------
+# the GPU path's host side, with fakes: device, probe, flags, scratch, warm-up
+
+
+class _FakeCuda:
+    """A stand-in for torch.cuda's current device: ``scope(device)`` makes it current for a block,
+    and whatever ran records the device that was current then."""
+
+    def __init__(self):
+        self.current = torch.device("cuda", 0)
+        self.seen: list[tuple[str, torch.device]] = []
+
+    def scope(self, device):
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered():
+            previous, self.current = self.current, torch.device(device)
+            try:
+                yield
+            finally:
+                self.current = previous
+
+        return entered()
+
+    def record(self, what):
+        self.seen.append((what, self.current))
+
+
+def test_launches_and_allocations_run_with_the_slabs_device_current(monkeypatch):
+    """A daemon on its second GPU: quantize_slab makes the slab's device current around the pointer
+    tables, the scratch, the flag and the launch (Triton launches on the current device and its
+    stream), and gives the previous device back after."""
+    fake = _FakeCuda()
+    real_prepare, real_scratch = kernels.prepare_outputs, kernels.scratch
+
+    class FakeTq:
+        CALLS: ClassVar = {f.value: (lambda *a, **k: ["call"]) for f in QUANTIZED}
+
+        @staticmethod
+        def partials_size(geom, cfg):
+            return 8
+
+        @staticmethod
+        def launch(calls):
+            fake.record("launch")
+            return []
+
+    def prepare(*a, **k):
+        fake.record("pointer tables")
+        return real_prepare(*a, **k)
+
+    def scratch(device, n):
+        fake.record("scratch")
+        return real_scratch(device, n)
+
+    monkeypatch.setattr(kernels, "device_scope", fake.scope)
+    monkeypatch.setattr(kernels, "_interpreting", lambda: True)
+    monkeypatch.setattr(kernels, "_load", lambda: FakeTq)
+    monkeypatch.setattr(kernels, "prepare_outputs", prepare)
+    monkeypatch.setattr(kernels, "scratch", scratch)
+    for fmt in QUANTIZED:
+        slab = torch.zeros(2, 4, 64)
+        kernels.quantize_slab(slab, fmt, _alloc(2, 1, 4, 64, fmt, device="cpu"))
+    assert fake.seen and {d for _, d in fake.seen} == {torch.device("cpu")}, fake.seen
+    assert [w for w, _ in fake.seen].count("launch") == 3 and ("scratch", torch.device("cpu")) in fake.seen
+    assert fake.current == torch.device("cuda", 0)  # restored
+
+
+def test_device_scope_enters_the_cuda_device_and_nothing_for_cpu(monkeypatch):
+    entered = []
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    with kernels.device_scope(torch.device("cuda", 1)):
+        pass
+    with kernels.device_scope("cpu"):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+def test_a_triton_that_cannot_launch_falls_back_to_the_reference_once(monkeypatch):
+    """Triton imports but its first launch fails (no compiler for the launcher, no libcuda): the
+    probe says why, once per device; try_run_unit declines (the reference runs); warm-up reports the
+    torch quantizer with the reason for status and metrics."""
+    from sidecar.plan import RefitPlan, RefitSpec
+
+    tries = []
+
+    def broken(device):
+        tries.append(device)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(kernels, "_triton_missing", lambda: None)
+    monkeypatch.setattr(kernels, "_load", lambda: object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_probe_launch", broken)
+    monkeypatch.setattr(kernels, "_probed", {})
+    monkeypatch.setattr(kernels, "device_scope", lambda device: _FakeCuda().scope(device))
+    reason = kernels.unavailable_reason("cuda:3")
+    assert "cannot launch a kernel on cuda:3" in reason and "Failed to find C compiler" in reason
+    assert "C compiler" in reason and "TRITON_CACHE_DIR" in reason
+    assert not kernels.available(torch.device("cuda", 3)) and tries == [torch.device("cuda", 3)]
+    assert kernels.probe("cuda:2") is not None and len(tries) == 2  # each device probed once
+    tensors = _layer()
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8"))
+    done = kernels.warm_up(plan, "cuda:3")
+    assert (done.impl, done.reason, done.compiled) == ("torch", reason, 0) and len(tries) == 2
+    assert done.to_dict()["impl"] == "torch"
+
+
+def test_a_probe_that_passes_is_remembered(monkeypatch):
+    monkeypatch.setattr(kernels, "_probed", {})
+    monkeypatch.setattr(kernels, "device_scope", lambda device: _FakeCuda().scope(device))
+    calls = []
+    monkeypatch.setattr(kernels, "_probe_launch", calls.append)
+    assert kernels.probe("cuda:1") is None and kernels.probe(torch.device("cuda", 1)) is None
+    assert calls == [torch.device("cuda", 1)]
+
+
+def _flagged_launch(name="w"):
+    geom = SlabGeometry(experts=1, parts=1, rows=256, cols=256)
+    cfg = kernels.DEFAULT_CONFIGS[Format.BLOCK_FP8]
+    return lambda flag: kernels.SlabLaunch(flag, Format.BLOCK_FP8, geom, cfg, lambda: [[name]])
+
+
+def test_flag_group_reads_every_launchs_flag_with_one_copy(monkeypatch):
+    """Many launches' flags in one group: slots run past a buffer's end into a second buffer, the
+    check reads each device's slots once (no .item() per launch), names the first bad launch of each
+    tag, and leaves the slots clear for the next group (the buffers are reused, not reallocated)."""
+    monkeypatch.setattr(kernels.FlagGroup, "CHUNK", 4)
+    monkeypatch.setattr(
+        kernels.SlabLaunch, "check", lambda self: pytest.fail("a launch was checked on its own")
+    )
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or real_tolist(self))
+    group = kernels.FlagGroup()
+    device = torch.device("cpu")
+    for i in range(10):
+        flag, slot = group.slot(device)
+        if i in (4, 5, 9):  # what a kernel's atomic_min leaves: the first bad tile's id
+            flag.fill_(3 if i == 4 else 0)
+        group.add(i // 3, device, slot, _flagged_launch(f"unit{i // 3}.w{i}")(flag))
+    buffers = list(group._buffers[device])
+    errors = group.check()
+    assert reads == [10] and sorted(errors) == [1, 3]
+    assert isinstance(errors[1], quant.NonFiniteError) and "unit1.w4" in str(errors[1])
+    assert "tile rows 128..255, cols 128..255" in str(errors[1])
+    assert "unit3.w9" in str(errors[3]) and len(group) == 0
+    for _ in range(10):
+        group.slot(device)
+    assert len(group._buffers[device]) == len(buffers)
+    assert all(a is b for a, b in zip(group._buffers[device], buffers))
+    assert all((b == slab_mod.FLAG_CLEAR).all() for b in buffers)
+    aligned = kernels.FlagGroup()  # every flag 16-byte aligned: one specialisation for all launches
+    assert all(aligned.slot(device)[0].data_ptr() % 16 == 0 for _ in range(9))
+    assert group.check() == {}  # slots taken but no launch added: nothing to read
+
+
+def test_per_tensor_scratch_is_reused_until_a_launch_needs_more():
+    device = torch.device("cpu")
+    kernels._scratch.pop((device, 0), None)
+    a = kernels.scratch(device, 10)
+    assert kernels.scratch(device, 1024) is a and a.numel() >= 1024
+    b = kernels.scratch(device, 5000)
+    assert b is not a and b.numel() == 5000 and kernels.scratch(device, 7) is b
+
+
+@kernel_tier
+def test_worker_checks_the_kernels_flags_once_per_batch(monkeypatch):
+    """The quantize worker runs a whole queued layer through the kernels (the interpreter here): no
+    launch is checked on its own, one group read reports every unit, and the unit whose slab held
+    a NaN fails naming its checkpoint tensor while the other completes."""
+    import threading
+
+    import zmq
+
+    from sidecar.plan import RefitPlan, RefitSpec
+    from sidecar.worker import QuantWorker
+
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)
+    monkeypatch.setattr(
+        kernels.SlabLaunch, "check", lambda self: pytest.fail("a launch was checked on its own")
+    )
+    reads = []
+    real_check = kernels.FlagGroup.check
+    monkeypatch.setattr(kernels.FlagGroup, "check", lambda self: reads.append(len(self)) or real_check(self))
+    tensors = _layer()
+    down = next(n for n in tensors if "down" in n)
+    tensors[down][1, 5, 7] = float("inf")
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt="fp8_per_tensor"))
+    outputs = plan.allocate(device=DEVICE)
+    ctx = zmq.Context()
+    wake = ctx.socket(zmq.PULL)
+    wake.bind("inproc://test-kernel-flags")
+    worker = QuantWorker(ctx, "inproc://test-kernel-flags")
+    try:
+        release = threading.Event()
+        first = plan.units[0]
+
+        def held():
+            release.wait(30)  # the other units queue up behind this one and run as one batch
+            return {n: tensors[n] for n in first.inputs}
+
+        worker.submit(0, first, held, lambda: outputs)
+        for unit in plan.units[1:]:
+            worker.submit(0, unit, lambda unit=unit: {n: tensors[n] for n in unit.inputs}, lambda: outputs)
+        release.set()
+        done = {d.unit: d for d in (worker.results.get(timeout=120) for _ in plan.units)}
+    finally:
+        worker.close()
+        wake.close(linger=0)
+        ctx.term()
+    bad = {u.index for u in plan.units if down in u.inputs}
+    assert reads == [len(plan.units)]  # one read, one launch pair per slab unit
+    for index, d in done.items():
+        if index in bad:
+            assert isinstance(d.error, quant.NonFiniteError) and ".1.down_proj.weight" in str(d.error)
+        else:
+            assert d.error is None, d.error
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_warm_up_compiles_each_distinct_specialisation_of_the_plan_once(monkeypatch):
+    """Two layers of grouped experts need two specialisations per format (gate_up has two parts,
+    down one; the second layer repeats the first); a per-expert plan's nine launches need at most
+    two (gate and up are alike; down differs only where Triton's integer traits do; per-tensor
+    gate and up run on the reference). Warm-up
+    compiles exactly those before READY, and reserves the per-tensor scratch; on a CPU device it
+    does nothing."""
+    from sidecar.plan import RefitPlan, RefitSpec
+
+    slabs = {**_layer(), **{k.replace("layers.0", "layers.1"): v for k, v in _layer(seed=3).items()}}
+    per_expert = {
+        f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.zeros(shape, dtype=torch.bfloat16)
+        for e in range(3)
+        for p, shape in (("gate_proj", (64, 96)), ("up_proj", (64, 96)), ("down_proj", (96, 64)))
+    }
+    compiled: list = []
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(kernels, "device_scope", lambda device: _FakeCuda().scope(device))
+    reserved = []
+    monkeypatch.setattr(kernels, "scratch", lambda device, n: reserved.append((device, n)))
+    for fmt in QUANTIZED:
+        for tensors, model, want in ((slabs, "qwen3_5_moe", (2,)), (per_expert, "qwen3_moe", (1, 2))):
+            plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type=model, fmt=fmt))
+            # fp8_per_tensor's gate + up share one scale: the reference runs them, only down launches
+            launches = 4 if model == "qwen3_5_moe" else 3 if fmt is Format.FP8_PER_TENSOR else 9
+            assert len(list(kernels._plan_launches(plan))) == launches
+            specs = kernels.specialisations(plan)
+            assert len(specs) in want, (fmt, model, list(specs))
+            want = len(specs)
+            compiled.clear()
+            done = kernels.warm_up(plan, "cuda:1", compile=compiled.append)
+            assert (done.impl, done.compiled, len(compiled)) == ("triton", want, want)
+            kernels_called = {c.kernel.fn.__name__ for calls in compiled for c in calls}
+            want_kernels = {
+                Format.BLOCK_FP8: {"_block_fp8_kernel"},
+                Format.MXFP8: {"_mxfp8_kernel"},
+                Format.FP8_PER_TENSOR: {"_amax_kernel", "_per_tensor_kernel"},
+            }[fmt]
+            assert kernels_called == want_kernels
+    assert reserved and all(d == torch.device("cuda", 1) and n > 0 for d, n in reserved)
+    monkeypatch.undo()
+    cpu = kernels.warm_up(plan, "cpu", compile=pytest.fail)
+    assert cpu.impl == "torch" and "CUDA tensors only" in cpu.reason
+
+
+@kernel_tier
+def test_amax_kernel_runs_where_the_interpreter_cannot_index_a_tensor(monkeypatch):
+    """Triton 3.6's interpreter turns a tensor into a Python int with int(ndarray of shape (1,)),
+    which NumPy >= 2.4 refuses: a loop over tensor bounds fails there. Modelled here on this
+    Triton; the per-tensor kernels loop over constexpr trip counts and still match the reference."""
+    if NO_INTERPRETER is not None:
+        pytest.skip(NO_INTERPRETER)
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def like_triton_3_6(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", like_triton_3_6)
+    slab = _slab(2, 200, 300, seed=4)  # several row blocks per chunk, a ragged column tile
+    cfg = TileConfig(block_rows=32, block_cols=128, num_warps=4, amax_chunks=2)
+    outs = _alloc(2, 2, 100, 300, Format.FP8_PER_TENSOR)
+    kernels.quantize_slab(slab, "fp8_per_tensor", outs, config=cfg)
+    for e in range(2):
+        want = quant.fp8_per_tensor_scale(slab[e])
+        assert all(torch.equal(s, want.reshape(s.shape)) for _, s in outs[e])
+
+
+def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
+    """A daemon on host arenas warms up nothing and says it quantizes with the torch reference, and
+    why; the metrics show the same as a labelled gauge."""
+    from types import SimpleNamespace
+
+    from daemons import RunningDaemon
+
+    from sidecar.metrics import MetricsObserver
+    from sidecar.serve_cli import render_status
+    from sidecar.synthetic import make_hf_config
+
+    d = RunningDaemon(tmp_path, hf_config=make_hf_config("qwen3_5_moe", num_layers=1, num_experts=2))
+    try:
+        status = d.status()
+    finally:
+        d.close()
+    q = status["quantizer"]
+    assert q["impl"] == "torch" and q["device"] == "cpu" and "CUDA tensors only" in q["reason"]
+    assert "quantizer: torch reference on cpu (the kernels run on CUDA tensors only" in render_status(status)
+    status["quantizer"] = kernels.WarmUp("cuda:1", "triton", None, 4, 2.0).to_dict()
+    assert "quantizer: triton kernels on cuda:1 (4 specialisations compiled in 2.0 s)" in render_status(
+        status
+    )
+    m = MetricsObserver("127.0.0.1:0")
+    try:
+        m.on_ready(SimpleNamespace(quantizer=kernels.WarmUp("cuda:1", "triton", None, 4, 2.0), engines={}))
+        assert (
+            m.registry.get_sample_value(
+                "refitd_quantizer", {"impl": "triton", "device": "cuda:1", "reason": ""}
+            )
+            == 1.0
+        )
+    finally:
+        m.close()
+
+
+@kernel_tier
+def test_the_probe_launch_matches_the_reference_where_kernels_run():
+    """The probe's own input through the real kernel (the GPU, or the interpreter here) equals the
+    torch reference, so a healthy Triton is never mistaken for a broken one."""
+    kernels._probe_launch(torch.device(DEVICE))

@@ -121,11 +121,19 @@ class SlabGeometry:
     parts: int
     rows: int  # per part
     cols: int
+    #: the slab's element strides (0 for a dim of size 1 is fine: it is never stepped)
+    strides: tuple[int, int, int] = (0, 0, 1)
 
     @classmethod
     def of(cls, slab: torch.Tensor, parts: int) -> SlabGeometry:
         e, r, k = slab.shape
-        return cls(e, parts, r // parts, k)
+        return cls(e, parts, r // parts, k, tuple(int(s) for s in slab.stride()))
+
+    @classmethod
+    def contiguous(cls, shape: Sequence[int], parts: int) -> SlabGeometry:
+        """The geometry of a contiguous slab of ``shape`` [E, R, K] (what a plan's arena holds)."""
+        e, r, k = shape
+        return cls(e, parts, r // parts, k, (r * k, k, 1))
 
     @property
     def numel(self) -> int:
@@ -338,11 +346,6 @@ def flat_outputs(outs: Outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def default_names(experts: int, parts: int, base: str = "slab") -> list[list[str]]:
     return [[f"{base}[{e}] part {p}" for p in range(parts)] for e in range(experts)]
-
-
-def strides(slab: torch.Tensor) -> tuple[int, int, int]:
-    """Element strides of the slab (0 for a dim of size 1 is fine: it is never stepped)."""
-    return tuple(int(s) for s in slab.stride())  # type: ignore[return-value]
 
 
 def next_pow2(n: int) -> int:

@@ -19,14 +19,25 @@ Exactness, operation by operation, against sidecar.quant (the torch reference):
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Any
+
 import triton
 import triton.language as tl
 
 from sidecar.formats import BLOCK, MX_BLOCK
-from sidecar.kernels.slab import SlabGeometry, TileConfig, next_pow2, strides
+from sidecar.kernels.slab import SlabGeometry, TileConfig, next_pow2
 
-__all__ = ["launch_block_fp8", "launch_fp8_per_tensor", "launch_mxfp8"]
+__all__ = [
+    "CALLS",
+    "KernelCall",
+    "calls_block_fp8",
+    "calls_fp8_per_tensor",
+    "calls_mxfp8",
+    "compile_only",
+    "launch",
+    "partials_size",
+]
 
 # Triton kernels may read globals only when they are constexpr
 _FP8_MAX = tl.constexpr(448.0)
@@ -124,33 +135,16 @@ def _block_fp8_kernel(
         tl.store(s_base + rt * n_ct + ct, scale_inv, mask=ct < n_ct)
 
 
-def launch_block_fp8(slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide) -> list:
+def calls_block_fp8(slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide):
     n_rt, n_ct = geom.tiles(BLOCK, BLOCK)
     tiles_k = cfg.block_cols // BLOCK
     n_cg = -(-n_ct // tiles_k)
     programs = geom.experts * geom.parts * n_rt * n_cg
     if programs == 0:
         return []
-    k = _block_fp8_kernel[(programs,)](
-        slab,
-        q_tab,
-        s_tab,
-        flag,
-        *strides(slab),
-        geom.rows,
-        geom.cols,
-        n_rt,
-        n_ct,
-        n_cg,
-        PARTS=geom.parts,
-        TILES_K=tiles_k,
-        ALIGNED=aligned,
-        WIDE=wide,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,  # no mul+add contraction, ever: SPEC rounds each step
-    )
-    return [k] if k is not None else []
+    args = (slab, q_tab, s_tab, flag, *geom.strides, geom.rows, geom.cols, n_rt, n_ct, n_cg)
+    consts = {"PARTS": geom.parts, "TILES_K": tiles_k, "ALIGNED": aligned, "WIDE": wide}
+    return [KernelCall(_block_fp8_kernel, programs, args, {**consts, **_options(cfg)})]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,31 +196,20 @@ def _mxfp8_kernel(
     tl.store(s_base + r[:, None] * (cols // _MX) + b[None, :], byte.to(tl.uint8), mask=s_mask)
 
 
-def launch_mxfp8(slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide) -> list:
+def calls_mxfp8(slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide):
     n_rt, n_ct = geom.tiles(cfg.block_rows, cfg.block_cols)
     programs = geom.programs(cfg.block_rows, cfg.block_cols)
     if programs == 0:
         return []
-    k = _mxfp8_kernel[(programs,)](
-        slab,
-        q_tab,
-        s_tab,
-        flag,
-        *strides(slab),
-        geom.rows,
-        geom.cols,
-        n_rt,
-        n_ct,
-        PARTS=geom.parts,
-        BR=cfg.block_rows,
-        BK=cfg.block_cols,
-        ALIGNED=aligned,
-        WIDE=wide,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,  # no mul+add contraction, ever: SPEC rounds each step
-    )
-    return [k] if k is not None else []
+    args = (slab, q_tab, s_tab, flag, *geom.strides, geom.rows, geom.cols, n_rt, n_ct)
+    consts = {
+        "PARTS": geom.parts,
+        "BR": cfg.block_rows,
+        "BK": cfg.block_cols,
+        "ALIGNED": aligned,
+        "WIDE": wide,
+    }
+    return [KernelCall(_mxfp8_kernel, programs, args, {**consts, **_options(cfg)})]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,19 +230,24 @@ def _amax_kernel(
     n_chunks,
     BR: tl.constexpr,
     BK: tl.constexpr,
+    ROW_ITERS: tl.constexpr,
+    COL_ITERS: tl.constexpr,
     WIDE: tl.constexpr,
 ):
+    # Loop trip counts are constexprs, never tensors: a loop over tensor bounds is a runtime
+    # scf.for when compiled, but Triton 3.6's interpreter turns its bounds into ints with
+    # int(ndarray of shape (1,)), which NumPy >= 2.4 refuses. Rows past the chunk are masked.
     pid = tl.program_id(0)
     x_base = x_ptr + (pid // n_chunks).to(tl.int64) * stride_e
     r_start = (pid % n_chunks) * rows_per_chunk
     r_end = tl.minimum(r_start + rows_per_chunk, total_rows)
     acc = tl.zeros([BR, BK], dtype=tl.int32)
-    for r0 in range(r_start, r_end, BR):
-        r = r0 + tl.arange(0, BR)
+    for i in range(ROW_ITERS):
+        r = r_start + i * BR + tl.arange(0, BR)
         if WIDE:
             r = r.to(tl.int64)
-        for c0 in range(0, cols, BK):
-            c = c0 + tl.arange(0, BK)
+        for j in range(COL_ITERS):
+            c = j * BK + tl.arange(0, BK)
             if WIDE:
                 c = c.to(tl.int64)
             m = (r < r_end)[:, None] & (c < cols)[None, :]
@@ -312,52 +300,95 @@ def _per_tensor_kernel(
         tl.store(s_base, scale)
 
 
-def launch_fp8_per_tensor(
-    slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide
-) -> list:
-    """Pass 1 writes each expert's ``n_chunks`` partial amax bits (a small int32 [E, n_chunks]
-    scratch, the only thing allocated); pass 2 reduces them to the expert's scale (gate and up
-    share it: they are rows of one expert matrix) and quantizes."""
+def partials_size(geom: SlabGeometry, cfg: TileConfig) -> int:
+    """int32 elements of the per-tensor scratch (partial amax bits) a launch of ``geom`` needs."""
+    return geom.experts * geom.amax_chunks(cfg)[0]
+
+
+def calls_fp8_per_tensor(
+    slab, q_tab, s_tab, flag, geom: SlabGeometry, cfg: TileConfig, *, aligned, wide, partials
+):
+    """Pass 1 writes each expert's ``n_chunks`` partial amax bits into ``partials`` (int32, at
+    least :func:`partials_size` elements: a scratch the caller keeps, so a launch allocates
+    nothing); pass 2 reduces them to the expert's scale (gate and up share it: they are rows of
+    one expert matrix) and quantizes."""
     n_chunks, rows_per_chunk = geom.amax_chunks(cfg)
     if geom.experts == 0 or geom.rows * geom.cols == 0:
         return []
-    partials = torch.empty(geom.experts * n_chunks, dtype=torch.int32, device=slab.device)
-    k1 = _amax_kernel[(geom.experts * n_chunks,)](
+    amax_args = (
         slab,
         partials,
         flag,
-        *strides(slab),
+        *geom.strides,
         geom.parts * geom.rows,
         geom.cols,
         rows_per_chunk,
         n_chunks,
-        BR=cfg.block_rows,
-        BK=cfg.block_cols,
-        WIDE=wide,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,  # no mul+add contraction, ever: SPEC rounds each step
     )
+    amax_consts = {
+        "BR": cfg.block_rows,
+        "BK": cfg.block_cols,
+        "ROW_ITERS": -(-rows_per_chunk // cfg.block_rows),
+        "COL_ITERS": -(-geom.cols // cfg.block_cols),
+        "WIDE": wide,
+    }
     n_rt, n_ct = geom.tiles(cfg.block_rows, cfg.block_cols)
-    k2 = _per_tensor_kernel[(geom.programs(cfg.block_rows, cfg.block_cols),)](
-        slab,
-        q_tab,
-        s_tab,
-        partials,
-        *strides(slab),
-        geom.rows,
-        geom.cols,
-        n_rt,
-        n_ct,
-        n_chunks,
-        PARTS=geom.parts,
-        BR=cfg.block_rows,
-        BK=cfg.block_cols,
-        CHUNKS=next_pow2(n_chunks),
-        ALIGNED=aligned,
-        WIDE=wide,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,  # no mul+add contraction, ever: SPEC rounds each step
-    )
-    return [k for k in (k1, k2) if k is not None]
+    args = (slab, q_tab, s_tab, partials, *geom.strides, geom.rows, geom.cols, n_rt, n_ct, n_chunks)
+    consts = {
+        "PARTS": geom.parts,
+        "BR": cfg.block_rows,
+        "BK": cfg.block_cols,
+        "CHUNKS": next_pow2(n_chunks),
+        "ALIGNED": aligned,
+        "WIDE": wide,
+    }
+    return [
+        KernelCall(_amax_kernel, geom.experts * n_chunks, amax_args, {**amax_consts, **_options(cfg)}),
+        KernelCall(
+            _per_tensor_kernel,
+            geom.programs(cfg.block_rows, cfg.block_cols),
+            args,
+            {**consts, **_options(cfg)},
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# launching and compiling
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """One kernel launch, not yet made: the kernel, its 1-D grid, arguments and keyword arguments."""
+
+    kernel: Any
+    programs: int
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def _options(cfg: TileConfig) -> dict[str, Any]:
+    # enable_fp_fusion=False: no mul+add contraction, ever; SPEC rounds each step
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
+
+
+def launch(calls: list[KernelCall]) -> list:
+    """Launch ``calls`` in order on the current device's current stream; the compiled kernels
+    Triton returns (none under the interpreter). The caller enters the tensors' device first."""
+    out = []
+    for c in calls:
+        k = c.kernel[(c.programs,)](*c.args, **c.kwargs)
+        if k is not None:
+            out.append(k)
+    return out
+
+
+def compile_only(calls: list[KernelCall]) -> list:
+    """Compile ``calls`` for the current device without launching them (``JITFunction.warmup``):
+    the specialisations a later launch with the same dtypes, alignments and integer arguments
+    finds in Triton's cache."""
+    return [c.kernel.warmup(*c.args, grid=(c.programs,), **c.kwargs) for c in calls]
+
+
+#: format -> the function building its calls
+CALLS = {"block_fp8": calls_block_fp8, "mxfp8": calls_mxfp8, "fp8_per_tensor": calls_fp8_per_tensor}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The one command on the GPU machine (from the repo root, with .whl/ carried along):
+#
+#     bash bench/gpu_run.sh [gpu_check.py arguments]
+#
+# Installs the carried wheels (bench/gpu_wheels.sh) into /tmp/site without touching the network,
+# then runs the check, writing bench/results/gpu-check-cuda.json as each section ends. The steps
+# are chained with ';', not '&&': a wheel that does not fit this machine still leaves the kernel
+# and timing sections to run (gpu_check.py prints what it found and skips what needs the rest).
+cd "$(dirname "$0")/.." || exit 1
+SITE=${SITE:-/tmp/site}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl ;
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" ;
+export PYTHONUNBUFFERED=1 ;
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv ;
+python3 bench/gpu_check.py "$@"
