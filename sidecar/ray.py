@@ -3,8 +3,8 @@
 NeMo-RL, verl, OpenRLHF and slime place their trainers and engines with Ray. :class:`RayDaemons`
 starts one supervisor actor per alive node, pinned there (``NodeAffinitySchedulingStrategy``,
 ``soft=False``), named ``refitd:<group>:<node_id>`` in the ``refitd`` namespace. The actor runs the
-real daemon (``python -m sidecar.cli serve --config FILE``) as a child process and restarts it when
-it dies; any actor or task finds the daemon of its own node with :func:`refitd_endpoint`::
+real daemon (``python -m sidecar.cli serve --config FILE``) through a small keeper process
+(:mod:`sidecar.ray_keeper`) and restarts it when it dies; any actor or task finds the daemon of its own node with :func:`refitd_endpoint`::
 
     from sidecar.ray import RayDaemons, ray_config, refitd_endpoint
 
@@ -25,7 +25,8 @@ as usual (one keypair for every node works: give ``curve_secret_key``, ``curve_a
 ``curve_server_key``).
 
 Lifetime: job-scoped by default (Ray kills the actors when the driver's job ends; each daemon gets
-SIGTERM through ``PR_SET_PDEATHSIG`` if its actor dies, and unlinks its segments); ``detached=True``
+SIGTERM through ``PR_SET_PDEATHSIG`` when its actor dies, and unlinks its segments: the keeper
+between them takes the SIGKILL Ray gives a dead worker's children); ``detached=True``
 keeps them until :meth:`RayDaemons.close` or :func:`stop_detached`. A daemon that exits is
 restarted in the same runtime directory (same endpoint; the new daemon unlinks the segments its
 predecessor left), unless it exited with a configuration error (78) or restarted more than
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import enum
 import json
@@ -72,6 +72,7 @@ from sidecar.config import (
     load_config,
     prepare_runtime_dir,
 )
+from sidecar.ray_keeper import die_with_parent
 
 log = logging.getLogger("refitd.ray")
 
@@ -87,7 +88,6 @@ PROBE_TIMEOUT_S = 1.0
 #: Restart backoff: doubles from the first value up to the second.
 RESTART_BACKOFF_S = (0.5, 10.0)
 STDERR_TAIL_LINES = 40
-PR_SET_PDEATHSIG = 1  # prctl(2)
 #: The bounds of :meth:`RayDaemons.watch`'s interval: often enough to matter, rarely enough to be cheap.
 WATCH_INTERVAL_BOUNDS_S = (0.5, 3600.0)
 
@@ -191,12 +191,6 @@ def daemon_env(env: Mapping[str, str]) -> dict[str, str]:
 # the per-node supervisor (a Ray actor)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGTERM this child when the thread that started it (the supervisor) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -250,9 +244,10 @@ def sweep_runtime_base(base: Path) -> list[str]:
 class NodeDaemon:
     """Runs and supervises one ``refitd serve`` on this Ray node (use through :class:`RayDaemons`).
 
-    A thread owns the child: it starts it, probes ``refitd status`` until it answers, waits for it
-    to exit and, unless asked to stop, restarts it after a backoff. The thread also starts each
-    child, so the child's ``PR_SET_PDEATHSIG`` fires when this actor's process dies."""
+    A thread owns the child: it starts it (behind a :mod:`sidecar.ray_keeper`), probes ``refitd
+    status`` until it answers, waits for it to exit and, unless asked to stop, restarts it after a
+    backoff. The thread starts each keeper itself, so the keeper's ``PR_SET_PDEATHSIG`` fires when
+    this actor's process dies, and the daemon's when the keeper does."""
 
     def __init__(
         self,
@@ -283,6 +278,7 @@ class NodeDaemon:
         self._error: str | None = None
         self._proc: subprocess.Popen | None = None
         self._instance: str | None = None
+        self._pid: int | None = None  # the daemon's own pid (its status says), not the keeper's
         self._restarts: list[float] = []
         self._exits: list[int] = []
         self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -332,7 +328,7 @@ class NodeDaemon:
                 "tcp": self.tcp,
                 "peers": list(self.config.peers),
                 "runtime_dir": str(self.config.runtime_dir),
-                "pid": proc.pid if proc is not None and proc.poll() is None else None,
+                "pid": self._pid if proc is not None and proc.poll() is None else None,
                 "instance": self._instance,
                 "state": self._state.value,
                 "restarts": len(self._restarts),
@@ -365,15 +361,14 @@ class NodeDaemon:
             self._state = DaemonState.STARTING
             self._lock.notify_all()
         self._restart_now.set()
-        self._terminate(self._proc)
+        self._terminate(self._proc, self._pid)
         return self.info()
 
     def stop(self, timeout: float = 30.0) -> dict[str, Any]:
         """SIGTERM the daemon (it fails the step in flight and unlinks its segments), SIGKILL it
         after ``timeout``; remove its runtime directory. Idempotent. Returns :meth:`info`."""
         self._stop.set()
-        proc = self._proc
-        self._terminate(proc, timeout)
+        self._terminate(self._proc, self._pid, timeout)
         self._thread.join(timeout=timeout)
         remove_stale_segments(self.config.runtime_dir)
         shutil.rmtree(self.config.runtime_dir, ignore_errors=True)
@@ -397,14 +392,15 @@ class NodeDaemon:
         config_file = Path(self.config.runtime_dir) / "refitd.toml"
         config_file.write_text(to_toml(self.config))
         cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(config_file)]
+        keeper = [sys.executable, "-m", "sidecar.ray_keeper", str(os.getpid()), "--"]
         proc = subprocess.Popen(
-            cmd,
+            [*keeper, *cmd],
             env=daemon_env(os.environ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._pump, args=(proc,), name="refitd-stderr", daemon=True).start()
         log.info("started refitd pid %s on node %s: %s", proc.pid, self.node_id, " ".join(cmd))
@@ -430,7 +426,7 @@ class NodeDaemon:
                 self._fail(f"cannot start refitd on node {self.node_id}: {exc}")
                 return
             with self._lock:
-                self._proc, self._instance = proc, None
+                self._proc, self._instance, self._pid = proc, None, None
             if self._probe(proc):
                 backoff = RESTART_BACKOFF_S[0]
             code = proc.wait()
@@ -480,6 +476,7 @@ class NodeDaemon:
             with self._lock:
                 if self._proc is proc:
                     self._instance = str(status.get("instance"))
+                    self._pid = int(status.get("pid", 0)) or None
                     self._state, self._error = DaemonState.READY, None
                     self._lock.notify_all()
             log.info("refitd pid %s on node %s is ready at %s", proc.pid, self.node_id, endpoint)
@@ -493,14 +490,18 @@ class NodeDaemon:
             self._lock.notify_all()
 
     @staticmethod
-    def _terminate(proc: subprocess.Popen | None, timeout: float = 30.0) -> None:
+    def _terminate(proc: subprocess.Popen | None, pid: int | None, timeout: float = 30.0) -> None:
+        """SIGTERM to the keeper (it passes it on); SIGKILL to the daemon and keeper after ``timeout``."""
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            log.warning("refitd pid %s ignored SIGTERM for %g s: killing it", proc.pid, timeout)
+            log.warning("refitd pid %s ignored SIGTERM for %g s: killing it", pid or proc.pid, timeout)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait(timeout=timeout)
 

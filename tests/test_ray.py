@@ -320,7 +320,7 @@ def test_daemon_killed_under_load_is_restarted_and_serves_again(cluster, colocat
         lambda: (i := ray.get(actor.info.remote()))["restarts"] == 1 and i["state"] == "ready" and i,
     )
     assert after["pid"] != before["pid"] and after["endpoint"] == before["endpoint"]
-    assert after["exits"] == [-signal.SIGKILL]
+    assert after["exits"] == [128 + signal.SIGKILL]
     assert segments_of(before["instance"]) == []
     until("the old trainer loop ended", lambda: ray.get(trainer.progress.remote())["done"], timeout=90)
     ray.get(pinned(Trainer, node)("colo").push.remote([5000]), timeout=120)
@@ -330,9 +330,8 @@ def test_daemon_killed_under_load_is_restarted_and_serves_again(cluster, colocat
 
 def test_node_joining_later_gets_a_daemon_and_one_leaving_takes_it_along(cluster, colocated):
     """The background reconciliation places a daemon on a node that joins; when the node leaves,
-    its daemon dies with its actor and the next reconciliation forgets it. (Ray SIGKILLs a dead
-    worker's children, so that daemon cannot unlink its segments: the supervisor of the next node
-    that starts on this machine does.)"""
+    its daemon gets SIGTERM as its actor dies (Ray SIGKILLs the worker's children: the keeper
+    between them takes that), unlinks its segments, and the next reconciliation forgets it."""
     colocated.watch(interval_s=0.5)
     extra = cluster.add_node(**NODE)
     cluster.wait_for_nodes()
@@ -343,12 +342,8 @@ def test_node_joining_later_gets_a_daemon_and_one_leaving_takes_it_along(cluster
     assert ray.get(pinned(Trainer, node)("colo").daemon_node.remote()) == node
     cluster.remove_node(extra)
     until("the node's daemon gone", lambda: not pid_alive(info["pid"]))
-    until("the reconciliation forgetting the node", lambda: node not in colocated.actors)
-    again = cluster.add_node(**NODE)
-    cluster.wait_for_nodes()
-    until("a daemon on the node that came back", lambda: again.node_id in colocated.actors)
-    colocated.wait_ready([again.node_id])
     assert segments_of(info["instance"]) == []
+    until("the reconciliation forgetting the node", lambda: node not in colocated.actors)
 
 
 def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(cluster, base):
@@ -364,7 +359,7 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
         infos = daemons.endpoints()
         inference = [n for n, i in infos.items() if i["role"] == "inference"]
         trainers = [n for n, i in infos.items() if i["role"] == "trainer"]
-        assert len(inference) == 1 and len(trainers) == len(infos) - 1 >= 2
+        assert len(inference) == 1 and len(trainers) == 2
         tcp = infos[inference[0]]["tcp"]
         assert tcp.startswith("tcp://") and all(infos[t]["peers"] == [tcp] for t in trainers)
         ray.get(pinned(Trainer, trainers[0])("disagg").push.remote([0]), timeout=120)
