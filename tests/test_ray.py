@@ -112,7 +112,7 @@ class Trainer:
 
         def loop() -> None:
             try:
-                with RefitClient(endpoint, rank=0, world_size=1, timeout=10) as client:
+                with RefitClient(endpoint, rank=0, world_size=1, timeout=5) as client:
                     for step in range(first, first + count):
                         client.push_step(step, weights(step))
                         self.pushed.append(step)
@@ -280,6 +280,69 @@ def test_trainer_node_config_refuses_to_forward_off_machine_without_keys(tmp_pat
         )
 
 
+CHILD = """
+import pathlib, signal, sys, threading
+out = pathlib.Path(sys.argv[1])
+done = threading.Event()
+signal.signal(signal.SIGTERM, lambda *a: (out.with_suffix(".term").write_text("1"), done.set()))
+out.with_suffix(".up").write_text("1")
+done.wait(60)
+"""
+
+
+def test_keeper_turns_its_own_sigkill_into_a_sigterm_for_the_daemon(tmp_path):
+    """Ray SIGKILLs a dead worker's children. The keeper between the supervisor and the daemon
+    takes that SIGKILL; the daemon, in a session of its own, gets SIGTERM (PR_SET_PDEATHSIG) and
+    can unlink its segments. A SIGTERM to the keeper reaches the daemon too, and the keeper exits
+    with the daemon's status."""
+    out = tmp_path / "child"
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar.ray_keeper",
+        str(os.getpid()),
+        "--",
+        sys.executable,
+        "-c",
+        CHILD,
+        str(out),
+    ]
+    keeper = subprocess.Popen(cmd)
+    until("the child started", lambda: out.with_suffix(".up").exists(), timeout=30)
+    keeper.kill()
+    keeper.wait(timeout=30)
+    until("the child told to stop", lambda: out.with_suffix(".term").exists(), timeout=30)
+    for p in (out.with_suffix(".up"), out.with_suffix(".term")):
+        p.unlink()
+    keeper = subprocess.Popen(cmd)
+    until("the child started again", lambda: out.with_suffix(".up").exists(), timeout=30)
+    keeper.terminate()
+    assert keeper.wait(timeout=30) == 0  # the child exited 0 after its SIGTERM handler
+    assert out.with_suffix(".term").exists()
+    assert (
+        subprocess.run([sys.executable, "-m", "sidecar.ray_keeper", "x"], capture_output=True).returncode == 2
+    )
+
+
+def test_sweep_removes_only_dead_daemons_segments(tmp_path):
+    """A daemon that was SIGKILLed leaves its segments listed in segments.json; the next supervisor
+    on the machine unlinks them, and leaves a live daemon's alone."""
+    names = [f"refitd-{os.getuid()}-sweeptest-{os.getpid()}-{i}" for i in range(2)]
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    for name, pid, where in ((names[0], int(dead.stdout), "ray-a-1"), (names[1], os.getpid(), "ray-a-2")):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "segments.json").write_text(json.dumps({"pid": pid, "segments": [name]}))
+        Path("/dev/shm", name).write_bytes(b"x")
+    try:
+        assert refitd_ray.sweep_runtime_base(tmp_path) == [names[0]]
+        assert not Path("/dev/shm", names[0]).exists() and Path("/dev/shm", names[1]).exists()
+    finally:
+        for name in names:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # on the cluster
 
@@ -346,6 +409,21 @@ def test_node_joining_later_gets_a_daemon_and_one_leaving_takes_it_along(cluster
     until("the reconciliation forgetting the node", lambda: node not in colocated.actors)
 
 
+def test_close_stops_every_daemon_and_removes_its_files(cluster, colocated):
+    """close(): every daemon exits on SIGTERM, its segments and runtime directory are gone; a
+    second close() does nothing. (The last test of the colocated daemons.)"""
+    infos = colocated.endpoints()
+    colocated.close()
+    colocated.close()
+    for info in infos.values():
+        assert not pid_alive(info["pid"])
+        assert segments_of(info["instance"]) == []
+        assert not Path(info["runtime_dir"]).exists()
+    assert not [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("refitd:colo:")
+    ]
+
+
 def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(cluster, base):
     """The node offering ``refitd_inference`` runs an inference daemon on tcp://<its ip> with CURVE;
     the two others run trainer daemons forwarding to it. A step pushed on a trainer node is loaded
@@ -394,18 +472,6 @@ def test_job_end_leaves_no_daemon_process_or_segment(cluster, base, tmp_path):
     assert not [
         a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("refitd:job:")
     ]
-
-
-def test_close_stops_every_daemon_and_removes_its_files(cluster, base):
-    """close(): every daemon exits on SIGTERM, its segments and runtime directory are gone."""
-    daemons = refitd_ray.RayDaemons(config_for(base), group="closing").start()
-    infos = daemons.endpoints()
-    daemons.close()
-    daemons.close()  # idempotent
-    for info in infos.values():
-        assert not pid_alive(info["pid"])
-        assert segments_of(info["instance"]) == []
-        assert not Path(info["runtime_dir"]).exists()
 
 
 def test_refitd_endpoint_without_a_daemon_says_how_to_start_one(cluster):
