@@ -515,11 +515,24 @@ def is_inference_node(node: Mapping[str, Any], marker: str = INFERENCE_RESOURCE)
     return float(node.get("Resources", {}).get(marker, 0)) > 0 or marker in node.get("Labels", {})
 
 
+def placement_group_nodes(groups: Sequence[Any]) -> set[str]:
+    """The node ids holding the bundles of these (created) placement groups: the nodes an RL
+    framework gave its inference workers (NeMo-RL's generation ``RayVirtualCluster``, verl's
+    rollout ``RayResourcePool``). Waits up to 60 s for each group to be placed."""
+    nodes: set[str] = set()
+    for pg in groups:
+        if not pg.wait(timeout_seconds=60):
+            raise RayDaemonError(f"placement group {pg.id.hex()} was not placed within 60 s: nothing to map")
+        nodes.update(ray.util.placement_group_table(pg)["bundles_to_node_id"].values())
+    return nodes
+
+
 class RayDaemons:
     """One refitd per alive Ray node, from ``config`` (:func:`ray_config`); call from a driver
     connected to Ray (``ray.init``). ``layout``: ``colocated`` (every node serves its own trainers
     and engines) or ``disaggregated`` (nodes marked ``inference_marker`` are inference nodes, the
-    rest trainer nodes forwarding to them). ``group`` names the set (several may coexist);
+    rest trainer nodes forwarding to them; or, with ``inference_groups``, the nodes holding those
+    placement groups' bundles). ``group`` names the set (several may coexist);
     ``detached`` keeps the daemons after this job ends (:func:`stop_detached` ends them).
 
     ``start()`` (or ``with``) places the daemons and waits until every one answers; ``reconcile()``
@@ -535,6 +548,7 @@ class RayDaemons:
         group: str = DEFAULT_GROUP,
         detached: bool = False,
         inference_marker: str = INFERENCE_RESOURCE,
+        inference_groups: Sequence[Any] = (),
         ready_timeout_s: float = 120.0,
         max_restarts: int = 5,
         restart_window_s: float = 300.0,
@@ -553,6 +567,7 @@ class RayDaemons:
                 f"unset and pass layout='disaggregated' (inference nodes offer {inference_marker!r})"
             )
         self.group, self.detached, self.marker = group, detached, inference_marker
+        self.inference_groups = list(inference_groups)
         self.ready_timeout_s = ready_timeout_s
         self.restart = {"max_restarts": max_restarts, "restart_window_s": restart_window_s}
         self.actors: dict[str, Any] = {}
@@ -635,11 +650,16 @@ class RayDaemons:
         return started
 
     def _reconcile_disaggregated(self, nodes: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
-        inference = [n["NodeID"] for n in nodes if is_inference_node(n, self.marker)]
+        if self.inference_groups:
+            held = placement_group_nodes(self.inference_groups)
+            inference = [n["NodeID"] for n in nodes if n["NodeID"] in held]
+        else:
+            inference = [n["NodeID"] for n in nodes if is_inference_node(n, self.marker)]
         if not inference:
             raise RayDaemonError(
-                f"layout 'disaggregated' but no alive Ray node offers {self.marker!r}: start the inference "
-                f"nodes with `ray start --resources '{{\"{self.marker}\": 1}}'` (or the label)"
+                f"layout 'disaggregated' but no alive Ray node offers {self.marker!r} or holds the inference "
+                f"placement groups: start the inference nodes with `ray start --resources "
+                f"'{{\"{self.marker}\": 1}}'` (or that label), or pass inference_groups"
             )
         for n in new:
             if n["NodeID"] in inference:

@@ -444,6 +444,11 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
         result = ray.get(pinned(Engine, inference[0])("disagg").load.remote(0), timeout=120)
         assert result["daemon_node"] == inference[0] and result["step"] == 0
         assert result["mismatches"] == []
+    pg = ray.util.placement_group([{refitd_ray.INFERENCE_RESOURCE: 1}])
+    try:  # an RL framework's inference placement group maps onto the same node
+        assert refitd_ray.placement_group_nodes([pg]) == set(inference)
+    finally:
+        ray.util.remove_placement_group(pg)
 
 
 def test_job_end_leaves_no_daemon_process_or_segment(cluster, base, tmp_path):
