@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import enum
 import json
 import logging
@@ -165,10 +164,7 @@ def to_toml(config: DaemonConfig) -> str:
 
 
 _PATH_KEYS = frozenset(
-    f.name
-    for f in dataclasses.fields(DaemonConfig)
-    if f.name
-    in {
+    {
         "runtime_dir",
         "hf_config",
         "timeline_dir",
@@ -178,6 +174,17 @@ _PATH_KEYS = frozenset(
         "curve_server_key",
     }
 )
+
+
+def absolute_paths(config: DaemonConfig) -> DaemonConfig:
+    """``config`` with every path setting made absolute against this process's working directory
+    (the driver's): a relative path would otherwise be read against each actor's own."""
+    changes = {
+        key: Path(os.path.abspath(value))
+        for key in _PATH_KEYS
+        if (value := getattr(config, key)) is not None and not Path(value).is_absolute()
+    }
+    return config.replace(**changes) if changes else config
 
 
 def daemon_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -279,7 +286,8 @@ class NodeDaemon:
         self._proc: subprocess.Popen | None = None
         self._instance: str | None = None
         self._pid: int | None = None  # the daemon's own pid (its status says), not the keeper's
-        self._restarts: list[float] = []
+        self._restarts: list[float] = []  # when, within the last restart_window_s
+        self._restart_total = 0
         self._exits: list[int] = []
         self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._stop = threading.Event()
@@ -331,7 +339,7 @@ class NodeDaemon:
                 "pid": self._pid if proc is not None and proc.poll() is None else None,
                 "instance": self._instance,
                 "state": self._state.value,
-                "restarts": len(self._restarts),
+                "restarts": self._restart_total,
                 "exits": list(self._exits),
                 "error": self._error,
             }
@@ -403,7 +411,7 @@ class NodeDaemon:
             preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._pump, args=(proc,), name="refitd-stderr", daemon=True).start()
-        log.info("started refitd pid %s on node %s: %s", proc.pid, self.node_id, " ".join(cmd))
+        log.info("started refitd (keeper pid %s) on node %s: %s", proc.pid, self.node_id, " ".join(cmd))
         return proc
 
     def _pump(self, proc: subprocess.Popen) -> None:
@@ -440,14 +448,11 @@ class NodeDaemon:
                     continue
                 now = time.monotonic()
                 self._restarts = [t for t in self._restarts if now - t < self.restart_window_s] + [now]
-                self._state = DaemonState.RESTARTING
-                self._lock.notify_all()
             log.warning(
-                "refitd on node %s exited with status %s (removed %d stale segments); restart %d",
+                "refitd on node %s exited with status %s (removed %d stale segments)",
                 self.node_id,
                 code,
                 len(removed),
-                len(self._restarts),
             )
             if code == EXIT_CONFIG:
                 self._fail(f"refitd on node {self.node_id} refused its configuration (exit {code}): fix it")
@@ -458,6 +463,11 @@ class NodeDaemon:
                     f"{self.restart_window_s:g} s (last status {code}); not restarting it again"
                 )
                 return
+            with self._lock:
+                self._restart_total += 1
+                self._state = DaemonState.RESTARTING
+                self._lock.notify_all()
+            log.warning("restarting refitd on node %s in %g s", self.node_id, backoff)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
 
@@ -559,7 +569,7 @@ class RayDaemons:
             raise ValueError(f"group {group!r}: give a non-empty name without ':', '/' or spaces")
         if not (ready_timeout_s > 0):
             raise ValueError(f"ready_timeout_s = {ready_timeout_s}: give a positive number of seconds")
-        self.config = config if config is not None else ray_config()
+        self.config = absolute_paths(config if config is not None else ray_config())
         self.layout = NodeLayout(layout)
         if self.config.role is not None or self.config.peers:
             raise ValueError(
@@ -573,6 +583,7 @@ class RayDaemons:
         self.actors: dict[str, Any] = {}
         self.roles: dict[str, NodeRole | None] = {}
         self.inference_tcp: dict[str, str] = {}
+        self.peers: list[str] = []  # what the trainer daemons forward to now
         self.timings: dict[str, float] = {}
         self._watch: threading.Thread | None = None
         self._closing = threading.Event()
@@ -669,11 +680,12 @@ class RayDaemons:
         for node_id, info in infos.items():
             self.inference_tcp[node_id] = info["tcp"]
         peers = [self.inference_tcp[n] for n in sorted(self.inference_tcp)]
-        changed = bool(fresh) or len(peers) != len({n for n in inference if n in self.inference_tcp})
-        for node_id, role in self.roles.items():
-            if role is NodeRole.TRAINER and changed:
-                log.warning("inference nodes changed: restarting the trainer daemon on %s", node_id)
-                ray.get(self.actors[node_id].reconfigure.remote(peers))
+        if peers != self.peers:
+            for node_id, role in self.roles.items():
+                if role is NodeRole.TRAINER:
+                    log.warning("inference nodes changed: restarting the trainer daemon on %s", node_id)
+                    ray.get(self.actors[node_id].reconfigure.remote(peers))
+            self.peers = peers
         for n in new:
             if n["NodeID"] not in inference:
                 self._spawn(n["NodeID"], NodeRole.TRAINER, peers)
@@ -701,8 +713,10 @@ class RayDaemons:
 
     def endpoints(self) -> dict[str, dict[str, Any]]:
         """Node id -> its daemon's :meth:`NodeDaemon.info` (without waiting for readiness)."""
-        infos = ray.get([a.info.remote() for a in self.actors.values()], timeout=60)
-        return dict(zip(self.actors, infos))
+        with self._lock:
+            actors = dict(self.actors)
+        infos = ray.get([a.info.remote() for a in actors.values()], timeout=60)
+        return dict(zip(actors, infos))
 
     def watch(self, interval_s: float = 10.0) -> None:
         """Reconcile every ``interval_s`` seconds in a background thread, until :meth:`close`."""
@@ -731,6 +745,7 @@ class RayDaemons:
             actors, self.actors = dict(self.actors), {}
             self.roles.clear()
             self.inference_tcp.clear()
+            self.peers = []
         _stop_actors(actors, timeout)
 
 

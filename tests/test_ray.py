@@ -264,6 +264,8 @@ def test_node_config_file_reads_back_as_the_same_settings(tmp_path):
         {**env, "PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "REFITD_ENDPOINT": "ipc://x"}
     )
     assert child == {"PATH": "/bin"}
+    moved = refitd_ray.absolute_paths(config.replace(timeline_dir=Path("timelines")))
+    assert moved.timeline_dir == Path.cwd() / "timelines" and moved.hf_config == config.hf_config
 
 
 def test_trainer_node_config_refuses_to_forward_off_machine_without_keys(tmp_path):
@@ -427,7 +429,9 @@ def test_close_stops_every_daemon_and_removes_its_files(cluster, colocated):
 def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(cluster, base):
     """The node offering ``refitd_inference`` runs an inference daemon on tcp://<its ip> with CURVE;
     the two others run trainer daemons forwarding to it. A step pushed on a trainer node is loaded
-    byte for byte by an engine actor on the inference node, from that node's own endpoint."""
+    byte for byte by an engine actor on the inference node, from that node's own endpoint. When a
+    second inference node joins, reconciliation gives it a daemon and restarts the trainer daemons
+    with both peers: the next step reaches both."""
     from sidecar.keygen import write_keypair
 
     key, pub = write_keypair(base, "node")
@@ -444,16 +448,38 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
         result = ray.get(pinned(Engine, inference[0])("disagg").load.remote(0), timeout=120)
         assert result["daemon_node"] == inference[0] and result["step"] == 0
         assert result["mismatches"] == []
-    pg = ray.util.placement_group([{refitd_ray.INFERENCE_RESOURCE: 1}])
-    try:  # an RL framework's inference placement group maps onto the same node
-        assert refitd_ray.placement_group_nodes([pg]) == set(inference)
-    finally:
-        ray.util.remove_placement_group(pg)
+        pg = ray.util.placement_group([{refitd_ray.INFERENCE_RESOURCE: 1}])
+        try:  # an RL framework's inference placement group maps onto the same node
+            assert refitd_ray.placement_group_nodes([pg]) == set(inference)
+        finally:
+            ray.util.remove_placement_group(pg)
+
+        extra = cluster.add_node(resources={refitd_ray.INFERENCE_RESOURCE: 1}, **NODE)
+        try:
+            cluster.wait_for_nodes()
+            assert daemons.reconcile() == [extra.node_id]
+            infos = daemons.wait_ready()
+            assert infos[extra.node_id]["role"] == "inference"
+            both = sorted(infos[n]["tcp"] for n in (*inference, extra.node_id))
+            assert all(sorted(infos[t]["peers"]) == both and infos[t]["exits"] == [0] for t in trainers)
+            ray.get(pinned(Trainer, trainers[1])("disagg").push.remote([1]), timeout=120)
+            for node in (*inference, extra.node_id):
+                result = ray.get(pinned(Engine, node)("disagg").load.remote(1), timeout=120)
+                assert result["daemon_node"] == node and result["step"] == 1
+                assert result["mismatches"] == []
+        finally:
+            daemons.close()
+            cluster.remove_node(extra)
+            until(
+                "the extra node gone",
+                lambda: extra.node_id not in {n["NodeID"] for n in ray.nodes() if n["Alive"]},
+            )
 
 
-def test_job_end_leaves_no_daemon_process_or_segment(cluster, base, tmp_path):
-    """A driver starts job-scoped daemons and exits without closing them: Ray ends the actors with
-    the job, every daemon exits and unlinks its segments."""
+def test_job_end_leaves_no_daemon_process_or_segment_and_detached_ones_stay(cluster, base, tmp_path):
+    """A driver starts job-scoped daemons and detached ones, and exits without closing either: Ray
+    ends the job-scoped actors with the job, and every one of their daemons exits and unlinks its
+    segments; the detached daemons keep serving until ``stop_detached`` ends them, from another job."""
     script = textwrap.dedent(
         f"""
         import json, ray
@@ -461,22 +487,43 @@ def test_job_end_leaves_no_daemon_process_or_segment(cluster, base, tmp_path):
         ray.init(address={cluster.address!r}, log_to_driver=False)
         config = refitd_ray.ray_config(["--hf-config", {str(base / "config.json")!r},
                                         "--runtime-dir", {str(base / "run")!r}], env={{}})
-        daemons = refitd_ray.RayDaemons(config, group="job").start()
-        print(json.dumps(daemons.endpoints()), flush=True)
+        job = refitd_ray.RayDaemons(config, group="job").start()
+        kept = refitd_ray.RayDaemons(config, group="kept", detached=True).start()
+        print(json.dumps([job.endpoints(), kept.endpoints()]), flush=True)
         """
     )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=os.environ
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    infos = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(infos) == len([n for n in ray.nodes() if n["Alive"]])
-    for info in infos.values():
+    job, kept = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(job) == len(kept) == len([n for n in ray.nodes() if n["Alive"]])
+    for info in job.values():
         until(f"daemon pid {info['pid']} gone with the job", lambda i=info: not pid_alive(i["pid"]))
         assert segments_of(info["instance"]) == []
-    assert not [
-        a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("refitd:job:")
-    ]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith("refitd:job:")]
+    assert sorted(n for n in names if n.startswith("refitd:kept:")) == sorted(
+        refitd_ray.actor_name("kept", node) for node in kept
+    )
+    assert all(pid_alive(info["pid"]) and segments_of(info["instance"]) for info in kept.values())
+    assert refitd_ray.stop_detached("kept") == sorted(kept)
+    for info in kept.values():
+        assert not pid_alive(info["pid"]) and segments_of(info["instance"]) == []
+
+
+def test_daemon_refusing_its_configuration_is_not_restarted_and_start_says_why(cluster, base):
+    """A setting only the daemon can judge (a staging arena too small for the plan) makes every
+    daemon exit with 78: start() fails naming each node and the daemon's own message, at once,
+    without restarting it."""
+    daemons = refitd_ray.RayDaemons(config_for(base, "--staging-bytes", "4096"), group="bad")
+    try:
+        with pytest.raises(refitd_ray.RayDaemonError, match="refused its configuration") as err:
+            daemons.start()
+        assert "3 of 3" in str(err.value) and "staging" in str(err.value)
+        assert all(i["restarts"] == 0 and i["exits"] == [78] for i in daemons.endpoints().values())
+    finally:
+        daemons.close()
 
 
 def test_refitd_endpoint_without_a_daemon_says_how_to_start_one(cluster):
