@@ -21,6 +21,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,6 +170,18 @@ def pinned(cls, node_id: str, **options):
     )
 
 
+_WORKERS: dict[tuple[str, str, str], Any] = {}
+
+
+def worker(cls, node_id: str, group: str):
+    """The ``cls`` actor of ``group`` on ``node_id``, started once per cluster (a worker process
+    importing torch costs seconds on two cores)."""
+    key = (cls.__name__, node_id, group)
+    if key not in _WORKERS:
+        _WORKERS[key] = pinned(cls, node_id, max_concurrency=4)(group)
+    return _WORKERS[key]
+
+
 # --------------------------------------------------------------------------------------------------
 # fixtures
 
@@ -185,6 +198,7 @@ def cluster(tmp_path_factory):
     try:
         yield c
     finally:
+        _WORKERS.clear()
         ray.shutdown()
         c.shutdown()
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
@@ -358,8 +372,8 @@ def test_one_daemon_per_node_trainers_push_engines_load_byte_exact(cluster, colo
     assert set(infos) == nodes and len(nodes) == 3
     assert len({i["endpoint"] for i in infos.values()}) == 3
     assert all(i["state"] == "ready" and pid_alive(i["pid"]) for i in infos.values())
-    trainers = {n: pinned(Trainer, n)("colo") for n in nodes}
-    engines = {n: pinned(Engine, n)("colo") for n in nodes}
+    trainers = {n: worker(Trainer, n, "colo") for n in nodes}
+    engines = {n: worker(Engine, n, "colo") for n in nodes}
     assert ray.get([t.node.remote() for t in trainers.values()]) == list(trainers)
     ray.get([t.push.remote([0, 1]) for t in trainers.values()], timeout=120)
     loaded = ray.get([e.load.remote(1) for e in engines.values()], timeout=120)
@@ -376,7 +390,7 @@ def test_daemon_killed_under_load_is_restarted_and_serves_again(cluster, colocat
     node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != cluster.head_node.node_id)
     actor = colocated.actors[node]
     before = ray.get(actor.info.remote())
-    trainer = pinned(Trainer, node, max_concurrency=4)("colo")
+    trainer = worker(Trainer, node, "colo")
     trainer.start_load.remote(10, 1000)
     until("the trainer pushing", lambda: ray.get(trainer.progress.remote())["pushed"])
     os.kill(before["pid"], signal.SIGKILL)
@@ -388,8 +402,8 @@ def test_daemon_killed_under_load_is_restarted_and_serves_again(cluster, colocat
     assert after["exits"] == [128 + signal.SIGKILL]
     assert segments_of(before["instance"]) == []
     until("the old trainer loop ended", lambda: ray.get(trainer.progress.remote())["done"], timeout=90)
-    ray.get(pinned(Trainer, node)("colo").push.remote([5000]), timeout=120)
-    result = ray.get(pinned(Engine, node)("colo").load.remote(5000), timeout=120)
+    ray.get(trainer.push.remote([5000]), timeout=120)  # a fresh client
+    result = ray.get(worker(Engine, node, "colo").load.remote(5000), timeout=120)
     assert result["step"] == 5000 and result["mismatches"] == []
 
 
@@ -404,7 +418,7 @@ def test_node_joining_later_gets_a_daemon_and_one_leaving_takes_it_along(cluster
     until("a daemon on the new node", lambda: node in colocated.actors)
     info = colocated.wait_ready([node])[node]
     assert info["node_id"] == node
-    assert ray.get(pinned(Trainer, node)("colo").daemon_node.remote()) == node
+    assert ray.get(pinned(Trainer, node)("colo").daemon_node.remote()) == node  # not cached: the node goes
     cluster.remove_node(extra)
     until("the node's daemon gone", lambda: not pid_alive(info["pid"]))
     assert segments_of(info["instance"]) == []
@@ -444,8 +458,8 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
         assert len(inference) == 1 and len(trainers) == 2
         tcp = infos[inference[0]]["tcp"]
         assert tcp.startswith("tcp://") and all(infos[t]["peers"] == [tcp] for t in trainers)
-        ray.get(pinned(Trainer, trainers[0])("disagg").push.remote([0]), timeout=120)
-        result = ray.get(pinned(Engine, inference[0])("disagg").load.remote(0), timeout=120)
+        ray.get(worker(Trainer, trainers[0], "disagg").push.remote([0]), timeout=120)
+        result = ray.get(worker(Engine, inference[0], "disagg").load.remote(0), timeout=120)
         assert result["daemon_node"] == inference[0] and result["step"] == 0
         assert result["mismatches"] == []
         pg = ray.util.placement_group([{refitd_ray.INFERENCE_RESOURCE: 1}])
@@ -462,9 +476,10 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
             assert infos[extra.node_id]["role"] == "inference"
             both = sorted(infos[n]["tcp"] for n in (*inference, extra.node_id))
             assert all(sorted(infos[t]["peers"]) == both and infos[t]["exits"] == [0] for t in trainers)
-            ray.get(pinned(Trainer, trainers[1])("disagg").push.remote([1]), timeout=120)
-            for node in (*inference, extra.node_id):
-                result = ray.get(pinned(Engine, node)("disagg").load.remote(1), timeout=120)
+            engines = {n: worker(Engine, n, "disagg") for n in (*inference, extra.node_id)}
+            ray.get(worker(Trainer, trainers[0], "disagg").push.remote([1]), timeout=120)
+            results = ray.get([e.load.remote(1) for e in engines.values()], timeout=120)
+            for node, result in zip(engines, results):
                 assert result["daemon_node"] == node and result["step"] == 1
                 assert result["mismatches"] == []
         finally:
@@ -487,8 +502,10 @@ def test_job_end_leaves_no_daemon_process_or_segment_and_detached_ones_stay(clus
         ray.init(address={cluster.address!r}, log_to_driver=False)
         config = refitd_ray.ray_config(["--hf-config", {str(base / "config.json")!r},
                                         "--runtime-dir", {str(base / "run")!r}], env={{}})
-        job = refitd_ray.RayDaemons(config, group="job").start()
-        kept = refitd_ray.RayDaemons(config, group="kept", detached=True).start()
+        job = refitd_ray.RayDaemons(config, group="job")
+        kept = refitd_ray.RayDaemons(config, group="kept", detached=True)
+        job.reconcile(wait=False), kept.reconcile(wait=False)  # place both, then wait for all
+        job.wait_ready(), kept.wait_ready()
         print(json.dumps([job.endpoints(), kept.endpoints()]), flush=True)
         """
     )
