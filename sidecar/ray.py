@@ -681,10 +681,10 @@ class RayDaemons:
             self.inference_tcp[node_id] = info["tcp"]
         peers = [self.inference_tcp[n] for n in sorted(self.inference_tcp)]
         if peers != self.peers:
-            for node_id, role in self.roles.items():
-                if role is NodeRole.TRAINER:
-                    log.warning("inference nodes changed: restarting the trainer daemon on %s", node_id)
-                    ray.get(self.actors[node_id].reconfigure.remote(peers))
+            trainers = [n for n, role in self.roles.items() if role is NodeRole.TRAINER]
+            if trainers:
+                log.warning("inference nodes changed: restarting the trainer daemons on %s", trainers)
+                ray.get([self.actors[n].reconfigure.remote(peers) for n in trainers], timeout=120)
             self.peers = peers
         for n in new:
             if n["NodeID"] not in inference:
