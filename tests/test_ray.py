@@ -89,6 +89,7 @@ class Trainer:
         self.pushed: list[int] = []
         self.error: str | None = None
         self.done = threading.Event()
+        self.stop = threading.Event()
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -115,6 +116,8 @@ class Trainer:
             try:
                 with RefitClient(endpoint, rank=0, world_size=1, timeout=5) as client:
                     for step in range(first, first + count):
+                        if self.stop.is_set():
+                            break
                         client.push_step(step, weights(step))
                         self.pushed.append(step)
             except Exception as exc:
@@ -123,6 +126,9 @@ class Trainer:
                 self.done.set()
 
         threading.Thread(target=loop, daemon=True).start()
+
+    def stop_load(self) -> None:
+        self.stop.set()
 
     def progress(self) -> dict:
         return {"pushed": list(self.pushed), "error": self.error, "done": self.done.is_set()}
@@ -401,6 +407,7 @@ def test_daemon_killed_under_load_is_restarted_and_serves_again(cluster, colocat
     assert after["pid"] != before["pid"] and after["endpoint"] == before["endpoint"]
     assert after["exits"] == [128 + signal.SIGKILL]
     assert segments_of(before["instance"]) == []
+    trainer.stop_load.remote()  # its client failed, or (with reconnection) carried on: either is fine
     until("the old trainer loop ended", lambda: ray.get(trainer.progress.remote())["done"], timeout=90)
     ray.get(trainer.push.remote([5000]), timeout=120)  # a fresh client
     result = ray.get(worker(Engine, node, "colo").load.remote(5000), timeout=120)
