@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import ipaddress
 import logging
 import math
 import os
@@ -462,9 +463,23 @@ def _peers(value: Any) -> tuple[str, ...]:
 
 
 def is_loopback_host(host: str) -> bool:
-    """``127.x.y.z``, ``localhost`` or ``::1``: addresses no other machine can reach."""
-    host = host.strip("[]").lower()
-    return host.startswith("127.") or host in ("localhost", "::1")
+    """True only for addresses no other machine can reach: a literal IPv4 address in 127.0.0.0/8,
+    IPv6 ``::1`` (bracketed or not, or as ``::ffff:127.x.y.z``), or the name ``localhost``.
+
+    Any other name needs a resolver to mean something (``127.attacker.example`` resolves wherever its
+    owner likes), so it is not loopback, and neither is ``*`` or an interface name."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def tcp_host(endpoint: str) -> str | None:
