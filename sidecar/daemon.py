@@ -48,14 +48,18 @@ from sidecar.readers import Peer, ReaderHandlers
 from sidecar.step import StepState
 from sidecar.trainers import TrainerHandlers
 from sidecar.worker import QuantWorker
+from transport.control import bind_control
 from transport.gpus import arena_placements, local_gpus
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
 
 MAX_MESSAGES_PER_TICK = 256
 MAX_REMEMBERED_FAILURES = 8
 CLOSE_LINGER_MS = 500
+MAX_ERROR_CHARS = 16384  # the longest error message sent to a peer (a manifest mismatch lists many names)
+MAX_QUOTE_CHARS = 300  # how much of an exception's repr an INTERNAL error quotes
+GENERIC_INT_FIELDS = ("step", "rank")  # integers (or nil) in whichever message carries them
 
 
 class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
@@ -83,6 +87,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
+        self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
@@ -193,13 +198,16 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             keygen.unset_server(self.router)
             log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
         else:
-            self.router.bind(cfg.listen)
+            try:
+                bind_control(self.router, cfg.listen)  # an ipc:// socket file: 0600 whatever the umask
+            except OSError as exc:
+                raise RefitError(str(exc), kind=ErrorKind.INVALID) from None
         if tcp:
             local = default_listen(cfg.runtime_dir)
             try:
-                self.router.bind(local)
+                bind_control(self.router, local)
                 self.local_listen = local
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, OSError) as exc:
                 log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
 
     @property
@@ -288,7 +296,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._dispatch(frames)
+                self._serve_message(frames)
             self._flush_credits()
         self._drain_worker()
         if self.forwarding is not None:
@@ -356,15 +364,33 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 self._send(identity, Kind.CREDIT, {"step": self.step.step, "frames": frames})
 
     def _send_error(self, identity: bytes, err: RefitError) -> None:
-        self._send(identity, Kind.ERROR, err.to_wire())
+        """Answer ``identity`` with ``err``; never raises (it runs inside error handling)."""
+        try:
+            fields = err.to_wire()
+            if len(fields["message"]) > MAX_ERROR_CHARS:
+                cut = len(fields["message"]) - MAX_ERROR_CHARS
+                fields["message"] = fields["message"][:MAX_ERROR_CHARS] + f"... ({cut} more characters)"
+            self._send(identity, Kind.ERROR, fields)
+        except Exception:
+            log.exception("could not send an error to a peer")
 
     # ------------------------------------------------------------------------------------------
     # dispatch
+
+    def _serve_message(self, frames: list) -> None:
+        """Handle one message; nothing it raises leaves the serve loop: a bug is logged with its
+        traceback, counted, and answered to the sender as an INTERNAL error."""
+        try:
+            self._dispatch(frames)
+        except Exception as exc:
+            identity = frames[0].bytes if frames else None
+            self._internal_error(identity, "a message", exc, None)
 
     def _dispatch(self, frames: list) -> None:
         identity = frames[0].bytes
         try:
             msg = decode(frames[1:], self.limits)
+            _check_generic_fields(msg)
         except ProtocolError as exc:
             text = str(exc)
             if text.startswith("header of"):  # a BEGIN of very many pieces, most likely
@@ -374,6 +400,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     "send fewer, larger tensors"
                 )
             log.warning("refused a malformed message: %s", text)
+            self._message_error(ErrorKind.PROTOCOL)
             self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
             return
         peer = self.peers.get(identity)
@@ -381,6 +408,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             peer.last_seen = time.monotonic()
         handler = getattr(self, f"handle_{msg.kind.name.lower()}", None)
         if handler is None:
+            self._message_error(ErrorKind.PROTOCOL)
             self._send_error(
                 identity, RefitError(f"{msg.kind.name} is not a request", kind=ErrorKind.PROTOCOL)
             )
@@ -390,23 +418,43 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _handle(self, handler, identity: bytes, msg: Message) -> None:
         """Run one handler; whatever it raises fails at most the step, never the daemon."""
         try:
-            handler(identity, msg)
-        except ProtocolError as exc:
-            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
-        except RefitError as exc:
-            if self.step is not None and exc.step == self.step.step:
-                self._fail_step(exc)
-            else:
-                self._send_error(identity, exc)
-        except Exception as exc:  # a bug: report it, fail the step it touched, keep serving
-            log.exception("internal error handling %s", msg.kind.name)
+            try:
+                handler(identity, msg)
+            except ProtocolError as exc:
+                self._message_error(ErrorKind.PROTOCOL)
+                self._send_error(
+                    identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step"))
+                )
+            except RefitError as exc:
+                self._message_error(exc.kind)
+                if self.step is not None and exc.step == self.step.step:
+                    self._fail_step(exc)
+                else:
+                    self._send_error(identity, exc)
+        except Exception as exc:  # a bug (in the handler or in answering it): report it, keep serving
+            self._internal_error(identity, msg.kind.name, exc, msg.get("step"))
+
+    def _internal_error(self, identity: bytes | None, what: str, exc: BaseException, step) -> None:
+        """A bug met while handling ``what``: log it with its traceback, count it, fail the step the
+        message belongs to (or answer its sender) with an INTERNAL error. Never raises."""
+        try:
+            log.error("internal error handling %s: %s", what, safe_repr(exc), exc_info=exc)
+            self._message_error(ErrorKind.INTERNAL)
             err = RefitError(
-                f"internal error handling {msg.kind.name}: {exc!r}; please report it", kind=ErrorKind.INTERNAL
+                f"internal error handling {what}: {safe_repr(exc, MAX_QUOTE_CHARS)}; please report it",
+                kind=ErrorKind.INTERNAL,
             )
-            if self.step is not None and msg.get("step") == self.step.step:
+            if self.step is not None and isinstance(step, int) and step == self.step.step:
                 self._fail_step(RefitError(err.message, kind=err.kind, step=self.step.step))
-            else:
+            elif identity is not None:
                 self._send_error(identity, err)
+        except Exception:  # even the report failed (a bug in _fail_step?): the loop must go on
+            log.critical("internal error while reporting an internal error", exc_info=True)
+
+    def _message_error(self, kind: ErrorKind) -> None:
+        """Count a message answered with an error (by kind: status and the metrics show them)."""
+        self.message_errors[kind.value] = self.message_errors.get(kind.value, 0) + 1
+        notify(self.observers, "on_message_error", self, kind)
 
     # ---- readers
 
@@ -704,6 +752,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 "bytes_out": self.plan.bytes_out,
             },
             "history": self.history,
+            "message_errors": dict(self.message_errors),
         }
 
     def _segments_file(self) -> Path:
@@ -740,6 +789,18 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
     )
+
+
+def _check_generic_fields(msg: Message) -> None:
+    """The fields any message may carry are checked before a handler (or an error path) uses them:
+    ``step`` and ``rank`` are integers, or nil."""
+    for key in GENERIC_INT_FIELDS:
+        value = msg.fields.get(key)
+        if value is not None and (type(value) is not int):
+            raise ProtocolError(
+                f"{msg.kind.name} field {key!r} must be an integer, got {type(value).__name__} "
+                f"{safe_repr(value, 60)}"
+            )
 
 
 def _pid_alive(pid: int) -> bool:

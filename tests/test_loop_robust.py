@@ -1,0 +1,260 @@
+"""The serve loop against hostile or broken peers (issue 11): one message can neither kill the daemon
+nor hold its loop; readers that vanish expire; the control socket is private; a held generation
+blocking a step is named at once.
+
+The daemon runs in a thread of the test process (its real serve loop, sockets and shared memory);
+hostile peers are raw ZeroMQ DEALER sockets speaking the wire protocol, honest ones are the real
+``RefitClient`` and ``RefitReader``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+from daemons import daemon_factory
+
+from adapters.base import RefitReader
+from sidecar.client import RefitClient
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.plan import RefitSpec, convert
+from sidecar.synthetic import make_hf_config, make_state_dict
+from transport.wire import PROTOCOL_VERSION, Kind, Limits, decode
+
+MODEL = dict(num_layers=2, num_experts=2)
+CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
+REPLY_S = 20.0  # a deadline for any answer; an answer that never comes fails the test, it does not hang
+DEEP = 1000  # how deep a hostile field nests: deeper than Python's repr and msgpack's packer go
+
+
+@pytest.fixture
+def start(tmp_path):
+    factory = daemon_factory(tmp_path, hf_config=CONFIG, world_size=1)
+    yield next(factory)
+    next(factory, None)
+
+
+def nested(depth: int = DEEP) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class RawPeer:
+    """A DEALER socket that sends hand-made headers and reads the daemon's answers with deadlines."""
+
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, kind: int, fields: object, *, frames: int = 0, version: int = PROTOCOL_VERSION) -> None:
+        header = msgpack.packb({"v": version, "k": int(kind), "n": frames, "f": fields}, use_bin_type=True)
+        self.sock.send_multipart([header, *([b"x"] * frames)])
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = REPLY_S):
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no answer from the daemon within {timeout:.0f} s (is it still alive?)")
+        return decode(self.sock.recv_multipart(copy=False), Limits(max_header_bytes=64 << 20))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    return make_state_dict("qwen3_5_moe", seed=seed, **MODEL)
+
+
+def publish_and_check(endpoint: str, step: int, seed: int) -> None:
+    """An honest rank pushes ``step`` and a reader finds it published byte for byte."""
+    sd = weights(seed)
+    with RefitClient(endpoint, 0, 1, timeout=REPLY_S) as client:
+        result = client.push_step(step, sd)
+    assert result.step == step
+    expected = convert(sd, RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8"))
+    with RefitReader(endpoint, name="check", timeout=REPLY_S) as reader:
+        gen = reader.wait(min_step=step)
+        try:
+            assert gen.step == step and set(gen.tensors) == set(expected)
+            for name, value in expected.items():
+                got = gen.tensors[name].reshape(-1).view(torch.uint8)
+                assert torch.equal(got, value.reshape(-1).view(torch.uint8)), name
+        finally:
+            reader.release(gen)
+
+
+# --------------------------------------------------------------------------------------------------
+# defect 3: no message kills the daemon
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [
+        (Kind.BEGIN, {"step": nested(), "rank": 0, "pieces": [["x", "bfloat16", [1], [0], [1]]]}),
+        (Kind.COMMIT, {"step": nested()}),
+        (Kind.PIECE_DONE, {"step": nested(), "pieces": [0]}),
+        (Kind.PING, {"step": nested(), "rank": nested()}),
+        (Kind.RELEASE, {"generation": 0, "step": nested()}),
+        (Kind.ABORT, {"step": nested(), "reason": nested()}),
+        (Kind.HELLO, {"rank": nested(), "world_size": 1}),
+        (Kind.ATTACH, {"name": nested(), "pid": nested()}),
+        (Kind.WAIT, {"min_step": nested()}),
+        (Kind.FORWARD_BEGIN, {"step": nested(), "source": nested()}),
+    ],
+    ids=lambda v: v.name if isinstance(v, Kind) else "",
+)
+def test_a_deeply_nested_field_is_refused_and_the_daemon_serves_on(start, kind, fields):
+    """A ~1 KiB message whose ``step`` (or another field) is a list nested 1000 deep used to make the
+    error formatting raise RecursionError inside the serve loop's ``except ProtocolError``, which
+    took the daemon down. Now it is answered with an ERROR, the daemon stays up, and an honest step
+    publishes byte for byte."""
+    d = start()
+    publish_and_check(d.endpoint, 1, seed=1)
+    peer = RawPeer(d.endpoint)
+    try:
+        if kind in (Kind.WAIT, Kind.RELEASE):  # a reader's messages: attach first
+            peer.send(Kind.ATTACH, {"name": "hostile", "pid": 1})
+            assert peer.recv().kind is Kind.ATTACHED
+        elif kind not in (Kind.HELLO, Kind.ATTACH):  # a rank's: say HELLO first
+            peer.send(Kind.HELLO, {"rank": 0, "world_size": 1, "pid": 1, "host": "x", "local": False})
+            assert peer.recv().kind is Kind.WELCOME
+        peer.send(kind, fields)
+        reply = peer.recv()
+        assert reply.kind is Kind.ERROR, reply
+        err = RefitError.from_wire(reply.fields)
+        assert err.kind in (ErrorKind.PROTOCOL, ErrorKind.INVALID, ErrorKind.INTERNAL), err
+        assert len(err.message) < 2000, "an error quoting a hostile field must be bounded"
+        assert reply.fields["step"] is None or isinstance(reply.fields["step"], int)
+    finally:
+        peer.close()
+    assert d.thread.is_alive(), "the serve loop died"
+    publish_and_check(d.endpoint, 2, seed=2)
+    assert d.status()["live"]["step"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_non_integer_step_is_refused_by_type_before_any_handler_uses_it(start):
+    """The generic fields are checked before a handler sees them: a step that is not an integer
+    (a string, a float, a bool, a map) is a PROTOCOL error that says what the field must be."""
+    d = start()
+    peer = RawPeer(d.endpoint)
+    try:
+        peer.send(Kind.HELLO, {"rank": 0, "world_size": 1, "pid": 1, "host": "x", "local": False})
+        assert peer.recv().kind is Kind.WELCOME
+        for bad in ("7", 7.0, True, {"a": 1}, [1]):
+            peer.send(Kind.COMMIT, {"step": bad})
+            reply = peer.recv()
+            assert reply.kind is Kind.ERROR
+            err = RefitError.from_wire(reply.fields)
+            assert err.kind is ErrorKind.PROTOCOL and "'step' must be an integer" in err.message, err
+            assert err.step is None
+    finally:
+        peer.close()
+    publish_and_check(d.endpoint, 1, seed=3)
+
+
+class _Unprintable(Exception):
+    """A bug whose own repr and str fail: the catch-all must still answer."""
+
+    def __repr__(self) -> str:
+        raise RecursionError("maximum recursion depth exceeded while getting the repr of an object")
+
+    __str__ = __repr__
+
+
+@pytest.mark.timeout(60)
+def test_a_handler_bug_is_answered_as_internal_counted_and_the_loop_serves_on(start):
+    """A handler that raises something whose repr raises too (what a RecursionError in error
+    formatting looks like) is answered as an INTERNAL error to the sender, logged with its
+    traceback, counted in ``status`` (message_errors), and the loop keeps serving."""
+    d = start()
+    calls = []
+
+    def broken(identity, msg):
+        calls.append(msg.kind)
+        raise _Unprintable()
+
+    d.daemon.handle_wait = broken
+    peer = RawPeer(d.endpoint)
+    try:
+        peer.send(Kind.WAIT, {"min_step": 1})
+        reply = peer.recv()
+        assert reply.kind is Kind.ERROR
+        err = RefitError.from_wire(reply.fields)
+        assert err.kind is ErrorKind.INTERNAL and "WAIT" in err.message, err
+    finally:
+        peer.close()
+    del d.daemon.handle_wait  # the class's own handler again
+    assert calls == [Kind.WAIT] and d.thread.is_alive()
+    counts = d.status()["message_errors"]
+    assert counts.get("internal") == 1, counts
+    publish_and_check(d.endpoint, 1, seed=4)
+
+
+@pytest.mark.timeout(60)
+def test_garbage_frames_are_refused_and_counted_by_kind(start):
+    """Undecodable headers are PROTOCOL errors, counted by kind; the daemon serves on."""
+    d = start()
+    peer = RawPeer(d.endpoint)
+    try:
+        for frames in (
+            [b"\xc1"],
+            [b""],
+            [msgpack.packb([1, 2])],
+            [msgpack.packb({"v": 1, "k": 999, "n": 0})],
+        ):
+            peer.send_raw(*frames)
+            reply = peer.recv()
+            assert reply.kind is Kind.ERROR
+            assert RefitError.from_wire(reply.fields).kind is ErrorKind.PROTOCOL
+    finally:
+        peer.close()
+    assert d.status()["message_errors"].get("protocol") == 4
+    publish_and_check(d.endpoint, 1, seed=5)
+
+
+# --------------------------------------------------------------------------------------------------
+# defect 12: the control socket is private whatever the umask
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tcp", [False, True], ids=["ipc", "tcp+local-ipc"])
+def test_control_socket_is_0600_under_umask_0(start, tcp, free_tcp_port):
+    """Under ``umask 0`` bind(2) makes the socket file 0777; the daemon narrows it to 0600 (both
+    the ipc:// listen socket and the local ipc:// socket beside a tcp:// listen)."""
+    old = os.umask(0)
+    try:
+        d = start(listen=f"tcp://127.0.0.1:{free_tcp_port}") if tcp else start()
+    finally:
+        os.umask(old)
+    path = Path(d.config.runtime_dir) / "control.sock"
+    st = os.lstat(path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, oct(stat.S_IMODE(st.st_mode))
+    publish_and_check(d.endpoint, 1, seed=6)
+
+
+@pytest.fixture
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unused() -> None:  # keep imports honest for the reader tests below
+    time.monotonic()
