@@ -10,12 +10,21 @@ The daemon never writes into a generation a reader holds; a reader that does not
 daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views are mapped read-only:
 a stray write faults in the reader instead of corrupting what every engine loads. Not thread-safe:
 use one reader per thread.
+
+Once attached, a reader pings the daemon from a background thread every ``heartbeat_interval_s`` the
+daemon announced, whether or not its owner is calling it (an engine busy serving between refits is
+not gone). A reader that stops pinging (its process died or hung, without DETACH) is dropped by the
+daemon after ``reader_timeout_s``: it loses its holds and leaves ``status``. The socket is shared with
+that thread under a lock; messages the thread reads while the owner is not waiting are kept for it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +43,10 @@ from transport.wire import Kind, Limits, Message, decode, encode
 __all__ = ["Generation", "RefitReader"]
 
 _READER_LIMITS = Limits(max_header_bytes=256 << 20)
+#: messages the heartbeat thread may keep for the owner (answers to its own requests: a few at most)
+_INBOX_LIMIT = 1024
+
+log = logging.getLogger("refitd.reader")
 
 
 @dataclass(eq=False)
@@ -80,6 +93,12 @@ class RefitReader:
         self._arenas: dict[str, ShmArena] = {}
         self._held: list[Generation] = []
         self._closed = False
+        self._io = threading.Lock()  # the socket, shared with the heartbeat thread
+        self._inbox: collections.deque[Message] = collections.deque(maxlen=_INBOX_LIMIT)
+        self._last_sent = 0.0
+        self._ping_s = 1.0  # replaced by the daemon's heartbeat_interval_s at attach
+        self._stop_beat = threading.Event()
+        self._beat: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -151,6 +170,9 @@ class RefitReader:
         if self._closed:
             return
         self._closed = True
+        self._stop_beat.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
         for gen in list(self._held):
             self.release(gen)
         with contextlib.suppress(zmq.ZMQError):
@@ -172,11 +194,13 @@ class RefitReader:
     def _send(self, kind: Kind, fields: dict[str, Any], *, wait: bool = True) -> None:
         """``wait=False`` for courtesy messages: a DEALER whose connection never came up (a refused
         CURVE key) would block on them forever; they are dropped instead."""
-        if wait:
-            self._sock.send_multipart(encode(Message(kind, fields)))
-            return
-        with contextlib.suppress(zmq.Again):
-            self._sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
+        with self._io:
+            if wait:
+                self._sock.send_multipart(encode(Message(kind, fields)))
+            else:
+                with contextlib.suppress(zmq.Again):
+                    self._sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
+            self._last_sent = time.monotonic()
 
     def _recv(self, deadline: float, what: str) -> Message:
         while True:
@@ -188,8 +212,46 @@ class RefitReader:
                     + curve_hint(self.curve),
                     kind=ErrorKind.TIMEOUT,
                 )
-            if self._sock.poll(int(min(left, 1.0) * 1000)):
-                return decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+            with self._io:
+                if self._inbox:
+                    return self._inbox.popleft()
+                self._ping_if_due()  # the heartbeat thread skips its turn while we hold the socket
+                if self._sock.poll(int(min(left, self._ping_s, 1.0) * 1000)):
+                    msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                    if msg.kind is not Kind.PONG:
+                        return msg
+
+    def _ping_if_due(self) -> None:
+        """Ping if nothing was sent for a heartbeat interval (caller holds ``_io``); never blocks."""
+        if self._attached and time.monotonic() - self._last_sent >= self._ping_s:
+            with contextlib.suppress(zmq.Again):
+                self._sock.send_multipart(encode(Message(Kind.PING, {})), zmq.NOBLOCK)
+                self._last_sent = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: ping every interval; keep whatever arrives meanwhile for the owner."""
+        while not self._stop_beat.wait(self._ping_s / 2):
+            if not self._io.acquire(blocking=False):
+                continue  # the owner is using the socket: it pings itself while it waits
+            try:
+                if self._closed:
+                    return
+                while self._sock.poll(0):
+                    msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                    if msg.kind is not Kind.PONG:
+                        self._inbox.append(msg)
+                self._ping_if_due()
+            except Exception:  # a garbled answer must not end the heartbeat (the owner sees errors)
+                log.debug("reader %s: heartbeat turn failed", self.name, exc_info=True)
+            finally:
+                self._io.release()
+
+    def _start_heartbeat(self) -> None:
+        if self._beat is None and not self._closed:
+            self._beat = threading.Thread(
+                target=self._heartbeat, name=f"refitd-reader-{self.name}", daemon=True
+            )
+            self._beat.start()
 
     def _ensure_attached(self, deadline: float) -> None:
         if self._attached:
@@ -209,6 +271,10 @@ class RefitReader:
         if instance != self.instance:
             self._forget_arenas()
         self.instance, self._attached = instance, True
+        ping = msg.get("heartbeat_interval_s")
+        if isinstance(ping, (int, float)) and ping > 0:
+            self._ping_s = float(ping)
+        self._start_heartbeat()
 
     def _forget_arenas(self) -> None:
         """Unmap segments of a previous daemon instance that no held generation still uses."""

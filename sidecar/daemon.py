@@ -88,6 +88,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.history: list[dict[str, Any]] = []  # last few steps, for status
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
         self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
+        self.next_reader_check = 0.0  # when to look for readers silent past reader_timeout_s next
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
@@ -638,6 +639,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     # timers
 
     def _check_timers(self, now: float) -> None:
+        self._expire_readers(now)  # first: a dead reader's holds must not hold up the step below
         state = self.step
         if state is not None:
             if now > state.deadline:

@@ -61,8 +61,44 @@ class ReaderHandlers:
                 "format": self.spec.fmt.value,
                 "checked": self.plan is not None,
                 "warnings": warnings,
+                # a reader pings this often while attached; one silent for reader_timeout_s is dropped
+                "heartbeat_interval_s": self.reader_ping_interval(),
+                "reader_timeout_s": self.config.reader_timeout_s,
             },
         )
+
+    def reader_ping_interval(self) -> float:
+        """How often an attached reader pings: the rank heartbeat, and at least 4 times per reader timeout."""
+        return min(self.config.heartbeat_interval_s, self.config.reader_timeout_s / 4)
+
+    def _expire_readers(self, now: float) -> None:
+        """Drop readers silent for longer than ``reader_timeout_s``: they ping while attached
+        (adapters.base.RefitReader), so silence means the process died or hung without DETACH. An
+        expired reader loses its holds (a step waiting for its generation goes on), its engine
+        registration and its place in ``status``; if it comes back, the daemon says UNKNOWN_PEER and
+        it attaches again."""
+        if now < self.next_reader_check:
+            return
+        self.next_reader_check = now + self.reader_ping_interval()
+        limit = self.config.reader_timeout_s
+        gone = [p for p in self.peers.values() if p.role == "reader" and now - p.last_seen > limit]
+        for peer in gone:
+            held = [g.index for g in self.arenas.generations if peer.identity in g.holders]
+            log.warning(
+                "reader %r (pid %s) silent for %.1f s (reader_timeout_s=%g): it went away without DETACH; "
+                "dropping it%s",
+                peer.name,
+                peer.pid,
+                now - peer.last_seen,
+                limit,
+                f" and its hold on generation(s) {held}" if held else "",
+            )
+            self._drop_engine(
+                peer.identity, f"stopped responding (silent for more than {limit:g} s): it died or hung"
+            )
+        if gone:
+            self._finish_rounds(now)
+            self._maybe_claim()
 
     def _attach_engine(self, identity: bytes, name: str, manifest: Manifest) -> list[str]:
         """Check ``manifest`` against the plan (re-planning for the engine's BF16 experts); the

@@ -256,5 +256,58 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def _unused() -> None:  # keep imports honest for the reader tests below
-    time.monotonic()
+# --------------------------------------------------------------------------------------------------
+# defect 11: readers heartbeat; one that vanishes without DETACH expires
+
+
+def wait_for(predicate, what: str, timeout: float = REPLY_S):
+    """Poll ``predicate()`` (a status question) until it returns something truthy, or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling a condition with a deadline, not waiting a fixed time
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def _status_without(d, reader: str) -> dict | None:
+    status = d.status()
+    return None if reader in status["readers"] else status
+
+
+@pytest.mark.timeout(90)
+def test_a_reader_that_vanishes_without_detach_expires_and_loses_its_hold(start):
+    """A reader attaches, is handed step 1's generation and holds it, then its socket closes without
+    DETACH (the process died). After reader_timeout_s of silence the daemon drops it: the hold goes,
+    it leaves ``status``, and the steps that need its generation publish. A real RefitReader that
+    attached first and then sat idle all along keeps its place: it heartbeats from a thread."""
+    d = start(reader_timeout_s=1.0, heartbeat_interval_s=0.2)
+    publish_and_check(d.endpoint, 1, seed=11)
+    alive = RefitReader(d.endpoint, name="idle-engine", timeout=REPLY_S)
+    peer = RawPeer(d.endpoint)
+    try:
+        alive.attach()
+        assert alive.attach_info["heartbeat_interval_s"] <= 0.25
+        peer.send(Kind.ATTACH, {"name": "vanishing", "pid": 4242})
+        assert peer.recv().kind is Kind.ATTACHED
+        peer.send(Kind.WAIT, {"min_step": 1})
+        handed = peer.recv()
+        assert handed.kind is Kind.GENERATION
+        held = handed.fields["generation"]
+        status = d.status()
+        assert set(status["readers"]) == {"idle-engine", "vanishing"}
+        assert status["generations"][held]["holders"] == 1
+        peer.close()  # gone, without a DETACH
+
+        status = wait_for(lambda: _status_without(d, "vanishing"), "the vanished reader expired")
+        assert status["generations"][held]["holders"] == 0
+        assert status["readers"] == ["idle-engine"], "an idle reader that heartbeats must not expire"
+        for step in (2, 3):  # step 3 is written into the generation the vanished reader held
+            publish_and_check(d.endpoint, step, seed=10 + step)
+        gen = alive.wait(min_step=3)
+        assert gen.step == 3
+        alive.release(gen)
+        assert "idle-engine" in d.status()["readers"]
+    finally:
+        alive.close()
