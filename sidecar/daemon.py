@@ -89,6 +89,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
         self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
         self.next_reader_check = 0.0  # when to look for readers silent past reader_timeout_s next
+        self.blocked: dict[str, Any] | None = None  # the step's generation, held by readers (status)
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
@@ -497,7 +498,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _maybe_claim(self) -> None:
         self._forward_claim()
         if self.step is not None and self.step.ready_sent and self.target is None:
-            self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
+            self._claim_step_target(time.monotonic())  # may fail the step: readers hold its generation
             if self.target is not None:
                 deferred, self.deferred = self.deferred, []
                 for unit in deferred:
@@ -626,6 +627,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if self.arenas.ring is not None:
             self.arenas.ring.reset()
         self.step, self.target, self.deferred, self.parked = None, None, [], {}
+        self.blocked = None
         self._start_pending()
 
     def _start_pending(self) -> None:
@@ -645,6 +647,11 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             if now > state.deadline:
                 missing = state.missing_ranks()
                 why = f"ranks {missing} never began it" if missing else "it was not complete"
+                if not missing and self.target is None and self.blocked is not None:
+                    why = (
+                        f"its generation {self.blocked['generation']} was still held by "
+                        f"{', '.join(self.blocked['readers'])}"
+                    )
                 self._fail_step(
                     RefitError(
                         f"step {state.step} timed out after {self.config.step_timeout_s:.1f} s: {why}",
@@ -719,6 +726,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     "generation": g.index,
                     "step": g.step,
                     "holders": len(g.holders),
+                    "held_by": [self._holder_label(i) for i in g.holders],
                     "segment": g.arena.name,
                     "bytes": g.arena.size,
                 }
@@ -755,6 +763,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             },
             "history": self.history,
             "message_errors": dict(self.message_errors),
+            "blocked": None if self.step is None or self.target is not None else self.blocked,
         }
 
     def _segments_file(self) -> Path:

@@ -155,6 +155,77 @@ class ReaderHandlers:
         self.plan = plan
         self.arenas.invalidate()
 
+    # ---- a step's output generation, held by readers (see sidecar.generations)
+
+    def _claim_step_target(self, now: float) -> None:
+        """Claim the generation the step in progress writes, if no reader holds it.
+
+        While readers hold it the step waits, at most ``reader_timeout_s`` from when the step first
+        needed it (then the holds are dropped, as documented). The moment the step is found blocked,
+        the log and ``status`` ("blocked") name each holder and the generation; if the holds would
+        only be dropped after the step's own deadline, the step cannot finish and fails at once on
+        every rank (BUSY), naming them, instead of timing out later as "not complete"."""
+        state, gen = self.step, self.arenas.target()
+        holders = [self._holder_label(i) for i in gen.holders]
+        held_step = gen.step
+        self.target = self.arenas.claim_target(now, self.config.reader_timeout_s)
+        if self.target is not None:
+            if holders:
+                log.warning(
+                    "step %d: dropped the hold of %s on generation %d (step %s) after reader_timeout_s=%g",
+                    state.step,
+                    ", ".join(holders),
+                    gen.index,
+                    held_step,
+                    self.config.reader_timeout_s,
+                    extra={"step": state.step, "phase": "claim"},
+                )
+            self.blocked = None
+            return
+        if self.blocked is not None and self.blocked["step"] == state.step:
+            self.blocked["readers"] = holders
+            return
+        drop_at = gen.needed_since + self.config.reader_timeout_s
+        self.blocked = {
+            "step": state.step,
+            "generation": gen.index,
+            "holds_step": held_step,
+            "readers": holders,
+            "drop_holds_in_s": round(max(0.0, drop_at - now), 3),
+        }
+        what = (
+            f"step {state.step} must be written into generation {gen.index} (it holds step {held_step}), "
+            f"which {', '.join(holders)} still hold{'s' if len(holders) == 1 else ''}"
+        )
+        if drop_at > state.deadline:
+            self._fail_step(
+                RefitError(
+                    f"{what}; their hold would be dropped only after reader_timeout_s="
+                    f"{self.config.reader_timeout_s:g} s, later than this step's timeout (step_timeout_s="
+                    f"{self.config.step_timeout_s:g}). Release the generation in the reader (RefitReader.release), "
+                    "or set reader_timeout_s below step_timeout_s",
+                    kind=ErrorKind.BUSY,
+                    step=state.step,
+                )
+            )
+            return
+        log.warning(
+            "%s; waiting up to %.1f s (reader_timeout_s=%g) for them to release it, then dropping their hold",
+            what,
+            drop_at - now,
+            self.config.reader_timeout_s,
+            extra={"step": state.step, "phase": "claim"},
+        )
+
+    def _holder_label(self, identity: bytes) -> str:
+        """Who holds a generation, for logs and errors: a reader's name and pid, or a forwarder."""
+        if identity.startswith(b"forward:"):
+            return f"the forwarder to {identity.removeprefix(b'forward:').decode(errors='replace')}"
+        peer = self.peers.get(identity)
+        if peer is None:
+            return f"a reader that left (peer {identity.hex()[:16]})"
+        return f"reader {peer.name!r} (pid {peer.pid}, peer {identity.hex()[:16]})"
+
     def _drop_engine(self, identity: bytes, why: str) -> None:
         self.engines.pop(identity, None)
         self.arenas.drop_reader(identity)

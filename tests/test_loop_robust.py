@@ -20,7 +20,7 @@ import torch
 import zmq
 from daemons import daemon_factory
 
-from adapters.base import RefitReader
+from adapters.base import Generation, RefitReader
 from sidecar.client import RefitClient
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan import RefitSpec, convert
@@ -311,3 +311,84 @@ def test_a_reader_that_vanishes_without_detach_expires_and_loses_its_hold(start)
         assert "idle-engine" in d.status()["readers"]
     finally:
         alive.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# defect 14: a held generation blocking a step is named at once
+
+
+def push_ranks(endpoint: str, step: int, sd: dict, world: int, timeout: float = REPLY_S) -> list:
+    """Each rank pushes every ``world``-th tensor at once; its StepResult or RefitError, by rank."""
+    names = sorted(sd)
+    clients = [RefitClient(endpoint, r, world, timeout=timeout) for r in range(world)]
+    try:
+        futures = [
+            c.push_step_async(step, {n: sd[n] for n in names[c.rank :: world]}, timeout=timeout)
+            for c in clients
+        ]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=timeout + 10))
+            except RefitError as exc:
+                out.append(exc)
+        return out
+    finally:
+        for c in clients:
+            c.close()
+
+
+def hold_two_generations(d, reader: RefitReader) -> Generation:
+    """Step 1 published and held by ``reader``; step 2 published into the other generation. The
+    next step must be written into the held one; returns the held generation."""
+    assert all(not isinstance(r, Exception) for r in push_ranks(d.endpoint, 1, weights(21), 2))
+    gen = reader.wait(min_step=1)
+    assert all(not isinstance(r, Exception) for r in push_ranks(d.endpoint, 2, weights(22), 2))
+    assert d.status()["live"]["generation"] != gen.index
+    return gen
+
+
+@pytest.mark.timeout(120)
+def test_a_held_generation_that_would_outlast_the_step_fails_it_at_once_naming_the_reader(start):
+    """A live reader holds step 1's generation; step 2 went into the other one. Step 3 needs the held
+    one, and the hold would be dropped only after reader_timeout_s (120 s), past the step's own
+    timeout (60 s). Both ranks used to wait the whole step timeout for "it was not complete"; now
+    both fail at once with BUSY naming the reader and the generation. Released, step 4 publishes."""
+    d = start(world_size=2, step_timeout_s=60.0, reader_timeout_s=120.0)
+    with RefitReader(d.endpoint, name="slow-engine", timeout=REPLY_S) as reader:
+        gen = hold_two_generations(d, reader)
+        results = push_ranks(d.endpoint, 3, weights(23), 2, timeout=20.0)
+        for err in results:
+            assert isinstance(err, RefitError) and err.kind is ErrorKind.BUSY, err
+            assert "'slow-engine'" in err.message and f"generation {gen.index}" in err.message, err.message
+            assert "reader_timeout_s=120" in err.message and "step_timeout_s=60" in err.message
+        reader.release(gen)
+        assert all(not isinstance(r, Exception) for r in push_ranks(d.endpoint, 4, weights(24), 2))
+    assert d.status()["live"]["step"] == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_held_generation_is_named_in_status_while_the_step_waits_then_dropped(start):
+    """With reader_timeout_s (1.5 s) inside the step's time, the step waits for the reader as
+    documented: meanwhile ``status`` names the blocking reader, the generation and the step it
+    holds; after reader_timeout_s the hold is dropped and the step publishes into that generation."""
+    d = start(world_size=2, step_timeout_s=60.0, reader_timeout_s=1.5)
+    with RefitReader(d.endpoint, name="slow-engine", timeout=REPLY_S) as reader:
+        gen = hold_two_generations(d, reader)
+        clients = [RefitClient(d.endpoint, r, 2, timeout=REPLY_S) for r in range(2)]
+        try:
+            sd, names = weights(23), sorted(weights(23))
+            futures = [c.push_step_async(3, {n: sd[n] for n in names[c.rank :: 2]}) for c in clients]
+            blocked = wait_for(lambda: d.status()["blocked"], "status names the blocking reader")
+            assert blocked["step"] == 3 and blocked["generation"] == gen.index and blocked["holds_step"] == 1
+            assert any("'slow-engine'" in r for r in blocked["readers"]), blocked
+            held_by = d.status()["generations"][gen.index]["held_by"]
+            assert any("'slow-engine'" in r for r in held_by) or futures[0].done(), held_by
+            results = [f.result(timeout=REPLY_S) for f in futures]
+        finally:
+            for c in clients:
+                c.close()
+        assert all(r.generation == gen.index for r in results)
+        status = d.status()
+        assert status["blocked"] is None and status["generations"][gen.index]["holders"] == 0
+        assert "slow-engine" in status["readers"], "the reader is alive: only its hold was dropped"
