@@ -206,7 +206,9 @@ class DaemonConfig:
     """Timeouts in seconds. A step not sealed within ``step_timeout_s`` is aborted; a trainer rank silent
     for ``rank_timeout_s`` mid-step is declared dead (ranks ping every ``heartbeat_interval_s``, which
     must be shorter); a reader holding a generation the daemon needs is dropped after
-    ``reader_timeout_s``; shutdown escalates after ``shutdown_timeout_s``."""
+    ``reader_timeout_s`` (a step whose timeout would come first fails at once, naming the reader), and
+    an attached reader that stops pinging (it pings every ``heartbeat_interval_s`` or more often) is
+    dropped after ``reader_timeout_s`` of silence; shutdown escalates after ``shutdown_timeout_s``."""
     step_timeout_s: float = 300.0
     rank_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
@@ -545,7 +547,7 @@ _KNOBS: dict[str, _Knob] = {
     "step_timeout_s": _Knob("--step-timeout", _seconds, "SECONDS", "abort a step not sealed by then"),
     "rank_timeout_s": _Knob("--rank-timeout", _seconds, "SECONDS", "a rank silent this long is dead"),
     "heartbeat_interval_s": _Knob("--heartbeat-interval", _seconds, "SECONDS", "rank ping interval"),
-    "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a reader holding a generation"),
+    "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a silent reader, or its hold"),
     "shutdown_timeout_s": _Knob("--shutdown-timeout", _seconds, "SECONDS", "escalate shutdown after this"),
     "drain": _Knob("--drain", _enum(DrainMode), "MODE", "SIGTERM: abort the step in flight, or finish it"),
     "arena": _Knob("--arena", _enum(ArenaKind), "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),
