@@ -282,7 +282,12 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         # A step of many tensors allocates many small objects per turn (pieces, units, results): one
         # collection after the turn instead of several during it (each full one walks the whole heap).
         with gc_paused():
-            self._turn(events)
+            try:
+                self._turn(events)
+            except Exception as exc:  # a bug outside any one message (timers, results): fail the step, go on
+                self._internal_error(
+                    None, "a turn of the serve loop", exc, None if self.step is None else self.step.step
+                )
 
     def _turn(self, events: dict) -> None:
         if self.wake in events:

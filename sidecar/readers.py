@@ -19,9 +19,11 @@ from sidecar.engines import EngineState
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.observers import notify
 from sidecar.plan import RefitPlan
-from transport.wire import Kind, Message, ProtocolError
+from transport.wire import Kind, Message, ProtocolError, safe_repr
 
 log = logging.getLogger("refitd.daemon")
+
+MAX_LOAD_ERROR_CHARS = 2000  # how much of an engine worker's load error is kept and reported
 
 
 @dataclass(slots=True)
@@ -256,7 +258,13 @@ class ReaderHandlers:
             log.debug("release of generation %d by a reader that no longer held it", index)
         rnd = self.rounds.get(step) if isinstance(step, int) else None
         if rnd is not None and "ok" in msg.fields:
-            rnd.record(identity, bool(msg.get("ok")), msg.get("error"), msg.get("seconds"))
+            # what a worker reports is quoted to the trainers (LOADED) and the metrics: plain and bounded
+            error, seconds = msg.get("error"), msg.get("seconds")
+            if error is not None:
+                error = error[:MAX_LOAD_ERROR_CHARS] if isinstance(error, str) else safe_repr(error)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
+                seconds = None
+            rnd.record(identity, msg.get("ok") is True, error, seconds)
             self._finish_rounds(time.monotonic())
         self._maybe_claim()
 

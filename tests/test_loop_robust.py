@@ -392,3 +392,72 @@ def test_a_held_generation_is_named_in_status_while_the_step_waits_then_dropped(
         status = d.status()
         assert status["blocked"] is None and status["generations"][gen.index]["holders"] == 0
         assert "slow-engine" in status["readers"], "the reader is alive: only its hold was dropped"
+
+
+@pytest.mark.timeout(90)
+def test_an_engine_load_report_with_a_hostile_error_is_quoted_bounded(start):
+    """An engine worker acknowledges a step with ok=False, an ``error`` nested 1000 deep and a
+    ``seconds`` that is not a number. The LOADED report quotes the error in bounded form and names
+    the worker (formatting it used to raise inside the serve loop), and the daemon serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adapters.manifest import Manifest
+
+    d = start()
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
+    manifest = Manifest.from_tensors(
+        convert(weights(0), spec),
+        engine="reference",
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format="block_fp8",
+    )
+    peer = RawPeer(d.endpoint)
+    try:
+        peer.send(Kind.ATTACH, {"name": "hostile-engine", "pid": 1, "manifest": manifest.to_wire()})
+        assert peer.recv().kind is Kind.ATTACHED
+        peer.send(Kind.WAIT, {"min_step": 1})
+        with RefitClient(d.endpoint, 0, 1, timeout=REPLY_S) as client, ThreadPoolExecutor(1) as pool:
+            pushed = pool.submit(client.push_step, 1, weights(1), wait="loaded", timeout=REPLY_S)
+            handed = peer.recv()
+            while handed.kind is not Kind.GENERATION:  # PONGs and the like
+                handed = peer.recv()
+            peer.send(
+                Kind.RELEASE,
+                {
+                    "generation": handed.fields["generation"],
+                    "step": 1,
+                    "ok": False,
+                    "error": nested(),
+                    "seconds": nested(),
+                },
+            )
+            with pytest.raises(RefitError) as excinfo:
+                pushed.result(timeout=REPLY_S + 10)
+        err = excinfo.value
+        assert err.kind is ErrorKind.ENGINE and "hostile-engine" in err.message and "[[[" in err.message, err
+        assert len(err.message) < 2000
+        peer.send(Kind.DETACH, {})
+    finally:
+        peer.close()
+    assert d.thread.is_alive()
+    publish_and_check(d.endpoint, 2, seed=31)
+
+
+@pytest.mark.timeout(60)
+def test_a_bug_outside_any_message_is_logged_counted_and_the_loop_turns_on(start):
+    """A timer that raises once (a bug outside any one message) no longer ends the serve loop: it
+    is logged, counted as internal, and the next turn goes on; an honest step then publishes."""
+    d = start()
+    real, raised = d.daemon._forward_timers, []
+
+    def broken(now: float) -> None:
+        if not raised:
+            raised.append(now)
+            raise RuntimeError("a bug in a timer")
+        real(now)
+
+    d.daemon._forward_timers = broken
+    wait_for(lambda: raised, "the broken timer ran")
+    publish_and_check(d.endpoint, 1, seed=41)
+    assert d.thread.is_alive() and d.status()["message_errors"].get("internal") == 1
