@@ -238,8 +238,8 @@ class RefitReader:
                     return
                 while self._sock.poll(0):
                     msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
-                    if msg.kind is not Kind.PONG:
-                        self._inbox.append(msg)
+                    if msg.kind is not Kind.PONG or msg.get("instance") != self.instance:
+                        self._inbox.append(msg)  # a PONG from a new daemon instance tells of a restart
                 self._ping_if_due()
             except Exception:  # a garbled answer must not end the heartbeat (the owner sees errors)
                 log.debug("reader %s: heartbeat turn failed", self.name, exc_info=True)
