@@ -812,10 +812,10 @@ def _check_generic_fields(msg: Message) -> None:
     ``step`` and ``rank`` are integers, or nil."""
     for key in GENERIC_INT_FIELDS:
         value = msg.fields.get(key)
-        if value is not None and (type(value) is not int):
+        if value is not None and type(value) is not int:
             raise ProtocolError(
-                f"{msg.kind.name} field {key!r} must be an integer, got {type(value).__name__} "
-                f"{safe_repr(value, 60)}"
+                f"{msg.kind.name} field {key!r} has type {type(value).__name__} ({safe_repr(value, 60)}): "
+                "it must be an integer, or nil"
             )
 
 

@@ -159,7 +159,11 @@ def test_a_non_integer_step_is_refused_by_type_before_any_handler_uses_it(start)
             reply = peer.recv()
             assert reply.kind is Kind.ERROR
             err = RefitError.from_wire(reply.fields)
-            assert err.kind is ErrorKind.PROTOCOL and "'step' must be an integer" in err.message, err
+            assert (
+                err.kind is ErrorKind.PROTOCOL
+                and "'step' has type" in err.message
+                and "must be an integer" in err.message
+            ), err
             assert err.step is None
     finally:
         peer.close()
