@@ -11,13 +11,21 @@ daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views of
 arena are mapped read-only: a stray write faults in the reader instead of corrupting what every
 engine loads. Views of a GPU (CUDA-IPC) arena are writable (CUDA has no read-only mapping): readers
 are trusted not to write. Not thread-safe: use one reader per thread.
+
+Once attached, a reader pings the daemon from a background thread every ``heartbeat_interval_s`` the
+daemon announced, whether or not its owner is calling it (an engine busy serving between refits is
+not gone). A reader that stops pinging (its process died or hung, without DETACH) is dropped by the
+daemon after ``reader_timeout_s``: it loses its holds and leaves ``status``. The socket is shared with
+that thread under a lock; messages the thread reads while the owner is not waiting are kept for it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +48,8 @@ _READER_LIMITS = Limits(max_header_bytes=256 << 20)
 PING_S = 1.0
 #: a send the socket cannot take at once (no connection yet) is retried this often until the deadline
 SEND_RETRY_S = 0.05
+#: messages the heartbeat thread may keep for the owner (answers to its own requests: a few at most)
+_INBOX_LIMIT = 1024
 
 log = logging.getLogger("refitd.reader")
 
@@ -101,6 +111,12 @@ class RefitReader:
         self._arena_instance: dict[str, str | None] = {}  # segment name -> the daemon start it belongs to
         self._held: list[Generation] = []
         self._closed = False
+        self._io = threading.Lock()  # the socket, shared with the heartbeat thread
+        self._inbox: collections.deque[Message] = collections.deque(maxlen=_INBOX_LIMIT)
+        self._last_sent = 0.0
+        self._ping_s = PING_S  # replaced by the daemon's heartbeat_interval_s at attach
+        self._stop_beat = threading.Event()
+        self._beat: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -182,6 +198,9 @@ class RefitReader:
         if self._closed:
             return
         self._closed = True
+        self._stop_beat.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
         for gen in list(self._held):
             self.release(gen)
         with contextlib.suppress(zmq.ZMQError):
@@ -212,7 +231,9 @@ class RefitReader:
             deadline = time.monotonic() + self.timeout
         while True:
             try:
-                self._sock.send_multipart(parts, zmq.NOBLOCK)
+                with self._io:  # shared with the heartbeat thread
+                    self._sock.send_multipart(parts, zmq.NOBLOCK)
+                    self._last_sent = time.monotonic()
                 return
             except zmq.Again:
                 left = deadline - time.monotonic()
@@ -224,7 +245,8 @@ class RefitReader:
                         "to the daemon came up" + curve_hint(self.curve),
                         kind=ErrorKind.TIMEOUT,
                     ) from None
-                self._sock.poll(int(min(left, SEND_RETRY_S) * 1000) + 1, zmq.POLLOUT)
+                with self._io:
+                    self._sock.poll(int(min(left, SEND_RETRY_S) * 1000) + 1, zmq.POLLOUT)
 
     def _recv(self, deadline: float, what: str, *, ping: bool = False) -> Message:
         """The next message; ``ping``: after PING_S of silence ask the daemon for a PONG, whose
@@ -238,14 +260,50 @@ class RefitReader:
                     + curve_hint(self.curve),
                     kind=ErrorKind.TIMEOUT,
                 )
-            if self._sock.poll(int(min(left, PING_S) * 1000)):
-                return decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
-            if ping:
-                self._send(Kind.PING, {}, wait=False)
+            with self._io:
+                if self._inbox:
+                    return self._inbox.popleft()
+                self._ping_if_due()  # the heartbeat thread skips its turn while we hold the socket
+                if self._sock.poll(int(min(left, self._ping_s, 1.0) * 1000)):
+                    msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                    if msg.kind is not Kind.PONG or self._from_new_instance(msg):
+                        return msg
 
     def _from_new_instance(self, msg: Message) -> bool:
         instance = msg.get("instance")
         return self.instance is not None and isinstance(instance, str) and instance != self.instance
+
+    def _ping_if_due(self) -> None:
+        """Ping if nothing was sent for a heartbeat interval (caller holds ``_io``); never blocks."""
+        if self._attached and time.monotonic() - self._last_sent >= self._ping_s:
+            with contextlib.suppress(zmq.Again):
+                self._sock.send_multipart(encode(Message(Kind.PING, {})), zmq.NOBLOCK)
+                self._last_sent = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: ping every interval; keep whatever arrives meanwhile for the owner."""
+        while not self._stop_beat.wait(self._ping_s / 2):
+            if not self._io.acquire(blocking=False):
+                continue  # the owner is using the socket: it pings itself while it waits
+            try:
+                if self._closed:
+                    return
+                while self._sock.poll(0):
+                    msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                    if msg.kind is not Kind.PONG or self._from_new_instance(msg):
+                        self._inbox.append(msg)  # a PONG from a new daemon instance tells of a restart
+                self._ping_if_due()
+            except Exception:  # a garbled answer must not end the heartbeat (the owner sees errors)
+                log.debug("reader %s: heartbeat turn failed", self.name, exc_info=True)
+            finally:
+                self._io.release()
+
+    def _start_heartbeat(self) -> None:
+        if self._beat is None and not self._closed:
+            self._beat = threading.Thread(
+                target=self._heartbeat, name=f"refitd-reader-{self.name}", daemon=True
+            )
+            self._beat.start()
 
     def _ensure_attached(self, deadline: float) -> None:
         if self._attached:
@@ -263,6 +321,10 @@ class RefitReader:
         self.attach_info = dict(msg.fields)
         self.instance, self._attached = msg.get("instance"), True
         self._forget_arenas()
+        ping = msg.get("heartbeat_interval_s")
+        if isinstance(ping, (int, float)) and ping > 0:
+            self._ping_s = float(ping)
+        self._start_heartbeat()
 
     def _forget_arenas(self) -> None:
         """Unmap the segments of previous daemon instances that no held generation still uses (a

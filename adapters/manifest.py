@@ -7,11 +7,15 @@ format its routed experts are held in. The daemon checks its plan against it bef
 (``check_manifest``) and publishes in BF16 whatever the engine holds in BF16 (the manifest wins).
 
 On the wire a manifest is plain msgpack data (``to_wire`` / ``from_wire``); dtypes travel by name.
+The daemon parses a manifest on its serve loop, so ``from_wire`` checks every field's type and bounds
+(:data:`MAX_MANIFEST_TENSORS` entries, :data:`MAX_NAME_CHARS` per name, :data:`MAX_DIMS` per shape)
+before it builds anything, and every check is linear in the number of entries.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +23,20 @@ from typing import Any
 import torch
 
 from sidecar.formats import Format
-from transport.wire import dtype_from_name, dtype_name
+from transport.wire import dtype_from_name, dtype_name, safe_repr
+
+#: the most tensors a manifest may list. A Kimi-K2-size model (~1T parameters: 61 layers of 384
+#: routed experts, each with gate/up/down weights and their scales) lists about 140k; DeepSeek-V3
+#: about 90k. A million leaves room for larger models while bounding what one ATTACH can cost.
+MAX_MANIFEST_TENSORS = 1_000_000
+#: the longest tensor name accepted (real checkpoint names are under 200 characters)
+MAX_NAME_CHARS = 1024
+#: the most dimensions a manifest tensor may have
+MAX_DIMS = 16
+#: the largest single dimension accepted (2^48 elements is far beyond any weight)
+MAX_DIM = 1 << 48
+#: how many offending names an error lists
+MAX_LISTED = 5
 
 
 class EngineKind(str, enum.Enum):
@@ -52,10 +69,15 @@ class Manifest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", EngineKind(self.engine))
         object.__setattr__(self, "expert_format", Format.parse(self.expert_format))
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})[:5]
-            raise ValueError(f"manifest lists tensors more than once: {dup}")
+        if len(self.tensors) > MAX_MANIFEST_TENSORS:
+            raise ValueError(_too_many(len(self.tensors)))
+        counts = Counter(t.name for t in self.tensors)  # linear: 24k entries once took 9 s with list.count
+        if len(counts) != len(self.tensors):
+            dup = [n for n, c in counts.items() if c > 1]
+            shown = sorted(dup[: MAX_LISTED * 20])[:MAX_LISTED]
+            raise ValueError(
+                f"manifest lists {len(dup)} tensor name(s) more than once, e.g. {shown}; list each tensor once"
+            )
 
     def by_name(self) -> dict[str, ManifestTensor]:
         return {t.name: t for t in self.tensors}
@@ -73,21 +95,30 @@ class Manifest:
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Manifest:
+        """Parse a manifest a peer sent; ValueError saying which field is wrong (never anything else)."""
         try:
-            tensors = tuple(
-                ManifestTensor(str(n), dtype_from_name(d), tuple(int(x) for x in s))
-                for n, d, s in data["tensors"]
-            )
+            if not isinstance(data, Mapping):
+                raise ValueError(f"a manifest is a map, got {type(data).__name__}")
+            rows = data["tensors"]
+            if not isinstance(rows, list):
+                raise ValueError(f"'tensors' is a list of [name, dtype, shape], got {type(rows).__name__}")
+            if len(rows) > MAX_MANIFEST_TENSORS:
+                raise ValueError(_too_many(len(rows)))
+            tensors = tuple(_tensor_from_wire(i, row) for i, row in enumerate(rows))
             return cls(
-                engine=data["engine"],
-                engine_version=str(data.get("engine_version", "")),
-                moe_backend=str(data.get("moe_backend", "")),
-                expert_format=data["expert_format"],
+                engine=_text(data, "engine"),
+                engine_version=_text(data, "engine_version", ""),
+                moe_backend=_text(data, "moe_backend", ""),
+                expert_format=_text(data, "expert_format"),
                 tensors=tensors,
-                constraints=dict(data.get("constraints", {})),
-                info=dict(data.get("info", {})),
+                constraints=_constraints(_map(data, "constraints")),
+                info=_map(data, "info"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise ValueError(
+                f"malformed manifest: it lacks {safe_repr(exc.args[0] if exc.args else exc)}"
+            ) from None
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed manifest: {exc}") from None
 
     @classmethod
@@ -96,3 +127,72 @@ class Manifest:
     ) -> Manifest:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         return cls(tensors=tuple(ManifestTensor(n, t.dtype, tuple(t.shape)) for n, t in items), **kw)
+
+
+def _too_many(n: int) -> str:
+    return (
+        f"manifest lists {n} tensors, more than the {MAX_MANIFEST_TENSORS} any model needs (a 1T-parameter "
+        "MoE with per-expert names lists a few hundred thousand); is the adapter listing something twice?"
+    )
+
+
+def _tensor_from_wire(i: int, row: Any) -> ManifestTensor:
+    if not isinstance(row, list) or len(row) != 3:
+        raise ValueError(f"tensor {i} is not [name, dtype, shape]: {safe_repr(row, 80)}")
+    name, dtype, shape = row
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"tensor {i}: the name must be a non-empty string of at most {MAX_NAME_CHARS} characters, "
+            f"got {type(name).__name__} {safe_repr(name, 80)}"
+        )
+    if not isinstance(dtype, str):
+        raise ValueError(
+            f"tensor {name!r}: the dtype must be a name such as 'bfloat16', got {safe_repr(dtype, 80)}"
+        )
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise ValueError(
+            f"tensor {name!r}: the shape must be a list of at most {MAX_DIMS} sizes, got {safe_repr(shape, 80)}"
+        )
+    for x in shape:
+        if type(x) is not int or not 0 <= x <= MAX_DIM:
+            raise ValueError(
+                f"tensor {name!r}: shape {safe_repr(shape, 80)} holds {safe_repr(x, 40)}, not a size"
+            )
+    return ManifestTensor(name, dtype_from_name(dtype), tuple(shape))
+
+
+def _text(data: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value = data[key] if default is None else data.get(key, default)
+    if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"{key!r} must be a string of at most {MAX_NAME_CHARS} characters, got {safe_repr(value, 80)}"
+        )
+    return value
+
+
+def _map(data: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key!r} must be a map, got {type(value).__name__}")
+    return dict(value)
+
+
+#: constraint keys the daemon computes with (sidecar.attach.constraint_problems), and what they hold
+_INT_CONSTRAINTS = ("tp_size", "moe_ep_size", "mxfp8_align", "block_fp8_align")
+
+
+def _constraints(c: dict[str, Any]) -> dict[str, Any]:
+    for key in _INT_CONSTRAINTS:
+        value = c.get(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= MAX_DIM):
+            raise ValueError(
+                f"constraint {key!r} must be a positive integer or nil, got {safe_repr(value, 80)}"
+            )
+    formats = c.get("unsupported_formats")
+    if formats is not None and (
+        not isinstance(formats, list) or len(formats) > 16 or not all(isinstance(f, str) for f in formats)
+    ):
+        raise ValueError(
+            f"constraint 'unsupported_formats' must be a list of format names, got {safe_repr(formats, 80)}"
+        )
+    return c

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import ipaddress
 import logging
 import math
 import os
@@ -205,7 +206,9 @@ class DaemonConfig:
     """Timeouts in seconds. A step not sealed within ``step_timeout_s`` is aborted; a trainer rank silent
     for ``rank_timeout_s`` mid-step is declared dead (ranks ping every ``heartbeat_interval_s``, which
     must be shorter); a reader holding a generation the daemon needs is dropped after
-    ``reader_timeout_s``; shutdown escalates after ``shutdown_timeout_s``."""
+    ``reader_timeout_s`` (a step whose timeout would come first fails at once, naming the reader), and
+    an attached reader that stops pinging (it pings every ``heartbeat_interval_s`` or more often) is
+    dropped after ``reader_timeout_s`` of silence; shutdown escalates after ``shutdown_timeout_s``."""
     step_timeout_s: float = 300.0
     rank_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
@@ -466,9 +469,23 @@ def _peers(value: Any) -> tuple[str, ...]:
 
 
 def is_loopback_host(host: str) -> bool:
-    """``127.x.y.z``, ``localhost`` or ``::1``: addresses no other machine can reach."""
-    host = host.strip("[]").lower()
-    return host.startswith("127.") or host in ("localhost", "::1")
+    """True only for addresses no other machine can reach: a literal IPv4 address in 127.0.0.0/8,
+    IPv6 ``::1`` (bracketed or not, or as ``::ffff:127.x.y.z``), or the name ``localhost``.
+
+    Any other name needs a resolver to mean something (``127.attacker.example`` resolves wherever its
+    owner likes), so it is not loopback, and neither is ``*`` or an interface name."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def tcp_host(endpoint: str) -> str | None:
@@ -534,7 +551,7 @@ _KNOBS: dict[str, _Knob] = {
     "step_timeout_s": _Knob("--step-timeout", _seconds, "SECONDS", "abort a step not sealed by then"),
     "rank_timeout_s": _Knob("--rank-timeout", _seconds, "SECONDS", "a rank silent this long is dead"),
     "heartbeat_interval_s": _Knob("--heartbeat-interval", _seconds, "SECONDS", "rank ping interval"),
-    "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a reader holding a generation"),
+    "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a silent reader, or its hold"),
     "shutdown_timeout_s": _Knob("--shutdown-timeout", _seconds, "SECONDS", "escalate shutdown after this"),
     "drain": _Knob("--drain", _enum(DrainMode), "MODE", "SIGTERM: abort the step in flight, or finish it"),
     "arena": _Knob("--arena", _enum(ArenaKind), "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),

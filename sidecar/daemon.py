@@ -50,14 +50,18 @@ from sidecar.readers import Peer, ReaderHandlers
 from sidecar.step import StepState
 from sidecar.trainers import TrainerHandlers
 from sidecar.worker import QuantWorker
+from transport.control import bind_control
 from transport.gpus import arena_placements, local_gpus
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
 
 MAX_MESSAGES_PER_TICK = 256
 MAX_REMEMBERED_FAILURES = 8
 CLOSE_LINGER_MS = 500
+MAX_ERROR_CHARS = 16384  # the longest error message sent to a peer (a manifest mismatch lists many names)
+MAX_QUOTE_CHARS = 300  # how much of an exception's repr an INTERNAL error quotes
+GENERIC_INT_FIELDS = ("step", "rank")  # integers (or nil) in whichever message carries them
 
 
 class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
@@ -85,6 +89,9 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
         self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
+        self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
+        self.next_reader_check = 0.0  # when to look for readers silent past reader_timeout_s next
+        self.blocked: dict[str, Any] | None = None  # the step's generation, held by readers (status)
         self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
         self.forwarded_steps: dict[str, tuple[str, int]] = {}  # inference node: trainer key -> (source, step)
         self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
@@ -199,13 +206,16 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             keygen.unset_server(self.router)
             log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
         else:
-            self.router.bind(cfg.listen)
+            try:
+                bind_control(self.router, cfg.listen)  # an ipc:// socket file: 0600 whatever the umask
+            except OSError as exc:
+                raise RefitError(str(exc), kind=ErrorKind.INVALID) from None
         if tcp:
             local = default_listen(cfg.runtime_dir)
             try:
-                self.router.bind(local)
+                bind_control(self.router, local)
                 self.local_listen = local
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, OSError) as exc:
                 log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
 
     @property
@@ -278,7 +288,12 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         # A step of many tensors allocates many small objects per turn (pieces, units, results): one
         # collection after the turn instead of several during it (each full one walks the whole heap).
         with gc_paused():
-            self._turn(events)
+            try:
+                self._turn(events)
+            except Exception as exc:  # a bug outside any one message (timers, results): fail the step, go on
+                self._internal_error(
+                    None, "a turn of the serve loop", exc, None if self.step is None else self.step.step
+                )
 
     def _turn(self, events: dict) -> None:
         if self.wake in events:
@@ -294,7 +309,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._dispatch(frames)
+                self._serve_message(frames)
             self._flush_credits()
         self._drain_worker()
         if self.forwarding is not None:
@@ -363,15 +378,33 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 self._send(identity, Kind.CREDIT, {"step": self.step.step, "frames": frames})
 
     def _send_error(self, identity: bytes, err: RefitError) -> None:
-        self._send(identity, Kind.ERROR, err.to_wire())
+        """Answer ``identity`` with ``err``; never raises (it runs inside error handling)."""
+        try:
+            fields = err.to_wire()
+            if len(fields["message"]) > MAX_ERROR_CHARS:
+                cut = len(fields["message"]) - MAX_ERROR_CHARS
+                fields["message"] = fields["message"][:MAX_ERROR_CHARS] + f"... ({cut} more characters)"
+            self._send(identity, Kind.ERROR, fields)
+        except Exception:
+            log.exception("could not send an error to a peer")
 
     # ------------------------------------------------------------------------------------------
     # dispatch
+
+    def _serve_message(self, frames: list) -> None:
+        """Handle one message; nothing it raises leaves the serve loop: a bug is logged with its
+        traceback, counted, and answered to the sender as an INTERNAL error."""
+        try:
+            self._dispatch(frames)
+        except Exception as exc:
+            identity = frames[0].bytes if frames else None
+            self._internal_error(identity, "a message", exc, None)
 
     def _dispatch(self, frames: list) -> None:
         identity = frames[0].bytes
         try:
             msg = decode(frames[1:], self.limits)
+            _check_generic_fields(msg)
         except ProtocolError as exc:
             text = str(exc)
             if text.startswith("header of"):  # a BEGIN of very many pieces, most likely
@@ -381,6 +414,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     "send fewer, larger tensors"
                 )
             log.warning("refused a malformed message: %s", text)
+            self._message_error(ErrorKind.PROTOCOL)
             if not self._step_protocol_error(identity, ProtocolError(text)):
                 self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
             return
@@ -391,6 +425,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             self.sender_key = curve_user_id(frames[1])
         handler = getattr(self, f"handle_{msg.kind.name.lower()}", None)
         if handler is None:
+            self._message_error(ErrorKind.PROTOCOL)
             self._send_error(
                 identity, RefitError(f"{msg.kind.name} is not a request", kind=ErrorKind.PROTOCOL)
             )
@@ -400,25 +435,45 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _handle(self, handler, identity: bytes, msg: Message) -> None:
         """Run one handler; whatever it raises fails at most the step, never the daemon."""
         try:
-            handler(identity, msg)
-        except ProtocolError as exc:
-            if self._step_protocol_error(identity, exc):  # a rank of the step: every rank hears it
-                return
-            self._send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
-        except RefitError as exc:
-            if self.step is not None and exc.step == self.step.step:
-                self._fail_step(exc)
-            else:
-                self._send_error(identity, exc)
-        except Exception as exc:  # a bug: report it, fail the step it touched, keep serving
-            log.exception("internal error handling %s", msg.kind.name)
+            try:
+                handler(identity, msg)
+            except ProtocolError as exc:
+                self._message_error(ErrorKind.PROTOCOL)
+                if self._step_protocol_error(identity, exc):  # a rank of the step: every rank hears it
+                    return
+                self._send_error(
+                    identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step"))
+                )
+            except RefitError as exc:
+                self._message_error(exc.kind)
+                if self.step is not None and exc.step == self.step.step:
+                    self._fail_step(exc)
+                else:
+                    self._send_error(identity, exc)
+        except Exception as exc:  # a bug (in the handler or in answering it): report it, keep serving
+            self._internal_error(identity, msg.kind.name, exc, msg.get("step"))
+
+    def _internal_error(self, identity: bytes | None, what: str, exc: BaseException, step) -> None:
+        """A bug met while handling ``what``: log it with its traceback, count it, fail the step the
+        message belongs to (or answer its sender) with an INTERNAL error. Never raises."""
+        try:
+            log.error("internal error handling %s: %s", what, safe_repr(exc), exc_info=exc)
+            self._message_error(ErrorKind.INTERNAL)
             err = RefitError(
-                f"internal error handling {msg.kind.name}: {exc!r}; please report it", kind=ErrorKind.INTERNAL
+                f"internal error handling {what}: {safe_repr(exc, MAX_QUOTE_CHARS)}; please report it",
+                kind=ErrorKind.INTERNAL,
             )
-            if self.step is not None and msg.get("step") == self.step.step:
+            if self.step is not None and isinstance(step, int) and step == self.step.step:
                 self._fail_step(RefitError(err.message, kind=err.kind, step=self.step.step))
-            else:
+            elif identity is not None:
                 self._send_error(identity, err)
+        except Exception:  # even the report failed (a bug in _fail_step?): the loop must go on
+            log.critical("internal error while reporting an internal error", exc_info=True)
+
+    def _message_error(self, kind: ErrorKind) -> None:
+        """Count a message answered with an error (by kind: status and the metrics show them)."""
+        self.message_errors[kind.value] = self.message_errors.get(kind.value, 0) + 1
+        notify(self.observers, "on_message_error", self, kind)
 
     # ---- readers
 
@@ -460,7 +515,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _maybe_claim(self) -> None:
         self._forward_claim()
         if self.step is not None and self.step.ready_sent and self.target is None:
-            self.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
+            self._claim_step_target(time.monotonic())  # may fail the step: readers hold its generation
             if self.target is not None:
                 deferred, self.deferred = self.deferred, []
                 for unit in deferred:
@@ -589,6 +644,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if self.arenas.ring is not None:
             self.arenas.ring.reset()
         self.step, self.target, self.deferred, self.parked = None, None, [], {}
+        self.blocked = None
         self._start_pending()
 
     def _start_pending(self) -> None:
@@ -602,11 +658,17 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     # timers
 
     def _check_timers(self, now: float) -> None:
+        self._expire_readers(now)  # first: a dead reader's holds must not hold up the step below
         state = self.step
         if state is not None:
             if now > state.deadline:
                 missing = state.missing_ranks()
                 why = f"ranks {missing} never began it" if missing else "it was not complete"
+                if not missing and self.target is None and self.blocked is not None:
+                    why = (
+                        f"its generation {self.blocked['generation']} was still held by "
+                        f"{', '.join(self.blocked['readers'])}"
+                    )
                 self._fail_step(
                     RefitError(
                         f"step {state.step} timed out after {self.config.step_timeout_s:.1f} s: {why}",
@@ -691,6 +753,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     "generation": g.index,
                     "step": g.step,
                     "holders": len(g.holders),
+                    "held_by": [self._holder_label(i) for i in g.holders],
                     "segment": g.arena.name,
                     "bytes": g.arena.size,
                 }
@@ -726,6 +789,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 "bytes_out": self.plan.bytes_out,
             },
             "history": self.history,
+            "message_errors": dict(self.message_errors),
+            "blocked": None if self.step is None or self.target is not None else self.blocked,
         }
 
     def _segments_file(self) -> Path:
@@ -762,6 +827,18 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
     )
+
+
+def _check_generic_fields(msg: Message) -> None:
+    """The fields any message may carry are checked before a handler (or an error path) uses them:
+    ``step`` and ``rank`` are integers, or nil."""
+    for key in GENERIC_INT_FIELDS:
+        value = msg.fields.get(key)
+        if value is not None and type(value) is not int:
+            raise ProtocolError(
+                f"{msg.kind.name} field {key!r} has type {type(value).__name__} ({safe_repr(value, 60)}): "
+                "it must be an integer, or nil"
+            )
 
 
 def _pid_alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ raises the same ``RefitError`` naming the cause and the failing rank.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Any
 
 
@@ -44,7 +45,10 @@ class RefitError(RuntimeError):
     def __init__(
         self, message: str, *, kind: ErrorKind = ErrorKind.INTERNAL, rank: int | None = None, step=None
     ):
-        self.kind, self.rank, self.step, self.message = ErrorKind.parse(kind), rank, step, message
+        # rank and step are integers or None: anything else (a peer's malformed field) is dropped
+        # here, so formatting or sending the error can never fail on it
+        rank, step = _int_or_none(rank), _int_or_none(step)
+        self.kind, self.rank, self.step, self.message = ErrorKind.parse(kind), rank, step, str(message)
         where = []
         if step is not None:
             where.append(f"step {step}")
@@ -74,3 +78,12 @@ class DaemonRestarted(RefitError):
     def __init__(self, message: str, *, old: str | None, new: str | None, rank: int | None = None, step=None):
         super().__init__(message, kind=ErrorKind.RESTARTED, rank=rank, step=step)
         self.old, self.new = old, new
+
+
+def _int_or_none(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # int, numpy integers
+    except Exception:  # a list, a string, or an object whose __index__ misbehaves
+        return None

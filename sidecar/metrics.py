@@ -15,7 +15,8 @@ every published step: wait_ranks, validate, receive, quantize, quantize_tail, pu
 ``steps_published_total``, ``received_bytes_total`` / ``published_bytes_total``, ``generation`` and
 ``last_published_step`` (the live generation), ``last_publish_timestamp_seconds``,
 ``engines_attached``, ``quant_sqnr_db{format}`` (see below), ``step_failures_total{kind}`` (one
-series per ErrorKind, from 0), ``engine_loads_total``, ``engine_load_failures_total`` and
+series per ErrorKind, from 0), ``message_errors_total{kind}`` (messages answered with an error, one
+series per ErrorKind) and ``internal_errors_total`` (bugs met handling a message), ``engine_loads_total``, ``engine_load_failures_total`` and
 ``engine_load_seconds``; and the standard ``process_*`` series (CPU, memory, open files).
 
 Quantization quality is sampled, not measured: every :data:`SQNR_EVERY_STEPS` published steps
@@ -164,6 +165,19 @@ class MetricsObserver(Observer):
         self.failures = Counter("refitd_step_failures", "Steps failed, by error kind", ["kind"], registry=r)
         for kind in ErrorKind:
             self.failures.labels(kind=kind.value)
+        self.message_errors = Counter(
+            "refitd_message_errors",
+            "Messages answered with an error, by error kind (protocol: malformed; internal: a bug)",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ErrorKind:
+            self.message_errors.labels(kind=kind.value)
+        self.internal_errors = Counter(
+            "refitd_internal_errors",
+            "Bugs met while handling a message (each logged with its traceback; the daemon serves on)",
+            registry=r,
+        )
         self.loads = Counter("refitd_engine_loads", "Engine worker acknowledgements of a step", registry=r)
         self.load_failures = Counter(
             "refitd_engine_load_failures",
@@ -250,6 +264,11 @@ class MetricsObserver(Observer):
 
     def on_step_failed(self, daemon: Daemon, err: RefitError) -> None:
         self.failures.labels(kind=err.kind.value).inc()
+
+    def on_message_error(self, daemon: Daemon, kind: ErrorKind) -> None:
+        self.message_errors.labels(kind=kind.value).inc()
+        if kind is ErrorKind.INTERNAL:
+            self.internal_errors.inc()
 
     def on_step_loaded(self, daemon: Daemon, report: dict[str, Any]) -> None:
         for row in report["results"]:

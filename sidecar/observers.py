@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon import Daemon
-    from sidecar.errors import RefitError
+    from sidecar.errors import ErrorKind, RefitError
     from sidecar.step import StepState
 
 log = logging.getLogger("refitd.observers")
@@ -44,6 +44,9 @@ class Observer:
 
     def on_step_loaded(self, daemon: Daemon, report: dict[str, Any]) -> None:
         """Every engine worker attached at publish time acknowledged the step, or timed out."""
+
+    def on_message_error(self, daemon: Daemon, kind: ErrorKind) -> None:
+        """A message was answered with an error of ``kind`` (``internal``: a bug met handling it)."""
 
     def on_stopping(self, daemon: Daemon) -> None:
         """The daemon is shutting down (before arenas are freed)."""

@@ -19,9 +19,11 @@ from sidecar.engines import EngineState
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.observers import notify
 from sidecar.plan import RefitPlan
-from transport.wire import Kind, Message, ProtocolError
+from transport.wire import Kind, Message, ProtocolError, safe_repr
 
 log = logging.getLogger("refitd.daemon")
+
+MAX_LOAD_ERROR_CHARS = 2000  # how much of an engine worker's load error is kept and reported
 
 
 @dataclass(slots=True)
@@ -61,8 +63,44 @@ class ReaderHandlers:
                 "format": self.spec.fmt.value,
                 "checked": self.plan is not None,
                 "warnings": warnings,
+                # a reader pings this often while attached; one silent for reader_timeout_s is dropped
+                "heartbeat_interval_s": self.reader_ping_interval(),
+                "reader_timeout_s": self.config.reader_timeout_s,
             },
         )
+
+    def reader_ping_interval(self) -> float:
+        """How often an attached reader pings: the rank heartbeat, and at least 4 times per reader timeout."""
+        return min(self.config.heartbeat_interval_s, self.config.reader_timeout_s / 4)
+
+    def _expire_readers(self, now: float) -> None:
+        """Drop readers silent for longer than ``reader_timeout_s``: they ping while attached
+        (adapters.base.RefitReader), so silence means the process died or hung without DETACH. An
+        expired reader loses its holds (a step waiting for its generation goes on), its engine
+        registration and its place in ``status``; if it comes back, the daemon says UNKNOWN_PEER and
+        it attaches again."""
+        if now < self.next_reader_check:
+            return
+        self.next_reader_check = now + self.reader_ping_interval()
+        limit = self.config.reader_timeout_s
+        gone = [p for p in self.peers.values() if p.role == "reader" and now - p.last_seen > limit]
+        for peer in gone:
+            held = [g.index for g in self.arenas.generations if peer.identity in g.holders]
+            log.warning(
+                "reader %r (pid %s) silent for %.1f s (reader_timeout_s=%g): it went away without DETACH; "
+                "dropping it%s",
+                peer.name,
+                peer.pid,
+                now - peer.last_seen,
+                limit,
+                f" and its hold on generation(s) {held}" if held else "",
+            )
+            self._drop_engine(
+                peer.identity, f"stopped responding (silent for more than {limit:g} s): it died or hung"
+            )
+        if gone:
+            self._finish_rounds(now)
+            self._maybe_claim()
 
     def _attach_engine(self, identity: bytes, name: str, manifest: Manifest) -> list[str]:
         """Check ``manifest`` against the plan (re-planning for the engine's BF16 experts); the
@@ -119,6 +157,77 @@ class ReaderHandlers:
         self.plan = plan
         self.arenas.invalidate()
 
+    # ---- a step's output generation, held by readers (see sidecar.generations)
+
+    def _claim_step_target(self, now: float) -> None:
+        """Claim the generation the step in progress writes, if no reader holds it.
+
+        While readers hold it the step waits, at most ``reader_timeout_s`` from when the step first
+        needed it (then the holds are dropped, as documented). The moment the step is found blocked,
+        the log and ``status`` ("blocked") name each holder and the generation; if the holds would
+        only be dropped after the step's own deadline, the step cannot finish and fails at once on
+        every rank (BUSY), naming them, instead of timing out later as "not complete"."""
+        state, gen = self.step, self.arenas.target()
+        holders = [self._holder_label(i) for i in gen.holders]
+        held_step = gen.step
+        self.target = self.arenas.claim_target(now, self.config.reader_timeout_s)
+        if self.target is not None:
+            if holders:
+                log.warning(
+                    "step %d: dropped the hold of %s on generation %d (step %s) after reader_timeout_s=%g",
+                    state.step,
+                    ", ".join(holders),
+                    gen.index,
+                    held_step,
+                    self.config.reader_timeout_s,
+                    extra={"step": state.step, "phase": "claim"},
+                )
+            self.blocked = None
+            return
+        if self.blocked is not None and self.blocked["step"] == state.step:
+            self.blocked["readers"] = holders
+            return
+        drop_at = gen.needed_since + self.config.reader_timeout_s
+        self.blocked = {
+            "step": state.step,
+            "generation": gen.index,
+            "holds_step": held_step,
+            "readers": holders,
+            "drop_holds_in_s": round(max(0.0, drop_at - now), 3),
+        }
+        what = (
+            f"step {state.step} must be written into generation {gen.index} (it holds step {held_step}), "
+            f"which {', '.join(holders)} still hold{'s' if len(holders) == 1 else ''}"
+        )
+        if drop_at > state.deadline:
+            self._fail_step(
+                RefitError(
+                    f"{what}; their hold would be dropped only after reader_timeout_s="
+                    f"{self.config.reader_timeout_s:g} s, later than this step's timeout (step_timeout_s="
+                    f"{self.config.step_timeout_s:g}). Release the generation in the reader (RefitReader.release), "
+                    "or set reader_timeout_s below step_timeout_s",
+                    kind=ErrorKind.BUSY,
+                    step=state.step,
+                )
+            )
+            return
+        log.warning(
+            "%s; waiting up to %.1f s (reader_timeout_s=%g) for them to release it, then dropping their hold",
+            what,
+            drop_at - now,
+            self.config.reader_timeout_s,
+            extra={"step": state.step, "phase": "claim"},
+        )
+
+    def _holder_label(self, identity: bytes) -> str:
+        """Who holds a generation, for logs and errors: a reader's name and pid, or a forwarder."""
+        if identity.startswith(b"forward:"):
+            return f"the forwarder to {identity.removeprefix(b'forward:').decode(errors='replace')}"
+        peer = self.peers.get(identity)
+        if peer is None:
+            return f"a reader that left (peer {identity.hex()[:16]})"
+        return f"reader {peer.name!r} (pid {peer.pid}, peer {identity.hex()[:16]})"
+
     def _drop_engine(self, identity: bytes, why: str) -> None:
         self.engines.pop(identity, None)
         self.arenas.drop_reader(identity)
@@ -149,7 +258,13 @@ class ReaderHandlers:
             log.debug("release of generation %d by a reader that no longer held it", index)
         rnd = self.rounds.get(step) if isinstance(step, int) else None
         if rnd is not None and "ok" in msg.fields:
-            rnd.record(identity, bool(msg.get("ok")), msg.get("error"), msg.get("seconds"))
+            # what a worker reports is quoted to the trainers (LOADED) and the metrics: plain and bounded
+            error, seconds = msg.get("error"), msg.get("seconds")
+            if error is not None:
+                error = error[:MAX_LOAD_ERROR_CHARS] if isinstance(error, str) else safe_repr(error)
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
+                seconds = None
+            rnd.record(identity, msg.get("ok") is True, error, seconds)
             self._finish_rounds(time.monotonic())
         self._maybe_claim()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
+from adapters.manifest import MAX_LISTED, MAX_MANIFEST_TENSORS, EngineKind, Manifest, ManifestTensor
 from sidecar.attach import check_manifest, engine_bf16_modules
 from sidecar.plan import RefitPlan, RefitSpec, TensorSpec
 from sidecar.synthetic import make_state_dict
@@ -111,3 +111,74 @@ def test_manifest_round_trips_and_refuses_duplicates(inputs):
         manifest_for(plan, tensors=(m.tensors[0], m.tensors[0]))
     with pytest.raises(ValueError, match="malformed manifest"):
         Manifest.from_wire({"engine": "vllm"})
+
+
+def _wire_rows(rows) -> dict:
+    return {
+        "engine": "reference",
+        "engine_version": "test",
+        "moe_backend": "ReferenceFusedMoE",
+        "expert_format": "block_fp8",
+        "tensors": rows,
+    }
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_names_are_found_in_linear_time_and_listed_capped():
+    """100k entries naming 50k tensors twice each: counting each name with ``list.count`` was
+    quadratic (24k entries held the serve loop 9.3 s; this would take many minutes); a Counter
+    takes about a second. The error counts the duplicates and lists a few of them, not all."""
+    rows = [
+        [f"model.layers.{i % 50}.mlp.experts.{i % 50_000}.down_proj.weight", "bfloat16", [8, 8]]
+        for i in range(100_000)
+    ]
+    with pytest.raises(ValueError) as excinfo:
+        Manifest.from_wire(_wire_rows(rows))
+    text = str(excinfo.value)
+    assert "50000 tensor name(s) more than once" in text and "list each tensor once" in text
+    assert text.count("down_proj.weight") == MAX_LISTED and len(text) < 1000
+
+
+def test_a_manifest_longer_than_any_model_needs_is_refused_before_it_is_parsed():
+    """The entry count is checked first, against a limit generous for a 1T-parameter MoE."""
+    row = ["x.weight", "bfloat16", [1]]
+    with pytest.raises(ValueError) as excinfo:
+        Manifest.from_wire(_wire_rows([row] * (MAX_MANIFEST_TENSORS + 1)))
+    assert f"lists {MAX_MANIFEST_TENSORS + 1} tensors, more than the {MAX_MANIFEST_TENSORS}" in str(
+        excinfo.value
+    )
+
+
+def _deep(depth: int = 1000) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"tensors": [[_deep(), "bfloat16", [1]]]}, "tensor 0: the name must be a non-empty string"),
+        ({"tensors": [["a" * 5000, "bfloat16", [1]]]}, "at most 1024 characters"),
+        ({"tensors": [["a", 7, [1]]]}, "the dtype must be a name"),
+        ({"tensors": [["a", "bfloat16", [-1]]]}, "holds -1, not a size"),
+        ({"tensors": [["a", "bfloat16", [1.5]]]}, "holds 1.5, not a size"),
+        ({"tensors": [["a", "bfloat16", [1] * 17]]}, "at most 16 sizes"),
+        ({"tensors": [["a", "bfloat16"]]}, "tensor 0 is not [name, dtype, shape]"),
+        ({"tensors": {"a": 1}}, "'tensors' is a list"),
+        ({"engine": _deep()}, "'engine' must be a string"),
+        ({"constraints": {"tp_size": "2"}}, "constraint 'tp_size' must be a positive integer"),
+        ({"constraints": {"mxfp8_align": 0}}, "constraint 'mxfp8_align' must be a positive integer"),
+        ({"constraints": {"unsupported_formats": "mxfp8"}}, "'unsupported_formats' must be a list"),
+        ({"constraints": [1]}, "'constraints' must be a map"),
+    ],
+)
+def test_malformed_manifest_fields_are_refused_saying_which(change, needle):
+    """Each field a peer sends is type- and bound-checked with a message naming it; a hostile
+    value (a list nested 1000 deep) is quoted in bounded form, never by a recursive repr."""
+    with pytest.raises(ValueError) as excinfo:
+        Manifest.from_wire({**_wire_rows([["a.weight", "bfloat16", [2, 2]]]), **change})
+    text = str(excinfo.value)
+    assert text.startswith("malformed manifest: ") and needle in text, text
+    assert len(text) < 400

@@ -30,6 +30,7 @@ from sidecar.config import (
     default_runtime_dir,
     env_to_values,
     file_to_values,
+    is_loopback_host,
     load_config,
     parse_size,
     prepare_runtime_dir,
@@ -290,6 +291,61 @@ def test_relative_runtime_dir(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         DaemonConfig(runtime_dir=Path("run"))
     assert problems_of(excinfo) == ["runtime_dir = 'run' is relative: give an absolute path"]
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "127.1.2.3",
+        "::1",
+        "[::1]",
+        "::ffff:127.0.0.1",
+        "[::ffff:127.0.0.1]",
+        "localhost",
+        "LocalHost",
+    ],
+)
+def test_loopback_hosts(host: str) -> None:
+    assert is_loopback_host(host)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.attacker.example",  # a DNS name: its owner decides where it points
+        "127.0.0.1.nip.io",
+        "127.1",  # not a literal address ipaddress accepts: left to a resolver
+        "localhost.",
+        "localhost.attacker.example",
+        "0.0.0.0",
+        "*",
+        "lo",  # an interface name
+        "10.0.0.1",
+        "::",
+        "fe80::1",
+        "[127.0.0.1",
+        "",
+    ],
+)
+def test_names_and_outside_addresses_are_not_loopback(host: str) -> None:
+    assert not is_loopback_host(host)
+
+
+def test_a_dns_name_that_starts_like_loopback_needs_curve(tmp_path: Path) -> None:
+    """``tcp://127.attacker.example`` used to pass as loopback, as a listen address or a forwarding
+    peer, and so went without CURVE."""
+    (message,) = check(tmp_path, listen="tcp://127.attacker.example:5555")
+    assert "without CURVE" in message
+    (message,) = check(
+        tmp_path, layout="disaggregated", role="trainer", peers=("tcp://127.attacker.example:5555",)
+    )
+    assert "peers ['tcp://127.attacker.example:5555'] are on other machines" in message
+    loopback = ("tcp://127.0.0.2:5555", "tcp://[::1]:5556", "tcp://localhost:5557")
+    assert (
+        DaemonConfig(runtime_dir=tmp_path, layout="disaggregated", role="trainer", peers=loopback).peers
+        == loopback
+    )
 
 
 @pytest.mark.parametrize("heartbeat", [10, 11])

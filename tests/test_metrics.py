@@ -249,6 +249,22 @@ def test_step_records_failures_and_loads_become_metrics(observers):
     assert value(m, "refitd_engines_attached") == 2
 
 
+def test_messages_answered_with_errors_count_by_kind_and_bugs_apart(observers):
+    """Every kind has a refitd_message_errors_total series from 0; an internal error (a bug met
+    handling a message) also counts in refitd_internal_errors_total."""
+    m = observers()
+    daemon = FakeDaemon.converted("bf16")
+    for kind in ErrorKind:
+        assert value(m, "refitd_message_errors_total", kind=kind.value) == 0
+    assert value(m, "refitd_internal_errors_total") == 0
+    m.on_message_error(daemon, ErrorKind.PROTOCOL)
+    m.on_message_error(daemon, ErrorKind.PROTOCOL)
+    m.on_message_error(daemon, ErrorKind.INTERNAL)
+    assert value(m, "refitd_message_errors_total", kind="protocol") == 2
+    assert value(m, "refitd_message_errors_total", kind="internal") == 1
+    assert value(m, "refitd_internal_errors_total") == 1
+
+
 def test_health_follows_the_serve_loop_and_readiness_the_lifecycle(observers):
     """/healthz turns 503 once the loop has not ticked for 5 heartbeats (2 s at least) and 200 at
     the next tick; /readyz is 503 until on_ready and again from on_stopping. A fake clock: no sleeps."""

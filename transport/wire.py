@@ -21,6 +21,7 @@ the daemon restarted.
 from __future__ import annotations
 
 import enum
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,9 @@ class Kind(enum.IntEnum):
     FORWARD_ABORT = 45  # forwarder: drop the transfer in progress (a newer step, or giving up)
 
 
+_KINDS = frozenset(int(k) for k in Kind)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Size limits checked on every frame before decoding."""
@@ -80,6 +84,22 @@ class Limits:
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol; the receiver refuses it and keeps serving."""
+
+
+#: how much of a peer-supplied value an error message quotes
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict, _QUOTE.maxset = 3, 4, 4, 4, 4
+_QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 80, 80, 40
+
+
+def safe_repr(value: Any, limit: int = 200) -> str:
+    """A bounded ``repr`` of a value a peer sent, for error messages: never raises, never recurses
+    deeply (a list nested 1000 deep is ``[[[[...]]]]``), at most ``limit`` characters."""
+    try:
+        text = _QUOTE.repr(value)
+    except Exception:  # a hostile object's repr may raise anything (RecursionError included)
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(slots=True)
@@ -138,20 +158,21 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError("header is not a msgpack map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
-            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION}); "
+            f"protocol version {safe_repr(version)} is not supported (this side speaks {PROTOCOL_VERSION}); "
             "run the same refitd version on both sides"
         )
-    try:
-        kind = Kind(header.get("k"))
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {header.get('k')!r}") from None
+    k = header.get("k")
+    if type(k) is not int or k not in _KINDS:
+        raise ProtocolError(f"unknown message kind {safe_repr(k)}")
+    kind = Kind(k)
     fields = header.get("f", {})
     if not isinstance(fields, dict):
         raise ProtocolError(f"{kind.name} fields are not a map")
-    if header.get("n") != len(frames) - 1:
-        raise ProtocolError(f"{kind.name} announces {header.get('n')!r} data frames, got {len(frames) - 1}")
+    n = header.get("n")
+    if type(n) is not int or n != len(frames) - 1:
+        raise ProtocolError(f"{kind.name} announces {safe_repr(n)} data frames, got {len(frames) - 1}")
     return Message(kind, fields, list(frames[1:]))
 
 
