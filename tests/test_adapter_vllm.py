@@ -40,10 +40,22 @@ CONFIGS = {
     "qwen3_moe": DATA / "qwen3-30b-a3b.config.json",
     "qwen3_5_moe": DATA / "qwen3.5-35b-a3b.config.json",
 }
+#: vLLM versions the stored transcriptions follow: before RoutedExperts (the stored source copies named
+#: in SOURCES) experts are ``mlp.experts.w13_weight``; vLLM 0.33.0 (= HEAD when written) holds them in
+#: ``mlp.experts.routed_experts`` (MoERunner.routed_experts; fused_moe/layer.py routed_experts_prefix)
+PRE_ROUTED = "before RoutedExperts (stored source copies named in 'source')"
+VLLM_0_33 = "0.33.0"
 TRANSCRIBED = {
-    "qwen3_moe": MANIFESTS / "vllm_qwen3_30b_a3b_block_fp8.json",
-    "qwen3_5_moe": MANIFESTS / "vllm_qwen3_5_35b_a3b_block_fp8.json",
+    ("qwen3_moe", PRE_ROUTED): MANIFESTS / "vllm_qwen3_30b_a3b_block_fp8.json",
+    ("qwen3_5_moe", PRE_ROUTED): MANIFESTS / "vllm_qwen3_5_35b_a3b_block_fp8.json",
+    ("qwen3_moe", VLLM_0_33): MANIFESTS / "vllm-0.33.0_qwen3_30b_a3b_block_fp8.json",
+    ("qwen3_5_moe", VLLM_0_33): MANIFESTS / "vllm-0.33.0_qwen3_5_35b_a3b_block_fp8.json",
 }
+#: what the 0.33.0 transcriptions add (read from the vllm-0.33.0 wheel); the other parameters follow SOURCES
+SOURCES_0_33 = [
+    "vllm 0.33.0 wheel: vllm/model_executor/layers/fused_moe/runner/moe_runner.py (MoERunner.routed_experts "
+    "holds w13_/w2_ parameters) and layers/fused_moe/layer.py (routed_experts_prefix='routed_experts')",
+]
 #: the vLLM files (vllm-project/vllm, stored copies; commit of the copy read) each fact comes from
 SOURCES = {
     "qwen3_moe": [
@@ -273,18 +285,26 @@ def vllm_parameters(
     return em.out
 
 
-def _transcription(model_type: str) -> dict[str, Any]:
+def _routed(params: list) -> list:
+    """vLLM 0.33.0's names: a MoE layer's parameters live on ``experts.routed_experts``."""
+    return [[n.replace(".mlp.experts.", ".mlp.experts.routed_experts."), d, s] for n, d, s in params]
+
+
+def _transcription(model_type: str, version: str = PRE_ROUTED) -> dict[str, Any]:
     config = json.loads(CONFIGS[model_type].read_text())
     spec = RefitSpec(model_type=model_type, fmt="block_fp8")
     quant = av.vllm_engine_args(spec, config)["hf_overrides"]["quantization_config"]
+    params = vllm_parameters(config, quant)
+    extra = SOURCES_0_33 if version == VLLM_0_33 else []
     return {
         "what": f"vLLM parameters (name, dtype, load-time shape) for {CONFIGS[model_type].name}, block-FP8, tp=1",
-        "source": SOURCES[model_type] + SOURCES["common"],
+        "engine_version": version,
+        "source": SOURCES[model_type] + SOURCES["common"] + extra,
         "config": f"tests/data/{CONFIGS[model_type].name}",
         "tp_size": 1,
         "ep_size": 1,
         "quantization_config": quant,
-        "parameters": vllm_parameters(config, quant),
+        "parameters": _routed(params) if version == VLLM_0_33 else params,
     }
 
 
@@ -296,8 +316,8 @@ def _dump(doc: dict[str, Any]) -> str:
 
 def regenerate() -> None:
     MANIFESTS.mkdir(parents=True, exist_ok=True)
-    for model_type, path in TRANSCRIBED.items():
-        path.write_text(_dump(_transcription(model_type)))
+    for (model_type, version), path in TRANSCRIBED.items():
+        path.write_text(_dump(_transcription(model_type, version)))
         print(f"wrote {path}")
 
 
@@ -357,19 +377,22 @@ def test_import_works_without_vllm_and_the_extension_says_it_needs_it():
 # transcribed manifests == the plan
 
 
-@pytest.mark.parametrize("model_type", sorted(TRANSCRIBED))
-def test_stored_transcriptions_are_current(model_type):
-    """The JSON files are the generator's output, and name their sources."""
-    stored = json.loads(TRANSCRIBED[model_type].read_text())
-    assert stored == json.loads(_dump(_transcription(model_type)))
+@pytest.mark.parametrize(("model_type", "version"), sorted(TRANSCRIBED))
+def test_stored_transcriptions_are_current(model_type, version):
+    """The JSON files are the generator's output, and name their sources and vLLM version."""
+    stored = json.loads(TRANSCRIBED[model_type, version].read_text())
+    assert stored == json.loads(_dump(_transcription(model_type, version)))
     assert all("vllm/" in s for s in stored["source"])
+    assert stored["engine_version"] == version
+    routed = [p[0] for p in stored["parameters"] if ".mlp.experts.routed_experts." in p[0]]
+    assert bool(routed) == (version == VLLM_0_33)
 
 
-@pytest.mark.parametrize("model_type", sorted(TRANSCRIBED))
-def test_transcribed_engine_holds_exactly_what_the_plan_publishes(model_type):
-    """Block-FP8, the real configs: build_manifest over vLLM's parameters equals the plan's outputs
-    (names, dtypes, global shapes), so the attach check passes by construction."""
-    doc, config = json.loads(TRANSCRIBED[model_type].read_text()), _config(model_type)
+@pytest.mark.parametrize(("model_type", "version"), sorted(TRANSCRIBED))
+def test_transcribed_engine_holds_exactly_what_the_plan_publishes(model_type, version):
+    """Block-FP8, the real configs, every vLLM version kept: build_manifest over vLLM's parameters
+    equals the plan's outputs (names, dtypes, global shapes), so the attach check passes."""
+    doc, config = json.loads(TRANSCRIBED[model_type, version].read_text()), _config(model_type)
     manifest = av.build_manifest(doc["parameters"], config, doc["quantization_config"])
     plan = plan_from_hf_config(config, RefitSpec(model_type=model_type, fmt="block_fp8"))
     assert diff(manifest, plan) == []
@@ -697,6 +720,79 @@ def test_without_layerwise_reload_fp8_is_refused_and_bf16_loads():
         av.load_generation(worker, {"a.weight": torch.zeros(1)}, Format.BLOCK_FP8)
     av.load_generation(worker, {"a.weight": torch.zeros(1)}, Format.BF16)
     assert loaded == ["a.weight"]
+
+
+def test_deep_gemm_e8m0_is_reported_and_refused_for_block_fp8():
+    """Defect 6: the manifest carries vLLM's is_deep_gemm_e8m0_used(); when it is on, block scales would
+    be rounded to UE8M0, so the check refuses and names VLLM_USE_DEEP_GEMM_E8M0=0."""
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    params = vllm_parameters(config, quant)
+    for flag, refused in ((True, True), (False, False), (None, False)):
+        manifest = av.build_manifest(params, config, quant, deep_gemm_e8m0=flag)
+        assert manifest.info["deep_gemm_e8m0"] is flag
+        problems = av.check_vllm_constraints(manifest, config)
+        assert bool(problems) is refused, problems
+        if refused:
+            assert "VLLM_USE_DEEP_GEMM_E8M0=0" in problems[0] and "is_deep_gemm_e8m0_used" in problems[0]
+    per_tensor = RefitSpec(model_type="qwen3_moe", fmt="fp8_per_tensor")
+    q = _quant(per_tensor, config)
+    manifest = av.build_manifest(vllm_parameters(config, q), config, q, deep_gemm_e8m0=True)
+    assert av.check_vllm_constraints(manifest, config) == []  # no block scales to round
+
+
+def test_daemon_attach_check_reads_the_moe_tp_size_vllm_writes():
+    """The daemon's constraint check read ``tp_size`` while the vLLM manifest writes ``moe_tp_size``:
+    per-rank alignment was never checked for vLLM engines."""
+    from dataclasses import replace
+
+    from sidecar.attach import check_manifest
+
+    config = _config("qwen3_moe")  # I = 768: 192 per rank at moe_tp = 4 is not a multiple of 128
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    base = _manifest(config, spec)
+    assert "tp_size" not in base.constraints and base.constraints["moe_tp_size"] == 1
+    plan = plan_from_hf_config(config, spec)
+    assert check_manifest(plan.inputs, spec, base).ok
+    four = replace(base, constraints={**base.constraints, "moe_tp_size": 4})
+    errors = check_manifest(plan.inputs, spec, four).errors
+    assert errors and all("per TP rank is not a multiple of 128" in e for e in errors), errors
+
+
+def test_engine_worker_runs_the_adapters_check_before_contacting_the_daemon():
+    """A refusal by the adapter's own check comes before any socket is opened, listing every problem."""
+    from adapters.engine import EngineWorker
+
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    manifest = av.build_manifest(
+        vllm_parameters(config, _quant(spec, config)), config, _quant(spec, config), deep_gemm_e8m0=True
+    )
+    worker = EngineWorker(
+        "ipc:///nonexistent/refitd.sock",
+        name="vllm-rank0",
+        manifest=manifest,
+        load=lambda gen: None,
+        check=lambda m: av.check_vllm_constraints(m, config),
+    )
+    with pytest.raises(RefitError, match="vllm-rank0: this vllm engine cannot take") as info:
+        worker.attach(timeout=1.0)
+    assert "VLLM_USE_DEEP_GEMM_E8M0=0" in str(info.value) and worker.reader is None
+
+
+def test_live_parameter_fallback_is_named_in_the_attach_refusal():
+    """Defect 5: a manifest read from live (post-processing) parameters says so, and a refusal says
+    the mismatch may be spurious."""
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    live = av.build_manifest(vllm_parameters(config, quant), config, quant, param_source=av.PARAM_SOURCE_LIVE)
+    assert "live, post-processing parameters" in av.fallback_note(live)
+    recorded = av.build_manifest(
+        vllm_parameters(config, quant), config, quant, param_source=av.PARAM_SOURCE_LAYERWISE
+    )
+    assert av.fallback_note(recorded) == ""
 
 
 class _FakeLLM:
