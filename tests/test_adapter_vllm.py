@@ -822,3 +822,195 @@ def test_refit_engine_checks_every_worker():
 
 if __name__ == "__main__":
     regenerate()
+
+
+# --------------------------------------------------------------------------------------------------
+# against vLLM's real reload code (``make test-engines``): a toy module through vLLM 0.33.0's own
+# initialize_layerwise_reload / finalize_layerwise_reload, set_current_vllm_config, get_layerwise_info
+# and is_deep_gemm_e8m0_used, on CPU. Nothing of vLLM is stubbed; VLLM_TARGET_DEVICE=cpu is vLLM's own
+# switch to its CPU platform (VllmConfig() needs a device type).
+
+ENGINE_SKIP = "needs vLLM's reload package (vllm.model_executor.model_loader.reload): run `make test-engines`"
+E, H, I2 = 2, 256, 256  # experts, hidden, 2 * intermediate: one 128-block per scale row/column pair
+
+
+@pytest.fixture(scope="module")
+def real_vllm():
+    """vLLM's modules, or a skip naming ``make test-engines`` (a failure under REFITD_REQUIRE_ENGINES=1,
+    which ``make test-engines`` sets: there the engine must run, not be skipped)."""
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        import vllm
+        from vllm.config import VllmConfig, get_current_vllm_config
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+    except ImportError as exc:
+        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
+            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's reload package does not import: {exc}")
+        pytest.skip(f"{ENGINE_SKIP} ({exc})")
+    return SimpleNamespace(
+        version=vllm.__version__,
+        VllmConfig=VllmConfig,
+        get_current_vllm_config=get_current_vllm_config,
+        QuantizeMethodBase=QuantizeMethodBase,
+        record_metadata_for_reloading=record_metadata_for_reloading,
+    )
+
+
+def _toy_model(v) -> torch.nn.Module:
+    """A vLLM-shaped model: one block-FP8 MoE layer whose quant method reads the current vLLM config and
+    changes a scale's shape in process_weights_after_loading (as kernel repacking does), and a BF16
+    lm_head with vLLM's default loader. Checkpoint names as refitd publishes them."""
+
+    class ToyFp8MoEMethod(v.QuantizeMethodBase):
+        processed = 0
+
+        def create_weights(self, layer, *args, **kwargs):  # the layer creates its own (below)
+            raise NotImplementedError
+
+        def apply(self, layer, *args, **kwargs):
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer):
+            v.get_current_vllm_config()  # vLLM's methods read it; raises outside set_current_vllm_config
+            type(self).processed += 1
+            kernel = layer.w13_weight_scale_inv.data.transpose(1, 2).contiguous()
+            layer.w13_weight_scale_inv = torch.nn.Parameter(kernel, requires_grad=False)
+
+    def moe_loader(param, loaded_weight, shard_id, expert_id):
+        rows = loaded_weight.shape[0]
+        start = 0 if shard_id in ("w1", "w2") else rows
+        param.data[expert_id].narrow(0, start, rows).copy_(loaded_weight)
+
+    def default_loader(param, loaded_weight):
+        param.data.copy_(loaded_weight)
+
+    class ToyMoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant_method = ToyFp8MoEMethod()
+            for name, dtype, shape in (
+                ("w13_weight", torch.float8_e4m3fn, (E, I2, H)),
+                ("w13_weight_scale_inv", torch.float32, (E, I2 // 128, H // 128)),
+            ):
+                p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+                p.weight_loader = moe_loader
+                self.register_parameter(name, p)
+
+    class ToyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+            self.model.layers[0].mlp = torch.nn.Module()
+            self.model.layers[0].mlp.experts = ToyMoE()
+            self.lm_head = torch.nn.Module()
+            self.lm_head.weight = torch.nn.Parameter(
+                torch.zeros(4, H, dtype=torch.bfloat16), requires_grad=False
+            )
+            self.lm_head.weight.weight_loader = default_loader
+
+        def load_weights(self, weights):
+            """What a vLLM model's load_weights does: checkpoint name -> parameter + weight_loader."""
+            experts = self.model.layers[0].mlp.experts
+            for name, tensor in weights:
+                if name == "lm_head.weight":
+                    self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                    continue
+                expert, proj, leaf = name.removeprefix("model.layers.0.mlp.experts.").split(".")
+                param = getattr(experts, "w13_" + leaf)
+                param.weight_loader(param, tensor, "w1" if proj == "gate_proj" else "w3", int(expert))
+
+    return ToyModel()
+
+
+def _toy_generation(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"lm_head.weight": torch.randn(4, H, generator=g).to(torch.bfloat16)}
+    for e in range(E):
+        for proj in ("gate_proj", "up_proj"):
+            p = f"model.layers.0.mlp.experts.{e}.{proj}"
+            out[f"{p}.weight"] = torch.randn(I2 // 2, H, generator=g).to(torch.float8_e4m3fn)
+            out[f"{p}.weight_scale_inv"] = torch.rand(1, H // 128, generator=g) + 0.5
+    return out
+
+
+def _started_engine(v):
+    """A toy engine as vLLM leaves it after start-up: metadata recorded at load-time shapes, then
+    processed once (under the config, as vLLM's loader runs it)."""
+    from vllm.config import set_current_vllm_config
+
+    model, config = _toy_model(v), v.VllmConfig()
+    v.record_metadata_for_reloading(model)
+    with set_current_vllm_config(config):
+        model.model.layers[0].mlp.experts.quant_method.process_weights_after_loading(
+            model.model.layers[0].mlp.experts
+        )
+    runner = SimpleNamespace(get_model=lambda: model, model=None)  # .model unset: get_model() is the API
+    worker = SimpleNamespace(
+        model_runner=runner,
+        device="cpu",
+        vllm_config=config,
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+    )
+    return model, worker
+
+
+@pytest.mark.engine
+def test_real_vllm_layerwise_reload_loads_every_generation(real_vllm):
+    """Defect 1 against vLLM's code: load_generation runs initialize_layerwise_reload -> load_weights ->
+    finalize_layerwise_reload under set_current_vllm_config, twice; each generation lands processed in
+    the same kernel tensors (cudagraph references survive), processing once per layer per reload."""
+    model, worker = _started_engine(real_vllm)
+    experts = model.model.layers[0].mlp.experts
+    kernel_w13, kernel_scale = experts.w13_weight, experts.w13_weight_scale_inv
+    assert tuple(kernel_scale.shape) == (E, H // 128, I2 // 128)  # processed: transposed
+    method = type(experts.quant_method)
+    for seed in (1, 2):
+        before = method.processed
+        gen = _toy_generation(seed)
+        av.load_generation(worker, gen, Format.BLOCK_FP8)
+        assert method.processed == before + 1
+        assert experts.w13_weight is kernel_w13 and experts.w13_weight_scale_inv is kernel_scale
+        for e in range(E):
+            gate = gen[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"].float()
+            up = gen[f"model.layers.0.mlp.experts.{e}.up_proj.weight"].float()
+            assert torch.equal(kernel_w13[e].float(), torch.cat([gate, up]))
+            scales = torch.cat(
+                [
+                    gen[f"model.layers.0.mlp.experts.{e}.{p}.weight_scale_inv"]
+                    for p in ("gate_proj", "up_proj")
+                ]
+            )
+            assert torch.equal(kernel_scale[e], scales.t())
+        assert torch.equal(model.lm_head.weight, gen["lm_head.weight"])
+
+
+@pytest.mark.engine
+def test_real_vllm_reload_outside_the_config_context_fails(real_vllm, monkeypatch):
+    """The regression defect 1 fixes: without set_current_vllm_config, vLLM's get_current_vllm_config()
+    raises inside process_weights_after_loading (vLLM PR #31747)."""
+    import contextlib
+
+    _, worker = _started_engine(real_vllm)
+    monkeypatch.setattr(av, "_config_context", lambda worker: contextlib.nullcontext())
+    with pytest.raises(AssertionError, match="Current vLLM config is not set"):
+        av.load_generation(worker, _toy_generation(3), Format.BLOCK_FP8)
+
+
+@pytest.mark.engine
+def test_real_vllm_manifest_reads_load_time_shapes(real_vllm):
+    """Defect 5 against vLLM's code: the parameter list comes from vLLM's recorded load-time metadata
+    (get_layerwise_info), not from the processed (transposed) scale; a model vLLM recorded nothing
+    for falls back to the live parameters and says so. Defect 6: is_deep_gemm_e8m0_used() is read."""
+    model, _ = _started_engine(real_vllm)
+    params, source = av.engine_parameters_and_source(model)
+    shapes = {n: s for n, _, s in params}
+    assert source == av.PARAM_SOURCE_LAYERWISE
+    assert shapes["model.layers.0.mlp.experts.w13_weight_scale_inv"] == (E, I2 // 128, H // 128)
+    live, live_source = av.engine_parameters_and_source(_toy_model(real_vllm))
+    assert live_source == av.PARAM_SOURCE_LIVE and len(live) == len(params)
+    assert av._deep_gemm_e8m0() is False  # CPU: no DeepGEMM
+    assert real_vllm.version == "0.33.0"
