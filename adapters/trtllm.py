@@ -102,6 +102,11 @@ MXFP8_CUTLASS_SMS = frozenset({100, 103})
 #: the GPU generations the backend table covers (docs/engines.md)
 TABLE_SMS = (90, 100, 103, 107, 120)
 _NO_INPUT_SCALES = "static input scales"
+#: the LLM(...) settings that change the experts' split across ranks
+_TP_SETTING = (
+    "set moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so that each rank's part "
+    "is aligned"
+)
 
 
 class MoeBackend:
@@ -513,7 +518,9 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any]) -> l
     tp = int(manifest.constraints.get("tp_size", 1))
     part = inter // tp
     if inter % tp:
-        problems.append(f"moe_intermediate_size {inter} does not split over {tp} tensor-parallel ranks")
+        problems.append(
+            f"moe_intermediate_size {inter} does not split over {tp} tensor-parallel ranks; {_TP_SETTING}"
+        )
 
     backends = [b for b in str(backend).split(",") if b] or [""]
     for one in backends:  # a model whose layers resolved differently lists every class
@@ -529,15 +536,15 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any]) -> l
     if fmt is Format.BLOCK_FP8 and part % BLOCK_FP8_MOE_ALIGN:
         problems.append(
             f"block-FP8 MoE needs moe_intermediate_size / tp = {inter}/{tp} = {part} to be a multiple of "
-            f"{BLOCK_FP8_MOE_ALIGN} (DeepSeekFP8BlockScalesFusedMoEMethod asserts it); lower the TP size or "
-            "use expert parallelism"
+            f"{BLOCK_FP8_MOE_ALIGN} (DeepSeekFP8BlockScalesFusedMoEMethod asserts it); {_TP_SETTING}"
         )
     if fmt is Format.MXFP8:
         for label, size in (("hidden_size", hidden), (f"moe_intermediate_size / tp ({inter}/{tp})", part)):
             if size % MXFP8_MOE_ALIGN:
                 problems.append(
                     f"MXFP8 MoE needs {label} = {size} to be a multiple of {MXFP8_MOE_ALIGN} "
-                    "(CUTLASS packs 4 UE8M0 scales per int32 along K)"
+                    "(CUTLASS packs 4 UE8M0 scales per int32 along K); "
+                    + (_TP_SETTING if label != "hidden_size" else "set the daemon's format to block_fp8")
                 )
     if fmt is Format.FP8_PER_TENSOR and manifest.info.get("input_scales") is not True:
         problems.append(

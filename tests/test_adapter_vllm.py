@@ -795,6 +795,44 @@ def test_live_parameter_fallback_is_named_in_the_attach_refusal():
     assert av.fallback_note(recorded) == ""
 
 
+def test_docs_vllm_refusals_are_what_the_check_says():
+    """docs/engines.md's vLLM refusal table, row by row: the condition refuses, and the refusal names
+    every setting of the table's last column."""
+    import re
+
+    doc = (Path(__file__).parent.parent / "docs" / "engines.md").read_text()
+    table = doc.split("<!-- vllm-refusals:begin -->", 1)[1].split("<!-- vllm-refusals:end -->", 1)[0]
+    rows = [line.split(" | ") for line in table.strip().splitlines()[2:]]
+    small, real = _small("qwen3_moe"), _config("qwen3_moe")
+    block = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    q = _quant(block, small)
+    static_quant = {
+        **_quant(RefitSpec(model_type="qwen3_moe", fmt="fp8_per_tensor"), small),
+        "activation_scheme": "static",
+    }
+    static_params = vllm_parameters(small, static_quant) + [
+        [f"model.layers.0.mlp.experts.{w}_input_scale", F32, [2]] for w in ("w13", "w2")
+    ]
+    mxfp8 = RefitSpec(model_type="qwen3_moe", fmt="mxfp8")
+    triggers = [
+        lambda: av.check_vllm_constraints(
+            av.build_manifest(vllm_parameters(small, q), small, q, deep_gemm_e8m0=True), small
+        ),
+        lambda: av.check_vllm_constraints(_with_tp(_manifest(real, block), 4), real),
+        lambda: av.check_vllm_constraints(
+            _manifest(_small("qwen3_moe", unaligned=True), mxfp8),
+            _small("qwen3_moe", hidden=144, intermediate=48),
+        ),
+        lambda: av.check_vllm_constraints(av.build_manifest(static_params, small, static_quant), small),
+    ]
+    assert len(rows) == len(triggers)
+    for row, trigger in zip(rows, triggers, strict=True):
+        problems = trigger()
+        assert problems, row
+        settings = re.findall(r"`([^`]+)`", row[2])
+        assert settings and all(any(x in p for p in problems) for x in settings), (settings, problems)
+
+
 class _FakeLLM:
     def __init__(self, results):
         self.results, self.calls, self.resets = results, [], 0
