@@ -62,6 +62,14 @@ Facts taken from vLLM's source (stored copies of vllm-project/vllm; commit of th
   load-time parameters as meta tensors. vLLM's own worker runs ``initialize_layerwise_reload`` ->
   ``model.load_weights`` -> ``finalize_layerwise_reload`` under ``torch.device(self.device)``;
   ``GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` wraps it.
+* vLLM 0.33.0 (the wheel; ``make test-engines`` runs this module against it): ``reload/layerwise.py``
+  exports ``get_layerwise_info(module)`` (its ``restore_metadata`` are the load-time parameters);
+  ``v1/worker/gpu_worker.py`` ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``
+  and ``reload_weights`` run under ``with set_current_vllm_config(self.vllm_config)``, and
+  ``config/vllm.py`` ``get_current_vllm_config()`` raises outside it (PR #31747); workers reach the
+  model through ``model_runner.get_model()``; MoE parameters live on ``mlp.experts.routed_experts``
+  (``MoERunner.routed_experts``); ``utils/deep_gemm.py`` ``is_deep_gemm_e8m0_used()`` is True on any
+  DeepGEMM-capable GPU (Hopper or Blackwell) unless ``VLLM_USE_DEEP_GEMM_E8M0=0``.
 * ``vllm/envs.py``: ``VLLM_USE_DEEP_GEMM_E8M0`` (default 1: "use E8M0 scaling when DeepGEMM is used
   on Blackwell GPUs"), ``VLLM_USE_DEEP_GEMM``, ``VLLM_MOE_USE_DEEP_GEMM``.
 * ``vllm/config/parallel.py``: ``worker_extension_cls`` is "dynamically inherited by the worker
