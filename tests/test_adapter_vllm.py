@@ -833,6 +833,49 @@ def test_docs_vllm_refusals_are_what_the_check_says():
         assert settings and all(any(x in p for p in problems) for x in settings), (settings, problems)
 
 
+def _module_from(params: list) -> torch.nn.Module:
+    """A module tree holding ``params`` (name, dtype, shape) as meta tensors."""
+    root = torch.nn.Module()
+    for name, dtype, shape in params:
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        meta = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        m.register_parameter(leaf, torch.nn.Parameter(meta, requires_grad=False))
+    return root
+
+
+def test_refit_attach_refusal_names_the_live_parameter_fallback(monkeypatch):
+    """Defect 5 end to end in the worker extension: a vLLM without layerwise-reload metadata gives a
+    manifest read from live parameters; the refusal (here: static activation scales, refused by the
+    adapter's own check before the daemon is contacted) says so."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: its metadata would be used")
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__="0.0-test"))
+    config = _small("qwen3_moe", num_layers=1)
+    quant = {
+        **_quant(RefitSpec(model_type="qwen3_moe", fmt="fp8_per_tensor"), config),
+        "activation_scheme": "static",
+    }
+    params = vllm_parameters(config, quant)
+    params += [[f"model.layers.0.mlp.experts.{w}_input_scale", F32, [2]] for w in ("w13", "w2")]
+    model = _module_from(params)
+    ext = av.RefitWorkerExtension()
+    ext.rank = 0
+    ext.model_runner = SimpleNamespace(get_model=lambda: model)
+    ext.model_config = SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: config))
+    parallel = SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False)
+    ext.vllm_config = SimpleNamespace(parallel_config=parallel, quant_config=quant)
+    manifest = ext.refit_manifest()
+    assert manifest.info["param_source"] == av.PARAM_SOURCE_LIVE and manifest.info["deep_gemm_e8m0"] is None
+    with pytest.raises(RefitError, match="static activation scales") as info:
+        ext.refit_attach("ipc:///nonexistent/refitd.sock", timeout=1.0)
+    assert "read from the live, post-processing parameters" in str(info.value)
+
+
 class _FakeLLM:
     def __init__(self, results):
         self.results, self.calls, self.resets = results, [], 0
