@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,12 @@ format: venv
 test: venv lint
 	$(PY) -m pytest -q
 
+# the adapters against real engine code (vLLM 0.33.0's reload package on CPU, in .venv-engines);
+# fails, never skips, when that engine cannot run (REFITD_REQUIRE_ENGINES=1)
+test-engines: venv
+	tests/setup_engines.sh
+	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py
+
 bench: venv
 	$(PY) bench/quant.py
 
@@ -44,4 +50,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines build *.egg-info .pytest_cache .ruff_cache .hypothesis

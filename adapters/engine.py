@@ -66,9 +66,12 @@ class EngineWorker:
         manifest: Manifest | Callable[[], Manifest],
         load: Callable[[Generation], None],
         timeout: float = 600.0,
+        check: Callable[[Manifest], list[str]] | None = None,
     ):
+        """``check``: the adapter's own constraint check (e.g. ``adapters.vllm.check_vllm_constraints``),
+        run on the manifest before the daemon is contacted; any problem refuses the attach."""
         self.endpoint, self.name, self.timeout = endpoint, name, timeout
-        self._manifest, self._load = manifest, load
+        self._manifest, self._load, self._check = manifest, load, check
         self.reader: RefitReader | None = None
         self.attach_info: dict[str, Any] = {}
 
@@ -76,11 +79,18 @@ class EngineWorker:
         return self._manifest() if callable(self._manifest) else self._manifest
 
     def attach(self, timeout: float | None = None) -> dict[str, Any]:
-        """Attach with this worker's manifest; RefitError listing every mismatch if refused."""
+        """Attach with this worker's manifest; RefitError listing every mismatch if refused (by the
+        adapter's own check first, then by the daemon)."""
         if self.reader is None:
-            self.reader = RefitReader(
-                self.endpoint, name=self.name, timeout=self.timeout, manifest=self.manifest()
-            )
+            manifest = self.manifest()
+            problems = self._check(manifest) if self._check is not None else []
+            if problems:
+                lines = "\n".join(f"  - {p}" for p in problems)
+                raise RefitError(
+                    f"{self.name}: this {manifest.engine.value} engine cannot take refitd's generations:\n{lines}",
+                    kind=ErrorKind.ENGINE,
+                )
+            self.reader = RefitReader(self.endpoint, name=self.name, timeout=self.timeout, manifest=manifest)
         self.attach_info = self.reader.attach(timeout=timeout)
         return self.attach_info
 

@@ -95,11 +95,18 @@ EXTENSION_QUALNAME = "adapters.trtllm.RefitWorkerExtension"
 MXFP8_MOE_ALIGN = 128
 #: DeepSeekFP8BlockScalesFusedMoEMethod asserts intermediate_size_per_partition % 128 == 0
 BLOCK_FP8_MOE_ALIGN = BLOCK
-#: SM ranges: TRTLLM-Gen MoE kernels exist for Blackwell only and raise on SM >= 120
-_BLACKWELL = range(100, 120)
-#: DeepGEMM resmooths block scales to UE8M0 on is_sm_100f() or SM 120
-_RESMOOTH_MIN_SM = 100
+#: SM100f: the Blackwell family TRTLLM-Gen MoE kernels and TRT-LLM's ``is_sm_100f()`` cover
+SM100F = frozenset({100, 103})
+#: CUTLASS MXFP8 MoE kernels: SM100/SM103 only (SM107 is served by CuteDSL)
+MXFP8_CUTLASS_SMS = frozenset({100, 103})
+#: the GPU generations the backend table covers (docs/engines.md)
+TABLE_SMS = (90, 100, 103, 107, 120)
 _NO_INPUT_SCALES = "static input scales"
+#: the LLM(...) settings that change the experts' split across ranks
+_TP_SETTING = (
+    "set moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so that each rank's part "
+    "is aligned"
+)
 
 
 class MoeBackend:
@@ -111,47 +118,152 @@ class MoeBackend:
     DEEPGEMM = "DeepGemmFusedMoE"
 
 
+#: the ``moe_config.backend`` values refitd has a rule for (get_moe_cls's other branches are refused)
+REQUESTED_BACKENDS = ("AUTO", "CUTLASS", "TRTLLM", "CUTEDSL", "DEEPGEMM")
+#: the block-FP8 quant method that rounds FP32 block scales to UE8M0 on SM100f / SM120
+_DEEPGEMM_METHOD = "DeepSeekFP8BlockScalesFusedMoEMethodDeepGemm"
+
+
 # --------------------------------------------------------------------------------------------------
-# backend resolution
+# backend resolution and the backend table (one source of truth for the code and docs/engines.md)
 
 
 def resolve_moe_backend(requested: str, expert_format: Format | str, sm: int | None) -> str:
-    """The MoE class TRT-LLM runs for ``requested`` (``MoeConfig.backend``) and the experts' format.
+    """The MoE class TRT-LLM builds for ``requested`` (``MoeConfig.backend``) and the experts' format.
 
-    ``sm`` is the GPU's SM version (90 Hopper, 100 Blackwell); None means unknown, in which case the
-    request is trusted wherever the quant mode allows it. Per-tensor FP8 and MXFP8 always resolve to
-    CUTLASS (TRTLLM-Gen takes neither); TRTLLM-Gen is chosen only for block-FP8 on Blackwell.
-    Raises ValueError for a backend that would not keep block-FP8's FP32 scales (DeepGEMM where it
-    resmooths them to UE8M0) and for backends refitd has no verified rule for.
+    Transcribes ``get_moe_cls`` (``_torch/modules/fused_moe/create_moe.py`` @01f8de52), which looks at
+    the quant mode and never at the GPU: TRTLLM -> TRTLLMGenFusedMoE for fp8_block_scales on any SM
+    (else CutlassFusedMoE with a warning); CUTEDSL -> CuteDslFusedMoE for fp8_block_scales (else
+    Cutlass); DEEPGEMM -> DeepGemmFusedMoE whatever the format; AUTO is ``model_config.
+    resolve_moe_backend`` (@008e0af8): TRTLLM for FP8_BLOCK_SCALES on SM100f, else CUTLASS. Whether
+    the resolved class can keep what refitd publishes is :func:`backend_refusal`'s question.
+    Raises ValueError for a backend refitd has no rule for.
     """
     fmt = Format.parse(expert_format)
     req = str(requested).strip().upper()
-    if req == "AUTO":  # model_config.resolve_moe_backend, for the Qwen architectures
-        req = "TRTLLM" if fmt is Format.BLOCK_FP8 and sm is not None and 100 <= sm < 110 else "CUTLASS"
-    if fmt is Format.FP8_PER_TENSOR or fmt is Format.MXFP8:
-        if req in ("CUTLASS", "TRTLLM", "CUTEDSL", "DEEPGEMM"):
-            return MoeBackend.CUTLASS
-    elif req == "CUTLASS":
+    if req == "AUTO":
+        req = "TRTLLM" if fmt is Format.BLOCK_FP8 and sm in SM100F else "CUTLASS"
+    if req == "CUTLASS":
         return MoeBackend.CUTLASS
-    elif req == "TRTLLM":
-        blackwell = sm is None or sm in _BLACKWELL
-        return MoeBackend.TRTLLM_GEN if fmt is Format.BLOCK_FP8 and blackwell else MoeBackend.CUTLASS
-    elif req == "CUTEDSL":
+    if req == "TRTLLM":
+        return MoeBackend.TRTLLM_GEN if fmt is Format.BLOCK_FP8 else MoeBackend.CUTLASS
+    if req == "CUTEDSL":
         return MoeBackend.CUTEDSL if fmt is Format.BLOCK_FP8 else MoeBackend.CUTLASS
-    elif req == "DEEPGEMM":
-        if fmt is not Format.BLOCK_FP8:
-            return MoeBackend.CUTLASS
-        if sm is None or sm >= _RESMOOTH_MIN_SM:
-            raise ValueError(
-                f"MoE backend DEEPGEMM resmooths block-FP8 scales to UE8M0 on SM >= {_RESMOOTH_MIN_SM} "
-                f"(sm={sm}), which discards the FP32 scales refitd publishes; use moe_config "
-                "backend='TRTLLM' on Blackwell or 'CUTLASS'"
-            )
+    if req == "DEEPGEMM":
         return MoeBackend.DEEPGEMM
     raise ValueError(
         f"refitd has no verified rule for TRT-LLM MoE backend {requested!r} with {fmt.value} experts; "
-        "use CUTLASS, TRTLLM (block-FP8 on Blackwell), CUTEDSL, or DEEPGEMM (Hopper only)"
+        f"set moe_config backend to one of {', '.join(REQUESTED_BACKENDS)}"
     )
+
+
+def backend_refusal(
+    expert_format: Format | str,
+    backend: str,
+    sm: int | None,
+    *,
+    quant_method: str = "",
+    mxfp8_reload: bool | None = True,
+) -> str | None:
+    """Why TRT-LLM's resolved MoE class ``backend`` on SM ``sm`` cannot take refitd's ``expert_format``
+    experts, naming the engine setting that would work; None when it can.
+
+    ``sm`` None (unknown) applies only the rules that hold on every GPU. ``quant_method`` is the MoE
+    module's resolved quant method class when known: the DeepGEMM block-FP8 method is refused whatever
+    class holds it. ``mxfp8_reload`` says whether this TRT-LLM build has the MXFP8 reload path
+    (None: unknown, refused; the worker probes it). Facts: ``CutlassFusedMoE._get_quant_method`` picks
+    ``DeepSeekFP8BlockScalesFusedMoEMethodDeepGemm`` on SM100f, whose ``_needs_e8m0_resmooth``
+    (``is_sm_100f() or sm == 120``) rounds FP32 block scales to UE8M0; ``TRTLLMGenFusedMoE`` kernels
+    exist for SM100f and raise on SM >= 120; NeMo-RL's block-FP8 recipe allows only TRTLLM; per-tensor
+    FP8 runs as ``FP8QDQFusedMoEMethod`` in CUTLASS; MXFP8 is ``MXFP8CutlassFusedMoEMethod``, SM100/SM103.
+    """
+    fmt = Format.parse(expert_format)
+    where = f"sm={sm}" if sm is not None else "this GPU"
+    if not fmt.quantized:
+        return None
+    if fmt is Format.BLOCK_FP8:
+        if quant_method == _DEEPGEMM_METHOD and (sm is None or sm in SM100F or sm >= 120):
+            return (
+                f"{backend} runs block-FP8 through {_DEEPGEMM_METHOD}, which rounds the FP32 block scales "
+                f"refitd publishes to UE8M0 on {where}; set moe_config backend='TRTLLM' on SM100/SM103"
+            )
+        if sm is not None and (sm >= 120 or sm == 107):
+            why = (
+                "TRTLLMGenFusedMoE raises on SM >= 120, CUTLASS/DeepGEMM resmooth to UE8M0"
+                if sm >= 120
+                else "TRTLLM-Gen kernels are SM100/SM103 only; refitd has verified no other path there"
+            )
+            return (
+                f"no TRT-LLM MoE backend keeps block-FP8's FP32 scales on sm={sm} ({why}); serve block-FP8 on "
+                "SM90 (moe_config backend='CUTLASS') or SM100/SM103 (backend='TRTLLM'), or publish bf16"
+            )
+        if backend == MoeBackend.TRTLLM_GEN:
+            if sm is not None and sm not in SM100F:
+                return (
+                    f"{backend} kernels exist only for SM100/SM103, not sm={sm}; set moe_config "
+                    "backend='CUTLASS' on Hopper"
+                )
+            return None
+        if sm in SM100F:
+            return (
+                f"{backend} on sm={sm} does not keep block-FP8's FP32 scales (CutlassFusedMoE and DeepGEMM "
+                "resmooth them to UE8M0 on Blackwell; NeMo-RL allows only TRTLLM for block-FP8): set "
+                "moe_config backend='TRTLLM' (a TRT-LLM that fell back from TRTLLM to CUTLASS lands here too)"
+            )
+        if backend in (MoeBackend.CUTLASS, MoeBackend.DEEPGEMM):
+            return None  # Hopper (or unknown SM): DeepSeekFP8BlockScalesFusedMoEMethod, FP32 scales
+        return (
+            f"refitd has no verified rule for block-FP8 through {backend}; set moe_config backend='CUTLASS' "
+            "on Hopper or 'TRTLLM' on SM100/SM103"
+        )
+    if backend != MoeBackend.CUTLASS:
+        what = "FP8QDQFusedMoEMethod" if fmt is Format.FP8_PER_TENSOR else "MXFP8CutlassFusedMoEMethod"
+        return (
+            f"{fmt.value} MoE runs only as {what} in {MoeBackend.CUTLASS}, not {backend}; set moe_config "
+            "backend='CUTLASS'"
+        )
+    if fmt is Format.MXFP8:
+        if sm is not None and sm not in MXFP8_CUTLASS_SMS:
+            hint = (
+                "SM107 is served by CuteDSL MXFP8, which refitd has not verified"
+                if sm == 107
+                else "there are no MXFP8 MoE kernels for it"
+            )
+            return (
+                f"CUTLASS MXFP8 MoE runs on SM100/SM103 only, not sm={sm} ({hint}); serve MXFP8 on SM100/SM103 "
+                "or set the daemon's format to block_fp8"
+            )
+        if mxfp8_reload is not True:
+            return (
+                "this TensorRT-LLM build has no MXFP8 MoE reload path (MXFP8CutlassFusedMoEMethod with its "
+                "scale swizzle in process_weights_after_loading): upgrade TensorRT-LLM, or set the daemon's "
+                "format to block_fp8"
+            )
+    return None
+
+
+def backend_table() -> list[tuple[str, str, int, str, str | None]]:
+    """Every (format, requested backend, SM) -> (resolved class, refusal or None): the table
+    docs/engines.md shows (``tests/test_adapter_trtllm.py`` checks the doc against it)."""
+    rows = []
+    for fmt in (Format.BLOCK_FP8, Format.FP8_PER_TENSOR, Format.MXFP8):
+        for req in REQUESTED_BACKENDS:
+            for sm in TABLE_SMS:
+                resolved = resolve_moe_backend(req, fmt, sm)
+                rows.append((fmt.value, req, sm, resolved, backend_refusal(fmt, resolved, sm)))
+    return rows
+
+
+def backend_table_markdown() -> str:
+    """:func:`backend_table` as the markdown table in docs/engines.md."""
+    lines = [
+        "| format | moe_config.backend | SM | resolved class | refitd |",
+        "|---|---|---|---|---|",
+    ]
+    for fmt, req, sm, resolved, why in backend_table():
+        verdict = "allowed" if why is None else "refused: " + why.replace("|", "/")
+        lines.append(f"| {fmt} | {req} | {sm} | {resolved} | {verdict} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,6 +387,8 @@ def build_manifest(
     moe_ep_size: int = 1,
     engine_version: str = "",
     input_scales: bool | None = None,
+    quant_method: str = "",
+    mxfp8_reload_path: bool | None = None,
 ) -> Manifest:
     """The manifest of a TRT-LLM model: the *checkpoint* tensors it expects, in global shapes.
 
@@ -286,7 +400,9 @@ def build_manifest(
     module in FP8 (then the manifest says so, and :func:`check_trtllm_constraints` objects).
     Per-tensor FP8 ``input_scale`` tensors are not listed: refitd does not publish them; the worker
     extension carries the engine's own static input scales into every reload (``constraints``).
-    Layers the engine does not hold (pipeline parallelism, no MTP) are left out.
+    Layers the engine does not hold (pipeline parallelism, no MTP) are left out. ``quant_method`` is
+    the MoE modules' resolved quant method class and ``mxfp8_reload_path`` whether the build has the
+    MXFP8 reload path (both recorded in ``info``; :func:`backend_refusal` reads them).
     """
     engine = _coerce_params(params)
     model = get_model(model_type_of(hf_config))
@@ -353,6 +469,8 @@ def build_manifest(
         "moe_modules": len(moe_params),
         "bf16_moe_modules": sum(not f.quantized for f in moe_format.values()),
         "input_scales": None if input_scales is None else bool(input_scales),
+        "moe_quant_method": quant_method,
+        "mxfp8_reload_path": mxfp8_reload_path,
     }
     return Manifest(
         engine=EngineKind.TRTLLM,
@@ -400,46 +518,33 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any]) -> l
     tp = int(manifest.constraints.get("tp_size", 1))
     part = inter // tp
     if inter % tp:
-        problems.append(f"moe_intermediate_size {inter} does not split over {tp} tensor-parallel ranks")
+        problems.append(
+            f"moe_intermediate_size {inter} does not split over {tp} tensor-parallel ranks; {_TP_SETTING}"
+        )
 
-    if fmt is Format.FP8_PER_TENSOR and backend != MoeBackend.CUTLASS:
-        problems.append(
-            f"per-tensor FP8 MoE runs only on {MoeBackend.CUTLASS} in TRT-LLM (get_moe_cls falls back "
-            f"to it), but the manifest reports {backend!r}"
+    backends = [b for b in str(backend).split(",") if b] or [""]
+    for one in backends:  # a model whose layers resolved differently lists every class
+        why = backend_refusal(
+            fmt,
+            one,
+            sm,
+            quant_method=str(manifest.info.get("moe_quant_method") or ""),
+            mxfp8_reload=manifest.info.get("mxfp8_reload_path"),
         )
-    elif fmt is Format.MXFP8 and backend != MoeBackend.CUTLASS:
-        problems.append(
-            f"MXFP8 MoE exists only as {MoeBackend.CUTLASS} (MXFP8CutlassFusedMoEMethod), not {backend!r}"
-        )
-    elif fmt.value in manifest.constraints.get("unsupported_formats", ()):
-        problems.append(f"the MoE backend {backend!r} cannot take {fmt.value} experts")
-    if fmt is Format.BLOCK_FP8 and backend == MoeBackend.DEEPGEMM and (sm is None or sm >= _RESMOOTH_MIN_SM):
-        problems.append(
-            f"{backend} resmooths block-FP8 scales to UE8M0 on SM >= {_RESMOOTH_MIN_SM} (sm={sm}), "
-            "discarding the FP32 scales refitd publishes; use moe_config backend 'TRTLLM' (Blackwell) or 'CUTLASS'"
-        )
-    if (
-        fmt is Format.BLOCK_FP8
-        and backend == MoeBackend.TRTLLM_GEN
-        and sm is not None
-        and sm not in _BLACKWELL
-    ):
-        problems.append(f"{backend} kernels exist only for Blackwell (SM 100-119), not sm={sm}")
-
+        if why is not None:
+            problems.append(why)
     if fmt is Format.BLOCK_FP8 and part % BLOCK_FP8_MOE_ALIGN:
         problems.append(
             f"block-FP8 MoE needs moe_intermediate_size / tp = {inter}/{tp} = {part} to be a multiple of "
-            f"{BLOCK_FP8_MOE_ALIGN} (DeepSeekFP8BlockScalesFusedMoEMethod asserts it); lower the TP size or "
-            "use expert parallelism"
+            f"{BLOCK_FP8_MOE_ALIGN} (DeepSeekFP8BlockScalesFusedMoEMethod asserts it); {_TP_SETTING}"
         )
     if fmt is Format.MXFP8:
-        if sm is not None and sm < 100:
-            problems.append(f"MXFP8 MoE needs SM >= 100 (Blackwell); this GPU is sm={sm}")
         for label, size in (("hidden_size", hidden), (f"moe_intermediate_size / tp ({inter}/{tp})", part)):
             if size % MXFP8_MOE_ALIGN:
                 problems.append(
                     f"MXFP8 MoE needs {label} = {size} to be a multiple of {MXFP8_MOE_ALIGN} "
-                    "(CUTLASS packs 4 UE8M0 scales per int32 along K)"
+                    "(CUTLASS packs 4 UE8M0 scales per int32 along K); "
+                    + (_TP_SETTING if label != "hidden_size" else "set the daemon's format to block_fp8")
                 )
     if fmt is Format.FP8_PER_TENSOR and manifest.info.get("input_scales") is not True:
         problems.append(
@@ -556,10 +661,10 @@ def trtllm_llm_args(
             "per-tensor FP8 checkpoint (load_format='auto'), whose input_scale tensors the adapter carries "
             "over on every refit"
         )
-    requested = (
-        moe_backend or ("TRTLLM" if fmt is Format.BLOCK_FP8 and sm in _BLACKWELL else "CUTLASS")
-    ).upper()
-    resolve_moe_backend(requested, fmt, sm)  # raises for a backend that cannot keep what refitd publishes
+    requested = (moe_backend or ("TRTLLM" if fmt is Format.BLOCK_FP8 and sm in SM100F else "CUTLASS")).upper()
+    why = backend_refusal(fmt, resolve_moe_backend(requested, fmt, sm), sm)
+    if why is not None:
+        raise ValueError(f"moe_config backend {requested!r} with {fmt.value} experts: {why}")
     args: dict[str, Any] = {
         "load_format": load_format,
         "dtype": "bfloat16",
@@ -603,9 +708,45 @@ def _require_tensorrt_llm() -> Any:
     return tensorrt_llm
 
 
-def _resolved_moe(module: torch.nn.Module) -> str:
+def _moe_impl(module: torch.nn.Module) -> torch.nn.Module:
+    """The module holding a MoE layer's weights: a ``ConfigurableMoE``'s ``backend`` (the default with
+    ``ENABLE_CONFIGURABLE_MOE=1``), else the layer itself."""
     impl = getattr(module, "backend", None)
-    return type(impl if isinstance(impl, torch.nn.Module) else module).__name__
+    return impl if isinstance(impl, torch.nn.Module) else module
+
+
+def _resolved_moe(module: torch.nn.Module) -> str:
+    return type(_moe_impl(module)).__name__
+
+
+def _moe_quant_method(model: torch.nn.Module) -> str:
+    """The resolved quant method class of the model's MoE modules (``CutlassFusedMoE._get_quant_method``
+    may pick the DeepGEMM block-FP8 method); several joined by commas, "" when none says."""
+    names = set()
+    for name, m in model.named_modules():
+        if name.endswith(".experts"):
+            method = getattr(_moe_impl(m), "quant_method", None)
+            if method is not None:
+                names.add(type(method).__name__)
+    return ",".join(sorted(names))
+
+
+def _mxfp8_reload_path() -> bool:
+    """Whether this TensorRT-LLM build has the MXFP8 MoE reload path: ``MXFP8CutlassFusedMoEMethod``
+    exists and swizzles its scales in its own ``process_weights_after_loading`` (older builds swizzle
+    while loading, which a partial reload cannot redo, or cannot run the MXFP8 MoE forward at all)."""
+    try:
+        from tensorrt_llm._torch.modules.fused_moe import quantization
+    except ImportError:
+        return False
+    method = getattr(quantization, "MXFP8CutlassFusedMoEMethod", None)
+    return method is not None and "process_weights_after_loading" in vars(method)
+
+
+def _sync_copies(device: torch.device) -> None:
+    """Wait for the host-to-device copies queued on ``device``'s current stream: TRT-LLM's loader
+    reads the tensors from worker threads that do not order themselves after that stream."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 class RefitWorkerExtension:
@@ -693,6 +834,8 @@ class RefitWorkerExtension:
             params,
             hf_config,
             moe_backend=",".join(sorted(backends)) if len(backends) > 1 else next(iter(backends), ""),
+            quant_method=_moe_quant_method(model),
+            mxfp8_reload_path=_mxfp8_reload_path(),
             requested_backend=str(getattr(config, "moe_backend", "")),
             sm=get_sm_version(),
             tp_size=mapping.tp_size,
@@ -712,7 +855,8 @@ class RefitWorkerExtension:
         is refused, unless ``override`` gives a calibrated scale.
         """
         scales = {}
-        for name, m in model.named_modules():
+        for name, layer in model.named_modules():
+            m = _moe_impl(layer)  # ConfigurableMoE: the parameters live on its backend
             if not (
                 name.endswith(".experts") and hasattr(m, "fc31_input_dequant") and hasattr(m, "fc2_quant")
             ):
@@ -765,6 +909,7 @@ class RefitWorkerExtension:
             # one layer per call: Qwen3.5's mapper packs in_proj_qkv+z and in_proj_b+a within a call
             weights = {n: gen.tensors[n].to(device, non_blocking=True) for n in names}
             weights.update({n: t.to(device) for n, t in extra.items() if layer_of_name(n) == layer})
+            _sync_copies(device)  # the loader's threads must not read half-copied tensors
             model_engine.model_loader.reload(model, weights, allow_partial_loading=True)
             del weights
 

@@ -62,6 +62,14 @@ Facts taken from vLLM's source (stored copies of vllm-project/vllm; commit of th
   load-time parameters as meta tensors. vLLM's own worker runs ``initialize_layerwise_reload`` ->
   ``model.load_weights`` -> ``finalize_layerwise_reload`` under ``torch.device(self.device)``;
   ``GPUModelRunner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` wraps it.
+* vLLM 0.33.0 (the wheel; ``make test-engines`` runs this module against it): ``reload/layerwise.py``
+  exports ``get_layerwise_info(module)`` (its ``restore_metadata`` are the load-time parameters);
+  ``v1/worker/gpu_worker.py`` ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``
+  and ``reload_weights`` run under ``with set_current_vllm_config(self.vllm_config)``, and
+  ``config/vllm.py`` ``get_current_vllm_config()`` raises outside it (PR #31747); workers reach the
+  model through ``model_runner.get_model()``; MoE parameters live on ``mlp.experts.routed_experts``
+  (``MoERunner.routed_experts``); ``utils/deep_gemm.py`` ``is_deep_gemm_e8m0_used()`` is True on any
+  DeepGEMM-capable GPU (Hopper or Blackwell) unless ``VLLM_USE_DEEP_GEMM_E8M0=0``.
 * ``vllm/envs.py``: ``VLLM_USE_DEEP_GEMM_E8M0`` (default 1: "use E8M0 scaling when DeepGEMM is used
   on Blackwell GPUs"), ``VLLM_USE_DEEP_GEMM``, ``VLLM_MOE_USE_DEEP_GEMM``.
 * ``vllm/config/parallel.py``: ``worker_extension_cls`` is "dynamically inherited by the worker
@@ -71,6 +79,7 @@ Facts taken from vLLM's source (stored copies of vllm-project/vllm; commit of th
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import time
@@ -97,6 +106,8 @@ __all__ = [
     "build_manifest",
     "check_vllm_constraints",
     "engine_parameters",
+    "engine_parameters_and_source",
+    "fallback_note",
     "load_generation",
     "ordered_weights",
     "refit_engine",
@@ -326,8 +337,14 @@ def build_manifest(
     ep_size: int = 1,
     engine_version: str = "",
     moe_backend: str = "",
+    param_source: str = "",
+    deep_gemm_e8m0: bool | None = None,
 ) -> Manifest:
     """The manifest of a vLLM model from its load-time parameters ``(name, dtype, shape)``.
+
+    ``param_source`` says where the parameter list came from (:func:`engine_parameters_and_source`);
+    ``deep_gemm_e8m0`` is vLLM's ``is_deep_gemm_e8m0_used()`` in the worker (None: unknown). Both go
+    to ``info``, where :func:`check_vllm_constraints` reads them.
 
     ``ep_size > 1`` means vLLM's expert parallelism (experts split across ranks, I not split);
     otherwise the experts are tensor-parallel (I split ``tp_size`` ways). Raises ValueError listing
@@ -366,6 +383,8 @@ def build_manifest(
             "moe_tp_size": moe_tp,
             "quant_method": quant.method,
             "keep_bf16": sorted(b.keep_bf16),
+            "param_source": param_source,
+            "deep_gemm_e8m0": deep_gemm_e8m0,
         },
     )
 
@@ -421,30 +440,56 @@ def _moe_dims(plan_or_config: RefitPlan | Mapping[str, Any]) -> tuple[int, int]:
 
 
 def check_vllm_constraints(manifest: Manifest, plan_or_config: RefitPlan | Mapping[str, Any]) -> list[str]:
-    """What vLLM's MoE kernels cannot take (SPEC §2.4), one line each; empty when all is well."""
+    """What vLLM's MoE kernels cannot take (SPEC §2.4), one line each naming the engine setting that
+    would work; empty when all is well. The worker extension runs it before attaching."""
     h, i = _moe_dims(plan_or_config)
     moe_tp = int(manifest.info.get("moe_tp_size", manifest.info.get("tp_size", 1)))
     fmt, problems = manifest.expert_format, []
     if i % moe_tp:
-        problems.append(f"moe_intermediate_size {i} does not split {moe_tp} ways (tensor-parallel experts)")
+        problems.append(
+            f"moe_intermediate_size {i} does not split {moe_tp} ways (tensor-parallel experts); pick a "
+            "tensor_parallel_size that divides it, or set enable_expert_parallel=True"
+        )
     i_part = i // moe_tp
     if fmt is Format.BLOCK_FP8 and i_part % BLOCK_FP8_ALIGN:
         problems.append(
             f"block-FP8 MoE needs moe_intermediate_size / tp = {i}/{moe_tp} = {i_part} to be a multiple of "
-            f"{BLOCK_FP8_ALIGN} (vLLM Fp8MoEMethod.create_weights); pick a tp that keeps it aligned, or "
-            "enable expert parallelism"
+            f"{BLOCK_FP8_ALIGN} (vLLM Fp8MoEMethod.create_weights); pick a tensor_parallel_size that keeps it "
+            "aligned, or set enable_expert_parallel=True"
+        )
+    if fmt is Format.BLOCK_FP8 and manifest.info.get("deep_gemm_e8m0") is True:
+        problems.append(
+            "vLLM reports is_deep_gemm_e8m0_used() = True: DeepGEMM would round the FP32 block scales refitd "
+            "publishes to UE8M0 powers of two (Hopper too: the flag alone decides); start every vLLM process "
+            "with VLLM_USE_DEEP_GEMM_E8M0=0 (adapters.vllm.VLLM_ENV)"
         )
     if fmt is Format.MXFP8:
         for what, value in (("hidden_size", h), ("moe_intermediate_size / tp", i_part)):
             if value % MXFP8_ALIGN:
-                problems.append(f"MXFP8 MoE needs {what} = {value} to be a multiple of {MXFP8_ALIGN}")
+                problems.append(
+                    f"MXFP8 MoE needs {what} = {value} to be a multiple of {MXFP8_ALIGN}; pick another "
+                    "tensor_parallel_size or set enable_expert_parallel=True"
+                )
     static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
     if static:
         problems.append(
             f"the engine expects static activation scales ({len(static)} tensors, e.g. {static[0]}); "
-            "refitd publishes none: use activation_scheme 'dynamic'"
+            "refitd publishes none: set activation_scheme 'dynamic' in the quantization config "
+            "(vllm_engine_args does)"
         )
     return problems
+
+
+def fallback_note(manifest: Manifest) -> str:
+    """What an attach refusal must add when the manifest was read from live parameters: shapes after
+    ``process_weights_after_loading``, which may differ from what the loader takes."""
+    if manifest.info.get("param_source") != PARAM_SOURCE_LIVE:
+        return ""
+    return (
+        " (note: this vLLM exposes no layerwise-reload metadata (reload.layerwise.get_layerwise_info), so "
+        "the manifest was read from the live, post-processing parameters and a shape mismatch may be "
+        "spurious; use a vLLM with model_loader/reload, e.g. 0.33.0)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -534,21 +579,75 @@ def _require_vllm(what: str) -> None:
         ) from None
 
 
-def engine_parameters(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """Every parameter as the loader sees it: the load-time metadata vLLM records for layerwise
-    reload where present (scales reshaped by ``process_weights_after_loading`` read as they load),
-    else the live parameter."""
+#: where a manifest's parameter list came from
+PARAM_SOURCE_LAYERWISE = "layerwise_metadata"
+PARAM_SOURCE_LIVE = "live_parameters"
+
+
+def _layerwise_metadata() -> Callable[[torch.nn.Module], Any] | None:
+    """vLLM's per-module reload info getter: ``reload.layerwise.get_layerwise_info`` (public in
+    layerwise's ``__all__`` since it exists), else the older module-level ``LAYERWISE_INFO`` dict."""
     try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload import layerwise
     except ImportError:
-        LAYERWISE_INFO = {}
-    out = []
+        return None
+    getter = getattr(layerwise, "get_layerwise_info", None)
+    if callable(getter):
+        return getter
+    info = getattr(layerwise, "LAYERWISE_INFO", None)
+    return info.get if info is not None else None
+
+
+def engine_parameters_and_source(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], str]:
+    """Every parameter as the loader sees it, and where that came from: the load-time metadata vLLM
+    records for layerwise reload (``restore_metadata``: scales reshaped by
+    ``process_weights_after_loading`` read as they load) when any module has it, else the live
+    parameters (:data:`PARAM_SOURCE_LIVE`; the attach error then says so)."""
+    getter = _layerwise_metadata()
+    out, recorded = [], False
     for module_name, module in model.named_modules():
-        meta = getattr(LAYERWISE_INFO.get(module), "restore_metadata", None)
-        own = meta[0] if meta and meta[0] else dict(module.named_parameters(recurse=False))
+        meta = getattr(getter(module), "restore_metadata", None) if getter is not None else None
+        if meta and meta[0]:
+            own, recorded = meta[0], True
+        else:
+            own = dict(module.named_parameters(recurse=False))
         prefix = f"{module_name}." if module_name else ""
         out += [(prefix + n, p.dtype, tuple(p.shape)) for n, p in own.items()]
-    return out
+    return out, PARAM_SOURCE_LAYERWISE if recorded else PARAM_SOURCE_LIVE
+
+
+def engine_parameters(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """:func:`engine_parameters_and_source` without the source."""
+    return engine_parameters_and_source(model)[0]
+
+
+def _config_context(worker: Any) -> contextlib.AbstractContextManager:
+    """``set_current_vllm_config(worker.vllm_config)``: vLLM's own ``start_weight_update`` /
+    ``update_weights`` / ``finish_weight_update`` and ``Worker.reload_weights`` run under it, and
+    ``get_current_vllm_config()`` raises outside it (vLLM PR #31747)."""
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(worker.vllm_config)
+
+
+def _model(worker: Any) -> torch.nn.Module:
+    """The worker's model through ``model_runner.get_model()`` (what vLLM's worker uses)."""
+    runner = worker.model_runner
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
+def _deep_gemm_e8m0() -> bool | None:
+    """vLLM's ``is_deep_gemm_e8m0_used()`` (None when this vLLM has no such function)."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except ImportError:
+        return None
+    return bool(is_deep_gemm_e8m0_used())
 
 
 def ordered_weights(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -561,11 +660,13 @@ def ordered_weights(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torc
 def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_format: Format) -> None:
     """Hand a generation to vLLM's own loader; copies go host -> device from the shared views.
 
-    vLLM's layerwise reload (what its worker's ``update_weights`` runs for checkpoint-format
-    weights) where present, else ``model_runner.reload_weights``; a vLLM with neither can only take
-    BF16 (loading FP8 into already-processed kernel parameters would corrupt them).
+    Under ``set_current_vllm_config(worker.vllm_config)``, as vLLM's worker does: vLLM's layerwise
+    reload (what its weight-transfer engines and ``reload_weights(is_checkpoint_format=True)`` run)
+    where present, else ``model_runner.reload_weights``; a vLLM with neither can only take BF16
+    (loading FP8 into already-processed kernel parameters would corrupt them).
     """
-    model, runner, weights = worker.model_runner.model, worker.model_runner, ordered_weights(tensors)
+    runner, weights = worker.model_runner, ordered_weights(tensors)
+    model = _model(worker)
     try:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -574,13 +675,14 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     except ImportError:
         pass
     else:
-        with torch.device(worker.device):
+        with _config_context(worker), torch.device(worker.device):
             initialize_layerwise_reload(model)
             model.load_weights(weights)
             finalize_layerwise_reload(model, worker.model_config)
         return
     if hasattr(runner, "reload_weights"):
-        runner.reload_weights(weights_iterator=iter(weights))
+        with _config_context(worker):
+            runner.reload_weights(weights_iterator=iter(weights))
         return
     if expert_format.quantized:
         raise RefitError(
@@ -588,7 +690,8 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
             "weights into processed kernel parameters would corrupt them: upgrade vLLM",
             kind=ErrorKind.ENGINE,
         )
-    model.load_weights(weights)
+    with _config_context(worker):
+        model.load_weights(weights)
 
 
 def _resolved_backend(model: torch.nn.Module) -> str:
@@ -630,22 +733,29 @@ class RefitWorkerExtension:
             if parallel.enable_expert_parallel
             else 1
         )
-        model = self.model_runner.model
-        return build_manifest(
-            engine_parameters(model),
-            self.model_config.hf_config.to_dict(),
-            self.vllm_config.quant_config,
-            tp_size=parallel.tensor_parallel_size,
-            ep_size=ep,
-            engine_version=vllm.__version__,
-            moe_backend=_resolved_backend(model),
-        )
+        with _config_context(self):
+            model = _model(self)
+            params, source = engine_parameters_and_source(model)
+            return build_manifest(
+                params,
+                self.model_config.hf_config.to_dict(),
+                self.vllm_config.quant_config,
+                tp_size=parallel.tensor_parallel_size,
+                ep_size=ep,
+                engine_version=vllm.__version__,
+                moe_backend=_resolved_backend(model),
+                param_source=source,
+                deep_gemm_e8m0=_deep_gemm_e8m0(),
+            )
 
     def refit_attach(self, endpoint: str, name: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+        """Attach with this worker's manifest: refused locally (:func:`check_vllm_constraints`, naming
+        the engine setting that works) or by the daemon (listing every mismatch)."""
         _require_vllm("RefitWorkerExtension.refit_attach")
         from adapters.engine import EngineWorker
 
         manifest = self.refit_manifest()
+        hf_config = self.model_config.hf_config.to_dict()
         fmt = manifest.expert_format
         self._refit = EngineWorker(
             endpoint,
@@ -653,8 +763,15 @@ class RefitWorkerExtension:
             manifest=manifest,
             load=lambda gen: load_generation(self, gen.tensors, fmt),
             timeout=timeout,
+            check=lambda m: check_vllm_constraints(m, hf_config),
         )
-        return self._refit.attach()
+        try:
+            return self._refit.attach()
+        except RefitError as exc:
+            note = fallback_note(manifest)
+            if not note:
+                raise
+            raise RefitError(exc.message + note, kind=exc.kind, rank=exc.rank, step=exc.step) from exc
 
     def refit_load(self, min_step: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """Load the next generation >= ``min_step``; a result dict even on failure, so the driver

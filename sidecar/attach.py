@@ -107,7 +107,8 @@ def constraint_problems(plan: RefitPlan, manifest: Manifest) -> list[str]:
 
     Known keys: ``unsupported_formats`` (list of format names), ``mxfp8_align`` and ``block_fp8_align``
     (every quantized expert dim must be a multiple: e.g. TRT-LLM's CUTLASS MXFP8 packs 4 scales per
-    int32, so H and I must be multiples of 128), ``tp_size`` (dims split across ranks before the check).
+    int32, so H and I must be multiples of 128), ``moe_tp_size`` or else ``tp_size`` (the experts' tensor-parallel
+    split: dims are divided across ranks before the check).
     """
     c = manifest.constraints
     fmt = plan.spec.format
@@ -116,7 +117,8 @@ def constraint_problems(plan: RefitPlan, manifest: Manifest) -> list[str]:
         problems.append(f"the engine's MoE backend {manifest.moe_backend} cannot take {fmt.value} experts")
     align = {Format.MXFP8: c.get("mxfp8_align"), Format.BLOCK_FP8: c.get("block_fp8_align")}.get(fmt)
     if align:
-        tp = int(c.get("tp_size", 1))
+        # the vLLM adapter writes moe_tp_size (1 under expert parallelism), the TRT-LLM one tp_size
+        tp = int(c.get("moe_tp_size", c.get("tp_size", 1)))
         bad = {}
         for o in plan.outputs:
             if o.role is not Role.WEIGHT:

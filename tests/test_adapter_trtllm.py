@@ -306,27 +306,102 @@ def test_deepgemm_with_fp32_block_scales_is_refused():
     data = _load("trtllm_qwen3-30b-a3b_block_fp8")
     manifest = _manifest({**data, "resolved_moe_backend": MoeBackend.DEEPGEMM})
     problems = check_trtllm_constraints(manifest, _config(data["hf_config"]))
-    assert len(problems) == 1 and "resmooths block-FP8 scales to UE8M0" in problems[0]
-    with pytest.raises(ValueError, match="DEEPGEMM resmooths"):
-        resolve_moe_backend("DEEPGEMM", "block_fp8", 100)
+    assert len(problems) == 1 and "resmooth them to UE8M0" in problems[0]
+    assert "backend='TRTLLM'" in problems[0]
+    with pytest.raises(ValueError, match="resmooth them to UE8M0"):
+        trtllm_llm_args(
+            RefitSpec(model_type="qwen3_moe", fmt="block_fp8"),
+            _config(data["hf_config"]),
+            sm=100,
+            moe_backend="DEEPGEMM",
+        )
+
+
+def test_cutlass_block_fp8_on_blackwell_is_refused():
+    """Defect 2: CutlassFusedMoE._get_quant_method picks DeepSeekFP8BlockScalesFusedMoEMethodDeepGemm on
+    SM100f (create_moe.py@01f8de52 / fused_moe_cutlass.py), which rounds the FP32 scales to UE8M0: on
+    Blackwell only TRTLLM-Gen keeps them; a TRT-LLM that fell back from TRTLLM to CUTLASS is refused
+    because the check reads the resolved class, not the request."""
+    data = _load("trtllm_qwen3-30b-a3b_block_fp8")
+    cfg = _config(data["hf_config"])
+    for sm in (100, 103):
+        fell_back = _manifest({**data, "sm": sm, "resolved_moe_backend": MoeBackend.CUTLASS})
+        assert fell_back.info["requested_moe_backend"] == "TRTLLM"
+        (problem,) = check_trtllm_constraints(fell_back, cfg)
+        assert "CutlassFusedMoE on sm=" in problem and "backend='TRTLLM'" in problem
+    hopper = _manifest({**data, "sm": 90, "resolved_moe_backend": MoeBackend.CUTLASS})
+    assert check_trtllm_constraints(hopper, cfg) == []
+    # the resolved quant method is checked too, whatever class holds it
+    deepgemm_method = _manifest(data, quant_method="DeepSeekFP8BlockScalesFusedMoEMethodDeepGemm")
+    (problem,) = check_trtllm_constraints(deepgemm_method, cfg)
+    assert "DeepSeekFP8BlockScalesFusedMoEMethodDeepGemm" in problem and "UE8M0" in problem
+    for sm in (120, 121):
+        (problem,) = check_trtllm_constraints(_manifest({**data, "sm": sm}), cfg)
+        assert "no TRT-LLM MoE backend keeps block-FP8's FP32 scales" in problem
+    with pytest.raises(ValueError, match="CutlassFusedMoE on sm=100"):
+        trtllm_llm_args(
+            RefitSpec(model_type="qwen3_moe", fmt="block_fp8"), cfg, sm=100, moe_backend="CUTLASS"
+        )
 
 
 def test_mxfp8_alignment_per_tp_rank():
     """MXFP8 with H = 2048 but I = 768 over tp = 8: 96 per rank is not a multiple of 128."""
     cfg = _config("qwen3-30b-a3b.config.json")
     params = _moe_params("model.layers.0.mlp.experts", Format.MXFP8, 128, 2048, 768)
-    manifest = build_manifest(params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, tp_size=8)
+    manifest = build_manifest(
+        params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, tp_size=8, mxfp8_reload_path=True
+    )
     assert manifest.expert_format is Format.MXFP8
     assert manifest.constraints["mxfp8_align"] == 128
     problems = check_trtllm_constraints(manifest, cfg)
-    assert problems == [
+    (problem,) = problems
+    assert problem.startswith(
         "MXFP8 MoE needs moe_intermediate_size / tp (768/8) = 96 to be a multiple of 128 (CUTLASS packs 4 "
-        "UE8M0 scales per int32 along K)"
-    ]
-    hopper = build_manifest(params, cfg, moe_backend=MoeBackend.CUTLASS, sm=90, tp_size=1)
-    assert check_trtllm_constraints(hopper, cfg) == [
-        "MXFP8 MoE needs SM >= 100 (Blackwell); this GPU is sm=90"
-    ]
+        "UE8M0 scales per int32 along K); set moe_tensor_parallel_size"
+    )
+
+
+@pytest.mark.parametrize(("sm", "ok"), [(90, False), (100, True), (103, True), (107, False), (120, False)])
+def test_mxfp8_runs_only_on_sm100_sm103(sm, ok):
+    """Defect 4: CUTLASS MXFP8 MoE is SM100/SM103 only (SM107 is CuteDSL's), not 'SM >= 100'."""
+    cfg = _config("qwen3-30b-a3b.config.json")
+    params = _moe_params("model.layers.0.mlp.experts", Format.MXFP8, 128, 2048, 768)
+    m = build_manifest(params, cfg, moe_backend=MoeBackend.CUTLASS, sm=sm, mxfp8_reload_path=True)
+    problems = check_trtllm_constraints(m, cfg)
+    if ok:
+        assert problems == []
+    else:
+        (problem,) = problems
+        assert f"SM100/SM103 only, not sm={sm}" in problem and "format to block_fp8" in problem
+
+
+@pytest.mark.parametrize("path", [None, False])
+def test_mxfp8_refused_without_the_builds_reload_path(path):
+    """Defect 4: a build without the staged-swizzle MXFP8 path (or one not probed) is refused at attach."""
+    cfg = _config("qwen3-30b-a3b.config.json")
+    params = _moe_params("model.layers.0.mlp.experts", Format.MXFP8, 128, 2048, 768)
+    m = build_manifest(params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, mxfp8_reload_path=path)
+    (problem,) = check_trtllm_constraints(m, cfg)
+    assert "no MXFP8 MoE reload path" in problem and "upgrade TensorRT-LLM" in problem
+
+
+def test_mxfp8_reload_path_probe(monkeypatch):
+    """The probe reads the build: MXFP8CutlassFusedMoEMethod must swizzle in its own
+    process_weights_after_loading."""
+    staged = type("MXFP8CutlassFusedMoEMethod", (), {"process_weights_after_loading": lambda self, m: None})
+    old = type("MXFP8CutlassFusedMoEMethod", (), {"load_weights": lambda self, m, w: None})
+    for cls, want in ((staged, True), (old, False), (None, False)):
+        quant = SimpleNamespace() if cls is None else SimpleNamespace(MXFP8CutlassFusedMoEMethod=cls)
+        fused = SimpleNamespace(quantization=quant)
+        for name, mod in {
+            "tensorrt_llm": SimpleNamespace(),
+            "tensorrt_llm._torch": SimpleNamespace(),
+            "tensorrt_llm._torch.modules": SimpleNamespace(),
+            "tensorrt_llm._torch.modules.fused_moe": fused,
+            "tensorrt_llm._torch.modules.fused_moe.quantization": quant,
+        }.items():
+            monkeypatch.setitem(sys.modules, name, mod)
+        assert trtllm._mxfp8_reload_path() is want
 
 
 def test_block_fp8_needs_intermediate_per_rank_multiple_of_128():
@@ -348,7 +423,9 @@ def test_per_tensor_problems():
     assert "static input_scale" in problem and "refit_attach" in problem
     wrong = _manifest({**data, "resolved_moe_backend": MoeBackend.TRTLLM_GEN})
     (problem,) = check_trtllm_constraints(wrong, cfg)
-    assert "runs only on CutlassFusedMoE" in problem
+    assert (
+        "runs only as FP8QDQFusedMoEMethod in CutlassFusedMoE" in problem and "backend='CUTLASS'" in problem
+    )
 
 
 def test_mixed_expert_formats_are_refused():
@@ -368,30 +445,84 @@ def test_mixed_expert_formats_are_refused():
     [
         ("TRTLLM", "fp8_per_tensor", 100, MoeBackend.CUTLASS),  # get_moe_cls: TRTLLM-Gen takes no fp8_qdq
         ("trtllm", "fp8_per_tensor", None, MoeBackend.CUTLASS),
-        ("DEEPGEMM", "fp8_per_tensor", 100, MoeBackend.CUTLASS),
+        ("DEEPGEMM", "fp8_per_tensor", 100, MoeBackend.DEEPGEMM),  # get_moe_cls never falls back here
         ("TRTLLM", "block_fp8", 100, MoeBackend.TRTLLM_GEN),
         ("TRTLLM", "block_fp8", 103, MoeBackend.TRTLLM_GEN),
-        ("TRTLLM", "block_fp8", 90, MoeBackend.CUTLASS),  # TRTLLM-Gen is Blackwell-only
-        ("TRTLLM", "block_fp8", 120, MoeBackend.CUTLASS),  # TRTLLMGenFusedMoE raises on SM >= 120
+        ("TRTLLM", "block_fp8", 90, MoeBackend.TRTLLM_GEN),  # defect 9: get_moe_cls never looks at the SM
+        ("TRTLLM", "block_fp8", 120, MoeBackend.TRTLLM_GEN),  # (the class then fails; attach refuses it)
         ("TRTLLM", "mxfp8", 100, MoeBackend.CUTLASS),
         ("CUTLASS", "block_fp8", 90, MoeBackend.CUTLASS),
         ("CUTEDSL", "block_fp8", 100, MoeBackend.CUTEDSL),
         ("CUTEDSL", "bf16", 100, MoeBackend.CUTLASS),
-        ("DEEPGEMM", "block_fp8", 90, MoeBackend.DEEPGEMM),  # Hopper: no UE8M0 resmooth
+        ("DEEPGEMM", "block_fp8", 90, MoeBackend.DEEPGEMM),
         ("AUTO", "block_fp8", 100, MoeBackend.TRTLLM_GEN),  # model_config.resolve_moe_backend
         ("AUTO", "block_fp8", 90, MoeBackend.CUTLASS),
+        ("AUTO", "block_fp8", 120, MoeBackend.CUTLASS),
     ],
 )
 def test_resolve_moe_backend(requested, fmt, sm, expected):
+    """get_moe_cls (create_moe.py@01f8de52), transcribed: the quant mode decides, the GPU does not."""
     assert resolve_moe_backend(requested, fmt, sm) == expected
 
 
-@pytest.mark.parametrize(
-    ("requested", "sm"), [("DEEPGEMM", 100), ("DEEPGEMM", None), ("WIDEEP", 90), ("VANILLA", 90)]
-)
-def test_resolve_moe_backend_refuses(requested, sm):
-    with pytest.raises(ValueError):
-        resolve_moe_backend(requested, "block_fp8", sm)
+@pytest.mark.parametrize("requested", ["WIDEEP", "VANILLA", "DENSEGEMM"])
+def test_resolve_moe_backend_refuses_unknown_backends(requested):
+    with pytest.raises(ValueError, match="moe_config backend"):
+        resolve_moe_backend(requested, "block_fp8", 90)
+
+
+@pytest.mark.parametrize("sm", [90, 120])
+def test_trtllm_gen_outside_sm100f_is_refused_at_attach(sm):
+    """Defect 9: TRTLLM on SM90/SM120 builds TRTLLMGenFusedMoE (get_moe_cls@01f8de52); the table used
+    to say CUTLASS there. The attach check refuses it and names the setting that works."""
+    data = _load("trtllm_qwen3-30b-a3b_block_fp8")
+    resolved = resolve_moe_backend("TRTLLM", "block_fp8", sm)
+    assert resolved == MoeBackend.TRTLLM_GEN
+    (problem,) = check_trtllm_constraints(
+        _manifest({**data, "sm": sm, "resolved_moe_backend": resolved}), _config(data["hf_config"])
+    )
+    assert "backend='CUTLASS'" in problem if sm == 90 else "SM >= 120" in problem
+
+
+def test_every_refusal_names_the_setting_that_works():
+    for fmt, req, sm, _resolved, why in trtllm.backend_table():
+        if why is not None:
+            assert "backend=" in why or "format to" in why or "publish bf16" in why, (fmt, req, sm, why)
+
+
+def _doc_table(path: Path, marker: str) -> str:
+    text = path.read_text()
+    start, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    assert start in text and end in text, f"{path} lacks the {marker} markers"
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def test_docs_table_is_what_the_code_enforces():
+    """docs/engines.md's format x backend x SM table is generated from backend_table(); each row is
+    then walked through the attach check on a manifest holding that format and class."""
+    doc = Path(__file__).parent.parent / "docs" / "engines.md"
+    assert _doc_table(doc, "trtllm-backend-table") == trtllm.backend_table_markdown(), (
+        "docs/engines.md is stale: paste adapters.trtllm.backend_table_markdown() between its markers"
+    )
+    rows = [line.split(" | ") for line in _doc_table(doc, "trtllm-backend-table").splitlines()[2:]]
+    cfg = _config("qwen3-30b-a3b.config.json")
+    for fmt, req, sm, resolved, verdict in ((r[0][2:], r[1], int(r[2]), r[3], r[4][:-2]) for r in rows):
+        assert resolve_moe_backend(req, fmt, sm) == resolved
+        params = _moe_params("model.layers.0.mlp.experts", Format(fmt), 128, 2048, 768)
+        m = build_manifest(
+            params, cfg, moe_backend=resolved, sm=sm, input_scales=True, mxfp8_reload_path=True
+        )
+        problems = check_trtllm_constraints(m, cfg)
+        assert (problems == []) == (verdict == "allowed"), (fmt, req, sm, problems)
+        if verdict != "allowed":
+            assert verdict.removeprefix("refused: ") in [p.replace("|", "/") for p in problems]
+        if fmt != "fp8_per_tensor":
+            spec = RefitSpec(model_type="qwen3_moe", fmt=fmt)
+            if verdict == "allowed":
+                trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req)
+            else:
+                with pytest.raises(ValueError):
+                    trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,7 +609,7 @@ def test_llm_args_backends_keep_fp32_scales():
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
     assert trtllm_llm_args(spec, cfg, sm=90)["moe_config"] == {"backend": "CUTLASS"}
     assert trtllm_llm_args(spec, cfg, sm=None)["moe_config"] == {"backend": "CUTLASS"}
-    with pytest.raises(ValueError, match="DEEPGEMM resmooths"):
+    with pytest.raises(ValueError, match="resmooth them to UE8M0"):
         trtllm_llm_args(spec, cfg, sm=100, moe_backend="DEEPGEMM")
 
 
@@ -589,6 +720,58 @@ def test_input_scales_carried_as_checkpoint_names():
         0.125,
         0.125,
     )
+
+
+def test_input_scales_found_on_a_configurable_moe_backend():
+    """Defect 7: with ENABLE_CONFIGURABLE_MOE (the default) the layer is a ConfigurableMoE whose
+    ``backend`` holds fc31_input_dequant / fc2_quant; capture used to look on ``.experts`` only."""
+    ext = RefitWorkerExtension()
+    backend = type("CutlassFusedMoE", (torch.nn.Module,), {})()
+    backend.fc31_input_dequant = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+    backend.fc2_quant = torch.nn.Parameter(torch.tensor(4.0), requires_grad=False)
+    backend.num_experts = 3
+    configurable = type("ConfigurableMoE", (torch.nn.Module,), {})()
+    configurable.backend = backend
+    root = torch.nn.Module()
+    root.mlp = torch.nn.Module()
+    root.mlp.experts = configurable
+    scales = ext._refit_capture_input_scales(root, None)
+    assert scales == {"mlp.experts": (0.5, 0.25, 3)}
+    assert trtllm._resolved_moe(configurable) == "CutlassFusedMoE"
+
+
+def test_reload_waits_for_the_copies(monkeypatch):
+    """Defect 3: host-to-device copies are non_blocking; the copy stream is synchronized before
+    ``ModelLoader.reload`` (whose worker threads would otherwise read half-written tensors)."""
+    events: list[str] = []
+
+    class Host:
+        def __init__(self, name):
+            self.name = name
+
+        def to(self, device, non_blocking=False):
+            events.append(f"copy {self.name}" + (" async" if non_blocking else ""))
+            return self
+
+    class Loader:
+        def reload(self, model, weights, allow_partial_loading):
+            events.append(f"reload {sorted(weights)}")
+
+    monkeypatch.setattr(trtllm.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(trtllm, "_sync_copies", lambda device: events.append(f"sync {device}"))
+    ext = RefitWorkerExtension()
+    ext._refit_format, ext._refit_fp8_input = Format.BLOCK_FP8, {}
+    ext.engine = SimpleNamespace(model_engine=SimpleNamespace(model=torch.nn.Module(), model_loader=Loader()))
+    names = ["model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight"]
+    ext._refit_reload(SimpleNamespace(tensors={n: Host(n) for n in names}))
+    assert events == [
+        f"copy {names[0]} async",
+        "sync cuda:0",
+        f"reload {names[:1]}",
+        f"copy {names[1]} async",
+        "sync cuda:0",
+        f"reload {names[1:]}",
+    ]
 
 
 def _dump(data: dict) -> str:
