@@ -35,8 +35,8 @@ import torch
 import zmq
 
 from adapters.manifest import Manifest
+from sidecar.cli.keygen import curve_hint, set_client
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.keygen import curve_hint, set_client
 from transport.cuda_ipc import open_any_arena
 from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, decode, encode
@@ -90,7 +90,7 @@ class RefitReader:
         device: int | None = None,
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
-        endpoint (``sidecar.keygen.client_curve``); engines on the daemon's node use ipc:// instead.
+        endpoint (``sidecar.cli.keygen.client_curve``); engines on the daemon's node use ipc:// instead.
         ``device``: for GPU arenas, the CUDA index to map them on (default: the arena's own GPU,
         which must be visible to this process; another GPU reads it as peer memory over NVLink)."""
         self.device = device

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sidecar.formats import Format
+from sidecar.numerics.formats import Format
 from transport.wire import dtype_from_name, dtype_name, safe_repr
 
 #: the most tensors a manifest may list. A Kimi-K2-size model (~1T parameters: 61 layers of 384
@@ -177,7 +177,7 @@ def _map(data: Mapping[str, Any], key: str) -> dict[str, Any]:
     return dict(value)
 
 
-#: constraint keys the daemon computes with (sidecar.attach.constraint_problems), and what they hold
+#: constraint keys the daemon computes with (sidecar.plan.attach.constraint_problems), and what they hold
 _INT_CONSTRAINTS = ("tp_size", "moe_ep_size", "mxfp8_align", "block_fp8_align")
 
 

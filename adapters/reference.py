@@ -44,7 +44,7 @@ Parameters (engine-style, vLLM-like names, each under its checkpoint module path
   ========================  ==================  ====================================================
 
 The manifest is derived from these parameters: every checkpoint name is a view into one of them, and
-its dtype and shape are that view's. FP8 experts are dequantized with ``sidecar.quant.dequantize``
+its dtype and shape are that view's. FP8 experts are dequantized with ``sidecar.numerics.reference.dequantize``
 (part by part: gate, up and down each under their own scales) the first time a forward pass needs
 them after a load, and cached as float32.
 
@@ -73,9 +73,9 @@ import torch.nn.functional as F
 
 import sidecar
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
-from sidecar.formats import BLOCK, FP8_DTYPE, MX_BLOCK, Format
-from sidecar.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
-from sidecar.quant import dequantize
+from sidecar.numerics.formats import BLOCK, FP8_DTYPE, MX_BLOCK, Format
+from sidecar.numerics.reference import dequantize
+from sidecar.plan.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
 
 __all__ = ["ENGINE_VERSION", "MOE_BACKEND", "ReferenceEngine", "next_token_kl", "sample_inputs"]
 

@@ -4,7 +4,7 @@ TensorRT-LLM is never imported at module level: ``import adapters.trtllm`` works
 the worker extension's methods (which run inside TRT-LLM's Ray workers) import it. Everything else
 is pure and tested against facts transcribed from TRT-LLM's source (``tests/data/manifests/``).
 
-Wiring (one source of truth: the daemon's :class:`~sidecar.plan.RefitSpec`)::
+Wiring (one source of truth: the daemon's :class:`~sidecar.plan.build.RefitSpec`)::
 
     from tensorrt_llm import LLM
     from adapters.trtllm import refit_engine, trtllm_llm_args
@@ -72,9 +72,9 @@ from typing import Any
 import torch
 
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
-from sidecar.formats import BLOCK, FLOAT_DTYPES, FP8_DTYPE, Format
-from sidecar.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
-from sidecar.plan import Layer, RefitSpec, UnitKind, layer_of_name, plan_from_hf_config
+from sidecar.numerics.formats import BLOCK, FLOAT_DTYPES, FP8_DTYPE, Format
+from sidecar.plan.build import Layer, RefitSpec, UnitKind, layer_of_name, plan_from_hf_config
+from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
 
 __all__ = [
     "EXTENSION_QUALNAME",

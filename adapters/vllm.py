@@ -92,9 +92,9 @@ import torch
 
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.formats import BLOCK, FP8_DTYPE, Format
-from sidecar.models import get_model, model_type_of
-from sidecar.plan import RefitPlan, RefitSpec
+from sidecar.numerics.formats import BLOCK, FP8_DTYPE, Format
+from sidecar.plan.build import RefitPlan, RefitSpec
+from sidecar.plan.models import get_model, model_type_of
 from transport.wire import dtype_from_name
 
 __all__ = [

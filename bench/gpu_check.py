@@ -32,7 +32,7 @@ Three sections, each recorded even when another fails:
    and pushes 2 steps with ``RefitClient(..., local=True).push_step(step, weights, wait="loaded")``
    (device-to-device into the staging arena); an engine process whose ``EngineWorker`` copies every
    published tensor into buffers allocated at attach and checks them (byte sums, and layer 0 against
-   ``sidecar.quant`` on the same GPU). Routed experts at full size, as many layers as fit in free
+   ``sidecar.numerics.reference`` on the same GPU). Routed experts at full size, as many layers as fit in free
    memory (trainer weights + staging, a ring of 4 layer groups on GPU by default (``--staging-regions``),
    + 2 generations + the engine's copy). Each phase's seconds
    (trainer -> staging copy, quantize, publish, from the StepResult; engine load) against the floor:
@@ -68,8 +68,9 @@ for _p in (ROOT, ROOT / "tests"):  # the repo (no install needed on the GPU mach
 
 import torch  # noqa: E402
 
-from sidecar import kernels, quant  # noqa: E402
-from sidecar.formats import FLT_MIN, FP8_DTYPE, FP8_MAX, Format  # noqa: E402
+from sidecar.numerics import kernels  # noqa: E402
+from sidecar.numerics import reference as quant  # noqa: E402
+from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_MAX, Format  # noqa: E402
 
 FORMATS = [f for f in Format if f.quantized]
 GiB = 2**30
@@ -648,13 +649,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _e2e_plan(config: dict, fmt: str):
-    from sidecar.plan import RefitSpec, plan_from_hf_config
+    from sidecar.plan.build import RefitSpec, plan_from_hf_config
 
     return plan_from_hf_config(config, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
 
 
 def _e2e_config(shape: LayerShape, layers: int) -> dict:
-    from sidecar.synthetic import make_hf_config
+    from sidecar.cli.demo.synthetic import make_hf_config
 
     return make_hf_config(
         "qwen3_5_moe",
@@ -679,7 +680,7 @@ def _fill(t: torch.Tensor, name: str, seed: int, step: int) -> torch.Tensor:
 def _trainer_main(conn, device: str) -> None:
     """Trainer process: BF16 weights built on ``device``; each step pushed with
     ``RefitClient(local=True).push_step(..., wait="loaded")``; the StepResults sent back."""
-    from sidecar.client import RefitClient
+    from sidecar.client.client import RefitClient
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -727,7 +728,7 @@ def _engine_check(
     plan, gen_tensors, buffers, fmt: Format, seed: int, step: int, device
 ) -> tuple[list[str], int]:
     """(names that fail, how many layer-0 outputs were compared): every buffer's byte sum against
-    the generation's, and layer 0's outputs against ``sidecar.quant`` run on this device over the
+    the generation's, and layer 0's outputs against ``sidecar.numerics.reference`` run on this device over the
     regenerated BF16 inputs (passthroughs byte for byte against their source)."""
     want = _checksums(dict(gen_tensors))
     got = _checksums(buffers)
@@ -737,7 +738,7 @@ def _engine_check(
     inputs = {
         n: _fill(torch.empty(s.shape, dtype=s.dtype, device=device), n, seed, step) for n, s in specs.items()
     }
-    from sidecar.plan import Role
+    from sidecar.plan.build import Role
 
     sampled = 0
     for o in plan.outputs:
@@ -845,7 +846,7 @@ def _e2e_layers(
         return requested
     if small or device.type != "cuda":
         return 2
-    from sidecar.staging import region_size, ring_groups
+    from sidecar.daemon.memory.staging import region_size, ring_groups
 
     one, two = (_e2e_plan(_e2e_config(shape, n), "mxfp8") for n in (1, 2))  # mxfp8: the most scale bytes
 
@@ -906,7 +907,7 @@ def _child_env() -> dict[str, str]:
 
 def _staging_regions(device: torch.device, args) -> int:
     """The daemon's staging ring in effect: ``--staging-regions``, else its default for the arena."""
-    from sidecar.config import DEFAULT_GPU_REGIONS
+    from sidecar.config.settings import DEFAULT_GPU_REGIONS
 
     if args.staging_regions is not None:
         return args.staging_regions

@@ -58,10 +58,10 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient, _blocks
+from sidecar.cli.demo.synthetic import make_hf_config
+from sidecar.client.client import RefitClient, _blocks
 from sidecar.errors import RefitError
-from sidecar.models import get_model
-from sidecar.synthetic import make_hf_config
+from sidecar.plan.models import get_model
 from transport.shm import Layout, ShmArena, ShmSegment
 
 MiB = 1 << 20

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sidecar import quant
-from sidecar.formats import FLT_MIN, FP8_DTYPE, FP8_MAX
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_MAX
 
 HIDDEN, INTER = 2048, 512  # Qwen3.5-35B-A3B
 

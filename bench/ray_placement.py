@@ -31,9 +31,9 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from sidecar.cli.demo.synthetic import make_hf_config
+from sidecar.cli.serve import query_status
 from sidecar.ray import RayDaemons, ray_config
-from sidecar.serve_cli import query_status
-from sidecar.synthetic import make_hf_config
 
 NODE = dict(num_cpus=1, object_store_memory=80 << 20)
 

@@ -3,7 +3,7 @@
 ``import sidecar`` works on any machine: GPU kernels and transports load lazily.
 """
 
-from sidecar.formats import Format
+from sidecar.numerics.formats import Format
 
 __version__ = "0.1.0"
 __all__ = ["Format", "__version__"]

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from adapters.base import RefitReader
-from sidecar.config import DaemonConfig, prepare_runtime_dir
-from sidecar.daemon import Daemon
+from sidecar.config.settings import DaemonConfig, prepare_runtime_dir
+from sidecar.daemon.loop import Daemon
 
 #: short timeouts for tests; any of them can be overridden
 DEFAULTS: dict[str, Any] = dict(reader_timeout_s=3.0, rank_timeout_s=10.0, heartbeat_interval_s=0.2)

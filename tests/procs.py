@@ -4,7 +4,7 @@ Each child is started with the ``spawn`` context and then obeys commands sent ov
 ``multiprocessing`` pipe, one at a time: a command is ``(name, kwargs)``, every reply is a plain
 dict. Tensors never cross the pipe: a trainer rank builds the full synthetic state dict from the
 step's seed and keeps only its own shards, and the reader builds the same state dict and converts
-it with ``sidecar.plan.convert`` to know what the daemon must publish, byte for byte.
+it with ``sidecar.plan.build.convert`` to know what the daemon must publish, byte for byte.
 
 Sharding of the synthetic Qwen3.5-MoE model over ``world`` ranks (see :func:`rank_pieces`):
 
@@ -38,20 +38,20 @@ SLAB_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:
-    from sidecar.synthetic import make_state_dict
+    from sidecar.cli.demo.synthetic import make_state_dict
 
     return make_state_dict(MODEL, seed=seed, **MODEL_ARGS)
 
 
 def hf_config() -> dict[str, Any]:
-    from sidecar.synthetic import make_hf_config
+    from sidecar.cli.demo.synthetic import make_hf_config
 
     return make_hf_config(MODEL, **MODEL_ARGS)
 
 
 def expected_outputs(seed: int, fmt: str) -> dict[str, torch.Tensor]:
     """What the daemon must publish for a step whose weights came from ``seed``."""
-    from sidecar.plan import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec, convert
 
     return convert(state_dict(seed), RefitSpec(model_type=MODEL, fmt=fmt))
 
@@ -64,7 +64,7 @@ def rank_pieces(
     sd: dict[str, torch.Tensor], rank: int, world: int, fault: dict[str, Any] | None = None
 ) -> list[tuple[str, Any]]:
     """This rank's part of ``sd``: (name, Tensor | Shard) pairs, with ``fault`` applied if it is ours."""
-    from sidecar.client import Shard
+    from sidecar.client.client import Shard
 
     mine = fault if fault is not None and fault.get("rank") == rank else None
     out: list[tuple[str, Any]] = []
@@ -134,7 +134,7 @@ def _error_reply(exc: BaseException) -> dict[str, Any]:
 
 def rank_main(conn, rank: int, world: int) -> None:
     """A trainer rank: ``connect``, ``push`` (seed, fault), ``close``, ``exit``."""
-    from sidecar.client import RefitClient
+    from sidecar.client.client import RefitClient
 
     conn = Link(conn)
     client: RefitClient | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sidecar.formats import Format
+from sidecar.numerics.formats import Format
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 E4M3_448, E4M3_M448 = 0x7E, 0xFE  # +-448, the largest finite e4m3fn

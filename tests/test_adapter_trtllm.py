@@ -28,9 +28,9 @@ from adapters.trtllm import (
     resolve_moe_backend,
     trtllm_llm_args,
 )
-from sidecar.formats import Format
-from sidecar.models import get_model
-from sidecar.plan import RefitSpec, plan_from_hf_config
+from sidecar.numerics.formats import Format
+from sidecar.plan.build import RefitSpec, plan_from_hf_config
+from sidecar.plan.models import get_model
 
 DATA = Path(__file__).parent / "data"
 MANIFESTS = DATA / "manifests"
@@ -233,8 +233,8 @@ def test_manifest_equals_the_plan(case):
 
 
 def test_attach_check_passes_for_transcribed_manifests():
-    """The daemon's attach check (sidecar.attach) accepts every transcribed manifest."""
-    attach = pytest.importorskip("sidecar.attach")
+    """The daemon's attach check (sidecar.plan.attach) accepts every transcribed manifest."""
+    attach = pytest.importorskip("sidecar.plan.attach")
     for case in CASES:
         data = _load(case)
         cfg = _config(data["hf_config"])

@@ -27,11 +27,11 @@ import pytest
 import torch
 
 import adapters.vllm as av
+from sidecar.cli.demo.synthetic import make_hf_config
 from sidecar.errors import RefitError
-from sidecar.formats import Format
-from sidecar.models import get_model, model_type_of
-from sidecar.plan import RefitSpec, plan_from_hf_config
-from sidecar.synthetic import make_hf_config
+from sidecar.numerics.formats import Format
+from sidecar.plan.build import RefitSpec, plan_from_hf_config
+from sidecar.plan.models import get_model, model_type_of
 from transport.wire import dtype_name
 
 DATA = Path(__file__).parent / "data"
@@ -747,7 +747,7 @@ def test_daemon_attach_check_reads_the_moe_tp_size_vllm_writes():
     per-rank alignment was never checked for vLLM engines."""
     from dataclasses import replace
 
-    from sidecar.attach import check_manifest
+    from sidecar.plan.attach import check_manifest
 
     config = _config("qwen3_moe")  # I = 768: 192 per rank at moe_tp = 4 is not a multiple of 128
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")

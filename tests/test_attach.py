@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from adapters.manifest import MAX_LISTED, MAX_MANIFEST_TENSORS, EngineKind, Manifest, ManifestTensor
-from sidecar.attach import check_manifest, engine_bf16_modules
-from sidecar.plan import RefitPlan, RefitSpec, TensorSpec
-from sidecar.synthetic import make_state_dict
+from sidecar.cli.demo.synthetic import make_state_dict
+from sidecar.plan.attach import check_manifest, engine_bf16_modules
+from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
 
 SPEC = RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8")
 

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from sidecar import cli
+from sidecar.cli import main as cli
 from transport.wire import Kind, Limits, Message, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: runs ``refitd ARGV...`` (``sidecar.cli.main``) and prints one JSON line: exit code, whether torch
+#: runs ``refitd ARGV...`` (``sidecar.cli.main.main``) and prints one JSON line: exit code, whether torch
 #: was imported and, if it was, the stack of its first import; ``--pre CODE`` runs CODE first
 _WRAPPER = r"""
 import json, sys, traceback
@@ -42,7 +42,7 @@ if argv[:1] == ["--pre"]:
     exec(argv[1])
     argv = argv[2:]
 sys.argv = ["refitd", *argv]
-from sidecar.cli import main
+from sidecar.cli.main import main
 try:
     rc = main()
 except SystemExit as exc:

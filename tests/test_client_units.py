@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.client import Shard, _blocks, _pieces
+from sidecar.client.client import Shard, _blocks, _pieces
 
 
 @settings(max_examples=60, deadline=None)

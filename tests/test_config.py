@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import (
+from sidecar.config.settings import (
     CONFIG_ENV,
     EXAMPLE_TOML,
     EXIT_CONFIG,
@@ -35,7 +35,7 @@ from sidecar.config import (
     parse_size,
     prepare_runtime_dir,
 )
-from sidecar.formats import Format
+from sidecar.numerics.formats import Format
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import coverage
-from sidecar.coverage import CoverageError, CoverageTracker, FrameError, Piece, check_cover, validate_piece
+from sidecar.daemon import coverage
+from sidecar.daemon.coverage import (
+    CoverageError,
+    CoverageTracker,
+    FrameError,
+    Piece,
+    check_cover,
+    validate_piece,
+)
 
 SLAB = "model.layers.3.mlp.experts.gate_up_proj"
 HINT = (

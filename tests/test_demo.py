@@ -17,7 +17,7 @@ def test_demo_verifies_and_reports_kl(fmt, regions):
         [
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.cli.main",
             "demo",
             "--format",
             fmt,

@@ -34,14 +34,14 @@ import torch
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine, sample_inputs
-from sidecar.client import RefitClient
-from sidecar.config import EXIT_CONFIG
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.keygen import client_curve, write_keypair
+from sidecar.client.client import RefitClient
+from sidecar.config.settings import EXIT_CONFIG
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.forward import Job
-from sidecar.forward_nixl import descriptors
-from sidecar.keygen import client_curve, write_keypair
-from sidecar.plan import RefitSpec, convert
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.forward.movers import descriptors
+from sidecar.forward.sender import Job
+from sidecar.plan.build import RefitSpec, convert
 from transport.nixl import available as nixl_available
 from transport.shm import ALIGN
 
@@ -110,7 +110,7 @@ class Node:
             *self.wrap,
             sys.executable,
             "-m",
-            "sidecar.cli",
+            "sidecar.cli.main",
             "serve",
             "--runtime-dir",
             str(self.run_dir),

@@ -15,10 +15,10 @@ from daemons import daemon_factory
 
 from adapters.engine import EngineWorker, LoadResult, check_results
 from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
-from sidecar.client import RefitClient
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan import RefitSpec, convert
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.plan.build import RefitSpec, convert
 
 pytestmark = pytest.mark.timeout(180)
 

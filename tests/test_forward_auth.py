@@ -20,10 +20,10 @@ import zmq
 from daemons import RunningDaemon
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient
-from sidecar.config import ConfigError, DaemonConfig
-from sidecar.keygen import client_curve, set_client, write_keypair
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.keygen import client_curve, set_client, write_keypair
+from sidecar.client.client import RefitClient
+from sidecar.config.settings import ConfigError, DaemonConfig
 from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(180)

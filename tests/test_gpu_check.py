@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar import quant
-from sidecar.formats import Format
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import Format
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -87,9 +87,9 @@ def test_cpu_dry_run_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("fmt", [f for f in Format if f.quantized], ids=lambda f: f.value)
 def test_engine_check_catches_a_flipped_byte(fmt):
-    """The engine's check: the regenerated layer-0 inputs through sidecar.quant equal the daemon's
+    """The engine's check: the regenerated layer-0 inputs through sidecar.numerics.reference equal the daemon's
     conversion, and one flipped byte in a layer-0 expert (or a copy that differs) is named."""
-    from sidecar.plan import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec, convert
 
     config = gc._e2e_config(gc.SMALL, 2)
     plan = gc._e2e_plan(config, fmt.value)

@@ -23,10 +23,10 @@ import zmq
 from daemons import daemon_factory
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient, Shard
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient, Shard
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan import RefitSpec, convert
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.plan.build import RefitSpec, convert
 from transport.wire import Kind, Limits, Message, decode, encode
 
 MODEL = dict(num_layers=2, num_experts=4)

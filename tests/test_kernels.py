@@ -1,4 +1,4 @@
-"""The Triton slab kernels (sidecar.kernels) against the torch reference, as far as each machine allows.
+"""The Triton slab kernels (sidecar.numerics.kernels) against the torch reference, as far as each machine allows.
 
 Three tiers, each skipped with its reason where it cannot run:
 
@@ -33,10 +33,11 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar import kernels, quant
-from sidecar.formats import FP8_DTYPE, Format
-from sidecar.kernels import slab as slab_mod
-from sidecar.kernels.slab import SlabGeometry, TileConfig
+from sidecar.numerics import kernels
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.kernels import slab as slab_mod
+from sidecar.numerics.kernels.slab import SlabGeometry, TileConfig
 
 QUANTIZED = [f for f in Format if f.quantized]
 #: the interpreter computes in numpy, which warns when a NaN/Inf test input meets a multiply
@@ -64,7 +65,7 @@ def _enable_interpreter() -> str | None:
     try:
         import triton
 
-        from sidecar.kernels import triton_quant  # noqa: F401  (decorated in interpreter mode)
+        from sidecar.numerics.kernels import triton_quant  # noqa: F401  (decorated in interpreter mode)
 
         triton.knobs.runtime.interpret = True
         from triton.runtime.interpreter import _convert_float, _ir  # noqa: F401  (its casts, modelled below)
@@ -200,17 +201,17 @@ def test_capability_predicate_on_cpu_tensors():
 
 
 def test_import_sidecar_without_triton():
-    """`import sidecar`, `sidecar.kernels` and `sidecar.convert` work where Triton cannot be imported,
+    """`import sidecar`, `sidecar.numerics.kernels` and `sidecar.plan.run` work where Triton cannot be imported,
     and importing them does not import Triton where it can."""
     code = textwrap.dedent(
         """
         import sys
         if sys.argv[1] == "block":
             sys.modules["triton"] = None  # as if not installed: find_spec None, import raises
-        import sidecar, sidecar.kernels, sidecar.convert
+        import sidecar, sidecar.numerics.kernels, sidecar.plan.run
         assert sys.modules.get("triton") is None
         import torch
-        print(sidecar.kernels.available(), sidecar.kernels.available(torch.device("cpu")))
+        print(sidecar.numerics.kernels.available(), sidecar.numerics.kernels.available(torch.device("cpu")))
         """
     )
     for mode in ("block", "plain"):
@@ -345,8 +346,8 @@ def test_wide_offsets_only_when_needed():
 
 def test_try_run_unit_declines_cpu_tensors():
     """run_unit's hook returns False on CPU, so the reference runs (and the output is the reference's)."""
-    from sidecar.convert import run_unit
-    from sidecar.plan import RefitPlan, RefitSpec
+    from sidecar.plan.build import RefitPlan, RefitSpec
+    from sidecar.plan.run import run_unit
 
     name = "model.layers.0.mlp.experts.gate_up_proj"
     tensors = {
@@ -361,7 +362,7 @@ def test_try_run_unit_declines_cpu_tensors():
 
 
 def test_quantize_slab_refuses_cpu_outside_the_interpreter():
-    """quantize_slab takes CPU tensors only under the interpreter; elsewhere it points to sidecar.quant."""
+    """quantize_slab takes CPU tensors only under the interpreter; elsewhere it points to sidecar.numerics.reference."""
     slab = torch.zeros(1, 2, 64)
     outs = _alloc(1, 1, 2, 64, Format.MXFP8, device="cpu")
     if NO_INTERPRETER is not None:
@@ -387,7 +388,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sidecar.kernels import triton_quant as tq
+from sidecar.numerics.kernels import triton_quant as tq
 
 def build(fn, sig, consts, div16, warps):
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
@@ -631,7 +632,7 @@ def _layer(experts=3, inter=64, hidden=96, seed=9):
 def test_plan_slab_units_through_the_kernels(fmt):
     """A planned Qwen3.5 layer: the dispatcher's arrangement of each slab unit's outputs (experts in
     order, gate before up) quantized by the kernels equals the reference, output by output."""
-    from sidecar.plan import RefitPlan, RefitSpec, UnitKind
+    from sidecar.plan.build import RefitPlan, RefitSpec, UnitKind
 
     tensors = _layer()
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
@@ -701,7 +702,7 @@ def test_edge_case_table(case):
 def test_try_run_unit_on_cuda_matches_reference(fmt):
     """On a GPU the hook takes slab units (one launch each) and per-expert units; results equal the
     reference bit for bit."""
-    from sidecar.plan import RefitPlan, RefitSpec
+    from sidecar.plan.build import RefitPlan, RefitSpec
 
     tensors = _layer(experts=4, inter=192, hidden=256)
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
@@ -824,7 +825,7 @@ def test_a_triton_that_cannot_launch_falls_back_to_the_reference_once(monkeypatc
     """Triton imports but its first launch fails (no compiler for the launcher, no libcuda): the
     probe says why, once per device; try_run_unit declines (the reference runs); warm-up reports the
     torch quantizer with the reason for status and metrics."""
-    from sidecar.plan import RefitPlan, RefitSpec
+    from sidecar.plan.build import RefitPlan, RefitSpec
 
     tries = []
 
@@ -917,8 +918,8 @@ def test_worker_checks_the_kernels_flags_once_per_batch(monkeypatch):
 
     import zmq
 
-    from sidecar.plan import RefitPlan, RefitSpec
-    from sidecar.worker import QuantWorker
+    from sidecar.daemon.worker import QuantWorker
+    from sidecar.plan.build import RefitPlan, RefitSpec
 
     monkeypatch.setattr(kernels, "available", lambda device=None: True)
     monkeypatch.setattr(
@@ -970,7 +971,7 @@ def test_warm_up_compiles_each_distinct_specialisation_of_the_plan_once(monkeypa
     gate and up run on the reference). Warm-up
     compiles exactly those before READY, and reserves the per-tensor scratch; on a CPU device it
     does nothing."""
-    from sidecar.plan import RefitPlan, RefitSpec
+    from sidecar.plan.build import RefitPlan, RefitSpec
 
     slabs = {**_layer(), **{k.replace("layers.0", "layers.1"): v for k, v in _layer(seed=3).items()}}
     per_expert = {
@@ -1040,9 +1041,9 @@ def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
 
     from daemons import RunningDaemon
 
-    from sidecar.metrics import MetricsObserver
-    from sidecar.serve_cli import render_status
-    from sidecar.synthetic import make_hf_config
+    from sidecar.cli.demo.synthetic import make_hf_config
+    from sidecar.cli.serve import render_status
+    from sidecar.ops.metrics import MetricsObserver
 
     d = RunningDaemon(tmp_path, hf_config=make_hf_config("qwen3_5_moe", num_layers=1, num_experts=2))
     try:

@@ -1,4 +1,4 @@
-"""Health and metrics over HTTP (sidecar.metrics): the observer against a fake daemon, then
+"""Health and metrics over HTTP (sidecar.ops.metrics): the observer against a fake daemon, then
 ``refitd serve --metrics-listen`` in a subprocess, scraped before and after a real push."""
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient
-from sidecar.config import ConfigError
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient
+from sidecar.config.settings import ConfigError
+from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.formats import Format
-from sidecar.metrics import PHASES, MetricsObserver, sqnr_db
-from sidecar.plan import RefitPlan, RefitSpec, Role, convert
-from sidecar.staging import RingStaging, region_size, ring_groups
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.numerics.formats import Format
+from sidecar.ops.metrics import PHASES, MetricsObserver, sqnr_db
+from sidecar.plan.build import RefitPlan, RefitSpec, Role, convert
 from transport.shm import nbytes_of
 
 REPO = Path(__file__).resolve().parent.parent

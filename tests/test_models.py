@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.models import MODELS, PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.plan.models import MODELS, PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
 
 DATA = Path(__file__).parent / "data"
 QWEN3_30B = json.loads((DATA / "qwen3-30b-a3b.config.json").read_text())

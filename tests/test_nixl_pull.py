@@ -1,9 +1,9 @@
-"""Remote trainer shards pulled over NIXL (sidecar.pull_nixl), with ZeroMQ frames as the fallback.
+"""Remote trainer shards pulled over NIXL (sidecar.daemon.pull), with ZeroMQ frames as the fallback.
 
 An in-process daemon (the real serve loop in a thread) with two ranks: rank 0 local (it writes into
 the staging arena), rank 1 remote (``local=False``). Tensor-parallel pieces split along dim 1 have no
 contiguous staging destination and always travel as frames, so the NIXL step mixes both movers.
-Every published tensor is compared byte for byte with ``sidecar.plan.convert``.
+Every published tensor is compared byte for byte with ``sidecar.plan.build.convert``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient
-from sidecar.config import DaemonConfig, prepare_runtime_dir
-from sidecar.daemon import Daemon
+from sidecar.client.client import RefitClient
+from sidecar.config.settings import DaemonConfig, prepare_runtime_dir
+from sidecar.daemon.loop import Daemon
 from transport import nixl
 
 pytestmark = pytest.mark.timeout(180)
@@ -115,6 +115,6 @@ def test_a_failed_nixl_setup_falls_back_to_frames(daemon, monkeypatch):
     def broken(*args, **kwargs):
         raise nixl.NixlError("injected")
 
-    monkeypatch.setattr("sidecar.pull_nixl.PullSide.start", broken)
+    monkeypatch.setattr("sidecar.daemon.pull.PullSide.start", broken)
     results = push_steps(daemon, [31], "auto")
     assert results[0].mover == "zmq" and "injected" in results[0].mover_reason

@@ -11,15 +11,15 @@ import pytest
 import torch
 import zmq
 
-from sidecar import client as client_mod
-from sidecar import worker as worker_mod
-from sidecar.convert import run_passthroughs
+from sidecar.client import client as client_mod
+from sidecar.daemon import worker as worker_mod
+from sidecar.daemon.step import StepState
+from sidecar.daemon.worker import QuantWorker, all_finite, batches, check_finite
 from sidecar.errors import RefitError
-from sidecar.gcpause import gc_paused
-from sidecar.plan import RefitPlan, RefitSpec, TensorSpec, run_unit
-from sidecar.quant import NonFiniteError
-from sidecar.step import StepState
-from sidecar.worker import QuantWorker, all_finite, batches, check_finite
+from sidecar.numerics.reference import NonFiniteError
+from sidecar.ops.gcpause import gc_paused
+from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec, run_unit
+from sidecar.plan.run import run_passthroughs
 
 N = 40
 

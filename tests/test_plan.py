@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar import quant
-from sidecar.formats import FP8_DTYPE, Format
-from sidecar.plan import (
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.plan.build import (
     KeepReason,
     RefitPlan,
     RefitSpec,
@@ -24,7 +25,6 @@ from sidecar.plan import (
     plan_from_hf_config,
     run_unit,
 )
-from sidecar.synthetic import make_hf_config, make_state_dict
 
 DATA = Path(__file__).parent / "data"
 FORMATS = [f.value for f in Format]
@@ -41,7 +41,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def expected_outputs(state: dict[str, torch.Tensor], fmt: str, keep: set[str] = frozenset()) -> dict:
-    """SPEC §2.3 written out plainly: the outputs in plan order, each quantized with sidecar.quant."""
+    """SPEC §2.3 written out plainly: the outputs in plan order, each quantized with sidecar.numerics.reference."""
     fmt = Format(fmt)
     out: dict[str, torch.Tensor] = {}
 
@@ -97,7 +97,7 @@ def assert_outputs_equal(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_convert_matches_direct_quantization(model_type, fmt):
-    """Every output equals sidecar.quant applied to its source slice, names and order per SPEC."""
+    """Every output equals sidecar.numerics.reference applied to its source slice, names and order per SPEC."""
     state = make_state_dict(model_type, unaligned=True, seed=3)
     got = convert(state, RefitSpec(model_type=model_type, fmt=fmt))
     assert_outputs_equal(got, expected_outputs(state, fmt))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import plan_cli
-from sidecar.synthetic import make_hf_config
+from sidecar.cli import plan as plan_cli
+from sidecar.cli.demo.synthetic import make_hf_config
 
 DATA = Path(__file__).parent / "data"
 QWEN3_5 = str(DATA / "qwen3.5-35b-a3b.config.json")
@@ -19,7 +19,7 @@ GIB = 2**30
 
 
 def run_plan(*argv: str) -> int:
-    """Parse and run ``refitd plan ARGV`` the way sidecar.cli does."""
+    """Parse and run ``refitd plan ARGV`` the way sidecar.cli.main does."""
     parser = argparse.ArgumentParser(prog="refitd")
     plan_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["plan", *argv])
@@ -113,9 +113,12 @@ def test_usage_errors_exit_2(capsys, tmp_path):
     assert exit_.value.code == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sidecar.demo") is None, reason="sidecar.demo not written yet")
+@pytest.mark.skipif(
+    importlib.util.find_spec("sidecar.cli.demo.colocated") is None,
+    reason="sidecar.cli.demo.colocated not written yet",
+)
 def test_through_the_refitd_entry_point(capsys):
-    from sidecar.cli import main
+    from sidecar.cli.main import main
 
     assert main(["plan", QWEN3, "--format", "mxfp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "mxfp8"

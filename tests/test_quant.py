@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from quant_cases import CASES, Case
 
-from sidecar import quant
-from sidecar.formats import FP8_DTYPE, Format
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import FP8_DTYPE, Format
 
 
 def _with_out(fn, scale_shape, scale_dtype):

@@ -32,8 +32,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from sidecar import ray as refitd_ray  # noqa: E402
-from sidecar.config import ConfigError, NodeLayout, NodeRole, load_config  # noqa: E402
-from sidecar.synthetic import make_hf_config  # noqa: E402
+from sidecar.cli.demo.synthetic import make_hf_config  # noqa: E402
+from sidecar.config.settings import ConfigError, NodeLayout, NodeRole, load_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +44,7 @@ DEADLINE_S = 60.0
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
-    from sidecar.synthetic import make_state_dict
+    from sidecar.cli.demo.synthetic import make_state_dict
 
     return make_state_dict("qwen3_5_moe", seed=500 + step, **MODEL)
 
@@ -98,7 +98,7 @@ class Trainer:
         return refitd_ray.refitd_info(self.group)["node_id"]
 
     def push(self, steps: list[int]) -> list[int]:
-        from sidecar.client import RefitClient
+        from sidecar.client.client import RefitClient
 
         endpoint = refitd_ray.refitd_endpoint(self.group)
         with RefitClient(endpoint, rank=0, world_size=1, timeout=60) as client:
@@ -108,7 +108,7 @@ class Trainer:
 
     def start_load(self, first: int, count: int) -> None:
         """Push steps ``first, first+1, ...`` in the background until one fails or ``count`` are done."""
-        from sidecar.client import RefitClient
+        from sidecar.client.client import RefitClient
 
         endpoint = refitd_ray.refitd_endpoint(self.group)
 
@@ -143,7 +143,7 @@ class Engine:
 
     def load(self, min_step: int) -> dict:
         from adapters.base import RefitReader
-        from sidecar.plan import RefitSpec, convert
+        from sidecar.plan.build import RefitSpec, convert
 
         info = refitd_ray.refitd_info(self.group)
         with RefitReader(info["endpoint"], name="ray-engine", timeout=60) as reader:
@@ -453,7 +453,7 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
     byte for byte by an engine actor on the inference node, from that node's own endpoint. When a
     second inference node joins, reconciliation gives it a daemon and restarts the trainer daemons
     with both peers: the next step reaches both."""
-    from sidecar.keygen import write_keypair
+    from sidecar.cli.keygen import write_keypair
 
     key, pub = write_keypair(base, "node")
     keys = ["--curve-secret-key", str(key), "--curve-allowed-keys", str(pub), "--curve-server-key", str(pub)]

@@ -33,11 +33,11 @@ from daemons import RunningDaemon
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine
-from sidecar.client import DaemonRestarted, RefitClient, Shard
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.keygen import client_curve, write_keypair
+from sidecar.client.client import DaemonRestarted, RefitClient, Shard
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.keygen import client_curve, write_keypair
-from sidecar.plan import RefitSpec, convert
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.plan.build import RefitSpec, convert
 from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
+from sidecar.client.client import RefitClient
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.synthetic import make_hf_config, make_state_dict, shard_for_rank
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = dict(num_layers=2, num_experts=4, unaligned=True)

@@ -128,7 +128,7 @@ class Job:
         self.run_base.mkdir()
         config = out / "config.json"
         if not config.exists():
-            from sidecar.synthetic import make_hf_config
+            from sidecar.cli.demo.synthetic import make_hf_config
 
             config.write_text(json.dumps(make_hf_config(MODEL, num_layers=2, num_experts=8)))
         (out / "command.sh").write_text("set -euo pipefail\n" + command)

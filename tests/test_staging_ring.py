@@ -1,5 +1,5 @@
-"""Staging as a ring of regions: the bookkeeping (``transport.staging_ring``), the layer groups and
-the daemon's ring (``sidecar.staging``), and whole steps streamed through one or more regions by
+"""Staging as a ring of regions: the bookkeeping (``sidecar.daemon.memory.ring``), the layer groups and
+the daemon's ring (``sidecar.daemon.memory.staging``), and whole steps streamed through one or more regions by
 local and remote ranks at once, byte-exact against ``convert()``, with failures mid-stream.
 
 The daemon runs in a thread of the test process (its real serve loop, sockets and shared memory);
@@ -20,15 +20,21 @@ import torch
 from daemons import daemon_factory
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient, Shard
-from sidecar.config import DEFAULT_GPU_REGIONS, ArenaKind, ConfigError, DaemonConfig, prepare_runtime_dir
-from sidecar.daemon import Daemon
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient, Shard
+from sidecar.config.settings import (
+    DEFAULT_GPU_REGIONS,
+    ArenaKind,
+    ConfigError,
+    DaemonConfig,
+    prepare_runtime_dir,
+)
+from sidecar.daemon.loop import Daemon
+from sidecar.daemon.memory.ring import RingError, SlotState, StagingRing
+from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan import RefitPlan, RefitSpec, convert, plan_from_hf_config
-from sidecar.staging import RingStaging, region_size, ring_groups
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.plan.build import RefitPlan, RefitSpec, convert, plan_from_hf_config
 from transport.shm import ALIGN, ShmSegment
-from transport.staging_ring import RingError, SlotState, StagingRing
 from transport.wire import Kind
 
 DATA = Path(__file__).parent / "data"
@@ -38,7 +44,7 @@ SPEC = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
 
 
 # --------------------------------------------------------------------------------------------------
-# the ring's bookkeeping (transport.staging_ring)
+# the ring's bookkeeping (sidecar.daemon.memory.ring)
 
 
 def test_ring_cycle_and_offsets():
@@ -159,7 +165,7 @@ def test_ring_rejects_bad_geometry():
 
 
 # --------------------------------------------------------------------------------------------------
-# layer groups and the daemon's ring (sidecar.staging)
+# layer groups and the daemon's ring (sidecar.daemon.memory.staging)
 
 
 def small_plan(fmt: str = "block_fp8") -> RefitPlan:
@@ -415,7 +421,7 @@ def test_a_configured_staging_too_small_for_a_layer_group_stops_the_daemon_namin
     )
     prepare_runtime_dir(config)
     instance = f"{random.getrandbits(64):016x}"
-    monkeypatch.setattr("sidecar.daemon.secrets.token_hex", lambda n: instance)
+    monkeypatch.setattr("sidecar.daemon.loop.secrets.token_hex", lambda n: instance)
     made = []
     real_create = ShmSegment.create
     monkeypatch.setattr(
@@ -472,7 +478,7 @@ def test_more_regions_than_groups_cost_no_memory():
     ring = RingStaging(plan, regions=len(groups) + 5, capacity=len(groups) * region_size(groups))
     assert ring.regions == len(groups) and ring.region_bytes == region_size(groups)
     assert [g for g, _ in ring.start()] == list(range(len(groups)))
-    from sidecar.generations import Arenas
+    from sidecar.daemon.memory.generations import Arenas
 
     arenas = Arenas.for_plan(
         f"refitd-test-{random.getrandbits(32):08x}", plan, staging_regions=len(groups) + 5

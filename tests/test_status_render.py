@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.serve_cli import render_status
+from sidecar.cli.serve import render_status
 
 
 def test_status_table_names_everything_an_operator_asks_about():

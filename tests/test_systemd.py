@@ -24,10 +24,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from sidecar.config import ENV_PREFIX, NON_SETTING_ENV, DaemonConfig, load_config
+from sidecar.cli.demo.synthetic import make_hf_config
+from sidecar.config.settings import ENV_PREFIX, NON_SETTING_ENV, DaemonConfig, load_config
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.synthetic import make_hf_config
-from sidecar.systemd import SystemdNotifier, describe, sd_notify, watchdog_interval
+from sidecar.ops.systemd import SystemdNotifier, describe, sd_notify, watchdog_interval
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "refitd.service"
@@ -218,7 +218,7 @@ def test_describe_counts_engines():
 
 def test_serve_watches_with_systemd_only_under_systemd(tmp_path, monkeypatch):
     """``refitd serve``'s observers include the notifier only when ``$NOTIFY_SOCKET`` is set."""
-    from sidecar.serve_cli import make_observers
+    from sidecar.cli.serve import make_observers
 
     config_json = tmp_path / "config.json"
     config_json.write_text(json.dumps(make_hf_config(MODEL, **MODEL_ARGS)))
@@ -247,8 +247,8 @@ def test_serve_notifies_ready_watchdog_status_and_stopping(tmp_path, notify_sock
     """A real ``refitd serve`` with a 0.2 s watchdog: READY=1 (with a STATUS) once it listens,
     WATCHDOG=1 pings, a STATUS naming the step once a trainer rank published step 1, then after
     SIGTERM a STOPPING=1, a clean exit 0, and no ping after STOPPING."""
-    from sidecar.client import RefitClient
-    from sidecar.synthetic import make_state_dict
+    from sidecar.cli.demo.synthetic import make_state_dict
+    from sidecar.client.client import RefitClient
 
     config_json = tmp_path / "config.json"
     config_json.write_text(json.dumps(make_hf_config(MODEL, **MODEL_ARGS)))
@@ -309,7 +309,7 @@ def test_serve_outside_systemd_sends_nothing(tmp_path, notify_socket):
     argv = [
         sys.executable,
         "-m",
-        "sidecar.cli",
+        "sidecar.cli.main",
         "serve",
         "--hf-config",
         str(config_json),

@@ -1,4 +1,4 @@
-"""Per-step timelines (sidecar.timeline): a real serve loop in a thread of the test process, a
+"""Per-step timelines (sidecar.ops.timeline): a real serve loop in a thread of the test process, a
 trainer rank and an engine worker; each step's file is read back as a Chrome trace."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import torch
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine
-from sidecar.client import RefitClient
-from sidecar.config import ConfigError, DaemonConfig, prepare_runtime_dir
-from sidecar.daemon import Daemon
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient
+from sidecar.config.settings import ConfigError, DaemonConfig, prepare_runtime_dir
+from sidecar.daemon.loop import Daemon
+from sidecar.daemon.step import StepState
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.formats import Format
-from sidecar.step import StepState
-from sidecar.synthetic import make_hf_config, make_state_dict
-from sidecar.timeline import (
+from sidecar.numerics.formats import Format
+from sidecar.ops.timeline import (
     FIRST_ENGINE_TID,
     PHASES_TID,
     STEP_TID,

@@ -3,7 +3,7 @@
 An ``ipc://`` control socket is a file, and its mode is what the kernel checks when a process
 connects. ZeroMQ creates it with ``bind(2)``, whose mode is ``0777`` less the process umask: under
 ``umask 0`` any local user that can reach the directory could connect. The runtime directory is
-0700 (``sidecar.config.prepare_runtime_dir``), but the socket itself must not depend on that, so
+0700 (``sidecar.config.settings.prepare_runtime_dir``), but the socket itself must not depend on that, so
 :func:`bind_control` narrows it to ``0600`` right after binding, whatever the umask, and checks it::
 
     bind_control(router, "ipc:///run/user/1000/refitd/control.sock")

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from sidecar.config import (
+from sidecar.config.settings import (
     DaemonConfig,
     NodeLayout,
     NodeRole,

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from sidecar.config import (
+from sidecar.config.settings import (
     EXIT_CONFIG,
     DaemonConfig,
     NodeLayout,
@@ -126,7 +126,7 @@ class NodeDaemon:
         max_restarts: int = 5,
         restart_window_s: float = 300.0,
     ) -> None:
-        from sidecar.logs import setup_logging
+        from sidecar.ops.logs import setup_logging
 
         self.base = DaemonConfig(**base)
         setup_logging(self.base.log_format.value, self.base.log_level.level)
@@ -161,7 +161,7 @@ class NodeDaemon:
         self._thread.start()
 
     def _port(self) -> int:
-        from sidecar.config import split_host_port, tcp_host
+        from sidecar.config.settings import split_host_port, tcp_host
 
         if self.base.listen and tcp_host(self.base.listen) is not None:
             return split_host_port(self.base.listen.partition("://")[2])[1]  # a fixed port, every node
@@ -331,8 +331,8 @@ class NodeDaemon:
 
     def _probe(self, proc: subprocess.Popen) -> bool:
         """Ask ``refitd status`` until it answers (READY) or the child exits; True when ready."""
+        from sidecar.cli.serve import query_status
         from sidecar.errors import RefitError
-        from sidecar.serve_cli import query_status
 
         endpoint = default_listen(self.config.runtime_dir)
         while proc.poll() is None and not self._stop.is_set():

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sidecar.config import (
+from sidecar.config.settings import (
     CONFIG_ENV,
     ENV_PREFIX,
     DaemonConfig,
@@ -38,7 +38,7 @@ def ray_config(
     """The ``refitd serve`` settings for every node, read here on the driver: ``argv`` are
     ``refitd serve`` flags, ``env`` (default ``os.environ``) the ``REFITD_*`` variables and
     ``REFITD_CONFIG``, ``file`` the config file when neither ``--config`` nor ``REFITD_CONFIG``
-    names one. Raises :class:`sidecar.config.ConfigError` listing every problem."""
+    names one. Raises :class:`sidecar.config.settings.ConfigError` listing every problem."""
     return load_config(list(argv), env=env, file=file)
 
 

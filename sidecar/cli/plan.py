@@ -1,0 +1,182 @@
+"""``refitd plan CONFIG.json --format FMT``: what a refit of this model would publish, without weights.
+
+Builds the plan on the parameter list the config describes (names and shapes only), then prints
+what is quantized and what passes through, bytes in and out per layer, totals with the in/out
+ratio, and the largest tensors. ``--json`` prints the same data as one JSON object.
+
+Exit codes: 0 ok; 1 the plan cannot be built (the message says why); 2 usage (unreadable file, bad
+JSON, unknown format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from sidecar.numerics.formats import Format
+from sidecar.plan.build import RefitSpec, plan_from_hf_config
+from sidecar.plan.models import model_type_of
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``1.50 GiB``)."""
+    for unit, size in _UNITS:
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _format_arg(value: str) -> Format:
+    try:
+        return Format.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count_arg(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a layer count >= 0")
+    return n
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show what a refit of a model would quantize and publish (no weights needed)",
+        description=__doc__.split("\n\n")[1],
+    )
+    parser.add_argument("config", metavar="CONFIG.json", help="the model's Hugging Face config.json")
+    parser.add_argument(
+        "--format",
+        required=True,
+        type=_format_arg,
+        metavar="FMT",
+        help=f"target format of the routed experts: {', '.join(f.value for f in Format)}",
+    )
+    parser.add_argument(
+        "--first-bf16", type=_count_arg, default=0, metavar="N", help="first N layers in BF16"
+    )
+    parser.add_argument("--last-bf16", type=_count_arg, default=0, metavar="N", help="last N layers in BF16")
+    parser.add_argument(
+        "--ignore",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="fnmatch patterns over module names whose routed experts stay BF16",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise _UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _UsageError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise _UsageError(f"{path} holds a JSON {type(config).__name__}, not a config object")
+    return config
+
+
+class _UsageError(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _read_config(args.config)
+    except _UsageError as exc:
+        print(f"refitd plan: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        spec = RefitSpec(
+            model_type=model_type_of(config),
+            fmt=args.format,
+            num_first_layers_in_bf16=args.first_bf16,
+            num_last_layers_in_bf16=args.last_bf16,
+            ignore_patterns=tuple(args.ignore),
+        )
+        summary = plan_from_hf_config(config, spec).summary()
+    except ValueError as exc:
+        print(f"refitd plan: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    summary["config"] = str(args.config)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(render_text(summary))
+    return EXIT_OK
+
+
+def render_text(s: dict[str, Any]) -> str:
+    """The human-readable report of a plan summary."""
+    q, totals = s["quantized"], s["totals"]
+    ignore = ", ".join(s["ignore_patterns"]) or "none"
+    lines = [
+        f"refitd plan: {s['config']}",
+        f"model {s['model_type']}, {s['num_hidden_layers']} layers; routed experts -> {s['format']}",
+        f"BF16 exclusions: first {s['num_first_layers_in_bf16']}, last {s['num_last_layers_in_bf16']} "
+        f"layers; ignore patterns: {ignore}",
+        "",
+        "quantized (routed experts):",
+        f"  {q['slabs']} grouped slabs + {q['expert_tensors']} per-expert tensors -> {q['weights']} FP8 weights",
+        f"  {q['params']:,} params: {human_bytes(q['bytes_in'])} in -> {human_bytes(q['bytes_out'])} out",
+    ]
+    kept = s["kept_bf16_experts"]
+    if kept:
+        reasons = ", ".join(f"{k} {v}" for k, v in kept.items())
+        lines.append(f"routed-expert tensors kept BF16: {sum(kept.values())} ({reasons})")
+    lines.append("passthrough (bit for bit):")
+    for kind, row in s["passthrough"].items():
+        lines.append(f"  {kind:<22} {row['tensors']:>7} tensors  {human_bytes(row['bytes']):>12}")
+    lines += [
+        "",
+        f"  {'layer':<7} {'bytes in':>12} {'bytes out':>12} {'out/in':>7} {'quantized':>9} {'passthru':>8}",
+    ]
+    for row in s["layers"]:
+        ratio = row["bytes_out"] / row["bytes_in"] if row["bytes_in"] else 0.0
+        lines.append(
+            f"  {row['layer']:<7} {human_bytes(row['bytes_in']):>12} {human_bytes(row['bytes_out']):>12} "
+            f"{ratio:>7.3f} {row['quantized_inputs']:>9} {row['passthrough_inputs']:>8}"
+        )
+    counts = s["counts"]
+    lines += [
+        "",
+        f"total: {human_bytes(totals['bytes_in'])} in ({counts['inputs']} tensors) -> "
+        f"{human_bytes(totals['bytes_out'])} out ({counts['outputs']} tensors), out/in {totals['ratio']:.3f}",
+        f"routed-expert params: {s['routed_expert_params']:,}",
+    ]
+    m = s["memory"]
+    gens = m["generations"] * m["generation"]
+    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} groups (cuda default)"
+    lines += [
+        "",
+        f"daemon memory: {m['generations']} generations of {human_bytes(m['generation'])}, plus staging:",
+        f"  {'':<50} {'staging':>12} {'in all':>12}",
+        f"  {'whole steps (staging_regions = 0; shm default)':<50} {human_bytes(m['staging_whole']):>12} "
+        f"{human_bytes(m['staging_whole'] + gens):>12}",
+        f"  {ring:<50} {human_bytes(m['staging_ring']):>12} {human_bytes(m['staging_ring'] + gens):>12}",
+        "",
+        "largest inputs:",
+    ]
+    for t in s["largest"]:
+        shape = "x".join(map(str, t["shape"]))
+        lines.append(
+            f"  {human_bytes(t['nbytes']):>12}  {t['action']:<11} {t['name']} [{shape}] {t['dtype']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""``refitd serve`` and ``refitd status``.
+
+Exit codes of ``refitd serve`` (the unit file's ``RestartPreventExitStatus=`` uses the first):
+
+====  ==========================================================================================
+78    configuration error (EX_CONFIG): bad flags, variables or file; fix them, restarting won't help
+1     runtime failure: the daemon could not start (e.g. no shared memory) or failed while serving
+0     clean shutdown (SIGTERM / SIGINT): every segment unlinked, every in-flight step answered
+2     command-line usage error (argparse)
+====  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+
+from sidecar.config.settings import (
+    EXIT_CONFIG,
+    ConfigError,
+    add_serve_arguments,
+    config_from_args,
+    prepare_runtime_dir,
+)
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.ops.logs import setup_logging
+
+log = logging.getLogger("refitd.serve")
+
+DUPLICATE_SIGNAL_S = 1.0  # a second stop signal sooner than this is the same request
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
+    status = sub.add_parser("status", help="ask a running daemon how it is doing")
+    status.add_argument(
+        "--listen", "--endpoint", dest="endpoint", default=None, help="the daemon's control endpoint"
+    )
+    status.add_argument("--runtime-dir", default=None, help="find the endpoint in this runtime directory")
+    status.add_argument("--json", action="store_true", help="print the raw status object")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(run=run_status)
+    return serve
+
+
+@contextlib.contextmanager
+def stop_signals(on_stop, on_reload=None) -> Iterator[None]:
+    """SIGTERM/SIGINT ask the daemon to stop (handlers only set flags; the loop acts); a second one,
+    more than ``DUPLICATE_SIGNAL_S`` after the first (Slurm may deliver two at once), forces an exit.
+    SIGHUP asks the loop to reload what can change safely."""
+    seen: list[float] = []
+
+    def handler(signum, frame):
+        now = time.monotonic()
+        if seen and now - seen[0] > DUPLICATE_SIGNAL_S:
+            log.error("second %s: exiting at once", signal.Signals(signum).name)
+            raise SystemExit(EXIT_FAILURE)
+        if not seen:
+            on_stop()
+        seen.append(now)
+
+    def reload(signum, frame):
+        if on_reload is not None:
+            on_reload()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def make_observers(config) -> list:
+    """The operations features watching this daemon (systemd notify, metrics, timelines)."""
+    from sidecar.ops.systemd import SystemdNotifier
+
+    observers: list = []
+    notifier = SystemdNotifier(os.environ)  # the one read of $NOTIFY_SOCKET / $WATCHDOG_*
+    if notifier.enabled:  # under systemd only; otherwise nothing is sent
+        observers.append(notifier)
+    if config.metrics_listen is not None:
+        from sidecar.ops.metrics import MetricsObserver  # prometheus_client loads only when asked for
+
+        observers.append(MetricsObserver.from_config(config))
+    if config.timeline_dir is not None:
+        from sidecar.ops.timeline import TimelineObserver
+
+        observers.append(TimelineObserver(config.timeline_dir))
+    return observers
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        prepare_runtime_dir(config)
+    except ConfigError as exc:
+        print(f"refitd: configuration error:\n{exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config.log_format.value, config.log_level.level)
+    from sidecar.daemon.loop import Daemon  # torch and zmq load only for a valid config
+
+    try:
+        daemon = Daemon(config, observers=make_observers(config))
+    except (RefitError, ValueError) as exc:
+        kind = getattr(exc, "kind", None)
+        print(f"refitd: cannot start: {exc}", file=sys.stderr)
+        return (
+            EXIT_CONFIG
+            if kind in (ErrorKind.INVALID, ErrorKind.CAPACITY) or isinstance(exc, ValueError)
+            else EXIT_FAILURE
+        )
+    except OSError as exc:
+        print(f"refitd: cannot allocate shared memory: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        with stop_signals(daemon.request_stop, lambda: daemon.request_reload(lambda: config_from_args(args))):
+            daemon.start()
+            daemon.serve_forever()
+    except Exception:
+        log.exception("refitd failed while serving")
+        return EXIT_FAILURE
+    finally:
+        daemon.close()
+    log.info("refitd stopped cleanly")
+    return EXIT_OK
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from sidecar.config.settings import default_listen, default_runtime_dir
+
+    endpoint = args.endpoint
+    if endpoint is None:
+        runtime = args.runtime_dir or default_runtime_dir(os.environ)
+        endpoint = default_listen(runtime)
+    try:
+        status = query_status(endpoint, timeout=args.timeout)
+    except RefitError as exc:
+        print(f"refitd status: no daemon answered at {endpoint}: {exc.message}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return EXIT_OK
+    print(render_status(status))
+    return EXIT_OK
+
+
+#: what ``adapters.base.RefitReader`` accepts from the daemon (a status with many steps is large)
+_STATUS_HEADER_BYTES = 256 << 20
+
+
+def query_status(endpoint: str, timeout: float) -> dict:
+    """The daemon's STATUS_REPLY fields: what ``adapters.base.RefitReader(endpoint).status(timeout)``
+    returns, with the same messages on the wire, but importing only pyzmq and ``transport.wire``.
+    The reader imports torch and the arena code, seconds that ``refitd status`` (polled by readiness
+    checks) must not spend. Raises ``RefitError`` (``TIMEOUT``) when nothing answers in time."""
+    import zmq
+
+    from transport.wire import Kind, Limits, Message, decode, encode
+
+    limits = Limits(max_header_bytes=_STATUS_HEADER_BYTES)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+
+    def courtesy(kind: Kind, fields: dict) -> None:  # never blocks: dropped if no connection came up
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            sock.send_multipart(encode(Message(kind, fields)), zmq.NOBLOCK)
+
+    try:
+        deadline = time.monotonic() + timeout
+        sock.send_multipart(encode(Message(Kind.STATUS, {})))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                courtesy(Kind.WAIT, {"cancel": True})
+                raise RefitError(
+                    f"no answer from {endpoint} within the timeout while waiting for STATUS_REPLY",
+                    kind=ErrorKind.TIMEOUT,
+                )
+            if sock.poll(int(min(left, 1.0) * 1000)):
+                msg = decode(sock.recv_multipart(copy=False), limits)
+                if msg.kind is Kind.STATUS_REPLY:
+                    return msg.fields
+    finally:
+        courtesy(Kind.DETACH, {})
+        sock.close(linger=100)
+        ctx.term()
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def render_status(s: dict) -> str:
+    lines = [
+        f"refitd {s['instance']} pid {s['pid']} on {s['host']}, listening on {s['listen']}",
+        f"format {s['format']}, world_size {s['world_size']}, last published step {s['last_step']}",
+    ]
+    if q := s.get("quantizer"):
+        how = (
+            f"triton kernels on {q['device']} ({q['compiled']} specialisations compiled in {q['seconds']:.1f} s)"
+            if q["impl"] == "triton"
+            else f"torch reference on {q['device']} ({q['reason']})"
+        )
+        lines.append(f"quantizer: {how}")
+    if s.get("step_in_progress"):
+        p = s["step_in_progress"]
+        lines.append(f"step {p['step']} in progress: begun {p['begun']}, committed {p['committed']}")
+    lines.append(f"{'generation':<12}{'step':>8}{'holders':>9}  segment")
+    for g in s.get("generations", []):
+        live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
+        lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
+    staging = s.get("staging") or {}
+    ring = staging.get("ring")
+    if ring:
+        held = ", ".join(ring.get("held") or []) or "none"
+        lines.append(
+            f"staging: ring of {ring['regions']} x {_mib(ring['region_bytes'])} for {ring['groups']} layer "
+            f"groups ({_mib(staging['bytes'])}); held now: {held}"
+        )
+    elif staging:
+        lines.append(f"staging: whole steps ({_mib(staging['bytes'])})")
+    lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
+    for e in s.get("engines", []):
+        lines.append(
+            f"  engine {e['name']}: {e['engine']} {e['version']}, MoE backend {e['moe_backend']}, "
+            f"experts {e['expert_format']}"
+        )
+    for name, peer in (s.get("peers") or {}).items():
+        lines.append(f"  peer {name}: {peer}")
+    for h in s.get("history", [])[-5:]:
+        secs = " ".join(f"{k}={v:.3f}s" for k, v in h["seconds"].items())
+        lines.append(f"  step {h['step']}: {h['bytes_in']} B in, {h['bytes_out']} B out; {secs}")
+    from transport.gpus import GpuInfo, render_gpus
+
+    gpus = [GpuInfo.from_wire(g) for g in s.get("gpus", [])]
+    lines.append(render_gpus(gpus, s.get("arenas", []), reason=s.get("gpus_reason")))
+    return "\n".join(lines)

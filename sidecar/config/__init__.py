@@ -1,0 +1,1 @@
+"""The daemon's settings: file, `REFITD_*` variables, flags; one frozen config."""

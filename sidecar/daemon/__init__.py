@@ -1,0 +1,1 @@
+"""The daemon: serve loop, peers, steps, coverage, trainer and engine handling, worker."""

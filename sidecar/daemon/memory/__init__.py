@@ -1,0 +1,1 @@
+"""The daemon's memory: published generations, staging and the staging ring."""

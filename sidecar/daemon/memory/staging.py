@@ -1,0 +1,256 @@
+"""Staging as a ring: a step streams through a few regions, one layer group at a time.
+
+Whole-step staging holds every BF16 input of a step at once: 67 GB for a Qwen3.5-35B-A3B, which
+is a GPU's worth of memory on a colocated node. With ``staging_regions = R`` the staging arena is
+``R`` regions, each big enough for the largest *group* (the inputs of one decoder layer, or one
+non-layer tensor such as the embedding), and the step goes through them in plan order:
+
+    daemon                                     trainer ranks (every rank with pieces in group g)
+    READY {ring, placement: [group, rel]}  ->
+    SLOT {group g, offset}  (R groups at once) ->  write pieces at offset + rel, PIECE_DONE
+    group g complete: its units run from the region
+    last unit of g done (GPU: synchronized)
+    region freed, SLOT {group g + R, offset} ->  ...
+
+Groups are granted in plan order and every rank that holds part of a granted group is told, so a
+granted group can always complete: no rank waits on a region another rank's later group holds.
+Staging then needs ``R x largest group`` bytes instead of the whole step (``R = 4``: 7 GB for
+Qwen3.5-35B-A3B), and a region is refilled while the daemon quantizes the ones behind it.
+
+Pure bookkeeping over byte offsets (``sidecar.daemon.memory.ring``): the arena turns an offset into a
+tensor with ``arena.view``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from sidecar.daemon.memory.ring import RingError, RingSlot, StagingRing
+from sidecar.plan.build import RefitPlan
+from transport.shm import ALIGN, Layout
+
+__all__ = ["Group", "RingStaging", "ring_groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Inputs staged together: every unit reading one of them reads only inputs of this group."""
+
+    index: int
+    label: str  # "layer 3", "mtp.0", or the tensor's name
+    inputs: tuple[str, ...]  # plan order
+    units: tuple[int, ...]
+    layout: Layout  # offsets from the start of the region
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+
+def ring_groups(plan: RefitPlan) -> list[Group]:
+    """The plan's inputs cut into groups: one per decoder (or MTP) layer, one per other unit,
+    merged wherever units share an input; in plan input order."""
+    parent: dict[object, object] = {}
+
+    def find(key: object) -> object:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    unit_key: dict[int, object] = {}
+    for unit in plan.units:
+        key = ("layer", unit.layer) if unit.layer is not None else ("unit", unit.index)
+        unit_key[unit.index] = key
+        for name in unit.inputs:
+            a, b = find(key), find(("input", name))
+            if a != b:
+                parent[b] = a
+    members: dict[object, list[str]] = {}
+    order: list[object] = []
+    specs = {i.name: i for i in plan.inputs}
+    for spec in plan.inputs:
+        if ("input", spec.name) not in parent:
+            raise ValueError(f"input {spec.name!r} is read by no unit of the plan; it cannot be staged")
+        root = find(("input", spec.name))
+        if root not in members:
+            members[root] = []
+            order.append(root)
+        members[root].append(spec.name)
+    units: dict[object, list[int]] = {}
+    for index, key in unit_key.items():
+        units.setdefault(find(key), []).append(index)
+    groups = []
+    for gi, root in enumerate(order):
+        names = tuple(members[root])
+        layout = Layout.build((n, specs[n].dtype, specs[n].shape) for n in names)
+        groups.append(Group(gi, _label(root, names), names, tuple(sorted(units[root])), layout))
+    return groups
+
+
+def _label(root: object, names: tuple[str, ...]) -> str:
+    kind, value = root  # type: ignore[misc]
+    if kind == "layer":
+        return f"layer {value[0]}.{value[1]}" if isinstance(value, tuple) else f"layer {value}"
+    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
+
+
+def region_size(groups: Iterable[Group]) -> int:
+    """The smallest region that holds every group, rounded up to the arena alignment."""
+    largest = max((g.nbytes for g in groups), default=0)
+    return max(ALIGN, -(-largest // ALIGN) * ALIGN)
+
+
+@dataclass(slots=True)
+class _Grant:
+    slot: RingSlot
+    complete: set[str] = field(default_factory=set)  # inputs whose bytes are all in
+    submitted: int = 0  # units handed to the worker
+    done: int = 0  # units reported back
+    filled: bool = False
+
+
+class RingStaging:
+    """One daemon's staging ring for a plan: which group owns which region, and when it frees.
+
+    ``start()`` at READY; then ``tensor_complete``/``unit_submitted``/``unit_done`` as the step
+    goes; each call that frees a region returns the new ``(group, slot)`` grants to announce.
+    ``reset()`` when a step ends early. Raises ValueError (naming sizes) when a region cannot hold
+    the plan's largest group.
+    """
+
+    def __init__(self, plan: RefitPlan, *, regions: int, capacity: int):
+        if regions < 1:
+            raise ValueError(f"a staging ring needs at least 1 region, got staging_regions={regions}")
+        self.groups = ring_groups(plan)
+        regions = min(regions, max(1, len(self.groups)))  # a region per group at most: more sit idle
+        region_bytes = (capacity // regions) // ALIGN * ALIGN
+        largest = max(self.groups, key=lambda g: g.nbytes, default=None)
+        if largest is not None and largest.nbytes > region_bytes:
+            need = region_size(self.groups) * regions
+            raise ValueError(
+                f"the staging arena holds {capacity} bytes: {regions} regions of {region_bytes} bytes, but "
+                f"group {largest.label!r} needs {largest.nbytes} bytes in one region; raise staging_bytes "
+                f"to at least {need} (or leave it unset so the daemon sizes itself), or use fewer regions"
+            )
+        self.regions, self.region_bytes = regions, region_bytes
+        self.ring = StagingRing(regions=regions, region_bytes=region_bytes)
+        self.group_of = {name: g.index for g in self.groups for name in g.inputs}
+        self.unit_group = {u: g.index for g in self.groups for u in g.units}
+        self.grants: dict[int, _Grant] = {}
+        self.residents: dict[int, int] = {}  # region index -> the group whose bytes it last held
+
+    @property
+    def size(self) -> int:
+        return self.ring.size
+
+    def wire(self) -> dict[str, int]:
+        """READY's ``ring`` field."""
+        return {"regions": self.regions, "region_bytes": self.region_bytes, "groups": len(self.groups)}
+
+    def placement(self, name: str) -> tuple[int, int]:
+        """(group, byte offset of tensor ``name`` from its region's start)."""
+        group = self.groups[self.group_of[name]]
+        return group.index, group.layout.slots[name].offset
+
+    def start(self) -> list[tuple[int, RingSlot]]:
+        """A new step: every group queued in plan order; returns the first ``regions`` grants."""
+        self.reset()
+        grants = []
+        for g in self.groups:
+            slot = self.ring.claim(owner=g.index)
+            if slot is not None:
+                grants.append(self._granted(slot))
+        return grants
+
+    def reset(self) -> None:
+        self.ring.reset()
+        self.grants.clear()
+        self.residents.clear()
+
+    def resident(self, name: str) -> bool:
+        """True while some region holds input ``name``'s bytes of the last step (or the current one)."""
+        return self.group_of.get(name) in self.residents.values()
+
+    def resident_view(self, arena, name: str) -> torch.Tensor:
+        """Input ``name`` where its group was last staged (``resident(name)`` must hold)."""
+        gi = self.group_of[name]
+        region = next(r for r, g in self.residents.items() if g == gi)
+        return self._at(arena, self.ring.slots[region].offset, gi, name)
+
+    def granted(self, group: int) -> bool:
+        return group in self.grants
+
+    def held(self) -> list[str]:
+        """The groups holding a region now (status)."""
+        return [self.groups[g].label for g in sorted(self.grants)]
+
+    def view(self, arena, name: str) -> torch.Tensor:
+        """Input ``name`` in its group's region; ValueError if that group holds no region now."""
+        gi = self.group_of[name]
+        grant = self.grants.get(gi)
+        if grant is None:
+            raise ValueError(
+                f"{name!r} belongs to {self.groups[gi].label}, which holds no staging region now"
+            )
+        return self._at(arena, grant.slot.offset, gi, name)
+
+    def _at(self, arena, region_offset: int, gi: int, name: str) -> torch.Tensor:
+        s = self.groups[gi].layout.slots[name]
+        return arena.view(region_offset + s.offset, s.dtype, s.shape)
+
+    def tensor_complete(self, name: str) -> None:
+        """Every byte of input ``name`` arrived: its group is FILLED once all its inputs are."""
+        gi = self.group_of[name]
+        grant = self.grants.get(gi)
+        if grant is None:  # a zero-byte input completes at READY; counted again when granted
+            return
+        grant.complete.add(name)
+        self._maybe_fill(gi, grant)
+
+    def unit_submitted(self, unit: int) -> bool:
+        """Count a unit handed to the worker; True if it is the group's last (sync after it)."""
+        grant = self.grants[self.unit_group[unit]]
+        grant.submitted += 1
+        return grant.submitted == len(self.groups[self.unit_group[unit]].units)
+
+    def unit_done(self, unit: int) -> list[tuple[int, RingSlot]]:
+        """A unit finished; when it was its group's last, free the region and return new grants."""
+        gi = self.unit_group[unit]
+        grant = self.grants.get(gi)
+        if grant is None:
+            return []
+        grant.done += 1
+        if grant.done < len(self.groups[gi].units):
+            return []
+        if not grant.filled:  # cannot happen: units run on complete inputs; refuse to free early
+            raise ValueError(f"{self.groups[gi].label}: every unit ran before its inputs were complete")
+        del self.grants[gi]
+        return [self._granted(s) for s in self.ring.release(grant.slot.index, grant.slot.ticket)]
+
+    def preload(self, gi: int, complete: Iterable[str]) -> None:
+        """Inputs of a newly granted group that were already complete (zero bytes)."""
+        grant = self.grants[gi]
+        grant.complete.update(n for n in complete if self.group_of.get(n) == gi)
+        self._maybe_fill(gi, grant)
+
+    # ---- internals
+
+    def _granted(self, slot: RingSlot) -> tuple[int, RingSlot]:
+        gi = int(slot.owner)
+        self.grants[gi] = _Grant(slot)
+        self.residents[slot.index] = gi
+        return gi, slot
+
+    def _maybe_fill(self, gi: int, grant: _Grant) -> None:
+        if not grant.filled and len(grant.complete) == len(self.groups[gi].inputs):
+            grant.filled = True
+            self.ring.fill(grant.slot.index, grant.slot.ticket)
+            taken = self.ring.take()  # the only filled region: fills are taken at once
+            if taken is None or taken.index != grant.slot.index:
+                raise RingError(
+                    f"{self.groups[gi].label}: region {grant.slot.index} filled but not the next taken"
+                )

@@ -1,0 +1,1 @@
+"""Operations: observers, systemd notify, metrics, timelines, logs."""

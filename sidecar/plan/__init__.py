@@ -1,0 +1,1 @@
+"""Planning: the model registry, unit building, conversion, attach checks, summaries."""

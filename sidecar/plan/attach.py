@@ -1,0 +1,144 @@
+"""The attach check: the daemon's plan against an engine's manifest, before the first step.
+
+Two rules (../shared/DESIGN.md decision 2):
+
+* the engine decides what is FP8: a routed expert the manifest holds in BF16 is published in BF16
+  (``keep_bf16``), whatever the patterns say;
+* everything else must agree exactly, or the attach is refused with every mismatch listed: a tensor
+  the engine expects that the plan does not publish, a dtype or shape that differs, an expert format
+  the engine's resolved MoE backend does not hold, a shape the backend's kernels cannot take.
+
+Tensors the plan publishes that the engine does not list (an MTP head the engine does not run, a
+vision tower) are reported as warnings: publishing them costs memory, not correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from adapters.manifest import Manifest
+from sidecar.numerics.formats import MX_BLOCK, Format
+from sidecar.plan.build import ExpertProj, RefitPlan, RefitSpec, Role, TensorSpec
+from sidecar.plan.models import get_model
+
+MAX_LISTED = 40
+
+
+@dataclass(slots=True)
+class AttachCheck:
+    plan: RefitPlan | None
+    keep_bf16: frozenset[str]
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def message(self, who: str) -> str:
+        shown = self.errors[:MAX_LISTED]
+        more = len(self.errors) - len(shown)
+        lines = [
+            f"{who}: the engine's manifest does not match the refit plan ({len(self.errors)} mismatches):"
+        ]
+        lines += [f"  - {e}" for e in shown]
+        if more:
+            lines.append(f"  ... and {more} more")
+        lines.append(
+            "  fix: build the engine from the same RefitSpec the daemon runs (adapters.vllm.vllm_engine_args / "
+            "adapters.trtllm.trtllm_llm_args), or change the daemon's format / BF16 exclusions"
+        )
+        return "\n".join(lines)
+
+
+def engine_bf16_modules(manifest: Manifest, model_type: str) -> frozenset[str]:
+    """Module names of the routed experts the engine holds in BF16 (the manifest wins)."""
+    model = get_model(model_type)
+    keep = set()
+    for t in manifest.tensors:
+        if t.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
+            model.slab_re.match(t.name) or model.per_expert_re.match(t.name)
+        ):
+            keep.add(t.name.removesuffix(".weight"))
+    return frozenset(keep)
+
+
+def check_manifest(inputs: Iterable[TensorSpec], spec: RefitSpec, manifest: Manifest) -> AttachCheck:
+    """Plan ``inputs`` under ``spec`` with the manifest's BF16 experts kept, and list every mismatch."""
+    keep = engine_bf16_modules(manifest, spec.model_type)
+    try:
+        plan = RefitPlan.build(list(inputs), spec, keep_bf16=keep)
+    except ValueError as exc:
+        return AttachCheck(None, keep, [f"the plan cannot be built with the engine's BF16 experts: {exc}"])
+    check = AttachCheck(plan, keep)
+    quantized = [o for o in plan.outputs if o.role is Role.WEIGHT]
+    if quantized and manifest.expert_format is not spec.fmt:
+        check.errors.append(
+            f"the engine's routed experts are {manifest.expert_format.value} (MoE backend "
+            f"{manifest.moe_backend or 'unknown'}) but the daemon publishes {spec.fmt.value}"
+        )
+    expected = manifest.by_name()
+    published = {o.name: o for o in plan.outputs}
+    for name, t in expected.items():
+        o = published.get(name)
+        if o is None:
+            check.errors.append(
+                f"{name}: the engine expects {_describe(t.dtype, t.shape)}, the plan does not publish it"
+            )
+        elif o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
+            check.errors.append(
+                f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes {_describe(o.dtype, o.shape)}"
+            )
+    extra = [n for n in published if n not in expected]
+    if extra:
+        check.warnings.append(
+            f"{len(extra)} published tensors are not in the engine's manifest (e.g. {extra[:3]}); they are "
+            "published anyway"
+        )
+    check.errors += constraint_problems(plan, manifest)
+    return check
+
+
+def constraint_problems(plan: RefitPlan, manifest: Manifest) -> list[str]:
+    """Shapes the engine's resolved backend cannot take (``manifest.constraints``, set by adapters).
+
+    Known keys: ``unsupported_formats`` (list of format names), ``mxfp8_align`` and ``block_fp8_align``
+    (every quantized expert dim must be a multiple: e.g. TRT-LLM's CUTLASS MXFP8 packs 4 scales per
+    int32, so H and I must be multiples of 128), ``moe_tp_size`` or else ``tp_size`` (the experts' tensor-parallel
+    split: dims are divided across ranks before the check).
+    """
+    c = manifest.constraints
+    fmt = plan.spec.format
+    problems = []
+    if fmt.value in c.get("unsupported_formats", ()):
+        problems.append(f"the engine's MoE backend {manifest.moe_backend} cannot take {fmt.value} experts")
+    align = {Format.MXFP8: c.get("mxfp8_align"), Format.BLOCK_FP8: c.get("block_fp8_align")}.get(fmt)
+    if align:
+        # the vLLM adapter writes moe_tp_size (1 under expert parallelism), the TRT-LLM one tp_size
+        tp = int(c.get("moe_tp_size", c.get("tp_size", 1)))
+        bad = {}
+        for o in plan.outputs:
+            if o.role is not Role.WEIGHT:
+                continue
+            out_dim, in_dim = o.shape[-2], o.shape[-1]
+            # the intermediate dim is what tensor parallelism splits: rows of gate/up, columns of down
+            split = in_dim if o.proj is ExpertProj.DOWN else out_dim
+            for label, dim in (("out", out_dim), ("in", in_dim)):
+                size = dim // tp if dim == split and tp > 1 else dim
+                if size % align:
+                    bad.setdefault((label, size), o.name)
+        for (label, size), example in list(bad.items())[:MAX_LISTED]:
+            problems.append(
+                f"{example}: {label} dim {size}{' per TP rank' if tp > 1 else ''} is not a multiple of {align}, "
+                f"which {manifest.moe_backend} needs for {fmt.value}"
+            )
+    if fmt is Format.MXFP8 and any(o.shape[-1] % MX_BLOCK for o in plan.outputs if o.role is Role.WEIGHT):
+        problems.append(f"mxfp8 needs every expert's in dim to be a multiple of {MX_BLOCK}")
+    return problems
+
+
+def _describe(dtype: torch.dtype, shape) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"

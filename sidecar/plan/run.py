@@ -1,0 +1,191 @@
+"""Running a plan: :func:`run_unit` into caller buffers, and the in-process :func:`convert` /
+:func:`iter_convert` (also importable from ``sidecar.plan.build``)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from sidecar.numerics import kernels
+from sidecar.numerics import reference as quant
+from sidecar.numerics.formats import Format
+from sidecar.plan.build import OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
+
+__all__ = ["convert", "iter_convert", "run_passthroughs", "run_unit"]
+
+# --------------------------------------------------------------------------------------------------
+# running units
+
+
+def _quantize_group(
+    fmt: Format,
+    group: tuple[OutputSpec, ...],
+    inputs: Mapping[str, torch.Tensor],
+    outputs: Mapping[str, torch.Tensor],
+) -> None:
+    views = [w.source_view(inputs[w.source]) for w in group]
+    if fmt is Format.FP8_PER_TENSOR and len(group) > 1:
+        # the shared scale reads every member, so an error names them all
+        scale = quant.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))
+        for w, view in zip(group, views, strict=True):
+            out = (outputs[w.name], outputs[w.scale_name])
+            quant.quantize_fp8_per_tensor(view, scale=scale, out=out, name=w.name)
+        return
+    for w, view in zip(group, views, strict=True):
+        quant.quantize(view, fmt, out=(outputs[w.name], outputs[w.scale_name]), name=w.name)
+
+
+def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
+    """Compute ``unit`` into the caller's ``outputs`` (a buffer for each of the unit's outputs).
+
+    This is how the daemon writes straight into shared memory. Slab experts are views of the slab,
+    never copies; each projection goes through ``sidecar.numerics.reference`` with ``out=`` and ``name=`` set to
+    its checkpoint name. A passthrough is copied bit for bit (nothing is done if the output buffer
+    already is the input tensor).
+    """
+    lacking = [n for n in unit.inputs if n not in inputs]
+    lacking += [o.name for o in unit.outputs if o.name not in outputs]
+    if lacking:
+        raise ValueError(f"unit {unit.index} ({unit.kind.value}) cannot run: no tensor for {lacking}")
+    if kernels.try_run_unit(unit, inputs, outputs):  # CUDA tensors with Triton: one launch per slab
+        return
+    if unit.fmt is None:
+        for o in unit.outputs:
+            src, dst = inputs[o.source], outputs[o.name]
+            if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"passthrough {o.name!r}: the input is {src.dtype} {tuple(src.shape)} but its output "
+                    f"buffer is {dst.dtype} {tuple(dst.shape)}; allocate outputs from the plan"
+                )
+            if dst is not src:
+                dst.copy_(src)
+        return
+    weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
+    for group in unit.scale_groups:
+        _quantize_group(unit.fmt, tuple(weights[n] for n in group), inputs, outputs)
+
+
+def run_passthroughs(
+    units: Sequence[Unit],
+    inputs: Sequence[Mapping[str, torch.Tensor]],
+    outputs: Sequence[Mapping[str, torch.Tensor]],
+) -> bool:
+    """:func:`run_unit` for many passthrough units at once (``inputs[k]``/``outputs[k]`` are unit
+    k's), with one foreach copy: for many small tensors, where torch's per-call cost dominates.
+
+    Returns False, having copied nothing, when any unit is not a plain passthrough whose buffers
+    match: :func:`run_unit` on each then does the work and names the problem.
+    """
+    srcs, dsts = [], []
+    for unit, ins, outs in zip(units, inputs, outputs, strict=True):
+        if unit.fmt is not None:
+            return False
+        for o in unit.outputs:
+            src, dst = ins.get(o.source), outs.get(o.name)
+            if src is None or dst is None or src.dtype != dst.dtype or src.shape != dst.shape:
+                return False
+            if src.device != dst.device:
+                return False
+            if dst is not src:
+                srcs.append(src)
+                dsts.append(dst)
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)
+    return True
+
+
+def _run_allocating(unit: Unit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run ``unit`` into fresh tensors on its input's device; a passthrough returns its input."""
+    if unit.fmt is None:
+        return {o.name: tensors[o.source] for o in unit.outputs}
+    device = tensors[unit.inputs[0]].device
+    out = {o.name: torch.empty(o.shape, dtype=o.dtype, device=device) for o in unit.outputs}
+    run_unit(unit, tensors, out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process conversion
+
+
+def _pairs(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
+    return named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+
+def convert(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    spec: RefitSpec,
+    *,
+    keep_bf16: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Convert a whole state dict; returns every output in plan order.
+
+    Passthrough outputs are the input tensors themselves (aliases, not copies): clone them if the
+    source will be modified while the result is in use.
+    """
+    tensors = dict(_pairs(named_tensors))
+    plan = RefitPlan.build(list(tensors.items()), spec, keep_bf16=keep_bf16)
+    out: dict[str, torch.Tensor] = {}
+    for unit in plan.units:
+        out.update(_run_allocating(unit, tensors))
+    return {o.name: out[o.name] for o in plan.outputs}
+
+
+def iter_convert(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    spec: RefitSpec,
+    *,
+    specs: Iterable[TensorSpec | tuple[Any, ...]] | None = None,
+    keep_bf16: Collection[str] = (),
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Convert tensors as they arrive, in any order, yielding each unit's outputs once its inputs
+    are all in (layer by layer, as the trainer sends them); an input is dropped once used.
+
+    ``specs`` lists every input (TensorSpec or ``(name, shape, dtype)``) up front: that is what tells
+    which inputs make a unit. Without it the whole input is read into a list first, and nothing is
+    streamed. Passthrough outputs are the input tensors themselves. After the last input, raises a
+    ValueError naming inputs that never arrived and arrivals that were not in ``specs``.
+    """
+    source: Iterable[tuple[str, torch.Tensor]] = named_tensors
+    if specs is None:
+        source = list(named_tensors)
+        specs = source
+    plan = RefitPlan.build(specs, spec, keep_bf16=keep_bf16)
+    expected = {i.name: i for i in plan.inputs}
+    waiting = {u.index: set(u.inputs) for u in plan.units}
+    held: dict[str, torch.Tensor] = {}
+    arrived: set[str] = set()
+    unknown: list[str] = []
+    for name, tensor in source:
+        want = expected.get(name)
+        if want is None:
+            unknown.append(name)
+            continue
+        if name in arrived:
+            raise ValueError(f"input {name!r} arrived twice; send each tensor once per step")
+        if tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
+            raise ValueError(
+                f"input {name!r} arrived as {tensor.dtype} {tuple(tensor.shape)} but the plan expects "
+                f"{want.dtype} {want.shape}; rebuild the plan from the trainer's real shapes"
+            )
+        arrived.add(name)
+        held[name] = tensor
+        for unit in plan.units_for_input(name):
+            waiting[unit.index].discard(name)
+            if waiting[unit.index]:
+                continue
+            outputs = _run_allocating(unit, held)
+            for n in unit.inputs:
+                if all(not waiting[u.index] for u in plan.units_for_input(n)):
+                    held.pop(n, None)
+            yield from outputs.items()
+    missing = [i.name for i in plan.inputs if i.name not in arrived]
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} input(s) never arrived: {missing[:10]}")
+        if unknown:
+            parts.append(f"{len(unknown)} input(s) arrived that are not in the plan: {unknown[:10]}")
+        raise ValueError("; ".join(parts) + " (the trainer and the plan disagree on the state dict)")

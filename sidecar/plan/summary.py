@@ -1,0 +1,133 @@
+"""``RefitPlan.summary()``: plain data describing a plan, for ``refitd plan`` and logs."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+from sidecar.plan.build import (
+    SUMMARY_LARGEST,
+    Layer,
+    RefitPlan,
+    Role,
+    Unit,
+    UnitKind,
+    _layer_label,
+    _layer_sort_key,
+)
+
+# --------------------------------------------------------------------------------------------------
+# summary
+
+#: passthrough tensors grouped by what they are, for the summary; the first pattern that matches wins
+_PASSTHROUGH_KINDS = (
+    ("vision", re.compile(r"(?:^|\.)visual\.")),
+    ("attention", re.compile(r"\.self_attn\.")),
+    ("linear_attention", re.compile(r"\.linear_attn\.")),
+    ("shared_expert", re.compile(r"\.mlp\.shared_expert")),
+    ("router", re.compile(r"\.mlp\.gate\.weight$")),
+    ("dense_mlp", re.compile(r"\.mlp\.")),
+    ("embeddings", re.compile(r"embed_tokens")),
+    ("lm_head", re.compile(r"^lm_head\.")),
+    ("norms", re.compile(r"norm[^.]*\.weight$")),
+    ("mtp", re.compile(r"^mtp\.")),
+)
+ROUTED_KEPT_KIND = "routed_experts_bf16"
+
+
+def _passthrough_kind(unit: Unit) -> str:
+    if unit.keep_reason is not None:
+        return ROUTED_KEPT_KIND
+    name = unit.inputs[0]
+    return next((kind for kind, pattern in _PASSTHROUGH_KINDS if pattern.search(name)), "other")
+
+
+def summarize(plan: RefitPlan) -> dict[str, Any]:
+    spec = plan.spec
+    by_name = {i.name: i for i in plan.inputs}
+    kinds: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    kept_reasons: Counter[str] = Counter()
+    layers: dict[Layer, dict[str, int]] = defaultdict(
+        lambda: {"bytes_in": 0, "bytes_out": 0, "quantized_inputs": 0, "passthrough_inputs": 0}
+    )
+    quantized = {"slabs": 0, "expert_tensors": 0, "weights": 0, "params": 0, "bytes_in": 0, "bytes_out": 0}
+    routed_params = 0
+    for u in plan.units:
+        row = layers[u.layer]
+        row["bytes_in"] += u.bytes_in
+        row["bytes_out"] += u.bytes_out
+        params = sum(by_name[n].numel for n in u.inputs)
+        if u.kind is UnitKind.PASSTHROUGH:
+            row["passthrough_inputs"] += 1
+            kind = kinds[_passthrough_kind(u)]
+            kind["tensors"] += 1
+            kind["bytes"] += u.bytes_in
+            if u.keep_reason is not None:
+                kept_reasons[u.keep_reason.value] += 1
+                routed_params += params
+            continue
+        row["quantized_inputs"] += len(u.inputs)
+        quantized["slabs" if u.kind is UnitKind.SLAB else "expert_tensors"] += len(u.inputs)
+        quantized["weights"] += sum(o.role is Role.WEIGHT for o in u.outputs)
+        quantized["params"] += params
+        quantized["bytes_in"] += u.bytes_in
+        quantized["bytes_out"] += u.bytes_out
+        routed_params += params
+    largest = sorted(plan.inputs, key=lambda i: -i.nbytes)[:SUMMARY_LARGEST]  # stable: input order
+    unit_of = {n: plan.units[ix[0]] for n, ix in plan._units_of_input.items()}
+    return {
+        "model_type": spec.model_type,
+        "format": spec.format.value,
+        "num_hidden_layers": plan.num_hidden_layers,
+        "num_first_layers_in_bf16": spec.num_first_layers_in_bf16,
+        "num_last_layers_in_bf16": spec.num_last_layers_in_bf16,
+        "ignore_patterns": list(spec.ignore_patterns),
+        "keep_bf16_modules": len(plan.keep_bf16),
+        "counts": {"inputs": len(plan.inputs), "outputs": len(plan.outputs), "units": len(plan.units)},
+        "quantized": quantized,
+        "kept_bf16_experts": dict(sorted(kept_reasons.items())),
+        "passthrough": dict(sorted(kinds.items())),
+        "routed_expert_params": routed_params,
+        "layers": [
+            {"layer": _layer_label(lay), **row}
+            for lay, row in sorted(layers.items(), key=lambda kv: _layer_sort_key(kv[0]))
+        ],
+        "memory": daemon_memory(plan),
+        "totals": {
+            "bytes_in": plan.bytes_in,
+            "bytes_out": plan.bytes_out,
+            "ratio": plan.bytes_out / plan.bytes_in if plan.bytes_in else 0.0,
+        },
+        "largest": [
+            {
+                "name": i.name,
+                "shape": list(i.shape),
+                "dtype": str(i.dtype).removeprefix("torch."),
+                "nbytes": i.nbytes,
+                "action": "quantize" if unit_of[i.name].fmt is not None else "passthrough",
+            }
+            for i in largest
+        ],
+    }
+
+
+def daemon_memory(plan: RefitPlan) -> dict[str, int]:
+    """What a daemon serving ``plan`` allocates: staging (whole steps, or a ring of the default GPU
+    region count) and each of its two publish generations, in bytes as the arenas carve them."""
+    from sidecar.config.settings import DEFAULT_GPU_REGIONS
+    from sidecar.daemon.memory.generations import N_GENERATIONS, layouts
+    from sidecar.daemon.memory.staging import region_size, ring_groups
+
+    staging, outputs = layouts(plan)
+    groups = ring_groups(plan)
+    regions = min(DEFAULT_GPU_REGIONS, len(groups))
+    return {
+        "staging_whole": staging.size,
+        "ring_groups": len(groups),
+        "ring_regions": regions,
+        "ring_region": region_size(groups),
+        "staging_ring": regions * region_size(groups),
+        "generation": outputs.size,
+        "generations": N_GENERATIONS,
+    }
