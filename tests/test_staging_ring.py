@@ -436,7 +436,7 @@ def test_a_configured_staging_too_small_for_a_layer_group_stops_the_daemon_namin
 
 
 def _cuda_reason() -> str | None:
-    from transport.cuda_ipc import cuda_available, cuda_unavailable_reason
+    from transport.cuda_driver import cuda_available, cuda_unavailable_reason
 
     return (
         None if cuda_available() and torch.cuda.is_available() else (cuda_unavailable_reason() or "no CUDA")
