@@ -143,7 +143,8 @@ class Engine:
 
     def load(self, min_step: int) -> dict:
         from adapters.base import RefitReader
-        from sidecar.plan.build import RefitSpec, convert
+        from sidecar.plan.build import RefitSpec
+        from sidecar.plan.run import convert
 
         info = refitd_ray.refitd_info(self.group)
         with RefitReader(info["endpoint"], name="ray-engine", timeout=60) as reader:

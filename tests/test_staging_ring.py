@@ -33,7 +33,8 @@ from sidecar.daemon.loop import Daemon
 from sidecar.daemon.memory.ring import RingError, SlotState, StagingRing
 from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitPlan, RefitSpec, convert, plan_from_hf_config
+from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.plan.run import convert
 from transport.shm import ALIGN, ShmSegment
 from transport.wire import Kind
 

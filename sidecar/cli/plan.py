@@ -19,6 +19,7 @@ from typing import Any
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import model_type_of
+from sidecar.plan.summary import summarize
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             num_last_layers_in_bf16=args.last_bf16,
             ignore_patterns=tuple(args.ignore),
         )
-        summary = plan_from_hf_config(config, spec).summary()
+        summary = summarize(plan_from_hf_config(config, spec))
     except ValueError as exc:
         print(f"refitd plan: {exc}", file=sys.stderr)
         return EXIT_FAILURE

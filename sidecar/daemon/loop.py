@@ -56,6 +56,7 @@ from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.ops.observers import Observer, notify
+from sidecar.plan import launch
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import get_model
 from transport.control import bind_control
@@ -711,7 +712,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         READY; on host arenas (or when the probe fails) the torch reference quantizes."""
         on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA
         device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
-        done = kernels.warm_up(self.plan, device)
+        done = launch.warm_up(self.plan, device)
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
         return done
 

@@ -106,7 +106,8 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
     from adapters.engine import EngineWorker
     from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
     from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec
+    from sidecar.plan.run import convert
 
     torch.set_num_threads(1)
     config = make_hf_config("qwen3_5_moe", **kwargs)
@@ -217,7 +218,7 @@ class Verifier:
         )
 
     def _check(self, gen) -> None:
-        from sidecar.plan.build import convert
+        from sidecar.plan.run import convert
 
         bad = verify(gen.tensors, convert(weights(gen.step, self.kwargs), self.spec))
         self.checked[gen.step] = bad
@@ -234,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         return run_disaggregated(args)
     from adapters.base import RefitReader
     from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec
+    from sidecar.plan.run import convert
 
     kwargs = model_kwargs(args)
     spec = RefitSpec(model_type="qwen3_5_moe", fmt=args.format)
