@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from transport.arena import Arena, ArenaKind
 from transport.cuda_driver import (
     IPC_HANDLE_BYTES,
     CudaArrayInterface,
@@ -408,7 +409,7 @@ def test_arena_views_round_trip_to_a_second_process(node, nvml_off):
     """The daemon fills an arena on GPU 1; an engine that calls that GPU cuda:0 opens it and reads it."""
     daemon = HostDriver(node)
     arena = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[1], driver=daemon, nvml=nvml_off)
-    assert arena.kind == "cuda_ipc" and arena.size == LAYOUT.size and arena.device == 1
+    assert arena.kind is ArenaKind.CUDA_IPC and arena.size == LAYOUT.size and arena.device == 1
     assert all(t.reshape(-1).view(torch.uint8).sum() == 0 for t in arena.tensors().values())  # zeroed
     arena.tensor("w").copy_(torch.arange(15, dtype=torch.bfloat16).view(3, 5))
     arena.tensor("s").fill_(0.25)
@@ -945,3 +946,22 @@ def test_gpu_uuids_agree_between_torch_nvml_and_cuda():
 def test_gpu_free_memory_check_refuses_an_impossible_arena():
     with pytest.raises(InsufficientGpuMemory, match="is free"):
         CudaIpcArena.create("refitd-huge", Layout([]), size=1 << 50)
+
+
+def test_every_arena_kind_implements_the_whole_arena_protocol(node, nvml_off):
+    """The daemon, clients, adapters and movers hold arenas of either kind through ``Arena`` only:
+    each kind has every member, with its own ``tensors``/``view`` (not the base class's stubs), and
+    a kind that names itself with the enum, whose value is what its handle says on the wire."""
+    cuda = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[1], driver=HostDriver(node), nvml=nvml_off)
+    shm = ShmArena.create(segment_name("refitd-test", "proto"), LAYOUT)
+    try:
+        for arena, kind in ((shm, ArenaKind.SHM), (cuda, ArenaKind.CUDA_IPC)):
+            assert isinstance(arena, Arena), type(arena).__name__
+            assert arena.kind is kind and arena.handle()["kind"] == kind.value
+            for own in ("tensors", "view", "handle", "close", "unlink"):
+                assert own in vars(type(arena)), f"{type(arena).__name__} does not implement {own}"
+            assert set(arena.tensors()) == {s.name for s in LAYOUT}
+    finally:
+        cuda.close()
+        shm.close()
+        shm.unlink()

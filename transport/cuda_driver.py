@@ -14,9 +14,10 @@ import ctypes
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # torch loads when a tensor is made: ``transport.gpus`` (NVML only) imports this module
+    import torch
 
 log = logging.getLogger("refitd.cuda_ipc")
 
@@ -283,6 +284,8 @@ class CudaDriver:
             self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
+        import torch
+
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
         t = torch.as_tensor(CudaArrayInterface(ptr, nbytes, owner))  # no device=: it would copy

@@ -30,7 +30,6 @@ is imported lazily and ``import transport.cuda_ipc`` works without it.
 
 from __future__ import annotations
 
-import enum
 import logging
 import weakref
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from transport.arena import ArenaKind, arena_kind
 from transport.cuda_driver import IPC_HANDLE_BYTES, CudaError, Driver, default_driver
 from transport.gpus import (
     InsufficientGpuMemory,
@@ -55,11 +55,6 @@ from transport.wire import ProtocolError
 log = logging.getLogger("refitd.cuda_ipc")
 
 ALLOC_GRANULARITY = 2 << 20  # allocations are rounded up to 2 MiB, the IPC mapping granularity
-
-
-class ArenaKind(enum.Enum):
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
 
 
 def allocation_size(nbytes: int) -> int:
@@ -239,7 +234,7 @@ class CudaIpcArena(CarvedArena):
     Create (daemon) with ``create``; open (client, engine) with ``open`` or ``open_any_arena``.
     """
 
-    kind = ArenaKind.CUDA_IPC.value
+    kind = ArenaKind.CUDA_IPC
 
     def __init__(
         self, mem: DeviceMemory, offset: int, size: int, layout: Layout, name: str, *, writable: bool
@@ -361,11 +356,6 @@ def open_any_arena(
     """
     if not isinstance(handle, Mapping):
         raise ValueError(f"an arena handle is a map, got {type(handle).__name__}")
-    try:
-        kind = ArenaKind(handle.get("kind"))
-    except ValueError:
-        known = ", ".join(repr(k.value) for k in ArenaKind)
-        raise ValueError(f"arena kind {handle.get('kind')!r} is unknown; this build opens {known}") from None
-    if kind is ArenaKind.SHM:
+    if arena_kind(handle) is ArenaKind.SHM:
         return open_shm_arena(handle, writable=writable)
     return CudaIpcArena.open(handle, writable=writable, device=device, driver=driver)

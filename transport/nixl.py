@@ -41,6 +41,8 @@ import functools
 import importlib
 import logging
 import os
+import signal
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -140,7 +142,40 @@ def available() -> tuple[bool, str]:
         agent.create_backend("UCX", params)
     except Exception as exc:
         return False, f"nixl cannot create a UCX backend here ({type(exc).__name__}: {exc})"
+    finally:
+        _backend_created()
     return True, ""
+
+
+# --------------------------------------------------------------------------------------------------
+# signal handlers: creating a UCX backend displaces them
+
+_HANDLED = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+_displaced = threading.Event()  # a UCX backend was created since Python's handlers were last put back
+
+
+def _backend_created() -> None:
+    _displaced.set()
+    keep_signal_handlers()
+
+
+def keep_signal_handlers() -> None:
+    """Put Python's signal handlers back after UCX displaced them.
+
+    Creating a UCX backend replaces the process's SIGHUP (and SIGINT, SIGTERM) disposition under
+    Python's handler: a SIGHUP then never reaches Python, and the daemon's reload dies silently.
+    Every backend this module creates marks the handlers displaced; this reinstalls them once per
+    mark. Only the main thread may install handlers, so a backend made on another thread (a
+    forwarder's) is put right by the main thread's next call: the daemon's loop calls this every tick,
+    which costs one flag check when nothing happened.
+    """
+    if not _displaced.is_set() or threading.current_thread() is not threading.main_thread():
+        return
+    _displaced.clear()
+    for sig in _HANDLED:
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +373,10 @@ class NixlEndpoint:
             params = agent.get_plugin_params("UCX")
             params["ucx_error_handling_mode"] = error_handling
             with _env("UCX_TLS", ucx_tls):
-                agent.create_backend("UCX", params)
+                try:
+                    agent.create_backend("UCX", params)
+                finally:
+                    _backend_created()
         except Exception as exc:
             hint = f" with UCX_TLS={ucx_tls!r}: keep a wire-up transport such as tcp in it" if ucx_tls else ""
             raise NixlError(f"endpoint {name!r}: cannot create the UCX backend{hint} ({exc})") from exc

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.numerics.formats import Format
+from transport.arena import ArenaKind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,13 +89,6 @@ class DrainMode(str, enum.Enum):
 
     FINISH = "finish"
     ABORT = "abort"
-
-
-class ArenaKind(str, enum.Enum):
-    """Where the daemon's arenas live: POSIX shared memory, or GPU memory shared through CUDA IPC."""
-
-    SHM = "shm"
-    CUDA = "cuda"
 
 
 class NodeLayout(str, enum.Enum):
@@ -299,14 +293,16 @@ class DaemonConfig:
         """Staging regions in effect: ``staging_regions``, else 0 on shm and DEFAULT_GPU_REGIONS on cuda."""
         if self.staging_regions is not None:
             return self.staging_regions
-        return DEFAULT_GPU_REGIONS if self.arena is ArenaKind.CUDA else 0
+        return DEFAULT_GPU_REGIONS if self.arena is ArenaKind.CUDA_IPC else 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (str, int, float, list, None) by field name; drop the Nones for TOML."""
         out: dict[str, Any] = {}
         for name in _KNOBS:
             value = getattr(self, name)
-            if isinstance(value, enum.Enum):
+            if isinstance(value, ArenaKind):
+                value = ARENA_WORDS[value]
+            elif isinstance(value, enum.Enum):
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)
@@ -511,6 +507,21 @@ def _enum(cls: type[enum.Enum]) -> Callable[[Any], Any]:
     return convert
 
 
+#: the config's words for the arena kinds (``arena = "cuda"``); the handles on the wire say ``cuda_ipc``
+ARENA_WORDS = {ArenaKind.SHM: "shm", ArenaKind.CUDA_IPC: "cuda"}
+
+
+def _arena(value: Any) -> ArenaKind:
+    """The user's ``shm`` / ``cuda`` as an :class:`ArenaKind` (converted here, once)."""
+    if isinstance(value, ArenaKind):
+        return value
+    words = {word: kind for kind, word in ARENA_WORDS.items()}
+    kind = words.get(str(value).strip().lower())
+    if kind is None:
+        raise ValueError(f"choose one of {', '.join(words)}")
+    return kind
+
+
 @dataclass(frozen=True, slots=True)
 class _Knob:
     """How one field is spelled on the command line and converted from any source."""
@@ -554,7 +565,7 @@ _KNOBS: dict[str, _Knob] = {
     "reader_timeout_s": _Knob("--reader-timeout", _seconds, "SECONDS", "drop a silent reader, or its hold"),
     "shutdown_timeout_s": _Knob("--shutdown-timeout", _seconds, "SECONDS", "escalate shutdown after this"),
     "drain": _Knob("--drain", _enum(DrainMode), "MODE", "SIGTERM: abort the step in flight, or finish it"),
-    "arena": _Knob("--arena", _enum(ArenaKind), "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),
+    "arena": _Knob("--arena", _arena, "KIND", "shm (POSIX shared memory) or cuda (CUDA IPC)"),
     "gpu": _Knob("--gpu", _OPT_TEXT, "UUID|INDEX", "arena=cuda: the GPU holding the arenas (default 0)"),
     "max_frame_bytes": _Knob("--max-frame-bytes", parse_size, "SIZE", "largest data frame accepted"),
     "max_header_bytes": _Knob("--max-header-bytes", parse_size, "SIZE", "largest header accepted"),

@@ -45,7 +45,7 @@ from sidecar.config.settings import (
 from sidecar.daemon.engines import Peer, ReaderHandlers
 from sidecar.daemon.load_rounds import EngineState, LoadRound, new_round
 from sidecar.daemon.memory.generations import Arenas
-from sidecar.daemon.pull import PullSide, keep_signal_handlers
+from sidecar.daemon.pull import PullSide
 from sidecar.daemon.pull import support as pull_support
 from sidecar.daemon.step import StepState
 from sidecar.daemon.trainers import TrainerHandlers
@@ -61,6 +61,7 @@ from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import get_model
 from transport.control import bind_control
 from transport.gpus import arena_placements, local_gpus
+from transport.nixl import keep_signal_handlers
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
@@ -328,7 +329,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         now = time.monotonic()
         if self.forwarding is not None:
             # a forwarder thread may have created a UCX backend, which replaces SIGHUP's disposition
-            # under Python's handler; only this (main) thread can put it back (sidecar.daemon.pull)
+            # under Python's handler; only this (main) thread can put it back (transport.nixl)
             keep_signal_handlers()
         self._check_timers(now)
         notify(self.observers, "on_tick", self, now)
@@ -510,7 +511,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 self.parked.setdefault(group, []).append(unit)
                 return
             # the group's last unit waits for the GPU before it reports: the region is then reused
-            sync = ring.unit_submitted(unit.index) and self.arenas.kind is ArenaKind.CUDA
+            sync = ring.unit_submitted(unit.index) and self.arenas.kind is ArenaKind.CUDA_IPC
         if not state.phases.quant_start:
             state.phases.quant_start = time.monotonic()
         self.worker.submit(
@@ -710,7 +711,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _warm_up(self) -> kernels.WarmUp:
         """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
         READY; on host arenas (or when the probe fails) the torch reference quantizes."""
-        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA
+        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA_IPC
         device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
         done = launch.warm_up(self.plan, device)
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")

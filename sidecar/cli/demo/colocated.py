@@ -30,34 +30,10 @@ from typing import Any
 import torch
 
 from sidecar.cli.plan import human_bytes
-from sidecar.numerics.formats import Format
 
 WORLD_SIZE = 2
 BASE_SEED = 1000
 LEARNING_RATE = 2e-3  # each step moves every weight by about this fraction of its scale
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
-    p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument(
-        "--layout",
-        default="colocated",
-        choices=["colocated", "disaggregated"],
-        help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
-    )
-    p.add_argument(
-        "--staging-regions",
-        type=int,
-        default=0,
-        help="stream each step through N layer-sized staging regions (the GPU default is 4); 0: whole steps",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
-    p.set_defaults(run=run)
-    return p
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,11 +204,8 @@ class Verifier:
             )
 
 
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "layout", "colocated") == "disaggregated":
-        from sidecar.cli.demo.disaggregated import run_disaggregated
-
-        return run_disaggregated(args)
+def run_colocated(args: argparse.Namespace) -> int:
+    """``refitd demo`` (the default layout): two trainer ranks, one daemon, the reference engine."""
     from adapters.base import RefitReader
     from sidecar.cli.demo.synthetic import make_hf_config
     from sidecar.plan.build import RefitSpec
