@@ -369,8 +369,13 @@ def make_state_dict(
             for n, s in _qwen3_5_moe_shapes(h, inter, num_layers, num_experts, vocab, mtp_layers)
         ]
     gen = torch.Generator().manual_seed(seed)
+    # DeepSeek-V3 and GLM-4.5 scale by the RMSNorm weight itself (Qwen3.5 by 1 + weight): start them at 1
+    one = 1.0 if model in ("deepseek_v3", "glm4_moe") else 0.0
     return {
-        name: (torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD).to(d)
+        name: (
+            torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD
+            + (one if name.endswith("norm.weight") else 0.0)
+        ).to(d)
         for name, shape, d in shapes
     }
 
