@@ -91,7 +91,12 @@ def check_manifest(inputs: Iterable[TensorSpec], spec: RefitSpec, manifest: Mani
             check.errors.append(
                 f"{name}: the engine expects {_describe(t.dtype, t.shape)}, the plan does not publish it"
             )
-        elif o.role is Role.PASSTHROUGH and o.dtype != t.dtype and tuple(o.shape) == tuple(t.shape):
+        elif (
+            o.role is Role.PASSTHROUGH
+            and FP8_DTYPE not in (o.dtype, t.dtype)
+            and o.dtype != t.dtype
+            and tuple(o.shape) == tuple(t.shape)
+        ):
             check.errors.append(
                 f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes "
                 f"{_describe(o.dtype, o.shape)}; a passthrough keeps its input's dtype bit for bit, so send it "

@@ -40,7 +40,7 @@ from sidecar.gcpause import gc_paused
 from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
-from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.plan import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.pull_nixl import PullSide, keep_signal_handlers
 from sidecar.pull_nixl import support as pull_support
 from sidecar.quant import NonFiniteError
@@ -732,7 +732,7 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
     if model_type is None:
         raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
     get_model(model_type)
-    return RefitSpec(
+    spec = RefitSpec(
         model_type=model_type,
         fmt=config.format,
         num_hidden_layers=config.num_hidden_layers,
@@ -740,6 +740,8 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
     )
+    # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
+    return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -50,6 +50,7 @@ __all__ = [
     "meta_state_dict",
     "plan_from_hf_config",
     "quantize_linears_of",
+    "with_checkpoint_scheme",
 ]
 
 log = logging.getLogger(__name__)
@@ -877,6 +878,20 @@ def quantize_linears_of(config: Mapping[str, Any]) -> tuple[bool, tuple[str, ...
     return True, tuple(str(m) for m in skip)
 
 
+def with_checkpoint_scheme(spec: RefitSpec, config: Mapping[str, Any]) -> RefitSpec:
+    """``spec`` with ``quantize_linears`` resolved from the checkpoint's ``quantization_config`` when
+    it is unset (and its ``modules_to_not_convert`` added to the ignore patterns); as is otherwise.
+    The daemon resolves its spec with this once, so every plan it builds (from the config, from a
+    step's declarations, at attach) follows the same scheme."""
+    if spec.quantize_linears is not None:
+        return spec
+    follow, skip = quantize_linears_of(config)
+    if not follow or spec.model.linear_re is None:
+        return dataclasses.replace(spec, quantize_linears=False)
+    ignore = tuple(spec.ignore_patterns) + tuple(p for p in skip if p not in spec.ignore_patterns)
+    return dataclasses.replace(spec, quantize_linears=True, ignore_patterns=ignore)
+
+
 def plan_from_hf_config(
     config: Mapping[str, Any],
     spec: RefitSpec,
@@ -903,14 +918,7 @@ def plan_from_hf_config(
             f"spec.num_hidden_layers = {spec.num_hidden_layers} but the config has {layers} layers; "
             "leave it None to take the config's"
         )
-    spec = dataclasses.replace(spec, num_hidden_layers=layers)
-    if spec.quantize_linears is None:
-        follow, skip = quantize_linears_of(config)
-        follow = follow and model.linear_re is not None
-        ignore = tuple(spec.ignore_patterns) + tuple(p for p in skip if p not in spec.ignore_patterns)
-        spec = dataclasses.replace(
-            spec, quantize_linears=follow, ignore_patterns=ignore if follow else spec.ignore_patterns
-        )
+    spec = with_checkpoint_scheme(dataclasses.replace(spec, num_hidden_layers=layers), config)
     params = model.parameters(config, include_vision=include_vision)
     return RefitPlan.build(params, spec, keep_bf16=keep_bf16, share=share)
 
