@@ -709,3 +709,33 @@ def test_slab_share_publishes_only_the_nodes_experts():
     whole = convert(state, spec)
     for o in plan.outputs:
         assert same_bytes(outputs[o.name], whole[o.name]), o.name
+
+
+def test_the_daemon_spec_follows_the_checkpoint_scheme(tmp_path):
+    """The daemon resolves quantize_linears from its hf_config once, so the plan it checks an
+    engine's manifest against (and the one it builds from a step's declarations) quantizes the
+    same linears as the plan it allocated from the config (an attach was refused before)."""
+    from sidecar.config import DaemonConfig
+    from sidecar.daemon import refit_spec
+
+    config = make_hf_config("deepseek_v3", **DSV3_KW)
+    spec = refit_spec(DaemonConfig(runtime_dir=tmp_path, format="block_fp8"), config)
+    assert spec.quantize_linears is True
+    state = make_state_dict("deepseek_v3", **DSV3_KW)
+    declared = RefitPlan.build([(n, t) for n, t in state.items()], spec)
+    assert _quantized_modules(declared) == _quantized_modules(plan_from_hf_config(config, spec))
+    qwen = refit_spec(DaemonConfig(runtime_dir=tmp_path, format="block_fp8"), make_hf_config("qwen3_5_moe"))
+    assert qwen.quantize_linears is False
+
+
+def test_an_fp32_input_passes_through_in_its_own_dtype():
+    """Qwen3.5's A_log may arrive as FP32: the plan carries the input's dtype, sizes follow it, and
+    the output is the input's bytes."""
+    state = make_state_dict("qwen3_5_moe", num_layers=4, num_experts=4)
+    name = "model.language_model.layers.0.linear_attn.A_log"
+    state[name] = state[name].float() - 1.0
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8")
+    plan = RefitPlan.build(list(state.items()), spec)
+    assert {i.name: i for i in plan.inputs}[name].nbytes == 4 * state[name].numel()
+    out = convert(state, spec)
+    assert out[name].dtype is torch.float32 and same_bytes(out[name], state[name])
