@@ -205,7 +205,7 @@ class EngineLayout:
 
     The engine runs on ``max(ep, tp)`` GPUs spread evenly over ``nodes`` nodes (with expert
     parallelism the EP group is every GPU: DP x TP). Routed experts are split over the ``ep`` ranks
-    in order, as vLLM (``determine_expert_map``, linear placement) and TRT-LLM place them by default:
+    in order, as vLLM places them by default (``determine_expert_map``, linear placement):
     rank r holds a contiguous run, the first ``E % ep`` ranks one expert more. Everything else is held
     whole by every node: tensor parallelism stays within a node, whose daemon publishes one copy that
     all of its GPUs read their slices from.
