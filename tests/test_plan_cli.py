@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.cli import plan as plan_cli
 from sidecar.cli.demo.synthetic import make_hf_config
-from sidecar.cli.main import plan as plan_cli
 
 DATA = Path(__file__).parent / "data"
 QWEN3_5 = str(DATA / "qwen3.5-35b-a3b.config.json")

@@ -197,7 +197,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
     def _bind(self) -> None:
         """The control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
         beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines."""
-        from sidecar.cli.main import keygen
+        from sidecar.cli import keygen
 
         cfg = self.config
         tcp = tcp_host(cfg.listen) is not None

@@ -67,7 +67,7 @@ _CONVERT_NAMES = frozenset({"convert", "iter_convert", "run_unit"})
 
 def __getattr__(name: str) -> Any:
     if name in _CONVERT_NAMES:
-        from sidecar.plan.build import run as _convert
+        from sidecar.plan import run as _convert
 
         return getattr(_convert, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
