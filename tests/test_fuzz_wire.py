@@ -18,6 +18,8 @@ and whole steps whose data is torn in a chosen way. After every example:
 At the end of each family two honest ranks publish another step, and the engine-side view of it is
 compared byte for byte with ``convert()`` and, for one expert, with the scalar oracle of SPEC §1.
 
+A last test plays the trainer node's forwarder from a local peer of an inference node (defect 13).
+
 A family is a hypothesis strategy of ``Probe`` objects (a ``run(session)`` method that sends messages
 and may insist on replies); add one to ``FAMILIES`` to extend the fuzzer. Families that fail today
 because a defect of issue 11 is not fixed yet are marked ``xfail(strict=False)`` naming the defect.
@@ -27,10 +29,12 @@ Examples are derandomized and not shrunk, so the run is the same every time and 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -51,7 +55,7 @@ from transport.wire import PROTOCOL_VERSION, Kind, Limits, Message, decode, enco
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(not __import__("os").path.isdir("/dev/shm"), reason="needs POSIX shared memory"),
+    pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory"),
 ]
 
 MODEL = dict(num_layers=1, num_experts=2, hidden=64, intermediate=32, mtp_layers=0, vocab=32)
@@ -72,7 +76,7 @@ SETTINGS = dict(
 )
 REPLY_S = 10.0  # the longest any single answer may take
 SETTLE_S = 8.0  # the longest a step may stay in progress once every fuzzing peer has left
-EXAMPLES = int(__import__("os").environ.get("FUZZ_EXAMPLES", "100"))
+EXAMPLES = int(os.environ.get("REFITD_FUZZ_EXAMPLES", "100"))  # per family; raise it for a longer hunt
 
 #: bounded, reproducible, not shrunk (a failing family reports its first failing example at once)
 FUZZ = settings(
@@ -215,7 +219,7 @@ def hello(rank: int, *, local: bool = False) -> list[bytes]:
 class Session:
     """One example's sockets: DEALERs connected on first use, every answer kept per socket."""
 
-    def __init__(self, fz: Fuzz, step: int):
+    def __init__(self, fz: Fuzz | SimpleNamespace, step: int):
         self.fz, self.step = fz, step
         self.socks: dict[int, zmq.Socket] = {}
         self.answers: dict[int, list[Message]] = {}
@@ -1162,3 +1166,45 @@ def test_the_harness_notices_an_internal_error(fuzz):
 
     with pytest.raises(AssertionError, match="reached the catch-all"):
         fuzz.run(Internal())
+
+
+# --------------------------------------------------------------------------------------------------
+# an inference node of a disaggregated layout: only its trainer node's forwarder may publish there
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 11 defect 13: an inference node takes FORWARD_BEGIN/DATA/COMMIT from any local peer and "
+    "publishes what it sent",
+)
+@pytest.mark.parametrize("who", ["anonymous", "reader"])
+def test_a_local_peer_cannot_forward_a_generation_to_an_inference_node(tmp_path, who):
+    """A peer on an inference node's own ``ipc://`` socket (an engine's reader, or any process of the
+    node's user) plays the trainer node's forwarder: FORWARD_BEGIN, FORWARD_DATA, FORWARD_COMMIT. It is
+    refused with a specific error, and nothing is published there."""
+    d = RunningDaemon(
+        tmp_path, layout="disaggregated", role="inference", model_type="qwen3_5_moe", publish_bytes=1 << 20
+    )
+    ctx = zmq.Context()
+    try:
+        s = Session(SimpleNamespace(ctx=ctx, d=d, instance=None), step=10**9)  # a Session's sockets only
+        if who == "reader":
+            s.send_msg(0, Kind.ATTACH, {"name": "engine-0"})
+            s.fz.instance = s.until(0, {Kind.ATTACHED}, "ATTACHED").get("instance")
+        rows = [["lm_head.weight", "bfloat16", [4, 4]]]
+        fields = {"step": 10**9, "source": "trainer", "transfer": "t", "rows": rows, "movers": ["zmq"]}
+        s.send_msg(0, Kind.FORWARD_BEGIN, fields)
+        answer = s.until(0, {Kind.FORWARD_READY, Kind.ERROR}, "FORWARD_READY or a refusal")
+        if answer.kind is Kind.FORWARD_READY:
+            s.send_msg(0, Kind.FORWARD_DATA, {"transfer": "t", "tensor": 0, "offset": 0}, (b"\x01" * 32,))
+            s.send_msg(0, Kind.FORWARD_COMMIT, {"transfer": "t"})
+            answer = s.until(0, {Kind.FORWARDED, Kind.ERROR}, "FORWARDED or a refusal")
+        assert answer.kind is Kind.ERROR, f"the {who} peer forwarded a generation: {answer.fields}"
+        assert answer.get("kind") != "internal", answer.fields
+        with RefitReader(d.endpoint, name="check", timeout=REPLY_S) as reader:
+            assert reader.status(timeout=REPLY_S)["live"] is None
+        for sock in s.socks.values():
+            sock.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+        d.close()
