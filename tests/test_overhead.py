@@ -19,8 +19,7 @@ from sidecar.errors import RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
-from sidecar.plan.run import run_unit
-from sidecar.plan.run import run_passthroughs
+from sidecar.plan.run import run_passthroughs, run_unit
 
 N = 40
 

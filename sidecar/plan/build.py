@@ -7,7 +7,14 @@ the work into **units**: the inputs one piece of work reads and the outputs it w
 allocates every output from the plan up front (in shared memory), then runs each unit with
 :func:`sidecar.plan.run.run_unit` as soon as its inputs have arrived; ``sidecar.plan.run.convert``
 and ``iter_convert`` are the in-process forms of the same loop. The spec and plan-data types live in
-``sidecar.plan.spec`` and are re-exported here, the plan's vocabulary in one import.
+``sidecar.plan.spec`` (re-exported here: the plan's vocabulary in one import), the classification of
+inputs and its checks in ``sidecar.plan.classify``.
+
+Beyond the routed experts, a block-FP8 checkpoint's linears (DeepSeek-V3: attention projections,
+dense MLPs, shared experts; ``ModelSpec.linear_re``) become ``LINEAR`` units when
+``RefitSpec.quantize_linears`` (or the config's ``quantization_config``) says so. Every input keeps
+its own dtype (the FP32 router bias passes through as FP32). ``share=(EngineLayout, node)`` plans
+the part one node of a multi-node engine holds.
 
 Usage::
 
@@ -30,10 +37,20 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, MX_BLOCK, Format
-from sidecar.plan.models import ModelSpec, get_model, model_type_of
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.plan.classify import (
+    Routed,
+    check_experts,
+    check_quantizable,
+    check_slabs,
+    classify,
+    raise_problems,
+)
+from sidecar.plan.models import get_model, model_type_of
 from sidecar.plan.spec import (
+    _APPENDED_MTP_RE,
     WEIGHT_SUFFIX,
+    EngineLayout,
     ExpertProj,
     KeepReason,
     Layer,
@@ -43,11 +60,13 @@ from sidecar.plan.spec import (
     TensorSpec,
     Unit,
     UnitKind,
+    _layer_in,
     _module_name,
     layer_of_name,
 )
 
 __all__ = [
+    "EngineLayout",
     "ExpertProj",
     "KeepReason",
     "Layer",
@@ -61,92 +80,11 @@ __all__ = [
     "layer_of_name",
     "meta_state_dict",
     "plan_from_hf_config",
+    "quantize_linears_of",
+    "with_checkpoint_scheme",
 ]
 
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------------
-# classification and validation
-
-
-@dataclass(frozen=True, slots=True)
-class _Routed:
-    """A routed-expert input: a slab (``expert`` None) or one expert's projection."""
-
-    spec: TensorSpec
-    prefix: str
-    proj: str  # gate_up_proj | down_proj | gate_proj | up_proj
-    expert: int | None
-    layer: Layer
-
-
-def _classify(inp: TensorSpec, model: ModelSpec) -> _Routed | None:
-    if model.slab_re is not None and (m := model.slab_re.match(inp.name)):
-        return _Routed(inp, m.group("prefix"), m.group("proj"), None, layer_of_name(inp.name))
-    if m := model.per_expert_re.match(inp.name):
-        expert = int(m.group("expert"))
-        return _Routed(inp, m.group("prefix"), m.group("proj"), expert, layer_of_name(inp.name))
-    return None
-
-
-def _check_slabs(slabs: dict[str, dict[str, _Routed]], problems: list[str]) -> None:
-    """SPEC §2.3: 3-D slabs, even 2I, and a layer's gate_up/down agreeing on E, H and I."""
-    for prefix, pair in slabs.items():
-        for r in pair.values():
-            if len(r.spec.shape) != 3:
-                problems.append(f"{r.spec.name}: shape {r.spec.shape} is not 3-D [E, rows, cols]")
-        gu, down = pair.get("gate_up_proj"), pair.get("down_proj")
-        if gu is None or down is None:
-            have, lack = ("gate_up_proj", "down_proj") if down is None else ("down_proj", "gate_up_proj")
-            problems.append(f"{prefix}.{have}: no partner slab {prefix}.{lack} in the inputs")
-        if gu is not None and len(gu.spec.shape) == 3 and gu.spec.shape[1] % 2:
-            problems.append(f"{gu.spec.name}: shape {gu.spec.shape} has an odd 2I = {gu.spec.shape[1]}")
-        if gu is None or down is None or len(gu.spec.shape) != 3 or len(down.spec.shape) != 3:
-            continue
-        (e1, two_i, h1), (e2, h2, i2) = gu.spec.shape, down.spec.shape
-        for what, a, b in (("E", e1, e2), ("H", h1, h2), ("I", two_i // 2, i2)):
-            if a != b:
-                problems.append(
-                    f"{gu.spec.name} {gu.spec.shape} and {down.spec.name} {down.spec.shape} disagree "
-                    f"on {what} ({a} vs {b})"
-                )
-
-
-def _check_experts(experts: dict[tuple[str, int], dict[str, _Routed]], problems: list[str]) -> None:
-    """Per-expert gate/up ``[I, H]`` and down ``[H, I]``: all three present and consistent."""
-    for (prefix, e), projs in experts.items():
-        for r in projs.values():
-            if len(r.spec.shape) != 2:
-                problems.append(f"{r.spec.name}: shape {r.spec.shape} is not 2-D [out, in]")
-        lacking = [p.value for p in ExpertProj if p.value not in projs]
-        if lacking:
-            problems.append(f"{prefix}.{e}: expert has no {', '.join(lacking)} in the inputs")
-            continue
-        gate, up, down = (projs[p.value].spec for p in ExpertProj)
-        if any(len(s.shape) != 2 for s in (gate, up, down)):
-            continue
-        if gate.shape != up.shape:
-            problems.append(f"{gate.name} {gate.shape} and {up.name} {up.shape} differ in shape")
-        if down.shape != gate.shape[::-1]:
-            problems.append(f"{down.name} {down.shape} is not the transpose of {gate.name} {gate.shape}")
-
-
-def _check_quantizable(r: _Routed, fmt: Format, problems: list[str]) -> None:
-    if r.spec.dtype not in FLOAT_DTYPES:
-        problems.append(f"{r.spec.name}: dtype {r.spec.dtype} cannot be quantized (bf16/fp16/fp32 only)")
-    if fmt is Format.MXFP8 and r.spec.shape and r.spec.shape[-1] % MX_BLOCK:
-        problems.append(
-            f"{r.spec.name}: mxfp8 needs the input dim to be a multiple of {MX_BLOCK}, got "
-            f"{r.spec.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
-        )
-
-
-def _raise_problems(problems: list[str]) -> None:
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"{len(problems)} problem(s) in the refit inputs; fix the trainer export:\n{lines}")
-
 
 # --------------------------------------------------------------------------------------------------
 # units
@@ -183,8 +121,11 @@ def _weight_and_scale(
     return weight, scale
 
 
-def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
-    """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down."""
+def _slab_outputs(
+    r: Routed, fmt: Format, held: range | None = None
+) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
+    """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down; only
+    the experts in ``held`` (a node's share) when given."""
     outputs: list[OutputSpec] = []
     groups: list[tuple[str, ...]] = []
     num_experts, rows, cols = r.spec.shape
@@ -194,7 +135,7 @@ def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple
     else:
         i = rows
         parts = ((ExpertProj.DOWN, None),)
-    for e in range(num_experts):
+    for e in range(num_experts) if held is None else held:
         names = []
         for proj, span in parts:
             name = f"{r.prefix}.{e}.{proj.value}{WEIGHT_SUFFIX}"
@@ -204,7 +145,7 @@ def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple
     return outputs, groups
 
 
-def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None) -> Unit:
+def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None, layer: Layer) -> Unit:
     out = OutputSpec(
         name=inp.name,
         dtype=inp.dtype,
@@ -218,13 +159,28 @@ def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None) ->
         kind=UnitKind.PASSTHROUGH,
         inputs=(inp.name,),
         outputs=(out,),
-        layer=layer_of_name(inp.name),
+        layer=layer,
         bytes_in=inp.nbytes,
         keep_reason=reason,
     )
 
 
-def _expert_unit(index: int, members: list[_Routed], fmt: Format) -> Unit:
+def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit:
+    """A non-expert linear weight ``[out, in]`` quantized on its own (its own scale in every format)."""
+    outputs = _weight_and_scale(inp.name, (inp.shape[0], inp.shape[1]), fmt, inp.name)
+    return Unit(
+        index=index,
+        kind=UnitKind.LINEAR,
+        inputs=(inp.name,),
+        outputs=outputs,
+        layer=layer,
+        bytes_in=inp.nbytes,
+        fmt=fmt,
+        scale_groups=((inp.name,),),
+    )
+
+
+def _expert_unit(index: int, members: list[Routed], fmt: Format) -> Unit:
     outputs: list[OutputSpec] = []
     for r in members:
         shape = (r.spec.shape[0], r.spec.shape[1])
@@ -242,30 +198,40 @@ def _expert_unit(index: int, members: list[_Routed], fmt: Format) -> Unit:
     )
 
 
-def _validate(routed: dict[str, _Routed], reasons: dict[str, KeepReason | None], fmt: Format) -> None:
+def _validate(
+    routed: dict[str, Routed],
+    reasons: dict[str, KeepReason | None],
+    fmt: Format,
+    linears: Mapping[str, TensorSpec] | None = None,
+) -> None:
     """Every structural problem of the routed experts, and every format problem of those to be
     quantized, raised together."""
-    slabs: dict[str, dict[str, _Routed]] = defaultdict(dict)
-    experts: dict[tuple[str, int], dict[str, _Routed]] = defaultdict(dict)
+    slabs: dict[str, dict[str, Routed]] = defaultdict(dict)
+    experts: dict[tuple[str, int], dict[str, Routed]] = defaultdict(dict)
     for r in routed.values():
         if r.expert is None:
             slabs[r.prefix][r.proj] = r
         else:
             experts[(r.prefix, r.expert)][r.proj] = r
     problems: list[str] = []
-    _check_slabs(slabs, problems)
-    _check_experts(experts, problems)
+    check_slabs(slabs, problems)
+    check_experts(experts, problems)
     for name, r in routed.items():
         if reasons[name] is None:
-            _check_quantizable(r, fmt, problems)
-    _raise_problems(problems)
+            check_quantizable(r.spec, fmt, problems)
+    for t in (linears or {}).values():
+        check_quantizable(t, fmt, problems)
+    raise_problems(problems)
 
 
 def _make_units(
     inputs: tuple[TensorSpec, ...],
-    routed: dict[str, _Routed],
+    routed: dict[str, Routed],
     reasons: dict[str, KeepReason | None],
     fmt: Format,
+    layers: Mapping[str, Layer],
+    linears: Collection[str] = (),
+    held: Mapping[str, range] | None = None,
 ) -> list[Unit]:
     """Units in input order; a unit reading two inputs sits where the first of them is."""
     units: list[Unit] = []
@@ -274,11 +240,14 @@ def _make_units(
         if inp.name in done:
             continue
         r = routed.get(inp.name)
-        if r is None or reasons[inp.name] is not None:
-            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name)))
+        if inp.name in linears:
+            units.append(_linear_unit(len(units), inp, fmt, layers[inp.name]))
+            done.add(inp.name)
+        elif r is None or reasons[inp.name] is not None:
+            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name), layers[inp.name]))
             done.add(inp.name)
         elif r.expert is None:
-            outs, groups = _slab_outputs(r, fmt)
+            outs, groups = _slab_outputs(r, fmt, None if held is None else held[r.prefix])
             units.append(
                 Unit(
                     index=len(units),
@@ -306,6 +275,22 @@ def _make_units(
     return units
 
 
+def _node_share(
+    routed: Mapping[str, Routed], layout: EngineLayout, node: int
+) -> tuple[dict[str, range], frozenset[str]]:
+    """Each routed prefix's experts held on ``node``, and the per-expert inputs outside them."""
+    layout.check_node(node)
+    counts: dict[str, int] = defaultdict(int)
+    for r in routed.values():
+        n = r.spec.shape[0] if r.expert is None and r.spec.shape else (r.expert or 0) + 1
+        counts[r.prefix] = max(counts[r.prefix], n)
+    held = {prefix: layout.experts_of_node(n, node) for prefix, n in counts.items()}
+    dropped = frozenset(
+        n for n, r in routed.items() if r.expert is not None and r.expert not in held[r.prefix]
+    )
+    return held, dropped
+
+
 # --------------------------------------------------------------------------------------------------
 # the plan
 
@@ -325,6 +310,10 @@ class RefitPlan:
     outputs: tuple[OutputSpec, ...]
     keep_bf16: frozenset[str]
     _units_of_input: Mapping[str, tuple[int, ...]]
+    #: a node's share: the engine layout and the node this plan publishes for (None: the whole model)
+    share: tuple[EngineLayout, int] | None = None
+    #: inputs outside the node's share: per-expert tensors of other nodes' experts, not planned
+    dropped: frozenset[str] = frozenset()
     #: ``units_for_input``'s answers, made once (the daemon asks for every input of every step)
     _input_units: Mapping[str, tuple[Unit, ...]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -342,12 +331,17 @@ class RefitPlan:
         spec: RefitSpec,
         *,
         keep_bf16: Collection[str] = (),
+        share: tuple[EngineLayout, int] | None = None,
     ) -> RefitPlan:
         """Plan a refit of ``specs`` (TensorSpec, ``(name, shape, dtype)`` or ``(name, tensor)``).
 
-        ``keep_bf16`` are module names the engine's manifest holds in BF16 (the tensor name without
-        ``.weight``; a slab's own name); a routed expert listed there passes through whatever else
-        the spec says. Raises ValueError listing every problem found in the inputs.
+        Each input keeps its own dtype: a non-BF16 input that is not quantized (the FP32 router bias)
+        passes through bit for bit, and staging and wire sizes follow it. ``keep_bf16`` are module
+        names the engine's manifest holds in BF16 (the tensor name without ``.weight``; a slab's own
+        name); a routed expert or linear listed there passes through whatever else the spec says.
+        ``share=(layout, node)`` plans only what ``node`` of an :class:`EngineLayout` holds: routed
+        experts outside its expert-parallel share are left out (per-expert inputs are ``dropped``,
+        slabs publish only the node's experts). Raises ValueError listing every problem found.
         """
         inputs = tuple(TensorSpec.coerce(s) for s in specs)
         dupes = sorted(n for n, c in Counter(i.name for i in inputs).items() if c > 1)
@@ -356,11 +350,30 @@ class RefitPlan:
         fmt, model = spec.format, spec.model
         keep = frozenset(_module_name(n) for n in keep_bf16)
         num_layers = cls._resolve_layers(inputs, spec)
+        layers = {i.name: _layer_in(i.name, model, num_layers) for i in inputs}
 
-        routed = {i.name: r for i in inputs if (r := _classify(i, model)) is not None}
-        reasons = {n: cls._keep_reason(r, spec, num_layers, keep) for n, r in routed.items()}
-        _validate(routed, reasons, fmt)
-        units = _make_units(inputs, routed, reasons, fmt)
+        routed = {i.name: r for i in inputs if (r := classify(i, model, layers[i.name])) is not None}
+        reasons = {n: cls._keep_reason(n, r.layer, spec, num_layers, keep) for n, r in routed.items()}
+        candidates = {
+            i.name: i
+            for i in inputs
+            if spec.quantize_linears
+            and model.linear_re is not None
+            and i.name not in routed
+            and len(i.shape) == 2
+            and model.linear_re.match(i.name)
+        }
+        linears = {
+            n: t
+            for n, t in candidates.items()
+            if cls._keep_reason(n, layers[n], spec, num_layers, keep) is None
+        }
+        _validate(routed, reasons, fmt, linears)
+        held, dropped = None, frozenset()
+        if share is not None:
+            held, dropped = _node_share(routed, *share)
+            inputs = tuple(i for i in inputs if i.name not in dropped)
+        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held)
         outputs = tuple(o for u in units for o in u.outputs)
         clashes = sorted(n for n, c in Counter(o.name for o in outputs).items() if c > 1)
         if clashes:
@@ -389,11 +402,19 @@ class RefitPlan:
             outputs=outputs,
             keep_bf16=keep,
             _units_of_input={n: tuple(ix) for n, ix in units_of.items()},
+            share=share,
+            dropped=dropped,
         )
 
     @staticmethod
     def _resolve_layers(inputs: tuple[TensorSpec, ...], spec: RefitSpec) -> int:
         seen = [lay for i in inputs if isinstance(lay := layer_of_name(i.name), int)]
+        if spec.model.mtp_in_layers:  # MTP layers follow the decoder layers: the first holds eh_proj
+            mtp = [int(m.group(1)) for i in inputs if (m := _APPENDED_MTP_RE.search(i.name))]
+            if spec.num_hidden_layers is None and mtp:
+                seen = [lay for lay in seen if lay < min(mtp)]
+            elif spec.num_hidden_layers is not None:
+                seen = [lay for lay in seen if lay < spec.num_hidden_layers]
         if spec.num_hidden_layers is None:
             num_layers = max(seen) + 1 if seen else 0
             spec.check_layer_counts(num_layers)
@@ -406,16 +427,18 @@ class RefitPlan:
         return spec.num_hidden_layers
 
     @staticmethod
-    def _keep_reason(r: _Routed, spec: RefitSpec, num_layers: int, keep: frozenset[str]) -> KeepReason | None:
-        module = _module_name(r.spec.name)
+    def _keep_reason(
+        name: str, layer: Layer, spec: RefitSpec, num_layers: int, keep: frozenset[str]
+    ) -> KeepReason | None:
+        module = _module_name(name)
         if spec.format is Format.BF16:
             return KeepReason.FORMAT_BF16
         if module in keep:
             return KeepReason.MANIFEST
-        if isinstance(r.layer, int):  # MTP layers are not counted by first/last
-            if r.layer < spec.num_first_layers_in_bf16:
+        if isinstance(layer, int):  # MTP layers are not counted by first/last
+            if layer < spec.num_first_layers_in_bf16:
                 return KeepReason.FIRST_LAYERS
-            if r.layer >= num_layers - spec.num_last_layers_in_bf16:
+            if layer >= num_layers - spec.num_last_layers_in_bf16:
                 return KeepReason.LAST_LAYERS
         if any(fnmatch.fnmatchcase(module, p) for p in spec.ignore_patterns):
             return KeepReason.IGNORE_PATTERN
@@ -452,16 +475,56 @@ class RefitPlan:
 # from a Hugging Face config
 
 
+#: the block shape of refitd's block_fp8, as a checkpoint's quantization_config writes it
+CHECKPOINT_BLOCK = [128, 128]
+
+
+def quantize_linears_of(config: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    """What a checkpoint's own ``quantization_config`` says: ``(True, modules_to_not_convert)`` for a
+    block-FP8 checkpoint (``quant_method: fp8`` with ``weight_block_size``), else ``(False, ())``."""
+    model = get_model(model_type_of(config))
+    q = config.get("quantization_config")
+    if q is None:
+        q = model.text_config(config).get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
+        return False, ()
+    block = list(q["weight_block_size"])
+    if block != CHECKPOINT_BLOCK:
+        raise ValueError(
+            f"the config's quantization_config has weight_block_size {block}; refitd's block_fp8 is "
+            f"{CHECKPOINT_BLOCK}: set RefitSpec.quantize_linears explicitly to plan anyway"
+        )
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    return True, tuple(str(m) for m in skip)
+
+
+def with_checkpoint_scheme(spec: RefitSpec, config: Mapping[str, Any]) -> RefitSpec:
+    """``spec`` with ``quantize_linears`` resolved from the checkpoint's ``quantization_config`` when
+    it is unset (and its ``modules_to_not_convert`` added to the ignore patterns); as is otherwise.
+    The daemon resolves its spec with this once, so every plan it builds (from the config, from a
+    step's declarations, at attach) follows the same scheme."""
+    if spec.quantize_linears is not None:
+        return spec
+    follow, skip = quantize_linears_of(config)
+    if not follow or spec.model.linear_re is None:
+        return dataclasses.replace(spec, quantize_linears=False)
+    ignore = tuple(spec.ignore_patterns) + tuple(p for p in skip if p not in spec.ignore_patterns)
+    return dataclasses.replace(spec, quantize_linears=True, ignore_patterns=ignore)
+
+
 def plan_from_hf_config(
     config: Mapping[str, Any],
     spec: RefitSpec,
     *,
     keep_bf16: Collection[str] = (),
     include_vision: bool = False,
+    share: tuple[EngineLayout, int] | None = None,
 ) -> RefitPlan:
     """Plan a refit of the model ``config`` (a ``config.json`` dict) describes, without weights.
 
-    The layer count comes from the config (MTP layers not counted), not from the names.
+    The layer count comes from the config (MTP layers not counted), not from the names. With
+    ``spec.quantize_linears`` unset, the checkpoint's ``quantization_config`` decides whether the
+    registry's linear layers are quantized too (and its ``modules_to_not_convert`` stay BF16).
     """
     model = get_model(model_type_of(config))
     if model.model_type != spec.model.model_type:
@@ -475,9 +538,9 @@ def plan_from_hf_config(
             f"spec.num_hidden_layers = {spec.num_hidden_layers} but the config has {layers} layers; "
             "leave it None to take the config's"
         )
-    spec = dataclasses.replace(spec, num_hidden_layers=layers)
+    spec = with_checkpoint_scheme(dataclasses.replace(spec, num_hidden_layers=layers), config)
     params = model.parameters(config, include_vision=include_vision)
-    return RefitPlan.build(params, spec, keep_bf16=keep_bf16)
+    return RefitPlan.build(params, spec, keep_bf16=keep_bf16, share=share)
 
 
 def meta_state_dict(

@@ -1,9 +1,10 @@
 """The plan's vocabulary: the spec a user asks for and the plain data a plan is made of (SPEC §2).
 
-:class:`RefitSpec` (model, format, BF16 exclusions), :class:`TensorSpec` (one input: name, dtype,
-shape), :class:`OutputSpec` (one output tensor), :class:`Unit` (the inputs one piece of work reads and
-the outputs it writes) and the enums naming their kinds. ``sidecar.plan.build`` makes plans out of
-these; the daemon, the runners and the adapters read them. No torch work happens here.
+:class:`RefitSpec` (model, format, BF16 exclusions), :class:`EngineLayout` (a node's share of a
+multi-node engine), :class:`TensorSpec` (one input: name, dtype, shape), :class:`OutputSpec` (one
+output tensor), :class:`Unit` (the inputs one piece of work reads and the outputs it writes), the enums
+naming their kinds and the layer helpers. ``sidecar.plan.build`` makes plans out of these; the daemon,
+the runners and the adapters read them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from sidecar.numerics.formats import Format
 from sidecar.plan.models import ModelSpec, get_model
 
-#: a layer: a decoder layer index, ("mtp", n) for an MTP layer, or None (embeddings, vision, ...)
 Layer = int | tuple[str, int] | None
 MTP = "mtp"
 WEIGHT_SUFFIX = ".weight"
@@ -27,6 +27,8 @@ WEIGHT_SUFFIX = ".weight"
 SUMMARY_LARGEST = 10
 _DECODER_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+#: an MTP layer appended to ``model.layers`` (DeepSeek-V3, GLM-4.5): the one holding ``eh_proj``/``enorm``
+_APPENDED_MTP_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:eh_proj|enorm|hnorm)\.")
 
 
 class Role(str, enum.Enum):
@@ -49,6 +51,7 @@ class UnitKind(str, enum.Enum):
     PASSTHROUGH = "passthrough"  # one input copied bit for bit (routed experts kept BF16 included)
     SLAB = "slab"  # one grouped slab of one layer, split per expert and quantized
     EXPERT = "expert"  # per-expert projection(s): gate+up of one expert together under fp8_per_tensor
+    LINEAR = "linear"  # one non-expert linear weight (attention, dense MLP, shared expert), quantized alone
 
 
 class KeepReason(str, enum.Enum):
@@ -75,6 +78,13 @@ class RefitSpec:
     ``fmt`` accepts a string and ``ignore_patterns`` any collection; they are stored as a
     :class:`Format` and a tuple. Patterns are shell-style ``fnmatch`` (case-sensitive) over module
     names: the tensor name without ``.weight``, or the slab name.
+
+    ``quantize_linears`` widens quantization beyond the routed experts to the linear layers the
+    registry names (``ModelSpec.linear_re``: attention projections, dense MLPs, shared experts), as
+    block-FP8 checkpoints such as DeepSeek-V3's store them. ``None`` follows the checkpoint: planning
+    from a config with ``quantization_config.weight_block_size`` quantizes them (its
+    ``modules_to_not_convert`` stay BF16), without one it does not. The BF16 exclusions above (and an
+    engine's manifest) narrow it again, module by module.
     """
 
     model_type: str
@@ -83,6 +93,7 @@ class RefitSpec:
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     ignore_patterns: tuple[str, ...] | Collection[str] = ()
+    quantize_linears: bool | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model_type)  # raises, listing the known types
@@ -93,6 +104,15 @@ class RefitSpec:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"ignore_patterns holds {p!r}: each must be a non-empty fnmatch pattern")
         object.__setattr__(self, "ignore_patterns", patterns)
+        if self.quantize_linears not in (None, True, False):
+            raise ValueError(
+                f"quantize_linears = {self.quantize_linears!r}: give True, False or None (the checkpoint's)"
+            )
+        if self.quantize_linears and self.model.linear_re is None:
+            raise ValueError(
+                f"quantize_linears: the {self.model_type} registry entry names no quantizable linear layers; "
+                "leave it unset"
+            )
         for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -119,6 +139,81 @@ class RefitSpec:
                 f"num_first_layers_in_bf16 ({first}) + num_last_layers_in_bf16 ({last}) exceeds the "
                 f"model's {num_hidden_layers} layers; lower one of them (or use fmt='bf16')"
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# a node's share of an engine
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineLayout:
+    """One inference engine's parallel layout across nodes, to plan the share one node publishes.
+
+    The engine runs on ``max(ep, tp)`` GPUs spread evenly over ``nodes`` nodes (with expert
+    parallelism the EP group is every GPU: DP x TP). Routed experts are split over the ``ep`` ranks
+    in order, as vLLM places them by default (``determine_expert_map``, linear placement):
+    rank r holds a contiguous run, the first ``E % ep`` ranks one expert more. Everything else is held
+    whole by every node: tensor parallelism stays within a node, whose daemon publishes one copy that
+    all of its GPUs read their slices from.
+
+    Usage::
+
+        layout = EngineLayout(ep=16, tp=1, nodes=2)
+        plan = plan_from_hf_config(config, spec, share=(layout, 0))   # what node 0 publishes
+    """
+
+    ep: int = 1
+    tp: int = 1
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("ep", "tp", "nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine layout {key} = {value!r}: give a positive integer")
+        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
+            raise ValueError(
+                f"engine layout ep={self.ep}, tp={self.tp}: the expert-parallel group spans DP x TP, so ep must "
+                "be a multiple of tp"
+            )
+        if self.gpus % self.nodes:
+            raise ValueError(
+                f"engine layout: {self.gpus} GPUs (max of ep={self.ep}, tp={self.tp}) do not split evenly over "
+                f"{self.nodes} nodes; give ep/tp a multiple of nodes"
+            )
+        if self.tp > self.gpus_per_node:
+            raise ValueError(
+                f"engine layout: tp={self.tp} spans {self.tp // self.gpus_per_node} nodes of {self.gpus_per_node} "
+                "GPUs; refitd plans a node's share for TP within a node (use DP attention + EP across nodes)"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return max(self.ep, self.tp)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    def check_node(self, node: int) -> None:
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < self.nodes:
+            raise ValueError(f"node {node!r}: the layout has nodes 0..{self.nodes - 1}")
+
+    def experts_of_rank(self, num_experts: int, rank: int) -> range:
+        """The experts EP ``rank`` holds of ``num_experts`` (contiguous; the first ``E % ep`` one more)."""
+        base, extra = divmod(num_experts, self.ep)
+        start = rank * base + min(rank, extra)
+        return range(start, start + base + (1 if rank < extra else 0))
+
+    def experts_of_node(self, num_experts: int, node: int) -> range:
+        """The experts the engine's GPUs on ``node`` hold: the union of its EP ranks' runs."""
+        self.check_node(node)
+        if self.ep == 1:
+            return range(num_experts)
+        ranks_per_node = self.ep // self.nodes
+        first = self.experts_of_rank(num_experts, node * ranks_per_node)
+        last = self.experts_of_rank(num_experts, (node + 1) * ranks_per_node - 1)
+        return range(first.start, last.stop)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,6 +307,15 @@ def layer_of_name(name: str) -> Layer:
     if m := _DECODER_LAYER_RE.search(name):
         return int(m.group(1))
     return None
+
+
+def _layer_in(name: str, model: ModelSpec, num_hidden_layers: int) -> Layer:
+    """:func:`layer_of_name`, with ``layers.L`` for ``L >= num_hidden_layers`` read as MTP layer
+    ``L - num_hidden_layers`` for the families that append MTP layers to ``model.layers``."""
+    layer = layer_of_name(name)
+    if isinstance(layer, int) and (n := model.mtp_layer(layer, num_hidden_layers)) is not None:
+        return (MTP, n)
+    return layer
 
 
 def _layer_label(layer: Layer) -> str:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from sidecar.cli.demo.colocated import DEFAULT_MODEL, MODELS
 from sidecar.numerics.formats import Format
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
     p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the synthetic model's family")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
@@ -32,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.layout == "disaggregated":
+        if args.model != DEFAULT_MODEL:
+            print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
+            return 2
         from sidecar.cli.demo.disaggregated import run_disaggregated
 
         return run_disaggregated(args)
