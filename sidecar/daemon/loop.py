@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -238,13 +238,16 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             self._force = True
         self._stop = True
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, poll: Callable[[Daemon], None] | None = None) -> None:
+        """Tick until stopped; ``poll(self)`` after every tick (the CLI's signal flags, cli.serve.Signals)."""
         while not self._stop:
             self.tick()
+            if poll is not None:
+                poll(self)
             if self._reload is not None:
                 load, self._reload = self._reload, None
                 self.reload(load)
-        self._drain()
+        self._drain(poll)
 
     def request_reload(self, load_config) -> None:
         """Re-read the configuration (``load_config() -> DaemonConfig``) on the serve loop (SIGHUP)."""
@@ -274,7 +277,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             log.info("SIGHUP: the configuration is unchanged")
         return changed
 
-    def _drain(self) -> None:
+    def _drain(self, poll: Callable[[Daemon], None] | None = None) -> None:
         """On stop: with drain=finish, let the step in flight publish (or fail) within shutdown_timeout_s."""
         if self.step is None or self.config.drain is not DrainMode.FINISH:
             return
@@ -287,6 +290,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         )
         while self.step is not None and time.monotonic() < deadline and not self._force:
             self.tick()
+            if poll is not None:
+                poll(self)
 
     def tick(self, timeout_ms: int | None = None) -> None:
         """One turn of the loop: messages, worker results, timers."""
