@@ -33,7 +33,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from sidecar import ray as refitd_ray  # noqa: E402
 from sidecar.cli.demo.synthetic import make_hf_config  # noqa: E402
-from sidecar.config.settings import ConfigError, NodeLayout, NodeRole, load_config  # noqa: E402
+from sidecar.config.settings import ConfigError, NodeLayout, NodeRole  # noqa: E402
+from sidecar.config.sources import load_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,13 +22,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from sidecar.config.settings import (
-    EXIT_CONFIG,
-    ConfigError,
-    add_serve_arguments,
-    config_from_args,
-    prepare_runtime_dir,
-)
+from sidecar.config.settings import EXIT_CONFIG, ConfigError, prepare_runtime_dir
+from sidecar.config.sources import add_serve_arguments, config_from_args
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.logs import setup_logging
 
