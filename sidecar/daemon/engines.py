@@ -66,6 +66,7 @@ class ReaderHandlers:
                 # a reader pings this often while attached; one silent for reader_timeout_s is dropped
                 "heartbeat_interval_s": self.reader_ping_interval(),
                 "reader_timeout_s": self.config.reader_timeout_s,
+                "epochs": self.arenas.epochs.handle(),  # map read-only: Generation.intact() reads it
             },
         )
 
@@ -278,12 +279,37 @@ class ReaderHandlers:
         gen = self.arenas.live_generation()
         if peer.waiting is None or gen is None or gen.step is None or gen.step < peer.waiting:
             return
-        handle = gen.arena.handle()
-        if self._send(
-            peer.identity, Kind.GENERATION, {"generation": gen.index, "step": gen.step, "arena": handle}
-        ):
+        fields = {"generation": gen.index, "step": gen.step, "arena": gen.arena.handle()}
+        fields |= {"epoch": self.arenas.epoch(gen), "epochs": self.arenas.epochs.handle()}
+        if self._send(peer.identity, Kind.GENERATION, fields):
             self.arenas.hold(peer.identity, gen)
         peer.waiting = None
+
+    def _hold_revoked(self, identity: bytes, gen, held_step: int | None) -> None:
+        """A step claimed ``gen`` although ``identity`` still held it (``Arenas.on_revoke``): tell
+        the reader at once (REVOKED), before a byte of the new step is written, and count it. The
+        reader's copy, if it was still copying, may be torn; ``Generation.intact()`` says so too."""
+        label = self._holder_label(identity)
+        log.warning(
+            "revoked the hold of %s on generation %d (step %s) after reader_timeout_s=%g: a step is "
+            "overwriting it; a copy still in progress there may be torn and the reader is told",
+            label,
+            gen.index,
+            held_step,
+            self.config.reader_timeout_s,
+        )
+        notify(self.observers, "on_hold_revoked", self, label, gen.index, held_step)
+        if identity in self.peers:
+            self._send(
+                identity,
+                Kind.REVOKED,
+                {
+                    "instance": self.instance,
+                    "generation": gen.index,
+                    "step": held_step,
+                    "reader_timeout_s": self.config.reader_timeout_s,
+                },
+            )
 
     def _finish_rounds(self, now: float) -> None:
         """Tell each finished round's trainers which engine workers loaded the step (LOADED)."""
