@@ -109,4 +109,6 @@ class EpochView(_Page):
             ) from None
         if count <= 0:
             raise ValueError(f"the daemon's epoch page {name!r} claims {count} generations")
-        return cls(ShmSegment.attach(name, count * EPOCH_BYTES, writable=False), count)
+        view = cls(ShmSegment.attach(name, count * EPOCH_BYTES, writable=False), count)
+        view._epochs.flags.writeable = False  # a write raises here instead of faulting the process
+        return view

@@ -267,7 +267,22 @@ class ReaderHandlers:
                 seconds = None
             rnd.record(identity, msg.get("ok") is True, error, seconds)
             self._finish_rounds(time.monotonic())
+        elif msg.get("ok") is False:  # its step's round already closed (it timed out): say it here
+            self._late_load_failure(identity, step, msg.get("error"))
         self._maybe_claim()
+
+    def _late_load_failure(self, identity: bytes, step, error) -> None:
+        """An engine worker's failed load of a step whose LOADED round already closed (it took longer
+        than reader_timeout_s: the round reported it as not acknowledged in time), e.g. a load found
+        torn because its hold was revoked: logged with the worker's own error."""
+        error = error[:MAX_LOAD_ERROR_CHARS] if isinstance(error, str) else safe_repr(error)
+        log.error(
+            "%s failed to load step %s after its load round closed: %s",
+            self._holder_label(identity),
+            safe_repr(step),
+            error,
+            extra={"step": step if isinstance(step, int) else None, "phase": "load"},
+        )
 
     def handle_detach(self, identity: bytes, msg: Message) -> None:
         name = self.peers[identity].name if identity in self.peers else "?"
