@@ -16,18 +16,20 @@ revocation costs about a second.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from daemons import daemon_factory
+from daemons import RunningDaemon, daemon_factory
 
 from adapters.base import Generation, RefitReader
 from adapters.engine import EngineWorker
 from adapters.manifest import Manifest
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.keygen import write_keypair
 from sidecar.client.client import RefitClient
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.errors import ErrorKind, HoldRevoked
@@ -316,3 +318,86 @@ def test_arenas_bump_on_claim_count_revocations_and_own_their_epoch_page(tmp_pat
         arenas.close()
     assert not (SHM_DIR / page.name).exists()
     assert not Path(SHM_DIR / arenas.generations[0].arena.name).exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# an inference node of a disaggregated layout: forwarded generations are claimed the same way
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def disaggregated(tmp_path):
+    """(trainer node's daemon, inference node's daemon), CURVE between them; readers on the
+    inference node are dropped after reader_timeout_s=1 s, the trainer node keeps the defaults."""
+    keys = tmp_path / "keys"
+    allowed = keys / "allowed"
+    allowed.mkdir(parents=True)
+    trainer_key, _ = write_keypair(allowed, "trainer")
+    inference_key, inference_pub = write_keypair(keys, "inference")
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    common = dict(layout="disaggregated", forward_timeout_s=10.0, format="block_fp8")
+    inference = RunningDaemon(
+        tmp_path,
+        runtime_dir=tmp_path / "inference",
+        role="inference",
+        model_type="qwen3_5_moe",
+        publish_bytes=4 << 20,
+        listen=endpoint,
+        curve_secret_key=inference_key,
+        curve_allowed_keys=allowed,
+        curve_trainer_keys=allowed / "trainer.key.pub",
+        **{**common, "reader_timeout_s": READER_TIMEOUT_S},
+    )
+    trainer = RunningDaemon(
+        tmp_path,
+        runtime_dir=tmp_path / "trainer",
+        hf_config=CONFIG,
+        role="trainer",
+        world_size=1,
+        peers=[endpoint],
+        curve_secret_key=trainer_key,
+        curve_server_key=inference_pub,
+        **{**common, "reader_timeout_s": 30.0},
+    )
+    yield trainer, inference
+    trainer.close()
+    inference.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_forwarded_generation_held_past_reader_timeout_on_an_inference_node_is_revoked(disaggregated):
+    """On an inference node an engine reader holds forwarded step 1 past reader_timeout_s while the
+    trainer node forwards steps 2 and 3; step 3 is written into the held generation. The reader is
+    told as on a trainer node: ``intact()`` is False, ``release`` raises HoldRevoked, the inference
+    node's ``status`` counts the revoked hold; step 3 then loads intact and exact."""
+    trainer, inference = disaggregated
+    local = inference.daemon.local_listen
+
+    def status() -> dict:  # over the node's local ipc:// socket (its tcp:// one takes CURVE keys)
+        with RefitReader(local, name="test-status") as probe:
+            return probe.status(timeout=REPLY_S)
+
+    def land(step: int) -> None:
+        push(trainer.endpoint, step)
+        wait_for(lambda: status()["last_step"] == step, f"forwarded step {step} live there")
+
+    with RefitReader(local, name="inference-engine", timeout=REPLY_S) as reader:
+        land(1)
+        gen = reader.wait(min_step=1)
+        assert gen.intact() and exact(copy_out(gen), 1)
+        land(2)
+        land(3)
+        assert status()["live"]["generation"] == gen.index
+        assert not gen.intact()
+        with pytest.raises(HoldRevoked) as excinfo:
+            reader.release(gen)
+        assert excinfo.value.generation == gen.index and excinfo.value.step == 1
+        assert status()["revoked_holds"] == 1
+        fresh = reader.wait(min_step=3)
+        assert fresh.intact() and exact(copy_out(fresh), 3)
+        reader.release(fresh)
