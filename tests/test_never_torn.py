@@ -401,3 +401,64 @@ def test_a_forwarded_generation_held_past_reader_timeout_on_an_inference_node_is
         fresh = reader.wait(min_step=3)
         assert fresh.intact() and exact(copy_out(fresh), 3)
         reader.release(fresh)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU arenas: copies out of them are asynchronous
+
+
+class _Page:
+    """Stands in for the epoch page: records when it is read."""
+
+    def __init__(self, calls: list, epoch: int):
+        self.calls, self.epoch = calls, epoch
+
+    def read(self, index: int) -> int:
+        self.calls.append("read epoch")
+        return self.epoch
+
+
+def test_intact_on_a_gpu_generation_finishes_the_copies_before_reading_the_epoch(monkeypatch):
+    """On a GPU arena a copy out of the generation is asynchronous: ``intact()`` waits for the GPUs
+    (the arena's and the current one) before it reads the epoch, else a copy still running after
+    the check could read bytes the daemon writes next."""
+    import adapters.base as base
+
+    calls: list = []
+    monkeypatch.setattr(base, "_finish_copies", lambda gen: calls.append("finish copies"))
+    gen = Generation(0, 7, {}, "refitd-gen0", on_gpu=True, device=1, epoch=5, epochs=_Page(calls, 5))
+    assert gen.intact() and calls == ["finish copies", "read epoch"]
+    calls.clear()
+    gen.epochs = _Page(calls, 6)
+    assert not gen.intact() and calls == ["finish copies", "read epoch"]
+
+
+def test_a_generation_from_a_daemon_without_epochs_is_judged_by_revoked_alone():
+    """A GENERATION without an epoch (an older daemon): ``intact()`` cannot read a page and relies on
+    the daemon's REVOKED message alone."""
+    gen = Generation(0, 7, {}, "refitd-gen0")
+    assert gen.intact()
+    gen.revoked = True
+    assert not gen.intact()
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (arena = cuda)")
+
+
+@needs_gpu
+@pytest.mark.timeout(180)
+def test_a_revoked_hold_on_a_gpu_arena_is_reported(start):
+    """The same revocation with ``arena = "cuda"`` (cudaMalloc generations, written by GPU kernels,
+    staged through the ring): the claim bumps the epoch before any kernel is launched into the
+    generation, so ``intact()`` (after finishing the reader's device copies) is False, and
+    ``release`` raises HoldRevoked."""
+    d = start(arena="cuda", gpu=torch.cuda.current_device())
+    with RefitReader(d.endpoint, name="gpu-engine", timeout=REPLY_S) as reader:
+        gen = held_then_overwritten(d, reader)
+        assert gen.on_gpu and not gen.intact()
+        assert exact({n: t.cpu() for n, t in gen.tensors.items()}, 3)
+        with pytest.raises(HoldRevoked):
+            reader.release(gen)
+        fresh = reader.wait(min_step=3)
+        assert fresh.intact() and exact({n: t.cpu() for n, t in fresh.tensors.items()}, 3)
+        reader.release(fresh)
