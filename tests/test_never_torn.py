@@ -33,6 +33,7 @@ from sidecar.cli.keygen import write_keypair
 from sidecar.client.client import RefitClient
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.errors import ErrorKind, HoldRevoked
+from sidecar.ops.metrics import MetricsObserver
 from sidecar.plan.build import RefitSpec, convert
 from transport.epochs import EpochView
 from transport.shm import SHM_DIR
@@ -133,28 +134,39 @@ def test_a_hold_past_reader_timeout_is_revoked_intact_is_false_and_release_raise
     for step 3 and loads it intact."""
     caplog.set_level(logging.DEBUG, logger="refitd.daemon")
     d = start()
-    with RefitReader(d.endpoint, name="slow-engine", timeout=REPLY_S) as reader:
-        gen = held_then_overwritten(d, reader)
-        assert not gen.intact()
-        assert exact(copy_out(gen), 3), "the held views were overwritten by step 3: a copy now would be torn"
-        wait_for(lambda: gen.revoked, "the daemon tells the reader it revoked the hold (REVOKED)")
-        status = d.status()
-        assert status["revoked_holds"] == 1 and "slow-engine" in status["readers"], status
-        with pytest.raises(HoldRevoked) as excinfo:
-            reader.release(gen)
-        err = excinfo.value
-        assert err.kind is ErrorKind.REVOKED and (err.generation, err.step) == (gen.index, 1)
-        assert "reader_timeout_s=1 s" in err.message and "torn" in err.message, err.message
-        assert "slow-engine" in err.message and "raise reader_timeout_s" in err.message, err.message
-        reader.release(gen)  # idempotent: raised once
-        wait_for(
-            lambda: any("no longer held it" in r.getMessage() for r in caplog.records),
-            "the RELEASE still reached the daemon before the error was raised",
-        )
-        assert any("revoked the hold of reader 'slow-engine'" in r.getMessage() for r in caplog.records)
-        fresh = reader.wait(min_step=3)
-        assert fresh.step == 3 and fresh.intact() and exact(copy_out(fresh), 3)
-        reader.release(fresh)
+    metrics = MetricsObserver("127.0.0.1:0")
+    d.daemon.observers.append(metrics)  # before any step: the serve loop notifies it from then on
+    try:
+        with RefitReader(d.endpoint, name="slow-engine", timeout=REPLY_S) as reader:
+            _revoked_and_reported(d, reader, caplog)
+        assert metrics.registry.get_sample_value("refitd_holds_revoked_total") == 1
+    finally:
+        metrics.close()
+
+
+def _revoked_and_reported(d, reader: RefitReader, caplog) -> None:
+    """The body of the test above, with ``reader`` holding step 1 until step 3 overwrites it."""
+    gen = held_then_overwritten(d, reader)
+    assert not gen.intact()
+    assert exact(copy_out(gen), 3), "the held views were overwritten by step 3: a copy now would be torn"
+    wait_for(lambda: gen.revoked, "the daemon tells the reader it revoked the hold (REVOKED)")
+    status = d.status()
+    assert status["revoked_holds"] == 1 and "slow-engine" in status["readers"], status
+    with pytest.raises(HoldRevoked) as excinfo:
+        reader.release(gen)
+    err = excinfo.value
+    assert err.kind is ErrorKind.REVOKED and (err.generation, err.step) == (gen.index, 1)
+    assert "reader_timeout_s=1 s" in err.message and "torn" in err.message, err.message
+    assert "slow-engine" in err.message and "raise reader_timeout_s" in err.message, err.message
+    reader.release(gen)  # idempotent: raised once
+    wait_for(
+        lambda: any("no longer held it" in r.getMessage() for r in caplog.records),
+        "the RELEASE still reached the daemon before the error was raised",
+    )
+    assert any("revoked the hold of reader 'slow-engine'" in r.getMessage() for r in caplog.records)
+    fresh = reader.wait(min_step=3)
+    assert fresh.step == 3 and fresh.intact() and exact(copy_out(fresh), 3)
+    reader.release(fresh)
 
 
 @pytest.mark.timeout(90)
