@@ -474,3 +474,42 @@ def test_a_revoked_hold_on_a_gpu_arena_is_reported(start):
         fresh = reader.wait(min_step=3)
         assert fresh.intact() and exact({n: t.cpu() for n, t in fresh.tensors.items()}, 3)
         reader.release(fresh)
+
+
+@pytest.mark.timeout(180)
+def test_a_forwarder_whose_generation_is_rewritten_mid_send_aborts_instead_of_committing(
+    disaggregated, monkeypatch, caplog
+):
+    """The trainer node's forwarder is itself a reader of the generation it sends. If its hold were
+    dropped and the generation rewritten while the bytes were on their way (the epoch moved; here the
+    test moves it from inside the first send, as a claim would), it must not COMMIT what the peer got:
+    it aborts the transfer, says why, and the next attempt delivers the step intact."""
+    import sidecar.forward.sender as sender
+
+    trainer, inference = disaggregated
+    caplog.set_level(logging.WARNING, logger="refitd.forward")
+    original, sends = sender.choose_mover, []
+
+    def choose_mover(*args, **kwargs):
+        mover = original(*args, **kwargs)
+        send = mover.send
+
+        def rewritten_during_the_first_send(fwd, job, views, ready, deadline):
+            sent = send(fwd, job, views, ready, deadline)
+            sends.append(job.step)
+            if len(sends) == 1:
+                trainer.daemon.arenas.epochs.bump(job.generation)  # what a claim does before writing
+            return sent
+
+        mover.send = rewritten_during_the_first_send
+        return mover
+
+    monkeypatch.setattr(sender, "choose_mover", choose_mover)
+    local = inference.daemon.local_listen
+    push(trainer.endpoint, 1)
+    with RefitReader(local, name="inference-engine", timeout=REPLY_S) as reader:
+        gen = reader.wait(min_step=1)
+        assert gen.intact() and exact(copy_out(gen), 1)
+        reader.release(gen)
+    assert sends == [1, 1], "the rewritten transfer was aborted and sent again"
+    assert any("was rewritten while it was being sent" in r.getMessage() for r in caplog.records)
