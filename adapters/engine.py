@@ -20,7 +20,7 @@ from typing import Any
 
 from adapters.base import Generation, RefitReader
 from adapters.manifest import Manifest
-from sidecar.errors import ErrorKind, RefitError
+from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 
 __all__ = ["EngineWorker", "LoadResult", "check_results"]
 
@@ -123,6 +123,26 @@ class EngineWorker:
             raise torn  # (a release that did not raise: the epoch moved on after all; still torn)
         self.reader.release(gen, ok=error is None, error=error, seconds=seconds)
         return LoadResult(worker=self.name, step=gen.step, ok=error is None, seconds=seconds, error=error)
+
+    def load_intact(
+        self, min_step: int | None = None, timeout: float | None = None, *, attempts: int = 3
+    ) -> LoadResult:
+        """``load_next``, again (up to ``attempts`` in all) while a load is found torn: each
+        HoldRevoked was acknowledged ok=False, and the next try gets the newest generation. For an
+        engine loop that must end up serving intact weights of step >= ``min_step``."""
+        if attempts < 1:
+            raise ValueError(f"attempts={attempts}: give at least 1")
+        for attempt in range(1, attempts):
+            try:
+                return self.load_next(min_step=min_step, timeout=timeout)
+            except HoldRevoked as exc:
+                log.warning(
+                    "engine worker %s: loading the next generation (attempt %d): %s",
+                    self.name,
+                    attempt + 1,
+                    exc,
+                )
+        return self.load_next(min_step=min_step, timeout=timeout)
 
     def detach(self) -> None:
         if self.reader is not None:

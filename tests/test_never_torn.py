@@ -513,3 +513,30 @@ def test_a_forwarder_whose_generation_is_rewritten_mid_send_aborts_instead_of_co
         reader.release(gen)
     assert sends == [1, 1], "the rewritten transfer was aborted and sent again"
     assert any("was rewritten while it was being sent" in r.getMessage() for r in caplog.records)
+
+
+def test_load_intact_loads_the_next_generation_after_a_torn_load_and_gives_up_after_attempts():
+    """``EngineWorker.load_intact`` (the reference engine and the demo use it): a load found torn
+    (HoldRevoked, already acknowledged ok=False) is followed by loading the next generation; after
+    ``attempts`` torn loads in a row the last HoldRevoked is raised, not swallowed."""
+    from adapters.engine import LoadResult
+
+    worker = EngineWorker("ipc:///nonexistent/refitd-test.sock", name="engine", manifest=None, load=None)
+    outcomes: list = []
+
+    def load_next(min_step=None, timeout=None):
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    worker.load_next = load_next
+    torn = HoldRevoked(reader="engine", generation=0, step=1, reader_timeout_s=1.0)
+    outcomes[:] = [torn, LoadResult(worker="engine", step=3, ok=True)]
+    assert worker.load_intact(min_step=1).step == 3 and outcomes == []
+    outcomes[:] = [torn, torn, torn, LoadResult(worker="engine", step=5, ok=True)]
+    with pytest.raises(HoldRevoked):
+        worker.load_intact(min_step=1, attempts=3)
+    assert len(outcomes) == 1
+    with pytest.raises(ValueError, match="attempts=0"):
+        worker.load_intact(attempts=0)
