@@ -45,10 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from adapters.base import RefitReader  # noqa: E402
-from sidecar.client import RefitClient, Shard  # noqa: E402
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict  # noqa: E402
+from sidecar.client.client import RefitClient, Shard  # noqa: E402
 from sidecar.errors import RefitError  # noqa: E402
-from sidecar.plan import RefitSpec, convert  # noqa: E402
-from sidecar.synthetic import make_hf_config, make_state_dict  # noqa: E402
+from sidecar.plan.build import RefitSpec, convert  # noqa: E402
 
 MiB = 1 << 20
 MODEL = dict(num_layers=2, num_experts=4, unaligned=True)

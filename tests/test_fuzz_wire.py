@@ -21,8 +21,7 @@ compared byte for byte with ``convert()`` and, for one expert, with the scalar o
 A last test plays the trainer node's forwarder from a local peer of an inference node (defect 13).
 
 A family is a hypothesis strategy of ``Probe`` objects (a ``run(session)`` method that sends messages
-and may insist on replies); add one to ``FAMILIES`` to extend the fuzzer. Families that fail today
-because a defect of issue 11 is not fixed yet are marked ``xfail(strict=False)`` naming the defect.
+and may insist on replies); add one to ``FAMILIES`` to extend the fuzzer. No family is expected to fail.
 Examples are derandomized and not shrunk, so the run is the same every time and bounded.
 """
 
@@ -49,9 +48,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from adapters.base import RefitReader
-from sidecar.client import RefitClient, Shard
-from sidecar.plan import RefitSpec, convert
-from sidecar.synthetic import make_hf_config, make_state_dict
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.client.client import RefitClient, Shard
+from sidecar.plan.build import RefitSpec, convert
 from transport.wire import PROTOCOL_VERSION, Kind, Limits, Message, decode, encode
 
 pytestmark = [
@@ -542,7 +541,7 @@ def sensible(kind: Kind, key: str, rank: int) -> st.SearchStrategy:
     return table.get(key, hostile)
 
 
-#: the fields each request kind reads (sidecar/trainers.py, readers.py, forward.py)
+#: the fields each request kind reads (sidecar/daemon/trainers.py, readers.py, forward.py)
 REQUEST_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.HELLO: ("rank", "world_size", "pid", "host", "local"),
     Kind.BEGIN: ("step", "rank", "pieces", "nixl"),
@@ -831,7 +830,7 @@ class LoneBegin(Probe):
     def run(self, s: Session) -> None:
         s.send(0, hello(0))
         s.until(0, {Kind.WELCOME}, "WELCOME")
-        s.send_msg(0, Kind.BEGIN, {"step": Current(), "rank": 0, "pieces": self.rows})
+        s.send(0, message(Kind.BEGIN, {"step": s.step, "rank": 0, "pieces": self.rows}))  # rows may hold Raw
         s.until(0, {Kind.ERROR}, "the refusal of the malformed BEGIN")
 
 
@@ -1099,27 +1098,10 @@ EXPLICIT: dict[str, Callable[[], list[Probe]]] = {
     "torn_piece_done_remote": lambda: [Torn("piece_done_remote", 1, 0)],
 }
 
-#: families that fail until other work on issue 11 lands (remove a mark once its family passes)
-PENDING: dict[str, str] = {
-    "deep_nesting": "issue 11 defect 3: a step field nested ~1000 deep raises RecursionError in the "
-    "ProtocolError handler and the serve loop dies",
-    "begin_rows": "issue 11 defect 10: a BEGIN row whose offsets and shape differ in length reaches the "
-    "catch-all (CoverageError from Piece) as an INTERNAL error",
-    "begin_retry": "issue 11 defect 5: a refused BEGIN leaves its earlier rows declared; the rank's "
-    "corrected BEGIN then fails the step with an overlap",
-    "begin_lone": "issue 11 defect 5 (all or nothing): a refused BEGIN from the only rank to begin leaves an "
-    "empty step in progress, holding every later step until step_timeout_s",
-    "torn_duplicate_sub_block": "issue 11 defect 1: coverage counts bytes, not positions; a sub-block sent "
-    "twice and another never publishes a torn generation",
-    "torn_piece_done_remote": "issue 11 defect 2: PIECE_DONE is taken from a remote peer that never wrote "
-    "into staging; the step publishes stale staging bytes",
-}
-
 
 def _families() -> Iterator:
     for name in FAMILIES:
-        marks = [pytest.mark.xfail(strict=False, reason=PENDING[name])] if name in PENDING else []
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, id=name)
 
 
 @pytest.fixture
@@ -1194,11 +1176,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 11 defect 13: an inference node takes FORWARD_BEGIN/DATA/COMMIT from any local peer and "
-    "publishes what it sent",
-)
 @pytest.mark.parametrize("who", ["anonymous", "reader"])
 def test_a_local_peer_cannot_forward_a_generation_to_an_inference_node(tmp_path, who):
     """An inference node listens on tcp:// with CURVE (only its trainer node's key allowed) and, beside

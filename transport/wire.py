@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     WAIT = 22  # reader: min_step -> GENERATION when one is published
     GENERATION = 23  # daemon: generation index, step, layout
     RELEASE = 24  # reader: generation index, step
+    REVOKED = 25  # daemon: a reader's hold on a generation was dropped (reader_timeout_s) to write a step
     STATUS = 30  # anyone -> STATUS_REPLY
     STATUS_REPLY = 31
     DETACH = 32  # reader or client leaving

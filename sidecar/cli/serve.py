@@ -264,6 +264,11 @@ def render_status(s: dict) -> str:
     for g in s.get("generations", []):
         live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
         lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
+    if s.get("revoked_holds"):
+        lines.append(
+            f"holds revoked after reader_timeout_s: {s['revoked_holds']} (those readers were told; "
+            "a copy still in progress may have been torn)"
+        )
     staging = s.get("staging") or {}
     ring = staging.get("ring")
     if ring:

@@ -155,6 +155,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 "layout needs only publish_bytes)",
                 kind=ErrorKind.CAPACITY,
             )
+        self.arenas.on_revoke = self._hold_revoked  # tell a reader whose hold a step drops
         self._record_segments()
 
     # ------------------------------------------------------------------------------------------
@@ -806,6 +807,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             "history": self.history,
             "message_errors": dict(self.message_errors),
             "blocked": None if self.step is None or self.target is not None else self.blocked,
+            "revoked_holds": self.arenas.revoked_holds if self.arenas else 0,
         }
 
     def _segments_file(self) -> Path:

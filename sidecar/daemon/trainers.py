@@ -158,7 +158,12 @@ class TrainerHandlers:
             self._park_begin(identity, msg)
             return
         state = self.step
-        state.begin(peer.rank, rows)
+        try:
+            state.begin(peer.rank, rows)
+        except Exception:
+            if not state.declared:  # a refused first BEGIN starts nothing: later steps must not wait on it
+                self.step = None
+            raise
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
