@@ -24,7 +24,7 @@ from test_hostile_trainers import RawRank
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
-from sidecar.client.client import RefitClient
+from sidecar.client.client import RefitClient, Shard
 from sidecar.config.settings import ConfigError, DaemonConfig, load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
@@ -165,10 +165,13 @@ def test_a_rank_sending_a_piece_it_was_told_to_skip_fails_the_step_on_every_rank
     raw = RawRank(d.endpoint, rank=0, world=WORLD)
     try:
         raw.hello()
-        part = shard_for_rank(sd, 0, WORLD)
+        part = {
+            n: (p.tensor, p.global_shape, p.offsets) if isinstance(p, Shard) else (p, p.shape, (0,) * p.dim())
+            for n, p in shard_for_rank(sd, 0, WORLD).items()
+        }
         rows = [
-            [n, str(t.dtype).removeprefix("torch."), list(t.shape), [0] * t.dim(), list(t.shape)]
-            for n, t in part.items()
+            [n, str(t.dtype).removeprefix("torch."), list(g), list(o), list(t.shape)]
+            for n, (t, g, o) in part.items()
         ]
         with RefitClient(d.endpoint, 1, WORLD, timeout=WAIT_S) as honest:
             future = pool.submit(honest.push_step, 2, shard_for_rank(sd, 1, WORLD))
@@ -178,10 +181,10 @@ def test_a_rank_sending_a_piece_it_was_told_to_skip_fails_the_step_on_every_rank
             names = list(part)
             assert skip and all(is_routed(names[ready["pieces"].index(pid)]) for pid in skip)
             pid = skip[0]
-            tensor = part[names[ready["pieces"].index(pid)]]
+            tensor, _, offsets = part[names[ready["pieces"].index(pid)]]
             raw.send(
                 Kind.SHARD,
-                {"step": 2, "piece": pid, "offsets": [0] * tensor.dim(), "shape": list(tensor.shape)},
+                {"step": 2, "piece": pid, "offsets": list(offsets), "shape": list(tensor.shape)},
                 [tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()],
             )
             err = raw.error()
