@@ -23,6 +23,8 @@ from daemons import RunningDaemon
 from test_hostile_trainers import RawRank
 
 from adapters.base import RefitReader
+from adapters.engine import EngineWorker
+from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
 from sidecar.client.client import RefitClient, Shard
 from sidecar.config.settings import ConfigError, DaemonConfig, load_config
@@ -199,6 +201,62 @@ def test_a_rank_sending_a_piece_it_was_told_to_skip_fails_the_step_on_every_rank
     push_whole_model(pool, d.endpoint, 3, sd3)
     gen, expected = published(d.endpoint, 3), convert(sd3, SPEC, share=(LAYOUT, 0))
     assert [n for n in expected if not same_bytes(gen[n], expected[n])] == []
+
+
+def share_manifest(node: int, keep_bf16=()) -> Manifest:
+    """What an engine on ``node`` holding its share (``keep_bf16`` in BF16) would list."""
+    plan = plan_from_hf_config(CONFIG, SPEC, keep_bf16=keep_bf16, share=(LAYOUT, node))
+    return Manifest(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="test",
+        expert_format="block_fp8",
+        tensors=tuple(ManifestTensor(o.name, o.dtype, o.shape) for o in plan.outputs),
+    )
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_holding_experts_in_bf16_replans_the_same_share(tmp_path, pool):
+    """The engine on node 0 keeps one of its experts in BF16: the daemon re-plans, for its share
+    still, and the trainer's whole-model push publishes it (the other node's experts still skipped)."""
+    keep = [f"model.layers.1.mlp.experts.3.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    d = RunningDaemon(
+        tmp_path, hf_config=CONFIG, world_size=WORLD, node_rank=0, publish_bytes="64MiB", **SHARE
+    )
+    try:
+        worker = EngineWorker(
+            d.endpoint, name="node0-engine", manifest=share_manifest(0, keep), load=lambda g: None
+        )
+        assert worker.attach(timeout=WAIT_S)["checked"] is True
+        sd = weights(seed=4)
+        plan = plan_from_hf_config(CONFIG, SPEC, keep_bf16=keep, share=(LAYOUT, 0))
+        results = push_whole_model(pool, d.endpoint, 1, sd)
+        assert {r.bytes_in for r in results} == {plan.bytes_in}
+        gen = published(d.endpoint, 1)
+        expected = convert(sd, SPEC, keep_bf16=keep, share=(LAYOUT, 0))
+        assert gen[f"{keep[0]}.weight"].dtype == torch.bfloat16
+        assert list(gen) == list(expected)
+        assert [n for n in expected if not same_bytes(gen[n], expected[n])] == []
+        worker.detach()
+    finally:
+        d.close()
+
+
+def test_an_engine_expecting_experts_outside_the_share_is_refused(tmp_path):
+    """An engine on node 1 attaches to node 0's daemon: the experts it expects are not published."""
+    d = RunningDaemon(tmp_path, hf_config=CONFIG, world_size=WORLD, node_rank=0, **SHARE)
+    try:
+        worker = EngineWorker(
+            d.endpoint, name="node1-engine", manifest=share_manifest(1), load=lambda g: None
+        )
+        with pytest.raises(RefitError) as err:
+            worker.attach(timeout=WAIT_S)
+        assert err.value.kind is ErrorKind.ENGINE
+        assert "model.layers.1.mlp.experts.16.gate_proj.weight: the engine expects" in str(err.value)
+        assert "the plan does not publish it" in str(err.value)
+        worker.detach()
+    finally:
+        d.close()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -249,7 +249,7 @@ class TrainerHandlers:
                 step=state.step,
             )
         for e in self.engines.values():
-            check = check_manifest(state.specs(), self.spec, e.manifest)
+            check = check_manifest(state.specs(), self.spec, e.manifest, share=self.config.share)
             if not check.ok:
                 raise RefitError(
                     check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
