@@ -695,7 +695,7 @@ class RefitPlan:
     #: inputs outside the node's share: per-expert tensors of other nodes' experts, not planned
     dropped: frozenset[str] = frozenset()
     #: every input given to :meth:`build`, the dropped ones included: what a re-plan of the same
-    #: share starts from (:meth:`replan`)
+    #: share starts from (the attach check re-plans for an engine's BF16 modules)
     source: tuple[TensorSpec, ...] = ()
     #: ``units_for_input``'s answers, made once (the daemon asks for every input of every step)
     _input_units: Mapping[str, tuple[Unit, ...]] = field(default=None, init=False, repr=False, compare=False)
@@ -789,10 +789,6 @@ class RefitPlan:
             dropped=dropped,
             source=source,
         )
-
-    def replan(self, *, keep_bf16: Collection[str]) -> RefitPlan:
-        """This plan's inputs (those dropped included), spec and share, with other BF16 modules."""
-        return RefitPlan.build(self.source, self.spec, keep_bf16=keep_bf16, share=self.share)
 
     @staticmethod
     def _resolve_layers(inputs: tuple[TensorSpec, ...], spec: RefitSpec) -> int:
