@@ -31,6 +31,7 @@ from sidecar.config.settings import ConfigError, DaemonConfig, load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.run import convert
+from transport import nixl
 from transport.wire import Kind
 
 MODEL = dict(num_layers=3, num_experts=32)
@@ -201,6 +202,30 @@ def test_a_rank_sending_a_piece_it_was_told_to_skip_fails_the_step_on_every_rank
     push_whole_model(pool, d.endpoint, 3, sd3)
     gen, expected = published(d.endpoint, 3), convert(sd3, SPEC, share=(LAYOUT, 0))
     assert [n for n in expected if not same_bytes(gen[n], expected[n])] == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not nixl.available()[0], reason="NIXL is unavailable")
+def test_a_remote_rank_pulled_over_nixl_is_not_read_for_skipped_pieces(tmp_path, pool):
+    """Rank 0 writes staging in place, rank 1 is remote and pulled over NIXL: only the share's
+    pieces are read (every one of them has a contiguous destination: all of it over NIXL)."""
+    d = RunningDaemon(tmp_path, hf_config=CONFIG, world_size=WORLD, node_rank=1, **SHARE)
+    try:
+        sd = weights(seed=5)
+        plan = plan_from_hf_config(CONFIG, SPEC, share=(LAYOUT, 1))
+        with (
+            RefitClient(d.endpoint, 0, WORLD, local=True, timeout=WAIT_S) as c0,
+            RefitClient(d.endpoint, 1, WORLD, local=False, timeout=WAIT_S) as c1,
+        ):
+            futures = [pool.submit(c.push_step, 1, shard_for_rank(sd, c.rank, WORLD)) for c in (c0, c1)]
+            r0, r1 = (f.result(timeout=WAIT_S) for f in futures)
+        assert (r0.mover, r1.mover, r1.mover_reason) == ("staging", "nixl", "")
+        assert r1.bytes_in == plan.bytes_in
+        gen, expected = published(d.endpoint, 1), convert(sd, SPEC, share=(LAYOUT, 1))
+        assert list(gen) == list(expected)
+        assert [n for n in expected if not same_bytes(gen[n], expected[n])] == []
+    finally:
+        d.close()
 
 
 def share_manifest(node: int, keep_bf16=()) -> Manifest:
