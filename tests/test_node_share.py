@@ -205,6 +205,36 @@ def test_a_rank_sending_a_piece_it_was_told_to_skip_fails_the_step_on_every_rank
 
 
 @pytest.mark.timeout(180)
+def test_a_plan_fixed_by_the_first_step_is_the_share(tmp_path, pool):
+    """Without hf_config the first step's declarations fix the plan: for the node's share too."""
+    d = RunningDaemon(
+        tmp_path,
+        model_type="deepseek_v3",
+        world_size=WORLD,
+        staging_bytes="64MiB",
+        publish_bytes="64MiB",
+        node_rank=1,
+        **SHARE,
+    )
+    try:
+        assert d.status()["plan"] is None
+        sd = weights(seed=6)
+        spec = RefitSpec(model_type="deepseek_v3", fmt="block_fp8")  # no config: the linears stay BF16
+        results = push_whole_model(pool, d.endpoint, 1, sd)
+        expected = convert(sd, spec, share=(LAYOUT, 1))
+        plan_in = sum(
+            t.numel() * t.element_size() for n, t in sd.items() if n in expected or not is_routed(n)
+        )
+        assert {r.bytes_in for r in results} == {plan_in}
+        gen = published(d.endpoint, 1)
+        assert set(gen) == set(expected)  # in the order the ranks declared them
+        assert [n for n in expected if not same_bytes(gen[n], expected[n])] == []
+        assert d.status()["plan"]["share"]["dropped_inputs"] == 3 * 16 * 3
+    finally:
+        d.close()
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.skipif(not nixl.available()[0], reason="NIXL is unavailable")
 def test_a_remote_rank_pulled_over_nixl_is_not_read_for_skipped_pieces(tmp_path, pool):
     """Rank 0 writes staging in place, rank 1 is remote and pulled over NIXL: only the share's
