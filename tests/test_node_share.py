@@ -26,6 +26,7 @@ from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
+from sidecar.cli.serve import render_status
 from sidecar.client.client import RefitClient, Shard
 from sidecar.config.settings import ConfigError, DaemonConfig, load_config
 from sidecar.errors import ErrorKind, RefitError
@@ -135,6 +136,7 @@ def test_two_nodes_each_publish_exactly_their_share_and_together_the_model(nodes
         assert len(plan.dropped) == 3 * 16 * 3
         assert status["plan"]["share"] == {**SHARE, "node_rank": node, "dropped_inputs": len(plan.dropped)}
         assert status["plan"]["bytes_out"] == plan.bytes_out
+        assert f"node share: node {node} of 2 (engine EP 4, TP 1); 144 inputs" in render_status(status)
 
     # each node's routed experts are its EP ranks' runs: disjoint, and together every expert
     routed = [{n for n in g if is_routed(n)} for g in gens]
