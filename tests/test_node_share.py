@@ -27,13 +27,13 @@ from adapters.engine import EngineWorker
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
 from sidecar.cli.serve import render_status
-from sidecar.client.client import RefitClient, Shard
+from sidecar.client.client import RefitClient, Shard, _without_skipped
 from sidecar.config.settings import ConfigError, DaemonConfig, load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.run import convert
 from transport import nixl
-from transport.wire import Kind
+from transport.wire import Kind, ProtocolError
 
 MODEL = dict(num_layers=3, num_experts=32)
 CONFIG = make_hf_config("deepseek_v3", **MODEL)
@@ -314,6 +314,13 @@ def test_an_engine_expecting_experts_outside_the_share_is_refused(tmp_path):
         worker.detach()
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("skip", [[7], ["1"], 1, [True]])
+def test_a_skip_that_names_no_piece_of_the_rank_is_a_protocol_error(skip) -> None:
+    with pytest.raises(ProtocolError, match="READY's skip must list piece ids READY gave this rank"):
+        _without_skipped(skip, ["a", "b"], [1, 2], None)
+    assert _without_skipped([2], ["a", "b"], [1, 2], ["A", "B"]) == (["a"], [1], ["A"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -805,9 +805,10 @@ def _without_skipped(skip: Any, pieces: list[_Piece], ids: list[Any], srcs: list
     """``pieces``, ``ids`` and ``srcs`` without the pieces READY listed under ``skip`` (they lie
     outside the node share the daemon publishes)."""
     if not isinstance(skip, list) or any(type(pid) is not int for pid in skip) or not set(skip) <= set(ids):
+        shown = f"a list of {len(skip)}" if isinstance(skip, list) else f"a {type(skip).__name__}"
         raise ProtocolError(
-            f"READY's skip is not a list of this rank's piece ids (got {type(skip).__name__}): "
-            "the daemon and the client disagree on the protocol; upgrade the older one"
+            f"READY's skip must list piece ids READY gave this rank, got {shown} that does not: the "
+            "daemon and the client disagree on the protocol; run the same refitd version on both"
         )
     drop = set(skip)
     keep = [i for i, pid in enumerate(ids) if pid not in drop]
