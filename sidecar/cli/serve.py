@@ -260,6 +260,11 @@ def render_status(s: dict) -> str:
     if s.get("step_in_progress"):
         p = s["step_in_progress"]
         lines.append(f"step {p['step']} in progress: begun {p['begun']}, committed {p['committed']}")
+    if share := (s.get("plan") or {}).get("share"):
+        lines.append(
+            f"node share: node {share['node_rank']} of {share['nodes']} (engine EP {share['engine_ep']}, TP "
+            f"{share['engine_tp']}); {share['dropped_inputs']} inputs of other nodes' experts skipped"
+        )
     lines.append(f"{'generation':<12}{'step':>8}{'holders':>9}  segment")
     for g in s.get("generations", []):
         live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""

@@ -58,6 +58,10 @@ def value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
         "num_last_layers_in_bf16": (0, "give a layer count >= 0"),
         "num_hidden_layers": (1, "give a positive count, or leave it unset to take it from the config"),
         "world_size": (1, "give the number of trainer ranks, at least 1"),
+        "engine_ep": (1, "give the engine's expert-parallel size, at least 1 (1: no expert parallelism)"),
+        "engine_tp": (1, "give the engine's tensor-parallel size, at least 1"),
+        "nodes": (1, "give the number of nodes the engine spans, at least 1"),
+        "node_rank": (0, "give this node's index among the engine's nodes, from 0"),
         "staging_bytes": (1, _PLAN_SIZED),
         "publish_bytes": (1, _PLAN_SIZED),
         "staging_regions": (0, "give 0 to stage whole steps, or a number of regions such as 4"),
@@ -85,6 +89,7 @@ def value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             keys,
         )
     yield from _layout_problems(c, ok)
+    yield from _share_problems(c, ok)
     keys = ("heartbeat_interval_s", "rank_timeout_s")
     if ok(*keys) and c.heartbeat_interval_s >= c.rank_timeout_s:
         yield Problem(
@@ -92,6 +97,40 @@ def value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             f"({c.rank_timeout_s:g}), or live ranks are declared dead between pings: lower the first "
             f"or raise the second",
             keys,
+        )
+
+
+_SHARE_KEYS = ("engine_ep", "engine_tp", "nodes", "node_rank")
+
+
+def _share_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+    """A node's share: a layout :class:`EngineLayout` accepts, and this node's index inside it."""
+    if not ok(*_SHARE_KEYS) or (c.nodes == 1 and c.node_rank in (None, 0)):
+        return
+    from sidecar.plan.build import EngineLayout  # the planner; imported late, it is only needed here
+
+    try:
+        EngineLayout(ep=c.engine_ep, tp=c.engine_tp, nodes=c.nodes)
+    except ValueError as exc:
+        yield Problem(
+            f"engine_ep = {c.engine_ep}, engine_tp = {c.engine_tp}, nodes = {c.nodes}: {exc}", _SHARE_KEYS[:3]
+        )
+    if c.node_rank is None:
+        yield Problem(
+            f"nodes = {c.nodes} needs node_rank: this node's index, 0 to {c.nodes - 1} (under Slurm "
+            "REFITD_NODE_RANK=$SLURM_NODEID), so the daemon publishes that node's share",
+            ("nodes", "node_rank"),
+        )
+    elif c.node_rank >= c.nodes:
+        yield Problem(
+            f"node_rank = {c.node_rank} is outside the engine's {c.nodes} node(s): give 0 to {c.nodes - 1}",
+            ("nodes", "node_rank"),
+        )
+    if c.nodes > 1 and c.layout is NodeLayout.DISAGGREGATED:
+        yield Problem(
+            "nodes > 1 (a node's share) applies to layout = 'colocated': a disaggregated trainer node "
+            "forwards whole generations; set nodes = 1 there",
+            ("nodes", "layout"),
         )
 
 

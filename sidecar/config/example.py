@@ -8,13 +8,11 @@ where there is no default to show; each line's comment is the field's ``note``. 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
-from pathlib import Path
 from typing import Any
 
 from sidecar.config.settings import KNOBS, DaemonConfig
-from sidecar.config.values import ARENA_WORDS, ArenaKind
+from sidecar.config.values import plain
 
 HEADER = "# refitd config: later sources win (this file < REFITD_* variables < flags)."
 NOTE_COLUMN = 40  # where a line's comment starts, unless the line is longer
@@ -22,12 +20,7 @@ NOTE_COLUMN = 40  # where a line's comment starts, unless the line is longer
 
 def toml_value(value: Any) -> str:
     """``value`` as TOML: strings quoted, whole floats as integers, enums by their config word."""
-    if isinstance(value, ArenaKind):
-        value = ARENA_WORDS[value]
-    elif isinstance(value, enum.Enum):
-        value = value.value
-    elif isinstance(value, Path):
-        value = str(value)
+    value = plain(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, (tuple, list)):

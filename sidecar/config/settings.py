@@ -10,34 +10,27 @@ one per line, each naming where the bad value came from (``key 'world_size' in /
     prepare_runtime_dir(config)     # creates runtime_dir 0700, or refuses one others can enter
 
 Each setting is declared once, as a field of :class:`DaemonConfig` whose metadata (a ``Knob``) carries
-its flag, converter, help and example; the flags (``sidecar.config.sources``) and the example file
-(``sidecar.config.example.EXAMPLE_TOML``, every key) are made from the fields. Its file key is the field
-name (``world_size``), its variable ``REFITD_`` + the name in upper case (``REFITD_WORLD_SIZE``; lists
-comma-separated), its flag the field's (``--world-size``). Sizes take ``4096``, ``512MiB``, ``2GiB`` or
-``1.5G`` (binary units; ``GB`` is refused as ambiguous). Relative paths in the file are relative to the
-file's folder; in a variable or flag, to the working directory. Converters and enums live in
-``sidecar.config.values``, the checks that settings agree in ``sidecar.config.checks``. The dataclass
-never reads ``os.environ``: :func:`default_runtime_dir` receives the environment.
+its flag, converter, help and example; flags (``sidecar.config.sources``) and the example file
+(``sidecar.config.example``) are made from the fields. File key: the field name; variable: ``REFITD_``
++ the name in upper case (lists comma-separated); sizes: ``4096``, ``512MiB``, ``2GiB``, ``1.5G``.
+Relative paths in the file are relative to its folder, elsewhere to the working directory. The
+dataclass never reads ``os.environ``: :func:`default_runtime_dir` receives the environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sidecar.config import values as v
 from sidecar.config.checks import value_problems
-from sidecar.config.runtime_dir import (
-    default_listen,
-    default_runtime_dir,
-    prepare_runtime_dir,
-)
+from sidecar.config.runtime_dir import default_listen
+from sidecar.config.runtime_dir import default_runtime_dir as default_runtime_dir  # re-exported
+from sidecar.config.runtime_dir import prepare_runtime_dir as prepare_runtime_dir  # re-exported
+from sidecar.config.values import MAX_IPC_PATH_BYTES as MAX_IPC_PATH_BYTES  # re-exported
 from sidecar.config.values import (
-    CONTROL_SOCKET,
-    MAX_IPC_PATH_BYTES,
     ConfigError,
     DrainMode,
     ForwardMover,
@@ -48,59 +41,19 @@ from sidecar.config.values import (
     NodeLayout,
     NodeRole,
     Problem,
-    is_loopback_host,
     knob,
     parse_size,
-    split_host_port,
-    tcp_host,
 )
+from sidecar.config.values import is_loopback_host as is_loopback_host  # re-exported
+from sidecar.config.values import split_host_port as split_host_port  # re-exported
+from sidecar.config.values import tcp_host as tcp_host  # re-exported
 from sidecar.numerics.formats import Format
 from transport.arena import ArenaKind
 
-__all__ = [  # the config's API; the names from sidecar.config.values stay importable from here
-    "CONFIG_ENV",
-    "CONTROL_SOCKET",
-    "DEFAULT_GPU_REGIONS",
-    "ENV_PREFIX",
-    "EXIT_CONFIG",
-    "KNOBS",
-    "MAX_IPC_PATH_BYTES",
-    "NON_SETTING_ENV",
-    "RELOADABLE",
-    "ArenaKind",
-    "ConfigError",
-    "DaemonConfig",
-    "DrainMode",
-    "ForwardMover",
-    "Knob",
-    "LogFormat",
-    "LogLevel",
-    "MiB",
-    "NodeLayout",
-    "NodeRole",
-    "Problem",
-    "default_listen",
-    "default_runtime_dir",
-    "is_loopback_host",
-    "parse_size",
-    "prepare_runtime_dir",
-    "split_host_port",
-    "tcp_host",
-]
-
 #: Settings SIGHUP may change in a running daemon; everything else needs a restart.
 RELOADABLE = frozenset(
-    {
-        "log_level",
-        "log_format",
-        "step_timeout_s",
-        "rank_timeout_s",
-        "heartbeat_interval_s",
-        "reader_timeout_s",
-        "shutdown_timeout_s",
-        "drain",
-        "forward_timeout_s",
-    }
+    {"log_level", "log_format", "drain", "step_timeout_s", "rank_timeout_s", "heartbeat_interval_s"}
+    | {"reader_timeout_s", "shutdown_timeout_s", "forward_timeout_s"}
 )
 
 #: Exit status for a configuration error: ``EX_CONFIG`` from sysexits.h. The unit file lists it in
@@ -226,6 +179,55 @@ class DaemonConfig:
     """The trainer: how many ranks push each step."""
     world_size: int = field(
         default=1, metadata=knob("--world-size", v.count, "N", "trainer ranks that push each step")
+    )
+
+    """A node's share of a multi-node inference engine (sidecar.plan.build.EngineLayout): the engine
+    runs expert-parallel over ``engine_ep`` ranks (and ``engine_tp``-way tensor parallel within a
+    node) on ``nodes`` nodes, and this daemon plans, allocates and publishes only what the engine's
+    GPUs on node ``node_rank`` hold: routed experts outside its share are dropped (trainer ranks are
+    told to skip them). ``nodes = 1`` (the default) publishes the whole model. A launcher sets
+    ``node_rank`` per node: ``REFITD_NODE_RANK=$SLURM_NODEID`` under Slurm, the node's index among
+    the engine's nodes under Ray."""
+    engine_ep: int = field(
+        default=1,
+        metadata=knob(
+            "--engine-ep",
+            v.count,
+            "N",
+            "the engine's expert-parallel size (node share)",
+            note="a node's share of a multi-node engine: its expert-parallel size,",
+        ),
+    )
+    engine_tp: int = field(
+        default=1,
+        metadata=knob(
+            "--engine-tp",
+            v.count,
+            "N",
+            "the engine's tensor-parallel size (node share)",
+            note="its tensor-parallel size (within a node),",
+        ),
+    )
+    nodes: int = field(
+        default=1,
+        metadata=knob(
+            "--nodes",
+            v.count,
+            "N",
+            "nodes the engine spans; >1 publishes this node's share only",
+            note="the nodes it spans (1: publish the whole model),",
+        ),
+    )
+    node_rank: int | None = field(
+        default=None,
+        metadata=knob(
+            "--node-rank",
+            _OPT_COUNT,
+            "N",
+            "this node's index among --nodes (e.g. $SLURM_NODEID)",
+            example="0",
+            note="and this node's index (Slurm: REFITD_NODE_RANK=$SLURM_NODEID)",
+        ),
     )
 
     """Arena sizes in bytes, allocated once at start. None sizes them from the plan.
@@ -567,6 +569,16 @@ class DaemonConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def share(self) -> tuple[Any, int] | None:
+        """``(EngineLayout, node_rank)`` when this daemon publishes one node's share of a multi-node
+        engine (``nodes > 1``), for ``RefitPlan.build(share=...)``; None: the whole model."""
+        if self.nodes == 1:
+            return None
+        from sidecar.plan.build import EngineLayout
+
+        return EngineLayout(ep=self.engine_ep, tp=self.engine_tp, nodes=self.nodes), int(self.node_rank or 0)
+
+    @property
     def ring_regions(self) -> int:
         """Staging regions in effect: ``staging_regions``, else 0 on shm and DEFAULT_GPU_REGIONS on cuda."""
         if self.staging_regions is not None:
@@ -575,19 +587,7 @@ class DaemonConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (str, int, float, list, None) by field name; drop the Nones for TOML."""
-        out: dict[str, Any] = {}
-        for name in KNOBS:
-            value = getattr(self, name)
-            if isinstance(value, ArenaKind):
-                value = v.ARENA_WORDS[value]
-            elif isinstance(value, enum.Enum):
-                value = value.value
-            elif isinstance(value, Path):
-                value = str(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
-        return out
+        return {name: v.plain(getattr(self, name)) for name in KNOBS}
 
 
 #: field name -> how it is spelled and converted; the file key is the name, the variable REFITD_<NAME>

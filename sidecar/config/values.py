@@ -299,6 +299,17 @@ def arena(value: Any) -> ArenaKind:
     return kind
 
 
+def plain(value: Any) -> Any:
+    """A setting's value as plain JSON data: enums by their config word, paths as text, lists."""
+    if isinstance(value, ArenaKind):
+        return ARENA_WORDS[value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
 # --------------------------------------------------------------------------------------------------
 # how a setting is declared (with its field: sidecar.config.settings.DaemonConfig)
 

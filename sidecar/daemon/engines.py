@@ -114,7 +114,7 @@ class ReaderHandlers:
                 identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type)
             )
             return ["no plan yet: the manifest is checked when the first step fixes the plan"]
-        check = check_manifest(self.plan.inputs, self.spec, manifest)
+        check = check_manifest(self.plan.source, self.spec, manifest, share=self.plan.share)
         if not check.ok:
             raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
         if check.plan.keep_bf16 != self.plan.keep_bf16:
