@@ -43,8 +43,6 @@ from sidecar.config.settings import (
     DaemonConfig,
     DrainMode,
     NodeRole,
-    default_listen,
-    tcp_host,
 )
 from sidecar.daemon import status as status_report
 from sidecar.daemon.engines import Engines
@@ -52,20 +50,20 @@ from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.pull import Pulls, keep_signal_handlers
+from sidecar.daemon.setup import bind, make_arenas, record_segments, segments_file
 from sidecar.daemon.step import StepState
 from sidecar.daemon.trainers import Trainers
 from sidecar.daemon.worker import QuantWorker
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.receiver import Receiver
 from sidecar.forward.sender import Forwarding
-from sidecar.forward.types import FORWARD_KINDS, curve_user_id, forward_keys
+from sidecar.forward.types import FORWARD_KINDS, curve_user_id
 from sidecar.numerics import kernels
 from sidecar.ops.gcpause import gc_paused
 from sidecar.ops.observers import Observer, notify
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import get_model
 from sidecar.protocol.enums import PeerRole
-from transport.control import bind_control
 from transport.wire import HeaderTooLarge, Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
@@ -136,42 +134,14 @@ class Daemon:
 
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec)
-        regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
-        if self.plan is not None:
-            self.arenas = Arenas.for_plan(
-                self.prefix,
-                self.plan,
-                staging_bytes=config.staging_bytes,
-                publish_bytes=config.publish_bytes,
-                kind=config.arena,
-                gpu=config.gpu,
-                staging_regions=regions,
-            )
-        elif config.publish_bytes is not None and (
-            config.staging_bytes is not None or config.role is NodeRole.INFERENCE
-        ):
-            self.arenas = Arenas(
-                self.prefix,
-                staging_bytes=config.staging_bytes or 4096,
-                publish_bytes=config.publish_bytes,
-                kind=config.arena,
-                gpu=config.gpu,
-                staging_regions=regions,
-            )
-        else:
-            raise RefitError(
-                "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "
-                "start, or both staging_bytes and publish_bytes (an inference node of a disaggregated "
-                "layout needs only publish_bytes)",
-                kind=ErrorKind.CAPACITY,
-            )
-        self._record_segments()
+        self.arenas = make_arenas(self.prefix, config, self.plan)
+        record_segments(config, self.arenas.segment_names())
 
     def start(self) -> None:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
-        self._bind()
+        self.auth, self.local_listen, self.receiver.forward_keys = bind(self.router, self.ctx, self.config)
         wake_endpoint = f"inproc://refitd-wake-{self.instance}"
         self.wake = self.ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
@@ -193,38 +163,6 @@ class Daemon:
         )
         self.pulls.probe(self.arenas.staging, self.arenas.staging_regions)
         notify(self.observers, "on_ready", self)
-
-    def _bind(self) -> None:
-        """The control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
-        beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines."""
-        from sidecar.cli import keygen
-
-        cfg = self.config
-        tcp = tcp_host(cfg.listen) is not None
-        if tcp and cfg.curve_secret_key is not None:
-            try:
-                public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
-                allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
-                self.receiver.forward_keys = forward_keys(cfg, allowed)
-            except (OSError, ValueError) as exc:
-                raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
-            self.auth = keygen.start_authenticator(self.ctx, allowed)
-            keygen.set_server(self.router, public, secret)
-            self.router.bind(cfg.listen)
-            keygen.unset_server(self.router)
-            log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
-        else:
-            try:
-                bind_control(self.router, cfg.listen)  # an ipc:// socket file: 0600 whatever the umask
-            except OSError as exc:
-                raise RefitError(str(exc), kind=ErrorKind.INVALID) from None
-        if tcp:
-            local = default_listen(cfg.runtime_dir)
-            try:
-                bind_control(self.router, local)
-                self.local_listen = local
-            except (zmq.ZMQError, OSError) as exc:
-                log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
 
     @property
     def ready(self) -> bool:
@@ -360,7 +298,7 @@ class Daemon:
         for listen in (self.config.listen, self.local_listen or ""):
             if listen.startswith("ipc://"):
                 Path(listen.removeprefix("ipc://")).unlink(missing_ok=True)
-        self._segments_file().unlink(missing_ok=True)
+        segments_file(self.config).unlink(missing_ok=True)
 
     def send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
         """Every reply carries this start's ``instance``: a client that sees a new one knows the daemon
@@ -617,23 +555,6 @@ class Daemon:
     # ------------------------------------------------------------------------------------------
     # bookkeeping
 
-    def _segments_file(self) -> Path:
-        return Path(self.config.runtime_dir) / "segments.json"
-
-    def _record_segments(self) -> None:
-        """Write our segment names, after unlinking those a crashed predecessor left behind."""
-        path = self._segments_file()
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-                if not _pid_alive(int(old.get("pid", 0))):
-                    for name in old.get("segments", []):
-                        Path("/dev/shm", name).unlink(missing_ok=True)
-                        log.warning("removed shared-memory segment %s left by a crashed daemon", name)
-            except (ValueError, OSError):
-                pass
-        path.write_text(json.dumps({"pid": os.getpid(), "segments": self.arenas.segment_names()}))
-
 
 def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:
     """The daemon's RefitSpec; the model type comes from the config, else from ``hf_config``."""
@@ -663,15 +584,3 @@ def _check_generic_fields(msg: Message) -> None:
                 f"{msg.kind.name} field {key!r} has type {type(value).__name__} ({safe_repr(value, 60)}): "
                 "it must be an integer, or nil"
             )
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

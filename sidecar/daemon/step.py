@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sidecar.daemon.coverage import CoverageError, CoverageTracker, FrameError, Piece
+from sidecar.daemon.coverage import CoverageError, Piece
+from sidecar.daemon.tracker import CoverageTracker, FrameError
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.plan.build import RefitPlan, TensorSpec, Unit
