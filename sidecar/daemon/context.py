@@ -16,12 +16,12 @@ from transport.wire import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config.settings import DaemonConfig
+    from sidecar.daemon.load_rounds import EngineState
     from sidecar.daemon.memory.generations import Arenas, Generation
     from sidecar.daemon.peers import Peers
     from sidecar.daemon.step import StepState
     from sidecar.daemon.worker import QuantWorker
     from sidecar.errors import RefitError
-    from sidecar.ops.observers import Observer
     from sidecar.plan.build import RefitPlan, RefitSpec
 
 
@@ -31,7 +31,8 @@ class LoopContext(Protocol):
     config: DaemonConfig
     instance: str
     spec: RefitSpec
-    observers: list[Observer]
+    observers: list[Any]  # sidecar.ops.observers.Observer (which reads this context)
+    engines: dict[bytes, EngineState]  # attached engine workers
     peers: Peers
     last_step: int | None
 

@@ -8,17 +8,32 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar.config.settings import RELOADABLE
 from sidecar.protocol.enums import PeerRole
 from transport.gpus import arena_placements, local_gpus
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.daemon.loop import Daemon
+    from sidecar.daemon.context import LoopContext
+    from sidecar.daemon.pull import Pulls
+    from sidecar.forward.receiver import Receiver
+    from sidecar.forward.sender import Forwarding
+    from sidecar.numerics.kernels import WarmUp
+
+    class Observed(LoopContext, Protocol):
+        """The serve loop as status reads it: its context and the parts only status shows."""
+
+        forwarding: Forwarding | None
+        receiver: Receiver
+        pulls: Pulls
+        quantizer: WarmUp | None
+        local_listen: str | None
+        history: list[dict[str, Any]]
+        message_errors: dict[str, int]
 
 
-def status(daemon: Daemon) -> dict[str, Any]:
+def status(daemon: Observed) -> dict[str, Any]:
     arenas, config, step, plan, peers = daemon.arenas, daemon.config, daemon.step, daemon.plan, daemon.peers
     live = arenas.live_generation() if arenas else None
     gpus = local_gpus()

@@ -57,8 +57,8 @@ import zmq
 
 from sidecar.cli.keygen import Curve, own_keypair, read_key_file, set_client
 from sidecar.errors import RefitError
-from sidecar.forward.movers import NixlFailed, NixlMover, SourceSide, support
-from sidecar.forward.types import ForwardFailed, Job, Request, Superseded
+from sidecar.forward.movers import NixlFailed, NixlMover, SourceSide, shm_region, support
+from sidecar.forward.types import ForwardFailed, Job, Link, Request, Superseded
 from sidecar.protocol.enums import Mover as MoverName
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
@@ -99,7 +99,7 @@ class Mover(Protocol):
     name: str
 
     def send(
-        self, link: Forwarder, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
+        self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int: ...
 
 
@@ -109,7 +109,7 @@ class ZmqMover:
     name = MoverName.ZMQ.value
 
     def send(
-        self, link: Forwarder, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
+        self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int:
         credits = int(ready.get("credit_frames", 1))
         limit = min(FRAME_LIMIT, int(ready.get("max_frame_bytes", FRAME_LIMIT)))
@@ -198,7 +198,7 @@ class Forwarding:
         log.info("forwarding every published generation to %s", ", ".join(self.peers))
 
     def published(self, gen: Generation, step: int, bytes_bf16: int, source: str) -> None:
-        job = Job.of(gen, step, bytes_bf16, source)
+        job = Job.of(gen, step, bytes_bf16, source, shm_region(gen.arena))
         for f in self.forwarders:
             f.offer(job)
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import zmq
 
-from sidecar.forward.movers import shm_region
 from sidecar.protocol.enums import Mover
 from transport.shm import Layout, Slot
 from transport.wire import Kind, dtype_name
@@ -30,6 +29,18 @@ class Request(enum.Enum):
     STATE = "state"  # update the peer's row in status
 
 
+class Link(Protocol):
+    """What a mover uses of the forwarder that runs it: the control channel of one transfer."""
+
+    transfer: str  # this attempt's token, echoed in every reply
+
+    def send(self, kind: Kind, fields: dict[str, Any], frames=(), *, copy: bool = False) -> None: ...
+
+    def await_credit(self, deadline: float) -> int: ...
+
+    def poll_credit(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """One published generation to forward: metadata only; the bytes come with a hold."""
@@ -44,12 +55,15 @@ class Job:
     offsets: tuple[int, ...] = ()  # each row's byte offset in the arena
 
     @classmethod
-    def of(cls, gen: Generation, step: int, bytes_bf16: int, source: str) -> Job:
+    def of(
+        cls, gen: Generation, step: int, bytes_bf16: int, source: str, region: tuple[int, int] | None
+    ) -> Job:
+        """``gen`` as a job; ``region``: its arena's whole segment if host shm (forward.movers.shm_region)."""
         layout = list(gen.arena.layout)
         rows = tuple((s.name, dtype_name(s.dtype), s.shape, s.nbytes) for s in layout)
         offsets = tuple(s.offset for s in layout)
         nbytes = sum(r[3] for r in rows)
-        return cls(step, gen.index, rows, nbytes, bytes_bf16, source, shm_region(gen.arena), offsets)
+        return cls(step, gen.index, rows, nbytes, bytes_bf16, source, region, offsets)
 
 
 class ForwardFailed(RuntimeError):
