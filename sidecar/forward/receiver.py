@@ -249,7 +249,7 @@ class Receiver:
         """Progress the NIXL endpoint while a NIXL transfer is in flight (the serve loop, each tick);
         publish a committed one once its WRITE notification arrived."""
         inbound = self.inbound
-        if inbound is None or inbound.mover != "nixl" or self.nixl_target is None:
+        if inbound is None or inbound.mover is not Mover.NIXL or self.nixl_target is None:
             return
         self.nixl_target.progress()
         if inbound.committer is not None and self.nixl_target.take(inbound.transfer):

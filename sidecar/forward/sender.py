@@ -56,6 +56,7 @@ import torch
 import zmq
 
 from sidecar.cli.keygen import Curve, own_keypair, read_key_file, set_client
+from sidecar.config.settings import ForwardMover
 from sidecar.errors import RefitError
 from sidecar.forward.movers import NixlFailed, NixlMover, SourceSide, shm_region, support
 from sidecar.forward.types import ForwardFailed, Job, Link, Request, Superseded
@@ -186,7 +187,7 @@ class Forwarding:
                 curve,
                 config.forward_timeout_s,
                 instance,
-                mover=config.forward_mover.value,
+                mover=config.forward_mover,
                 nixl_name=f"refitd-{instance}-forward{i}",
             )
             for i, ep in enumerate(config.peers)
@@ -251,7 +252,7 @@ class Forwarder:
         timeout_s: float,
         instance: str,
         *,
-        mover: str = "auto",
+        mover: ForwardMover = ForwardMover.AUTO,
         nixl_name: str | None = None,
     ):
         self.endpoint, self.identity = endpoint, f"forward:{endpoint}".encode()
@@ -451,11 +452,11 @@ class Forwarder:
                 self._post(Request.RELEASE, job)
 
     def _offer(self, job: Job) -> tuple[list[str], str]:
-        """The movers to offer the peer, and why NIXL is not among them."""
-        ok, why = support(self.mover)
+        """The movers to offer the peer (wire strings), and why NIXL is not among them."""
+        ok, why = support(self.mover.value)
         if ok and job.region is None:
             ok, why = False, "this daemon's generation arenas are not host shared memory"
-        if ok and self.mover != "nixl" and (earlier := self._nixl.why_not()):
+        if ok and self.mover is not ForwardMover.NIXL and (earlier := self._nixl.why_not()):
             ok, why = False, earlier
         if ok:
             try:
@@ -463,11 +464,12 @@ class Forwarder:
             except Exception as exc:
                 self._nixl.fail(f"{type(exc).__name__}: {exc}")
                 ok, why = False, f"NIXL set-up failed: {self._nixl.broken}"
-        if self.mover == "nixl":
+        nixl, zmq_frames = MoverName.NIXL.value, MoverName.ZMQ.value
+        if self.mover is ForwardMover.NIXL:
             if not ok:
                 raise ForwardFailed(f"forward_mover=nixl, but {why}")
-            return ["nixl"], ""
-        return (["nixl", "zmq"], "") if ok else (["zmq"], why)
+            return [nixl], ""
+        return ([nixl, zmq_frames], "") if ok else ([zmq_frames], why)
 
     def _report_mover(self, mover: str, reason: str) -> None:
         if self._reported != (mover, reason):
@@ -497,7 +499,7 @@ class Forwarder:
             self._acknowledged(job, ready, 0, 0.0, None)
             return
         mover = choose_mover(ready, offered, self._nixl)
-        if mover.name == "nixl":
+        if mover.name == MoverName.NIXL.value:
             reason = "NIXL on both sides"
         else:
             reason = why_not or str(ready.get("mover_reason") or "the peer chose ZeroMQ frames")
