@@ -109,7 +109,7 @@ class Daemon:
         self.draining = False  # stopping after the step in flight: new steps are refused
         self._reload = None  # SIGHUP: a callable returning the new config, applied on the loop
         self._closed = False
-        self.ctx = zmq.Context()
+        self.zmq_ctx = zmq.Context()  # (the components' ``ctx`` is this loop itself)
         self.router: zmq.Socket | None = None
         self.wake: zmq.Socket | None = None
         self.worker: QuantWorker | None = None
@@ -138,17 +138,19 @@ class Daemon:
         record_segments(config, self.arenas.segment_names())
 
     def start(self) -> None:
-        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router = self.zmq_ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.auth, self.local_listen, self.receiver.forward_keys = bind(self.router, self.ctx, self.config)
+        self.auth, self.local_listen, self.receiver.forward_keys = bind(
+            self.router, self.zmq_ctx, self.config
+        )
         wake_endpoint = f"inproc://refitd-wake-{self.instance}"
-        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake = self.zmq_ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
-        self.worker = QuantWorker(self.ctx, wake_endpoint)
+        self.worker = QuantWorker(self.zmq_ctx, wake_endpoint)
         self.quantizer = self._warm_up()
         if self.config.role is NodeRole.TRAINER:
-            self.forwarding = Forwarding(self.ctx, wake_endpoint, self.config, self.instance)
+            self.forwarding = Forwarding(self.zmq_ctx, wake_endpoint, self.config, self.instance)
             self.pipeline.forwarding = self.forwarding
             self.forwarding.start()
         self.poller = zmq.Poller()
@@ -294,7 +296,7 @@ class Daemon:
             self.wake.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.term()
+        self.zmq_ctx.term()
         for listen in (self.config.listen, self.local_listen or ""):
             if listen.startswith("ipc://"):
                 Path(listen.removeprefix("ipc://")).unlink(missing_ok=True)
