@@ -54,7 +54,7 @@ def test_every_request_has_one_route_and_no_reply_kind_has_one(daemon):
     replies = {
         Kind.WELCOME, Kind.READY, Kind.CREDIT, Kind.ACK, Kind.RESULT, Kind.LOADED, Kind.PULLED,
         Kind.SLOT, Kind.ERROR, Kind.PONG, Kind.ATTACHED, Kind.GENERATION, Kind.STATUS_REPLY,
-        Kind.FORWARD_READY, Kind.FORWARDED,
+        Kind.FORWARD_READY, Kind.FORWARDED, Kind.REVOKED,
     }  # fmt: skip
     assert set(routes) == set(Kind) - replies
     assert {k for k, (role, _) in routes.items() if role is PeerRole.READER} == {Kind.WAIT, Kind.RELEASE}
@@ -96,7 +96,7 @@ def test_a_plan_error_that_mentions_an_arena_is_invalid_not_capacity(tmp_path, m
         with RefitClient(d.endpoint, 0, 1, timeout=REPLY_S) as c, pytest.raises(RefitError) as err:
             c.push_step(0, {"model.arena_embed.weight": torch.zeros(4, dtype=torch.bfloat16)})
         assert err.value.kind is ErrorKind.INVALID, err.value
-        assert d.daemon.step is None and d.daemon.plan is None
+        assert d.status()["step_in_progress"] is None and d.status()["plan"] is None  # asked of the loop
     finally:
         d.close()
 
@@ -109,7 +109,7 @@ def test_arenas_too_small_for_the_plan_is_capacity(tmp_path):
         with RefitClient(d.endpoint, 0, 1, timeout=REPLY_S) as c, pytest.raises(RefitError) as err:
             c.push_step(0, make_state_dict("qwen3_5_moe", seed=1, **MODEL))
         assert err.value.kind is ErrorKind.CAPACITY and "arena" in err.value.message, err.value
-        assert d.daemon.step is None
+        assert d.status()["step_in_progress"] is None  # asked of the loop, after it dropped the step
     finally:
         d.close()
 
@@ -157,6 +157,7 @@ def test_a_failed_step_leaves_no_step_state_behind_and_the_next_publishes(daemon
         with pytest.raises(RefitError) as err:
             c.push_step(1, bad)
         assert err.value.kind is ErrorKind.NON_FINITE
-        assert daemon.daemon.step is None
+        assert daemon.status()["step_in_progress"] is None
         assert c.push_step(2, sd).step == 2
-    assert daemon.daemon.step is None and daemon.daemon.last_step == 2
+    status = daemon.status()
+    assert status["step_in_progress"] is None and status["last_step"] == 2

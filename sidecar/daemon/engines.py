@@ -75,6 +75,7 @@ class Engines:
                 # a reader pings this often while attached; one silent for reader_timeout_s is dropped
                 "heartbeat_interval_s": self.reader_ping_interval(),
                 "reader_timeout_s": self.ctx.config.reader_timeout_s,
+                "epochs": self.ctx.arenas.epochs.handle(),  # map read-only: Generation.intact() reads it
             },
         )
 
@@ -122,7 +123,7 @@ class Engines:
                 identity, name, manifest, engine_bf16_modules(manifest, self.ctx.spec.model_type)
             )
             return ["no plan yet: the manifest is checked when the first step fixes the plan"]
-        check = check_manifest(self.ctx.plan.inputs, self.ctx.spec, manifest)
+        check = check_manifest(self.ctx.plan.source, self.ctx.spec, manifest, share=self.ctx.plan.share)
         if not check.ok:
             raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
         if check.plan.keep_bf16 != self.ctx.plan.keep_bf16:
@@ -198,7 +199,22 @@ class Engines:
                 seconds = None
             rnd.record(identity, msg.get("ok") is True, error, seconds)
             self.finish_rounds(time.monotonic())
+        elif msg.get("ok") is False:  # its step's round already closed (it timed out): say it here
+            self._late_load_failure(identity, step, msg.get("error"))
         self.ctx.maybe_claim()
+
+    def _late_load_failure(self, identity: bytes, step, error) -> None:
+        """An engine worker's failed load of a step whose LOADED round already closed (it took longer
+        than reader_timeout_s: the round reported it as not acknowledged in time), e.g. a load found
+        torn because its hold was revoked: logged with the worker's own error."""
+        error = error[:MAX_LOAD_ERROR_CHARS] if isinstance(error, str) else safe_repr(error)
+        log.error(
+            "%s failed to load step %s after its load round closed: %s",
+            self.ctx.peers.holder_label(identity),
+            safe_repr(step),
+            error,
+            extra={"step": step if isinstance(step, int) else None, "phase": "load"},
+        )
 
     def handle_detach(self, identity: bytes, msg: Message) -> None:
         name = self.ctx.peers[identity].name if identity in self.ctx.peers else "?"
@@ -212,12 +228,39 @@ class Engines:
             return
         if peer.waiting is WaitMode.AT_LEAST and gen.step < peer.min_step:
             return
-        handle = gen.arena.handle()
-        if self.ctx.send(
-            peer.identity, Kind.GENERATION, {"generation": gen.index, "step": gen.step, "arena": handle}
-        ):
-            self.ctx.arenas.hold(peer.identity, gen)
+        arenas = self.ctx.arenas
+        fields = {"generation": gen.index, "step": gen.step, "arena": gen.arena.handle()}
+        fields |= {"epoch": arenas.epoch(gen), "epochs": arenas.epochs.handle()}
+        if self.ctx.send(peer.identity, Kind.GENERATION, fields):
+            arenas.hold(peer.identity, gen)
         peer.waiting, peer.min_step = None, None
+
+    def hold_revoked(self, identity: bytes, gen, held_step: int | None) -> None:
+        """A step claimed ``gen`` although ``identity`` still held it (``Arenas.on_revoke``): tell
+        the reader at once (REVOKED), before a byte of the new step is written, and count it. The
+        reader's copy, if it was still copying, may be torn; ``Generation.intact()`` says so too."""
+        ctx = self.ctx
+        label = ctx.peers.holder_label(identity)
+        log.warning(
+            "revoked the hold of %s on generation %d (step %s) after reader_timeout_s=%g: a step is "
+            "overwriting it; a copy still in progress there may be torn and the reader is told",
+            label,
+            gen.index,
+            held_step,
+            ctx.config.reader_timeout_s,
+        )
+        notify(ctx.observers, "on_hold_revoked", ctx, label, gen.index, held_step)
+        if identity in ctx.peers:
+            ctx.send(
+                identity,
+                Kind.REVOKED,
+                {
+                    "instance": ctx.instance,
+                    "generation": gen.index,
+                    "step": held_step,
+                    "reader_timeout_s": ctx.config.reader_timeout_s,
+                },
+            )
 
     def published(self, step: int, trainers: list[bytes]) -> None:
         """Step ``step`` went live: its load round starts; waiting readers get the generation."""

@@ -61,7 +61,7 @@ from sidecar.forward.types import FORWARD_KINDS, curve_user_id
 from sidecar.numerics import kernels
 from sidecar.ops.gcpause import gc_paused
 from sidecar.ops.observers import Observer, notify
-from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import get_model
 from sidecar.protocol.enums import PeerRole
 from transport.wire import HeaderTooLarge, Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
@@ -133,8 +133,9 @@ class Daemon:
         }
 
         if config.hf_config is not None:
-            self.plan = plan_from_hf_config(hf_config, self.spec)
+            self.plan = plan_from_hf_config(hf_config, self.spec, share=config.share)
         self.arenas = make_arenas(self.prefix, config, self.plan)
+        self.arenas.on_revoke = self.engine_side.hold_revoked  # tell a reader whose hold a step drops
         record_segments(config, self.arenas.segment_names())
 
     def start(self) -> None:
@@ -566,7 +567,7 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
     if model_type is None:
         raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
     get_model(model_type)
-    return RefitSpec(
+    spec = RefitSpec(
         model_type=model_type,
         fmt=config.format,
         num_hidden_layers=config.num_hidden_layers,
@@ -574,6 +575,8 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
     )
+    # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
+    return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
 
 
 def _check_generic_fields(msg: Message) -> None:

@@ -106,8 +106,9 @@ class Pipeline:
 
     def start_ring(self, state: StepState, ring: RingStaging) -> None:
         """READY went out: note which ranks write each ring group, and grant the first regions."""
-        for rank, name, _ in state.pieces:
-            state.ring_ranks.setdefault(ring.group_of[name], set()).add(rank)
+        for pid, (rank, name, _) in enumerate(state.pieces):
+            if pid not in state.skipped:
+                state.ring_ranks.setdefault(ring.group_of[name], set()).add(rank)
         self.grant(ring.start())
 
     # ---- worker results

@@ -201,6 +201,8 @@ class Pulls:
             views = staging.tensors()
             targets = []
             for index, (pid, row) in enumerate(zip(ids, rows)):
+                if pid in state.skipped:
+                    continue  # outside this node's share: not sent at all
                 name, offsets, shape = row[0], row[3], row[4]
                 view = views[name]
                 if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
@@ -216,7 +218,7 @@ class Pulls:
             why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
             log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
             return self.frames(rank, why)
-        streamed = len(ids) - len(pull.pieces)
+        streamed = len(ids) - len(pull.pieces) - len(state.skipped_ids(rank))
         why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
         mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
         self.movers[str(rank)] = {"mover": mover.value, "reason": why}

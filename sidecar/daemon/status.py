@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.forward.receiver import Receiver
     from sidecar.forward.sender import Forwarding
     from sidecar.numerics.kernels import WarmUp
+    from sidecar.plan.build import RefitPlan
 
     class Observed(LoopContext, Protocol):
         """The serve loop as status reads it: its context and the parts only status shows."""
@@ -98,8 +99,24 @@ def status(daemon: Observed) -> dict[str, Any]:
             "outputs": len(plan.outputs),
             "bytes_in": plan.bytes_in,
             "bytes_out": plan.bytes_out,
+            "share": _share_status(plan),
         },
         "history": daemon.history,
         "message_errors": dict(daemon.message_errors),
         "blocked": None if step is None or step.target is not None else step.blocked,
+        "revoked_holds": arenas.revoked_holds if arenas else 0,
+    }
+
+
+def _share_status(plan: RefitPlan) -> dict[str, Any] | None:
+    """The node share a plan publishes (status): the engine layout, this node, inputs dropped."""
+    if plan.share is None:
+        return None
+    layout, node = plan.share
+    return {
+        "engine_ep": layout.ep,
+        "engine_tp": layout.tp,
+        "nodes": layout.nodes,
+        "node_rank": node,
+        "dropped_inputs": len(plan.dropped),
     }

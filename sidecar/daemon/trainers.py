@@ -184,7 +184,12 @@ class Trainers:
             self._park_begin(identity, msg)
             return
         state = self.ctx.step
-        state.begin(peer.rank, rows)
+        try:
+            state.begin(peer.rank, rows)
+        except Exception:
+            if not state.declared:  # a refused first BEGIN starts nothing: later steps must not wait on it
+                self.ctx.end_step()
+            raise
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
@@ -220,6 +225,8 @@ class Trainers:
                 "pieces": state.piece_ids(rank),
                 "credit_frames": self.ctx.config.credit_frames,
             }
+            if skip := state.skipped_ids(rank):
+                fields["skip"] = skip  # pieces outside this node's share: the rank does not send them
             if peer is not None and peer.local:
                 fields["staging"] = staging
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
@@ -229,7 +236,11 @@ class Trainers:
                 fields.update(self.pulls.frames(rank, self.pulls.reason))
             if ring is not None:
                 fields["ring"] = ring.wire()
-                fields["placement"] = [list(ring.placement(state.pieces[pid][1])) for pid in fields["pieces"]]
+                fields["placement"] = [
+                    list(ring.placement(state.pieces[pid][1]))
+                    for pid in fields["pieces"]
+                    if pid not in state.skipped
+                ]
             self.ctx.send(identity, Kind.READY, fields)
         state.ready_sent = True
         if ring is not None:
@@ -247,24 +258,27 @@ class Trainers:
                 step=state.step,
             )
         for e in self.engines.engines.values():
-            check = check_manifest(state.specs(), self.ctx.spec, e.manifest)
+            check = check_manifest(state.specs(), self.ctx.spec, e.manifest, share=self.ctx.config.share)
             if not check.ok:
                 raise RefitError(
                     check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
                 )
         try:
-            plan = RefitPlan.build(state.specs(), self.ctx.spec, keep_bf16=next(iter(keeps), ()))
+            plan = RefitPlan.build(
+                state.specs(), self.ctx.spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
+            )
             self.ctx.adopt_plan(plan)
         except ArenaTooSmall as exc:
             raise RefitError(str(exc), kind=ErrorKind.CAPACITY, step=state.step) from None
         except ValueError as exc:
             raise RefitError(str(exc), kind=ErrorKind.INVALID, step=state.step) from None
         log.info(
-            "plan fixed from step %d: %d inputs, %d outputs, %d units",
+            "plan fixed from step %d: %d inputs, %d outputs, %d units (%d inputs outside this node's share)",
             state.step,
             len(plan.inputs),
             len(plan.outputs),
             len(plan.units),
+            len(plan.dropped),
         )
 
     def handle_piece_done(self, identity: bytes, msg: Message) -> None:
