@@ -67,11 +67,12 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
+from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from sidecar.numerics.formats import BLOCK, FLOAT_DTYPES, FP8_DTYPE, Format
 from sidecar.plan.build import Layer, RefitSpec, UnitKind, layer_of_name, plan_from_hf_config
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
@@ -102,11 +103,6 @@ MXFP8_CUTLASS_SMS = frozenset({100, 103})
 #: the GPU generations the backend table covers (docs/engines.md)
 TABLE_SMS = (90, 100, 103, 107, 120)
 _NO_INPUT_SCALES = "static input scales"
-#: the LLM(...) settings that change the experts' split across ranks
-_TP_SETTING = (
-    "set moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so that each rank's part "
-    "is aligned"
-)
 
 
 class MoeBackend:
@@ -448,17 +444,17 @@ def build_manifest(
 
     text = model.text_config(hf_config)
     moe_tp = tp_size if moe_tp_size is None else moe_tp_size
-    constraints: dict[str, Any] = {"tp_size": moe_tp, "moe_ep_size": moe_ep_size}
-    if expert_format is Format.BLOCK_FP8:
-        constraints["block_fp8_align"] = BLOCK_FP8_MOE_ALIGN
-    if expert_format is Format.MXFP8:
-        constraints["mxfp8_align"] = MXFP8_MOE_ALIGN
-    if expert_format is Format.FP8_PER_TENSOR:
-        constraints["input_scales"] = (
-            "not published by refitd: the worker extension carries the engine's static input scales "
-            "({prefix}.{e}.{gate_proj|up_proj|down_proj}.input_scale) into every reload"
-        )
-    constraints["unsupported_formats"] = _unsupported_formats(moe_backend)
+    constraints = EngineConstraints(
+        engine=EngineKind.TRTLLM,
+        expert_format=expert_format,
+        hidden_size=int(text["hidden_size"]) if text.get("hidden_size") else None,
+        intermediate_size=int(text["moe_intermediate_size"]) if text.get("moe_intermediate_size") else None,
+        moe_tp_size=moe_tp,
+        moe_ep_size=moe_ep_size,
+        block_fp8_align=BLOCK_FP8_MOE_ALIGN,
+        mxfp8_align=MXFP8_MOE_ALIGN,
+        unsupported_formats=frozenset(Format(f) for f in _unsupported_formats(moe_backend)),
+    )
     info = {
         "model_type": model.model_type,
         "requested_moe_backend": requested_backend,
@@ -503,25 +499,22 @@ def _routed_weight(name: str) -> bool:
     return bool(SLAB_RE.match(base) or PER_EXPERT_RE.match(base))
 
 
-def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any]) -> list[str]:
+def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any] | None = None) -> list[str]:
     """Every reason this TRT-LLM engine cannot take refitd's generations; empty means fine.
 
-    ``config`` is the model's Hugging Face config (for H and I). Checks the resolved MoE backend
-    against the expert format, the kernels' alignment per tensor-parallel rank, static input scales
-    for per-tensor FP8, and non-expert modules the engine holds in FP8 (refitd publishes them BF16).
+    ``config`` is the model's Hugging Face config (for H and I; default: what the manifest recorded).
+    Checks the resolved MoE backend against the expert format, the kernels' alignment per
+    tensor-parallel rank (the manifest's :class:`EngineConstraints`, which the daemon runs too),
+    static input scales for per-tensor FP8, and non-expert modules the engine holds in FP8 (refitd
+    publishes them BF16). ``EngineWorker.attach`` runs it before contacting the daemon.
     """
     problems: list[str] = []
     fmt, backend = manifest.expert_format, manifest.moe_backend
     sm = manifest.info.get("sm")
-    text = get_model(model_type_of(config)).text_config(config)
-    hidden, inter = int(text["hidden_size"]), int(text["moe_intermediate_size"])
-    tp = int(manifest.constraints.get("tp_size", 1))
-    part = inter // tp
-    if inter % tp:
-        problems.append(
-            f"moe_intermediate_size {inter} does not split over {tp} tensor-parallel ranks; {_TP_SETTING}"
-        )
-
+    hidden = inter = None
+    if config is not None:
+        text = get_model(model_type_of(config)).text_config(config)
+        hidden, inter = int(text["hidden_size"]), int(text["moe_intermediate_size"])
     backends = [b for b in str(backend).split(",") if b] or [""]
     for one in backends:  # a model whose layers resolved differently lists every class
         why = backend_refusal(
@@ -533,19 +526,9 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any]) -> l
         )
         if why is not None:
             problems.append(why)
-    if fmt is Format.BLOCK_FP8 and part % BLOCK_FP8_MOE_ALIGN:
-        problems.append(
-            f"block-FP8 MoE needs moe_intermediate_size / tp = {inter}/{tp} = {part} to be a multiple of "
-            f"{BLOCK_FP8_MOE_ALIGN} (DeepSeekFP8BlockScalesFusedMoEMethod asserts it); {_TP_SETTING}"
-        )
-    if fmt is Format.MXFP8:
-        for label, size in (("hidden_size", hidden), (f"moe_intermediate_size / tp ({inter}/{tp})", part)):
-            if size % MXFP8_MOE_ALIGN:
-                problems.append(
-                    f"MXFP8 MoE needs {label} = {size} to be a multiple of {MXFP8_MOE_ALIGN} "
-                    "(CUTLASS packs 4 UE8M0 scales per int32 along K); "
-                    + (_TP_SETTING if label != "hidden_size" else "set the daemon's format to block_fp8")
-                )
+    # backend_refusal names the backend that cannot hold the format, with the setting that can
+    shared = replace(manifest.constraints, unsupported_formats=frozenset())
+    problems += shared.problems(hidden=hidden, intermediate=inter)
     if fmt is Format.FP8_PER_TENSOR and manifest.info.get("input_scales") is not True:
         problems.append(
             "per-tensor FP8 MoE needs a static input_scale for every expert, which refitd does not "
@@ -774,7 +757,6 @@ class RefitWorkerExtension:
         activation scale when the engine holds none (dummy load).
         """
         from adapters.engine import EngineWorker
-        from sidecar.errors import ErrorKind, RefitError
 
         tensorrt_llm = _require_tensorrt_llm()
         model = self.engine.model_engine.model
@@ -783,12 +765,6 @@ class RefitWorkerExtension:
             hf_config = pretrained.to_dict() if hasattr(pretrained, "to_dict") else dict(vars(pretrained))
         self._refit_fp8_input = self._refit_capture_input_scales(model, input_scale)
         manifest = self._refit_manifest(model, getattr(tensorrt_llm, "__version__", ""), hf_config)
-        problems = check_trtllm_constraints(manifest, hf_config)
-        if problems:
-            lines = "\n".join(f"  - {p}" for p in problems)
-            raise RefitError(
-                f"this TensorRT-LLM engine cannot take refitd's generations:\n{lines}", kind=ErrorKind.ENGINE
-            )
         self._refit_format = manifest.expert_format
         rank = getattr(self.engine.model_engine, "global_rank", None)
         self._refit_worker = EngineWorker(
@@ -796,6 +772,7 @@ class RefitWorkerExtension:
             name=name or f"trtllm-{rank if rank is not None else self.device_id}",
             manifest=manifest,
             load=self._refit_apply,
+            check=lambda m: check_trtllm_constraints(m, hf_config),
         )
         info = self._refit_worker.attach()
         return {"moe_backend": manifest.moe_backend, "expert_format": manifest.expert_format.value, **info}

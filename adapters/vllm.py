@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
+from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import BLOCK, FP8_DTYPE, Format
 from sidecar.plan.build import RefitPlan, RefitSpec
@@ -375,7 +375,16 @@ def build_manifest(
         moe_backend=moe_backend or _default_backend(quant),
         expert_format=quant.fmt,
         tensors=tuple(b.tensors.values()),
-        constraints={"block_fp8_align": BLOCK_FP8_ALIGN, "mxfp8_align": MXFP8_ALIGN, "moe_tp_size": moe_tp},
+        constraints=EngineConstraints(
+            engine=EngineKind.VLLM,
+            expert_format=quant.fmt,
+            hidden_size=_size(text.get("hidden_size")),
+            intermediate_size=_size(text.get("moe_intermediate_size")),
+            moe_tp_size=moe_tp,
+            moe_ep_size=ep_size,
+            block_fp8_align=BLOCK_FP8_ALIGN,
+            mxfp8_align=MXFP8_ALIGN,
+        ),
         info={
             "model_type": model.model_type,
             "tp_size": tp_size,
@@ -387,6 +396,10 @@ def build_manifest(
             "deep_gemm_e8m0": deep_gemm_e8m0,
         },
     )
+
+
+def _size(value: Any) -> int | None:
+    return int(value) if value else None
 
 
 def _experts_match(engine_name: str) -> tuple[str, str, str] | None:
@@ -439,37 +452,24 @@ def _moe_dims(plan_or_config: RefitPlan | Mapping[str, Any]) -> tuple[int, int]:
     return int(text["hidden_size"]), int(text["moe_intermediate_size"])
 
 
-def check_vllm_constraints(manifest: Manifest, plan_or_config: RefitPlan | Mapping[str, Any]) -> list[str]:
+def check_vllm_constraints(
+    manifest: Manifest, plan_or_config: RefitPlan | Mapping[str, Any] | None = None
+) -> list[str]:
     """What vLLM's MoE kernels cannot take (SPEC §2.4), one line each naming the engine setting that
-    would work; empty when all is well. The worker extension runs it before attaching."""
-    h, i = _moe_dims(plan_or_config)
-    moe_tp = int(manifest.info.get("moe_tp_size", manifest.info.get("tp_size", 1)))
-    fmt, problems = manifest.expert_format, []
-    if i % moe_tp:
-        problems.append(
-            f"moe_intermediate_size {i} does not split {moe_tp} ways (tensor-parallel experts); pick a "
-            "tensor_parallel_size that divides it, or set enable_expert_parallel=True"
-        )
-    i_part = i // moe_tp
-    if fmt is Format.BLOCK_FP8 and i_part % BLOCK_FP8_ALIGN:
-        problems.append(
-            f"block-FP8 MoE needs moe_intermediate_size / tp = {i}/{moe_tp} = {i_part} to be a multiple of "
-            f"{BLOCK_FP8_ALIGN} (vLLM Fp8MoEMethod.create_weights); pick a tensor_parallel_size that keeps it "
-            "aligned, or set enable_expert_parallel=True"
-        )
+    would work; empty when all is well. ``EngineWorker.attach`` runs it before contacting the daemon.
+
+    The alignment rules are the manifest's :class:`EngineConstraints` (the daemon runs the same
+    ones); H and I come from ``plan_or_config`` when given, else from what the manifest recorded.
+    """
+    h, i = _moe_dims(plan_or_config) if plan_or_config is not None else (None, None)
+    fmt = manifest.expert_format
+    problems = manifest.constraints.problems(hidden=h, intermediate=i)
     if fmt is Format.BLOCK_FP8 and manifest.info.get("deep_gemm_e8m0") is True:
         problems.append(
             "vLLM reports is_deep_gemm_e8m0_used() = True: DeepGEMM would round the FP32 block scales refitd "
             "publishes to UE8M0 powers of two (Hopper too: the flag alone decides); start every vLLM process "
             "with VLLM_USE_DEEP_GEMM_E8M0=0 (adapters.vllm.VLLM_ENV)"
         )
-    if fmt is Format.MXFP8:
-        for what, value in (("hidden_size", h), ("moe_intermediate_size / tp", i_part)):
-            if value % MXFP8_ALIGN:
-                problems.append(
-                    f"MXFP8 MoE needs {what} = {value} to be a multiple of {MXFP8_ALIGN}; pick another "
-                    "tensor_parallel_size or set enable_expert_parallel=True"
-                )
     static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
     if static:
         problems.append(

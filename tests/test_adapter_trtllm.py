@@ -250,7 +250,7 @@ def test_per_tensor_manifest_says_input_scales_are_carried():
     data = _load("trtllm_qwen3-30b-a3b_fp8_per_tensor")
     manifest = _manifest(data)
     assert manifest.moe_backend == MoeBackend.CUTLASS  # TRTLLM was requested: falls back
-    assert "input_scales" in manifest.constraints
+    assert manifest.info["input_scales"] is True  # carried from the engine, not published
     assert not any(t.name.endswith("input_scale") for t in manifest.tensors)
     gate = manifest.by_name()["model.layers.1.mlp.experts.5.gate_proj.weight_scale"]
     assert gate.dtype == torch.float32 and gate.shape == ()
@@ -352,7 +352,7 @@ def test_mxfp8_alignment_per_tp_rank():
         params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, tp_size=8, mxfp8_reload_path=True
     )
     assert manifest.expert_format is Format.MXFP8
-    assert manifest.constraints["mxfp8_align"] == 128
+    assert manifest.constraints.mxfp8_align == 128 and manifest.constraints.moe_tp_size == 8
     problems = check_trtllm_constraints(manifest, cfg)
     (problem,) = problems
     assert problem.startswith(
