@@ -57,6 +57,8 @@ embeddings are plain partial RoPE (multimodal RoPE reduces to it for text-only p
 head (:meth:`ReferenceEngine.forward_mtp`) is a one-pass sketch: ``fc([norm(embed(x[t+1]));
 norm(h[t])])`` through the MTP decoder layers, ``mtp.norm`` and the shared lm_head; it exists so
 every MTP tensor is used. Qwen3 MoE (per-expert checkpoints, no shared expert) is not supported.
+DeepSeek-V3 configs get :class:`adapters.reference_mla.DeepseekReferenceEngine` (MLA, sigmoid router,
+block-FP8 linears) from :meth:`ReferenceEngine.from_config`.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ ENGINE_VERSION = f"refitd-reference-{sidecar.__version__}"
 MOE_BACKEND = "ReferenceFusedMoE"
 BF16 = torch.bfloat16
 SUPPORTED_MODEL = "qwen3_5_moe"
+#: the family :meth:`ReferenceEngine.from_config` hands to ``adapters.reference_mla``
+MLA_MODEL = "deepseek_v3"
 #: Qwen3.5 defaults for settings the synthetic configs leave out
 DEFAULT_RMS_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10_000_000.0
@@ -407,6 +411,10 @@ class ReferenceEngine:
         their slabs ``…experts.gate_up_proj`` / ``…experts.down_proj`` in BF16.
         """
         keep = (keep_bf16,) if isinstance(keep_bf16, str) else tuple(keep_bf16)
+        if cls is ReferenceEngine and get_model(model_type_of(config)).model_type == MLA_MODEL:
+            from adapters.reference_mla import DeepseekReferenceEngine  # MLA, sigmoid router, MTP
+
+            return DeepseekReferenceEngine(config, Format.parse(expert_format), frozenset(keep))
         return cls(config, Format.parse(expert_format), frozenset(keep))
 
     # ---- what it holds
@@ -555,8 +563,8 @@ class ReferenceEngine:
             raise ValueError(
                 f"input_ids must be an integer tensor [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}"
             )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.dims.vocab):
-            raise ValueError(f"input_ids must lie in [0, {self.dims.vocab})")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.vocab_size})")
 
     def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The main model's final normed hidden states ``[B, T, H]``."""

@@ -196,3 +196,45 @@ def test_malformed_manifest_fields_are_refused_saying_which(change, needle):
     text = str(excinfo.value)
     assert text.startswith("malformed manifest: ") and needle in text, text
     assert len(text) < 400
+
+
+def _dsv3_inputs_and_spec():
+    spec = RefitSpec(model_type="deepseek_v3", fmt="block_fp8", num_hidden_layers=2, quantize_linears=True)
+    state = make_state_dict("deepseek_v3", num_layers=2, num_experts=4)
+    return [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in state.items()], spec
+
+
+def test_manifest_narrows_the_checkpoint_scheme_for_linears_it_holds_in_bf16():
+    """An engine running DeepSeek-V3's attention in BF16 (its q_a_proj listed as bfloat16) gets it
+    published in BF16 while the routed experts and other linears stay block-FP8."""
+    inputs, spec = _dsv3_inputs_and_spec()
+    plan = RefitPlan.build(inputs, spec)
+    bf16 = "model.layers.0.self_attn.q_a_proj"
+    tensors = [
+        ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs if not o.name.startswith(bf16)
+    ]
+    tensors.append(
+        ManifestTensor(
+            f"{bf16}.weight", torch.bfloat16, next(i.shape for i in inputs if i.name == f"{bf16}.weight")
+        )
+    )
+    manifest = manifest_for(plan, tensors=tuple(tensors))
+    assert bf16 in engine_bf16_modules(manifest, "deepseek_v3")
+    check = check_manifest(inputs, spec, manifest)
+    assert check.ok, check.errors
+    published = {o.name: o for o in check.plan.outputs}
+    assert published[f"{bf16}.weight"].dtype == torch.bfloat16 and f"{bf16}.weight_scale_inv" not in published
+    assert published["model.layers.1.self_attn.q_a_proj.weight"].dtype != torch.bfloat16
+
+
+def test_fp32_router_bias_mismatch_says_to_send_it_in_the_engines_dtype():
+    inputs, spec = _dsv3_inputs_and_spec()
+    plan = RefitPlan.build(inputs, spec)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    tensors = tuple(
+        ManifestTensor(o.name, torch.bfloat16 if o.name == bias else o.dtype, tuple(o.shape))
+        for o in plan.outputs
+    )
+    check = check_manifest(inputs, spec, manifest_for(plan, tensors=tensors))
+    assert not check.ok
+    assert any(bias in e and "send it as bfloat16 from the trainer" in e for e in check.errors), check.errors

@@ -41,3 +41,24 @@ def test_demo_verifies_and_reports_kl(fmt, regions):
         assert row["published_exact"] and row["engine_exact"]
         assert 0 < row["kl"] < 0.05
         assert set(row["seconds"]) >= {"receive", "quantize", "publish", "total", "engine_load"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "fp8_per_tensor", "bf16"])
+def test_deepseek_v3_demo_verifies_in_every_format(fmt):
+    """A DeepSeek-V3-shaped model (MLA, a dense first layer, shared experts, the FP32 router bias, an
+    MTP layer with its own embedding and head, block-FP8 linears from its quantization_config):
+    every generation byte for byte through the daemon into the MLA reference engine, KL per step."""
+    argv = ["--model", "deepseek_v3", "--format", fmt, "--steps", "2", "--layers", "2", "--experts", "4"]
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["verified"] and summary["steps"] == 2 and summary["format"] == fmt
+    for row in summary["per_step"]:
+        assert row["published_exact"] and row["engine_exact"]
+        assert (row["kl"] == 0.0) if fmt == "bf16" else (0 < row["kl"] < 0.05)

@@ -530,3 +530,212 @@ def test_qwen3_30b_a3b_totals():
     assert params * 2 == 54 * GIB
     assert scales == 864 * MIB
     assert sum(u.fmt is not None for u in plan.units) == 48 * 128 * 3
+
+
+# ---- DeepSeek-V3 / GLM-4.5: the checkpoint's own scheme, per-tensor dtypes, appended MTP, a node's share
+
+DSV3_KW = {"num_layers": 3, "num_experts": 4}
+
+
+def _dsv3(fmt: str = "block_fp8", **spec_kw) -> tuple[dict, dict, RefitPlan]:
+    config = make_hf_config("deepseek_v3", **DSV3_KW)
+    state = make_state_dict("deepseek_v3", **DSV3_KW)
+    plan = plan_from_hf_config(config, RefitSpec(model_type="deepseek_v3", fmt=fmt, **spec_kw))
+    return config, state, plan
+
+
+def _quantized_modules(plan: RefitPlan) -> set[str]:
+    return {o.name.removesuffix(".weight") for o in plan.outputs if o.role is Role.WEIGHT}
+
+
+def test_block_fp8_checkpoint_quantizes_its_linears_too():
+    """DeepSeek-V3's quantization_config (weight_block_size [128, 128]) makes attention projections,
+    the dense MLP and the shared experts FP8 with weight_scale_inv, like the routed experts; the
+    router, its FP32 bias, embeddings, heads, norms and the MTP eh_proj pass through."""
+    _, _, plan = _dsv3()
+    quantized = _quantized_modules(plan)
+    for module in (
+        "model.layers.0.self_attn.q_a_proj",
+        "model.layers.0.self_attn.q_b_proj",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.0.self_attn.kv_b_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.shared_experts.up_proj",
+        "model.layers.3.self_attn.q_a_proj",  # the MTP layer's own attention
+        "model.layers.3.mlp.experts.0.gate_proj",
+    ):
+        assert module in quantized, module
+    outs = {o.name: o for o in plan.outputs}
+    assert outs["model.layers.0.self_attn.q_b_proj.weight_scale_inv"].shape == (2, 1)  # [192, 128] in blocks
+    for name in (
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.shared_head.head.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+    ):
+        assert outs[name].role is Role.PASSTHROUGH, name
+    kinds = {u.inputs[0]: u.kind for u in plan.units}
+    assert kinds["model.layers.0.self_attn.o_proj.weight"] is UnitKind.LINEAR
+
+
+def test_spec_narrows_and_widens_the_checkpoint_scheme():
+    """ignore_patterns and quantize_linears=False narrow what the checkpoint quantizes; a BF16
+    checkpoint (GLM-4.5) quantizes only its routed experts unless quantize_linears=True widens it."""
+    _, _, narrowed = _dsv3(ignore_patterns=("*.self_attn.kv_b_proj",))
+    assert "model.layers.0.self_attn.kv_b_proj" not in _quantized_modules(narrowed)
+    assert "model.layers.0.self_attn.q_b_proj" in _quantized_modules(narrowed)
+    _, _, experts_only = _dsv3(quantize_linears=False)
+    assert all(".mlp.experts." in m for m in _quantized_modules(experts_only))
+    glm = make_hf_config("glm4_moe", **DSV3_KW)
+    plain = plan_from_hf_config(glm, RefitSpec(model_type="glm4_moe", fmt="block_fp8"))
+    assert all(".mlp.experts." in m for m in _quantized_modules(plain))
+    wide = plan_from_hf_config(glm, RefitSpec(model_type="glm4_moe", fmt="block_fp8", quantize_linears=True))
+    assert "model.layers.0.self_attn.q_proj" in _quantized_modules(wide)
+    assert "model.layers.1.mlp.gate" not in _quantized_modules(wide)
+    assert {o.role for o in wide.outputs if o.name == "model.layers.0.self_attn.q_proj.bias"} == {
+        Role.PASSTHROUGH
+    }
+
+
+def test_modules_to_not_convert_stay_bf16():
+    config = make_hf_config("deepseek_v3", **DSV3_KW)
+    config["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.self_attn.o_proj"]
+    plan = plan_from_hf_config(config, RefitSpec(model_type="deepseek_v3", fmt="block_fp8"))
+    assert "model.layers.0.self_attn.o_proj" not in _quantized_modules(plan)
+    assert "model.layers.1.self_attn.o_proj" in _quantized_modules(plan)
+
+
+def test_a_checkpoint_block_other_than_128_is_refused():
+    config = make_hf_config("deepseek_v3", **DSV3_KW)
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    with pytest.raises(ValueError, match="weight_block_size"):
+        plan_from_hf_config(config, RefitSpec(model_type="deepseek_v3", fmt="block_fp8"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_deepseek_v3_converts_byte_exact_and_fp32_passes_through(fmt):
+    """Every quantized linear equals sidecar.numerics.reference on its own; the FP32 router bias and every other
+    passthrough comes out bit for bit in its own dtype; the plan's input sizes follow the dtypes."""
+    _, state, plan = _dsv3(fmt)
+    out = convert(state, plan.spec)  # the spec with the checkpoint's scheme resolved
+    assert list(out) == [o.name for o in plan.outputs]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert out[bias].dtype is torch.float32 and same_bytes(out[bias], state[bias])
+    assert {i.name: i for i in plan.inputs}[bias].nbytes == 4 * DSV3_KW["num_experts"]
+    for o in plan.outputs:
+        if o.role is Role.WEIGHT:
+            q, s = quant.quantize(o.source_view(state[o.source]), Format(fmt))
+            if (
+                fmt == "fp8_per_tensor"
+                and ".mlp.experts." in o.name
+                and o.proj is not None
+                and o.proj.value != "down_proj"
+            ):
+                continue  # gate+up share one scale: covered by the Qwen tests
+            assert same_bytes(out[o.name], q), o.name
+            assert same_bytes(out[o.scale_name], s), o.scale_name
+        elif o.role is Role.PASSTHROUGH:
+            assert same_bytes(out[o.name], state[o.source]), o.name
+
+
+def test_appended_mtp_layer_is_an_mtp_layer():
+    """DeepSeek-V3's MTP layer is model.layers.{num_hidden_layers}: the plan counts it as ("mtp", 0),
+    num_last_layers_in_bf16 leaves it alone, and the layer count is inferred without it."""
+    _, state, plan = _dsv3(num_last_layers_in_bf16=1)
+    layers = {u.layer for u in plan.units}
+    assert ("mtp", 0) in layers and 3 not in layers
+    assert "model.layers.3.mlp.experts.0.gate_proj" in _quantized_modules(plan)
+    assert "model.layers.2.mlp.experts.0.gate_proj" not in _quantized_modules(plan)
+    inferred = RefitPlan.build(list(state.items()), RefitSpec(model_type="deepseek_v3", fmt="block_fp8"))
+    assert inferred.num_hidden_layers == 3
+
+
+def test_engine_layout_places_experts_like_the_engines():
+    from sidecar.plan.build import EngineLayout
+
+    layout = EngineLayout(ep=16, tp=1, nodes=2)
+    assert layout.experts_of_node(256, 0) == range(0, 128)
+    assert layout.experts_of_node(256, 1) == range(128, 256)
+    odd = EngineLayout(ep=4, nodes=2)
+    assert [odd.experts_of_rank(10, r) for r in range(4)] == [
+        range(0, 3),
+        range(3, 6),
+        range(6, 8),
+        range(8, 10),
+    ]
+    assert odd.experts_of_node(10, 1) == range(6, 10)
+    with pytest.raises(ValueError, match="tp=16 spans"):
+        EngineLayout(ep=16, tp=16, nodes=2)
+    with pytest.raises(ValueError, match="evenly"):
+        EngineLayout(ep=12, nodes=8)
+    with pytest.raises(ValueError, match=r"nodes 0\.\.1"):
+        layout.experts_of_node(256, 2)
+
+
+def test_a_node_plans_only_its_share_and_the_nodes_cover_the_model():
+    """With EP across two nodes each node publishes its half of the routed experts and everything
+    else whole; the other node's per-expert inputs are dropped; together they cover every output."""
+    from sidecar.plan.build import EngineLayout
+
+    config, _, whole = _dsv3()
+    layout = EngineLayout(ep=4, nodes=2)
+    shares = [plan_from_hf_config(config, whole.spec, share=(layout, n)) for n in range(2)]
+    names = [{o.name for o in p.outputs} for p in shares]
+    assert names[0] | names[1] == {o.name for o in whole.outputs}
+    common = names[0] & names[1]
+    assert not any(".mlp.experts." in n for n in common)
+    assert "model.layers.1.mlp.experts.1.up_proj.weight" in names[0] - names[1]
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in shares[0].dropped
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" not in {i.name for i in shares[0].inputs}
+
+
+def test_slab_share_publishes_only_the_nodes_experts():
+    from sidecar.plan.build import EngineLayout
+
+    config = make_hf_config("qwen3_5_moe", num_layers=4, num_experts=4)
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
+    plan = plan_from_hf_config(config, spec, share=(EngineLayout(ep=4, nodes=2), 1))
+    experts = {o.expert for o in plan.outputs if o.role is Role.WEIGHT}
+    assert experts == {2, 3} and not plan.dropped
+    state = make_state_dict("qwen3_5_moe", num_layers=4, num_experts=4)
+    outputs = plan.allocate()
+    for unit in plan.units:
+        run_unit(unit, state, outputs)
+    whole = convert(state, spec)
+    for o in plan.outputs:
+        assert same_bytes(outputs[o.name], whole[o.name]), o.name
+
+
+def test_the_daemon_spec_follows_the_checkpoint_scheme(tmp_path):
+    """The daemon resolves quantize_linears from its hf_config once, so the plan it checks an
+    engine's manifest against (and the one it builds from a step's declarations) quantizes the
+    same linears as the plan it allocated from the config (an attach was refused before)."""
+    from sidecar.config.settings import DaemonConfig
+    from sidecar.daemon.loop import refit_spec
+
+    config = make_hf_config("deepseek_v3", **DSV3_KW)
+    spec = refit_spec(DaemonConfig(runtime_dir=tmp_path, format="block_fp8"), config)
+    assert spec.quantize_linears is True
+    state = make_state_dict("deepseek_v3", **DSV3_KW)
+    declared = RefitPlan.build([(n, t) for n, t in state.items()], spec)
+    assert _quantized_modules(declared) == _quantized_modules(plan_from_hf_config(config, spec))
+    qwen = refit_spec(DaemonConfig(runtime_dir=tmp_path, format="block_fp8"), make_hf_config("qwen3_5_moe"))
+    assert qwen.quantize_linears is False
+
+
+def test_an_fp32_input_passes_through_in_its_own_dtype():
+    """Qwen3.5's A_log may arrive as FP32: the plan carries the input's dtype, sizes follow it, and
+    the output is the input's bytes."""
+    state = make_state_dict("qwen3_5_moe", num_layers=4, num_experts=4)
+    name = "model.language_model.layers.0.linear_attn.A_log"
+    state[name] = state[name].float() - 1.0
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8")
+    plan = RefitPlan.build(list(state.items()), spec)
+    assert {i.name: i for i in plan.inputs}[name].nbytes == 4 * state[name].numel()
+    out = convert(state, spec)
+    assert out[name].dtype is torch.float32 and same_bytes(out[name], state[name])

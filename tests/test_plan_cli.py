@@ -137,3 +137,59 @@ def test_plan_says_what_the_daemon_allocates_with_and_without_a_staging_ring(cap
     assert "daemon memory: 2 generations of 35.39 GiB, plus staging:" in out
     assert "whole steps (staging_regions = 0; shm default)" in out and "136.92 GiB" in out
     assert "ring of 4 x 1.57 GiB, 48 groups (cuda default)" in out and "77.06 GiB" in out
+
+
+# ---- the DeepSeek-V3 family and GLM-4.5 real configs, with a node's share
+#
+# One run per config (each plans ~46-70k tensors). Published block-FP8 checkpoint sizes to compare:
+# deepseek-ai/DeepSeek-V3 holds 688.6 GB of safetensors (weights + weight_scale_inv; the plan's 688.57e9
+# bytes of outputs are those same tensors).
+
+DEEPSEEK_V3 = str(DATA / "deepseek_v3.config.json")
+KIMI_K2 = str(DATA / "kimi-k2.config.json")
+GLM4_5 = str(DATA / "glm-4.5.config.json")
+
+
+def test_deepseek_v3_block_fp8_and_a_node_of_ep16_over_two_nodes(capsys):
+    """DeepSeek-V3 follows its block-FP8 checkpoint (496 linears FP8 beside the routed experts); one
+    of two nodes of an EP=16 engine needs about half the whole model's bytes per generation."""
+    s = run_json(capsys, DEEPSEEK_V3, "--format", "block_fp8", "--engine-ep", "16", "--nodes", "2")
+    assert s["model_type"] == "deepseek_v3" and s["num_hidden_layers"] == 61 and s["quantize_linears"]
+    assert s["routed_expert_params"] == 59 * 256 * 3 * 2048 * 7168  # 58 MoE layers + the MTP layer
+    assert s["linears"]["tensors"] == 496 and s["linears"]["params"] == 15_387_983_872
+    assert s["totals"]["bytes_in"] == 1_368_979_721_216
+    assert s["totals"]["bytes_out"] == 688_574_839_360  # 641.29 GiB, the size of the FP8 checkpoint
+    assert s["passthrough"]["router"]["tensors"] == 118  # 59 gates + 59 FP32 biases
+    share = s["node_share"]
+    assert (share["ep"], share["nodes"], share["node"]) == (16, 2, 0)
+    assert share["dropped_inputs"] == 59 * 128 * 3
+    ratio = share["memory"]["generation"] / s["memory"]["generation"]
+    assert 0.5 < ratio < 0.53 and share["memory"]["generation"] == 355_902_128_128  # 331.46 GiB
+
+
+def test_kimi_k2_a_node_of_ep32_over_four_nodes(capsys):
+    s = run_json(capsys, KIMI_K2, "--format", "block_fp8", "--engine-ep", "32", "--nodes", "4")
+    assert s["model_type"] == "deepseek_v3" and s["num_hidden_layers"] == 61
+    assert s["routed_expert_params"] == 60 * 384 * 3 * 2048 * 7168
+    assert s["totals"]["bytes_out"] == 1_029_173_249_888  # 958.5 GiB
+    share = s["node_share"]
+    assert share["memory"]["generation"] == 267_972_955_136  # 249.6 GiB, 0.26 of the whole
+    assert share["dropped_inputs"] == 60 * 288 * 3
+
+
+def test_glm4_5_bf16_checkpoint_quantizes_routed_experts_only(capsys):
+    s = run_json(capsys, GLM4_5, "--format", "block_fp8", "--engine-ep", "16", "--nodes", "2")
+    assert s["model_type"] == "glm4_moe" and s["num_hidden_layers"] == 92 and not s["quantize_linears"]
+    assert s["linears"]["tensors"] == 0
+    assert s["routed_expert_params"] == 90 * 160 * 3 * 1536 * 5120
+    assert s["totals"]["bytes_in"] == 716_675_611_392
+    assert s["totals"]["bytes_out"] == 377_019_931_392
+    assert s["node_share"]["memory"]["generation"] == 207_111_923_712
+
+
+def test_layout_errors_are_usage_failures(capsys):
+    assert (
+        run_plan(QWEN3, "--format", "block_fp8", "--engine-ep", "16", "--engine-tp", "16", "--nodes", "2")
+        == 1
+    )
+    assert "spans" in capsys.readouterr().err

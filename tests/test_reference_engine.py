@@ -399,3 +399,64 @@ def test_forward_checks_its_input(baseline):
         engine.forward(torch.zeros(3, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="no weights loaded"):
         ReferenceEngine.from_config(CONFIG).forward(torch.zeros(1, 2, dtype=torch.int64))
+
+
+# ---- DeepSeek-V3: MLA, the sigmoid router with its FP32 bias, block-FP8 linears, MTP
+
+DSV3_SIZES = {"num_layers": 3, "num_experts": 4}
+DSV3_CONFIG = make_hf_config("deepseek_v3", **DSV3_SIZES)
+
+
+@pytest.fixture(scope="module")
+def dsv3_state() -> dict[str, torch.Tensor]:
+    return make_state_dict("deepseek_v3", **DSV3_SIZES)
+
+
+@pytest.fixture(scope="module")
+def dsv3_baseline(dsv3_state):
+    engine = ReferenceEngine.from_config(DSV3_CONFIG, expert_format="bf16")
+    engine.load_bf16(dsv3_state)
+    return engine
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_deepseek_v3_manifest_equals_the_plan_and_fp8_stays_close(fmt, dsv3_state, dsv3_baseline):
+    """The engine's own manifest (written from its modules, as vLLM builds them) equals what the
+    daemon plans from the config, in every format; loaded, its logits and MTP logits stay close."""
+    from sidecar.plan.attach import check_manifest
+
+    engine = ReferenceEngine.from_config(DSV3_CONFIG, expert_format=fmt)
+    plan = plan_from_hf_config(DSV3_CONFIG, RefitSpec(model_type="deepseek_v3", fmt=fmt))
+    assert signature(engine.manifest().tensors) == {o.name: (o.dtype, tuple(o.shape)) for o in plan.outputs}
+    check = check_manifest(plan.inputs, plan.spec, engine.manifest())
+    assert check.ok, check.errors
+    engine.load(convert(dsv3_state, plan.spec))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert engine.params[bias].dtype is torch.float32 and same_bytes(engine.params[bias], dsv3_state[bias])
+    ids = sample_inputs(engine.vocab_size, batch=2, seq=16)
+    assert next_token_kl(dsv3_baseline.forward(ids), engine.forward(ids)) < KL_BOUND
+    assert next_token_kl(dsv3_baseline.forward_mtp(ids), engine.forward_mtp(ids)) < KL_BOUND
+    if fmt != "bf16":
+        assert engine.params["model.layers.0.self_attn.kv_b_proj.weight"].dtype is FP8_DTYPE
+
+
+def test_deepseek_v3_every_published_tensor_changes_the_logits(dsv3_state, dsv3_baseline):
+    """MLA uses every projection and norm; the router bias changes which experts are picked; the MTP
+    layer's own embedding and head copies feed forward_mtp: perturbing any one tensor moves the logits."""
+    ids = sample_inputs(dsv3_baseline.vocab_size, batch=2, seq=16)
+    base = (dsv3_baseline.forward(ids), dsv3_baseline.forward_mtp(ids))
+    engine = ReferenceEngine.from_config(DSV3_CONFIG, expert_format="bf16")
+    unused = []
+    for name in dsv3_state:
+        perturbed = dict(dsv3_state)
+        t = dsv3_state[name]
+        if name.endswith("e_score_correction_bias"):  # raise one expert's bias: it wins every token
+            perturbed[name] = t.clone()
+            perturbed[name][0] += 10.0
+        else:
+            perturbed[name] = (t.float() + 0.3).to(t.dtype)
+        engine.load_bf16(perturbed)
+        out = (engine.forward(ids), engine.forward_mtp(ids))
+        if all(torch.equal(a, b) for a, b in zip(base, out, strict=True)):
+            unused.append(name)
+    assert not unused

@@ -2,7 +2,10 @@
 
 Builds the plan on the parameter list the config describes (names and shapes only), then prints
 what is quantized and what passes through, bytes in and out per layer, totals with the in/out
-ratio, and the largest tensors. ``--json`` prints the same data as one JSON object.
+ratio, and the largest tensors. ``--json`` prints the same data as one JSON object. With an engine
+layout (``--engine-ep N --engine-tp N --nodes N``) it also plans what one node publishes (``--node``,
+default 0): its share of the routed experts and everything else whole, and that node's generation
+memory against the whole model's.
 
 Exit codes: 0 ok; 1 the plan cannot be built (the message says why); 2 usage (unreadable file, bad
 JSON, unknown format).
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.numerics.formats import Format
-from sidecar.plan.build import RefitSpec, plan_from_hf_config
+from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import model_type_of
 
 EXIT_OK = 0
@@ -51,6 +54,16 @@ def _count_arg(value: str) -> int:
     return n
 
 
+def _positive_arg(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count >= 1")
+    return n
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
@@ -75,6 +88,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=[],
         metavar="PATTERN",
         help="fnmatch patterns over module names whose routed experts stay BF16",
+    )
+    parser.add_argument(
+        "--linears",
+        choices=("checkpoint", "yes", "no"),
+        default="checkpoint",
+        help="also quantize attention/dense-MLP/shared-expert linears: as the config's quantization_config "
+        "says (default), always, or never",
+    )
+    parser.add_argument(
+        "--engine-ep", type=_positive_arg, default=None, metavar="N", help="engine expert parallel size"
+    )
+    parser.add_argument(
+        "--engine-tp", type=_positive_arg, default=1, metavar="N", help="engine tensor parallel size"
+    )
+    parser.add_argument("--nodes", type=_positive_arg, default=1, metavar="N", help="nodes the engine spans")
+    parser.add_argument(
+        "--node", type=_count_arg, default=0, metavar="K", help="the node to plan the share of"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
@@ -110,8 +140,13 @@ def run(args: argparse.Namespace) -> int:
             num_first_layers_in_bf16=args.first_bf16,
             num_last_layers_in_bf16=args.last_bf16,
             ignore_patterns=tuple(args.ignore),
+            quantize_linears={"checkpoint": None, "yes": True, "no": False}[args.linears],
         )
         summary = plan_from_hf_config(config, spec).summary()
+        if args.engine_ep is not None or args.nodes > 1 or args.engine_tp > 1:
+            layout = EngineLayout(ep=args.engine_ep or 1, tp=args.engine_tp, nodes=args.nodes)
+            share = plan_from_hf_config(config, spec, share=(layout, args.node)).summary()
+            summary["node_share"] = {**share["share"], "memory": share["memory"], "totals": share["totals"]}
     except ValueError as exc:
         print(f"refitd plan: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -144,6 +179,12 @@ def render_text(s: dict[str, Any]) -> str:
     lines.append("passthrough (bit for bit):")
     for kind, row in s["passthrough"].items():
         lines.append(f"  {kind:<22} {row['tensors']:>7} tensors  {human_bytes(row['bytes']):>12}")
+    lin = s["linears"]
+    if lin["tensors"]:
+        lines.append(
+            f"quantized (linears, the checkpoint's scheme): {lin['tensors']} tensors, {lin['params']:,} params: "
+            f"{human_bytes(lin['bytes_in'])} in -> {human_bytes(lin['bytes_out'])} out"
+        )
     lines += [
         "",
         f"  {'layer':<7} {'bytes in':>12} {'bytes out':>12} {'out/in':>7} {'quantized':>9} {'passthru':>8}",
@@ -171,9 +212,18 @@ def render_text(s: dict[str, Any]) -> str:
         f"  {'whole steps (staging_regions = 0; shm default)':<50} {human_bytes(m['staging_whole']):>12} "
         f"{human_bytes(m['staging_whole'] + gens):>12}",
         f"  {ring:<50} {human_bytes(m['staging_ring']):>12} {human_bytes(m['staging_ring'] + gens):>12}",
-        "",
-        "largest inputs:",
     ]
+    if (share := s.get("node_share")) is not None:
+        nm = share["memory"]
+        lines += [
+            "",
+            f"node {share['node']} of {share['nodes']} (engine EP {share['ep']}, TP {share['tp']}): a generation of "
+            f"{human_bytes(nm['generation'])}, {nm['generation'] / m['generation']:.3f} of the whole model's; "
+            f"{share['dropped_inputs']} per-expert inputs of other nodes dropped",
+            f"  {nm['generations']} generations {human_bytes(nm['generations'] * nm['generation'])}; "
+            f"with whole-step staging {human_bytes(nm['staging_whole'] + nm['generations'] * nm['generation'])}",
+        ]
+    lines += ["", "largest inputs:"]
     for t in s["largest"]:
         shape = "x".join(map(str, t["shape"]))
         lines.append(

@@ -56,7 +56,7 @@ from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.ops.observers import Observer, notify
-from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import get_model
 from transport.control import bind_control
 from transport.gpus import arena_placements, local_gpus
@@ -827,7 +827,7 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
     if model_type is None:
         raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
     get_model(model_type)
-    return RefitSpec(
+    spec = RefitSpec(
         model_type=model_type,
         fmt=config.format,
         num_hidden_layers=config.num_hidden_layers,
@@ -835,6 +835,8 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
     )
+    # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
+    return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
 
 
 def _check_generic_fields(msg: Message) -> None:

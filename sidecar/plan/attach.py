@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from adapters.manifest import Manifest
-from sidecar.numerics.formats import MX_BLOCK, Format
+from sidecar.numerics.formats import FP8_DTYPE, MX_BLOCK, Format
 from sidecar.plan.build import ExpertProj, RefitPlan, RefitSpec, Role, TensorSpec
 from sidecar.plan.models import get_model
 
@@ -55,12 +55,15 @@ class AttachCheck:
 
 
 def engine_bf16_modules(manifest: Manifest, model_type: str) -> frozenset[str]:
-    """Module names of the routed experts the engine holds in BF16 (the manifest wins)."""
+    """Module names of the routed experts, and of the linears a block-FP8 checkpoint quantizes
+    (``ModelSpec.linear_re``), that the engine holds unquantized (the manifest wins)."""
     model = get_model(model_type)
     keep = set()
     for t in manifest.tensors:
         if t.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
-            model.slab_re.match(t.name) or model.per_expert_re.match(t.name)
+            (model.slab_re is not None and model.slab_re.match(t.name))
+            or model.per_expert_re.match(t.name)
+            or (model.linear_re is not None and model.linear_re.match(t.name))
         ):
             keep.add(t.name.removesuffix(".weight"))
     return frozenset(keep)
@@ -88,9 +91,28 @@ def check_manifest(inputs: Iterable[TensorSpec], spec: RefitSpec, manifest: Mani
             check.errors.append(
                 f"{name}: the engine expects {_describe(t.dtype, t.shape)}, the plan does not publish it"
             )
-        elif o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
+        elif (
+            o.role is Role.PASSTHROUGH
+            and FP8_DTYPE not in (o.dtype, t.dtype)
+            and o.dtype != t.dtype
+            and tuple(o.shape) == tuple(t.shape)
+        ):
             check.errors.append(
-                f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes {_describe(o.dtype, o.shape)}"
+                f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes "
+                f"{_describe(o.dtype, o.shape)}; a passthrough keeps its input's dtype bit for bit, so send it "
+                f"as {str(t.dtype).removeprefix('torch.')} from the trainer"
+            )
+        elif o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
+            hint = ""
+            if o.dtype == FP8_DTYPE and t.dtype != FP8_DTYPE:
+                hint = " (the checkpoint's scheme quantizes it: set quantize_linears = False, or ignore it)"
+            elif t.dtype == FP8_DTYPE and o.dtype != FP8_DTYPE:
+                hint = (
+                    " (the engine runs it in FP8: plan from the checkpoint's config, or set quantize_linears)"
+                )
+            check.errors.append(
+                f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes "
+                f"{_describe(o.dtype, o.shape)}{hint}"
             )
     extra = [n for n in published if n not in expected]
     if extra:

@@ -8,6 +8,12 @@ allocates every output from the plan up front (in shared memory), then runs each
 :func:`run_unit` as soon as its inputs have arrived. :func:`convert` and :func:`iter_convert` are
 the in-process forms of the same loop.
 
+Beyond the routed experts, a block-FP8 checkpoint's linears (DeepSeek-V3: attention projections,
+dense MLPs, shared experts; ``ModelSpec.linear_re``) become ``LINEAR`` units when
+``RefitSpec.quantize_linears`` (or the config's ``quantization_config``) says so. Every input keeps
+its own dtype (the FP32 router bias passes through as FP32). ``share=(EngineLayout, node)`` plans
+the part one node of a multi-node engine holds.
+
 Usage::
 
     spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8", num_last_layers_in_bf16=1)
@@ -35,6 +41,7 @@ from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, MX_BLOCK, Format
 from sidecar.plan.models import ModelSpec, get_model, model_type_of
 
 __all__ = [
+    "EngineLayout",
     "ExpertProj",
     "KeepReason",
     "Layer",
@@ -48,6 +55,8 @@ __all__ = [
     "layer_of_name",
     "meta_state_dict",
     "plan_from_hf_config",
+    "quantize_linears_of",
+    "with_checkpoint_scheme",
 ]
 
 log = logging.getLogger(__name__)
@@ -72,6 +81,8 @@ WEIGHT_SUFFIX = ".weight"
 SUMMARY_LARGEST = 10
 _DECODER_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
+#: an MTP layer appended to ``model.layers`` (DeepSeek-V3, GLM-4.5): the one holding ``eh_proj``/``enorm``
+_APPENDED_MTP_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:eh_proj|enorm|hnorm)\.")
 
 
 class Role(str, enum.Enum):
@@ -94,6 +105,7 @@ class UnitKind(str, enum.Enum):
     PASSTHROUGH = "passthrough"  # one input copied bit for bit (routed experts kept BF16 included)
     SLAB = "slab"  # one grouped slab of one layer, split per expert and quantized
     EXPERT = "expert"  # per-expert projection(s): gate+up of one expert together under fp8_per_tensor
+    LINEAR = "linear"  # one non-expert linear weight (attention, dense MLP, shared expert), quantized alone
 
 
 class KeepReason(str, enum.Enum):
@@ -120,6 +132,13 @@ class RefitSpec:
     ``fmt`` accepts a string and ``ignore_patterns`` any collection; they are stored as a
     :class:`Format` and a tuple. Patterns are shell-style ``fnmatch`` (case-sensitive) over module
     names: the tensor name without ``.weight``, or the slab name.
+
+    ``quantize_linears`` widens quantization beyond the routed experts to the linear layers the
+    registry names (``ModelSpec.linear_re``: attention projections, dense MLPs, shared experts), as
+    block-FP8 checkpoints such as DeepSeek-V3's store them. ``None`` follows the checkpoint: planning
+    from a config with ``quantization_config.weight_block_size`` quantizes them (its
+    ``modules_to_not_convert`` stay BF16), without one it does not. The BF16 exclusions above (and an
+    engine's manifest) narrow it again, module by module.
     """
 
     model_type: str
@@ -128,6 +147,7 @@ class RefitSpec:
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     ignore_patterns: tuple[str, ...] | Collection[str] = ()
+    quantize_linears: bool | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model_type)  # raises, listing the known types
@@ -138,6 +158,15 @@ class RefitSpec:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"ignore_patterns holds {p!r}: each must be a non-empty fnmatch pattern")
         object.__setattr__(self, "ignore_patterns", patterns)
+        if self.quantize_linears not in (None, True, False):
+            raise ValueError(
+                f"quantize_linears = {self.quantize_linears!r}: give True, False or None (the checkpoint's)"
+            )
+        if self.quantize_linears and self.model.linear_re is None:
+            raise ValueError(
+                f"quantize_linears: the {self.model_type} registry entry names no quantizable linear layers; "
+                "leave it unset"
+            )
         for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -164,6 +193,81 @@ class RefitSpec:
                 f"num_first_layers_in_bf16 ({first}) + num_last_layers_in_bf16 ({last}) exceeds the "
                 f"model's {num_hidden_layers} layers; lower one of them (or use fmt='bf16')"
             )
+
+
+# --------------------------------------------------------------------------------------------------
+# a node's share of an engine
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineLayout:
+    """One inference engine's parallel layout across nodes, to plan the share one node publishes.
+
+    The engine runs on ``max(ep, tp)`` GPUs spread evenly over ``nodes`` nodes (with expert
+    parallelism the EP group is every GPU: DP x TP). Routed experts are split over the ``ep`` ranks
+    in order, as vLLM places them by default (``determine_expert_map``, linear placement):
+    rank r holds a contiguous run, the first ``E % ep`` ranks one expert more. Everything else is held
+    whole by every node: tensor parallelism stays within a node, whose daemon publishes one copy that
+    all of its GPUs read their slices from.
+
+    Usage::
+
+        layout = EngineLayout(ep=16, tp=1, nodes=2)
+        plan = plan_from_hf_config(config, spec, share=(layout, 0))   # what node 0 publishes
+    """
+
+    ep: int = 1
+    tp: int = 1
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("ep", "tp", "nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine layout {key} = {value!r}: give a positive integer")
+        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
+            raise ValueError(
+                f"engine layout ep={self.ep}, tp={self.tp}: the expert-parallel group spans DP x TP, so ep must "
+                "be a multiple of tp"
+            )
+        if self.gpus % self.nodes:
+            raise ValueError(
+                f"engine layout: {self.gpus} GPUs (max of ep={self.ep}, tp={self.tp}) do not split evenly over "
+                f"{self.nodes} nodes; give ep/tp a multiple of nodes"
+            )
+        if self.tp > self.gpus_per_node:
+            raise ValueError(
+                f"engine layout: tp={self.tp} spans {self.tp // self.gpus_per_node} nodes of {self.gpus_per_node} "
+                "GPUs; refitd plans a node's share for TP within a node (use DP attention + EP across nodes)"
+            )
+
+    @property
+    def gpus(self) -> int:
+        return max(self.ep, self.tp)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    def check_node(self, node: int) -> None:
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < self.nodes:
+            raise ValueError(f"node {node!r}: the layout has nodes 0..{self.nodes - 1}")
+
+    def experts_of_rank(self, num_experts: int, rank: int) -> range:
+        """The experts EP ``rank`` holds of ``num_experts`` (contiguous; the first ``E % ep`` one more)."""
+        base, extra = divmod(num_experts, self.ep)
+        start = rank * base + min(rank, extra)
+        return range(start, start + base + (1 if rank < extra else 0))
+
+    def experts_of_node(self, num_experts: int, node: int) -> range:
+        """The experts the engine's GPUs on ``node`` hold: the union of its EP ranks' runs."""
+        self.check_node(node)
+        if self.ep == 1:
+            return range(num_experts)
+        ranks_per_node = self.ep // self.nodes
+        first = self.experts_of_rank(num_experts, node * ranks_per_node)
+        last = self.experts_of_rank(num_experts, (node + 1) * ranks_per_node - 1)
+        return range(first.start, last.stop)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,6 +363,15 @@ def layer_of_name(name: str) -> Layer:
     return None
 
 
+def _layer_in(name: str, model: ModelSpec, num_hidden_layers: int) -> Layer:
+    """:func:`layer_of_name`, with ``layers.L`` for ``L >= num_hidden_layers`` read as MTP layer
+    ``L - num_hidden_layers`` for the families that append MTP layers to ``model.layers``."""
+    layer = layer_of_name(name)
+    if isinstance(layer, int) and (n := model.mtp_layer(layer, num_hidden_layers)) is not None:
+        return (MTP, n)
+    return layer
+
+
 def _layer_label(layer: Layer) -> str:
     if layer is None:
         return "-"
@@ -286,12 +399,12 @@ class _Routed:
     layer: Layer
 
 
-def _classify(inp: TensorSpec, model: ModelSpec) -> _Routed | None:
+def _classify(inp: TensorSpec, model: ModelSpec, layer: Layer) -> _Routed | None:
     if model.slab_re is not None and (m := model.slab_re.match(inp.name)):
-        return _Routed(inp, m.group("prefix"), m.group("proj"), None, layer_of_name(inp.name))
+        return _Routed(inp, m.group("prefix"), m.group("proj"), None, layer)
     if m := model.per_expert_re.match(inp.name):
         expert = int(m.group("expert"))
-        return _Routed(inp, m.group("prefix"), m.group("proj"), expert, layer_of_name(inp.name))
+        return _Routed(inp, m.group("prefix"), m.group("proj"), expert, layer)
     return None
 
 
@@ -337,13 +450,13 @@ def _check_experts(experts: dict[tuple[str, int], dict[str, _Routed]], problems:
             problems.append(f"{down.name} {down.shape} is not the transpose of {gate.name} {gate.shape}")
 
 
-def _check_quantizable(r: _Routed, fmt: Format, problems: list[str]) -> None:
-    if r.spec.dtype not in FLOAT_DTYPES:
-        problems.append(f"{r.spec.name}: dtype {r.spec.dtype} cannot be quantized (bf16/fp16/fp32 only)")
-    if fmt is Format.MXFP8 and r.spec.shape and r.spec.shape[-1] % MX_BLOCK:
+def _check_quantizable(t: TensorSpec, fmt: Format, problems: list[str]) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        problems.append(f"{t.name}: dtype {t.dtype} cannot be quantized (bf16/fp16/fp32 only)")
+    if fmt is Format.MXFP8 and t.shape and t.shape[-1] % MX_BLOCK:
         problems.append(
-            f"{r.spec.name}: mxfp8 needs the input dim to be a multiple of {MX_BLOCK}, got "
-            f"{r.spec.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
+            f"{t.name}: mxfp8 needs the input dim to be a multiple of {MX_BLOCK}, got "
+            f"{t.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
         )
 
 
@@ -388,8 +501,11 @@ def _weight_and_scale(
     return weight, scale
 
 
-def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
-    """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down."""
+def _slab_outputs(
+    r: _Routed, fmt: Format, held: range | None = None
+) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
+    """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down; only
+    the experts in ``held`` (a node's share) when given."""
     outputs: list[OutputSpec] = []
     groups: list[tuple[str, ...]] = []
     num_experts, rows, cols = r.spec.shape
@@ -399,7 +515,7 @@ def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple
     else:
         i = rows
         parts = ((ExpertProj.DOWN, None),)
-    for e in range(num_experts):
+    for e in range(num_experts) if held is None else held:
         names = []
         for proj, span in parts:
             name = f"{r.prefix}.{e}.{proj.value}{WEIGHT_SUFFIX}"
@@ -409,7 +525,7 @@ def _slab_outputs(r: _Routed, fmt: Format) -> tuple[list[OutputSpec], list[tuple
     return outputs, groups
 
 
-def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None) -> Unit:
+def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None, layer: Layer) -> Unit:
     out = OutputSpec(
         name=inp.name,
         dtype=inp.dtype,
@@ -423,9 +539,24 @@ def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None) ->
         kind=UnitKind.PASSTHROUGH,
         inputs=(inp.name,),
         outputs=(out,),
-        layer=layer_of_name(inp.name),
+        layer=layer,
         bytes_in=inp.nbytes,
         keep_reason=reason,
+    )
+
+
+def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit:
+    """A non-expert linear weight ``[out, in]`` quantized on its own (its own scale in every format)."""
+    outputs = _weight_and_scale(inp.name, (inp.shape[0], inp.shape[1]), fmt, inp.name)
+    return Unit(
+        index=index,
+        kind=UnitKind.LINEAR,
+        inputs=(inp.name,),
+        outputs=outputs,
+        layer=layer,
+        bytes_in=inp.nbytes,
+        fmt=fmt,
+        scale_groups=((inp.name,),),
     )
 
 
@@ -447,7 +578,12 @@ def _expert_unit(index: int, members: list[_Routed], fmt: Format) -> Unit:
     )
 
 
-def _validate(routed: dict[str, _Routed], reasons: dict[str, KeepReason | None], fmt: Format) -> None:
+def _validate(
+    routed: dict[str, _Routed],
+    reasons: dict[str, KeepReason | None],
+    fmt: Format,
+    linears: Mapping[str, TensorSpec] | None = None,
+) -> None:
     """Every structural problem of the routed experts, and every format problem of those to be
     quantized, raised together."""
     slabs: dict[str, dict[str, _Routed]] = defaultdict(dict)
@@ -462,7 +598,9 @@ def _validate(routed: dict[str, _Routed], reasons: dict[str, KeepReason | None],
     _check_experts(experts, problems)
     for name, r in routed.items():
         if reasons[name] is None:
-            _check_quantizable(r, fmt, problems)
+            _check_quantizable(r.spec, fmt, problems)
+    for t in (linears or {}).values():
+        _check_quantizable(t, fmt, problems)
     _raise_problems(problems)
 
 
@@ -471,6 +609,9 @@ def _make_units(
     routed: dict[str, _Routed],
     reasons: dict[str, KeepReason | None],
     fmt: Format,
+    layers: Mapping[str, Layer],
+    linears: Collection[str] = (),
+    held: Mapping[str, range] | None = None,
 ) -> list[Unit]:
     """Units in input order; a unit reading two inputs sits where the first of them is."""
     units: list[Unit] = []
@@ -479,11 +620,14 @@ def _make_units(
         if inp.name in done:
             continue
         r = routed.get(inp.name)
-        if r is None or reasons[inp.name] is not None:
-            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name)))
+        if inp.name in linears:
+            units.append(_linear_unit(len(units), inp, fmt, layers[inp.name]))
+            done.add(inp.name)
+        elif r is None or reasons[inp.name] is not None:
+            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name), layers[inp.name]))
             done.add(inp.name)
         elif r.expert is None:
-            outs, groups = _slab_outputs(r, fmt)
+            outs, groups = _slab_outputs(r, fmt, None if held is None else held[r.prefix])
             units.append(
                 Unit(
                     index=len(units),
@@ -511,6 +655,22 @@ def _make_units(
     return units
 
 
+def _node_share(
+    routed: Mapping[str, _Routed], layout: EngineLayout, node: int
+) -> tuple[dict[str, range], frozenset[str]]:
+    """Each routed prefix's experts held on ``node``, and the per-expert inputs outside them."""
+    layout.check_node(node)
+    counts: dict[str, int] = defaultdict(int)
+    for r in routed.values():
+        n = r.spec.shape[0] if r.expert is None and r.spec.shape else (r.expert or 0) + 1
+        counts[r.prefix] = max(counts[r.prefix], n)
+    held = {prefix: layout.experts_of_node(n, node) for prefix, n in counts.items()}
+    dropped = frozenset(
+        n for n, r in routed.items() if r.expert is not None and r.expert not in held[r.prefix]
+    )
+    return held, dropped
+
+
 # --------------------------------------------------------------------------------------------------
 # the plan
 
@@ -530,6 +690,10 @@ class RefitPlan:
     outputs: tuple[OutputSpec, ...]
     keep_bf16: frozenset[str]
     _units_of_input: Mapping[str, tuple[int, ...]]
+    #: a node's share: the engine layout and the node this plan publishes for (None: the whole model)
+    share: tuple[EngineLayout, int] | None = None
+    #: inputs outside the node's share: per-expert tensors of other nodes' experts, not planned
+    dropped: frozenset[str] = frozenset()
     #: ``units_for_input``'s answers, made once (the daemon asks for every input of every step)
     _input_units: Mapping[str, tuple[Unit, ...]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -547,12 +711,17 @@ class RefitPlan:
         spec: RefitSpec,
         *,
         keep_bf16: Collection[str] = (),
+        share: tuple[EngineLayout, int] | None = None,
     ) -> RefitPlan:
         """Plan a refit of ``specs`` (TensorSpec, ``(name, shape, dtype)`` or ``(name, tensor)``).
 
-        ``keep_bf16`` are module names the engine's manifest holds in BF16 (the tensor name without
-        ``.weight``; a slab's own name); a routed expert listed there passes through whatever else
-        the spec says. Raises ValueError listing every problem found in the inputs.
+        Each input keeps its own dtype: a non-BF16 input that is not quantized (the FP32 router bias)
+        passes through bit for bit, and staging and wire sizes follow it. ``keep_bf16`` are module
+        names the engine's manifest holds in BF16 (the tensor name without ``.weight``; a slab's own
+        name); a routed expert or linear listed there passes through whatever else the spec says.
+        ``share=(layout, node)`` plans only what ``node`` of an :class:`EngineLayout` holds: routed
+        experts outside its expert-parallel share are left out (per-expert inputs are ``dropped``,
+        slabs publish only the node's experts). Raises ValueError listing every problem found.
         """
         inputs = tuple(TensorSpec.coerce(s) for s in specs)
         dupes = sorted(n for n, c in Counter(i.name for i in inputs).items() if c > 1)
@@ -561,11 +730,30 @@ class RefitPlan:
         fmt, model = spec.format, spec.model
         keep = frozenset(_module_name(n) for n in keep_bf16)
         num_layers = cls._resolve_layers(inputs, spec)
+        layers = {i.name: _layer_in(i.name, model, num_layers) for i in inputs}
 
-        routed = {i.name: r for i in inputs if (r := _classify(i, model)) is not None}
-        reasons = {n: cls._keep_reason(r, spec, num_layers, keep) for n, r in routed.items()}
-        _validate(routed, reasons, fmt)
-        units = _make_units(inputs, routed, reasons, fmt)
+        routed = {i.name: r for i in inputs if (r := _classify(i, model, layers[i.name])) is not None}
+        reasons = {n: cls._keep_reason(n, r.layer, spec, num_layers, keep) for n, r in routed.items()}
+        candidates = {
+            i.name: i
+            for i in inputs
+            if spec.quantize_linears
+            and model.linear_re is not None
+            and i.name not in routed
+            and len(i.shape) == 2
+            and model.linear_re.match(i.name)
+        }
+        linears = {
+            n: t
+            for n, t in candidates.items()
+            if cls._keep_reason(n, layers[n], spec, num_layers, keep) is None
+        }
+        _validate(routed, reasons, fmt, linears)
+        held, dropped = None, frozenset()
+        if share is not None:
+            held, dropped = _node_share(routed, *share)
+            inputs = tuple(i for i in inputs if i.name not in dropped)
+        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held)
         outputs = tuple(o for u in units for o in u.outputs)
         clashes = sorted(n for n, c in Counter(o.name for o in outputs).items() if c > 1)
         if clashes:
@@ -594,11 +782,19 @@ class RefitPlan:
             outputs=outputs,
             keep_bf16=keep,
             _units_of_input={n: tuple(ix) for n, ix in units_of.items()},
+            share=share,
+            dropped=dropped,
         )
 
     @staticmethod
     def _resolve_layers(inputs: tuple[TensorSpec, ...], spec: RefitSpec) -> int:
         seen = [lay for i in inputs if isinstance(lay := layer_of_name(i.name), int)]
+        if spec.model.mtp_in_layers:  # MTP layers follow the decoder layers: the first holds eh_proj
+            mtp = [int(m.group(1)) for i in inputs if (m := _APPENDED_MTP_RE.search(i.name))]
+            if spec.num_hidden_layers is None and mtp:
+                seen = [lay for lay in seen if lay < min(mtp)]
+            elif spec.num_hidden_layers is not None:
+                seen = [lay for lay in seen if lay < spec.num_hidden_layers]
         if spec.num_hidden_layers is None:
             num_layers = max(seen) + 1 if seen else 0
             spec.check_layer_counts(num_layers)
@@ -611,16 +807,18 @@ class RefitPlan:
         return spec.num_hidden_layers
 
     @staticmethod
-    def _keep_reason(r: _Routed, spec: RefitSpec, num_layers: int, keep: frozenset[str]) -> KeepReason | None:
-        module = _module_name(r.spec.name)
+    def _keep_reason(
+        name: str, layer: Layer, spec: RefitSpec, num_layers: int, keep: frozenset[str]
+    ) -> KeepReason | None:
+        module = _module_name(name)
         if spec.format is Format.BF16:
             return KeepReason.FORMAT_BF16
         if module in keep:
             return KeepReason.MANIFEST
-        if isinstance(r.layer, int):  # MTP layers are not counted by first/last
-            if r.layer < spec.num_first_layers_in_bf16:
+        if isinstance(layer, int):  # MTP layers are not counted by first/last
+            if layer < spec.num_first_layers_in_bf16:
                 return KeepReason.FIRST_LAYERS
-            if r.layer >= num_layers - spec.num_last_layers_in_bf16:
+            if layer >= num_layers - spec.num_last_layers_in_bf16:
                 return KeepReason.LAST_LAYERS
         if any(fnmatch.fnmatchcase(module, p) for p in spec.ignore_patterns):
             return KeepReason.IGNORE_PATTERN
@@ -663,16 +861,56 @@ class RefitPlan:
 # from a Hugging Face config
 
 
+#: the block shape of refitd's block_fp8, as a checkpoint's quantization_config writes it
+CHECKPOINT_BLOCK = [128, 128]
+
+
+def quantize_linears_of(config: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    """What a checkpoint's own ``quantization_config`` says: ``(True, modules_to_not_convert)`` for a
+    block-FP8 checkpoint (``quant_method: fp8`` with ``weight_block_size``), else ``(False, ())``."""
+    model = get_model(model_type_of(config))
+    q = config.get("quantization_config")
+    if q is None:
+        q = model.text_config(config).get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
+        return False, ()
+    block = list(q["weight_block_size"])
+    if block != CHECKPOINT_BLOCK:
+        raise ValueError(
+            f"the config's quantization_config has weight_block_size {block}; refitd's block_fp8 is "
+            f"{CHECKPOINT_BLOCK}: set RefitSpec.quantize_linears explicitly to plan anyway"
+        )
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    return True, tuple(str(m) for m in skip)
+
+
+def with_checkpoint_scheme(spec: RefitSpec, config: Mapping[str, Any]) -> RefitSpec:
+    """``spec`` with ``quantize_linears`` resolved from the checkpoint's ``quantization_config`` when
+    it is unset (and its ``modules_to_not_convert`` added to the ignore patterns); as is otherwise.
+    The daemon resolves its spec with this once, so every plan it builds (from the config, from a
+    step's declarations, at attach) follows the same scheme."""
+    if spec.quantize_linears is not None:
+        return spec
+    follow, skip = quantize_linears_of(config)
+    if not follow or spec.model.linear_re is None:
+        return dataclasses.replace(spec, quantize_linears=False)
+    ignore = tuple(spec.ignore_patterns) + tuple(p for p in skip if p not in spec.ignore_patterns)
+    return dataclasses.replace(spec, quantize_linears=True, ignore_patterns=ignore)
+
+
 def plan_from_hf_config(
     config: Mapping[str, Any],
     spec: RefitSpec,
     *,
     keep_bf16: Collection[str] = (),
     include_vision: bool = False,
+    share: tuple[EngineLayout, int] | None = None,
 ) -> RefitPlan:
     """Plan a refit of the model ``config`` (a ``config.json`` dict) describes, without weights.
 
-    The layer count comes from the config (MTP layers not counted), not from the names.
+    The layer count comes from the config (MTP layers not counted), not from the names. With
+    ``spec.quantize_linears`` unset, the checkpoint's ``quantization_config`` decides whether the
+    registry's linear layers are quantized too (and its ``modules_to_not_convert`` stay BF16).
     """
     model = get_model(model_type_of(config))
     if model.model_type != spec.model.model_type:
@@ -686,9 +924,9 @@ def plan_from_hf_config(
             f"spec.num_hidden_layers = {spec.num_hidden_layers} but the config has {layers} layers; "
             "leave it None to take the config's"
         )
-    spec = dataclasses.replace(spec, num_hidden_layers=layers)
+    spec = with_checkpoint_scheme(dataclasses.replace(spec, num_hidden_layers=layers), config)
     params = model.parameters(config, include_vision=include_vision)
-    return RefitPlan.build(params, spec, keep_bf16=keep_bf16)
+    return RefitPlan.build(params, spec, keep_bf16=keep_bf16, share=share)
 
 
 def meta_state_dict(

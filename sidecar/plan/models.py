@@ -3,11 +3,17 @@
 Each supported ``model_type`` is one :class:`ModelSpec` row in :data:`MODELS`. A row says how to find
 the text settings inside a Hugging Face ``config.json`` (Qwen3.5 nests them under ``text_config``),
 which regexes pick out the routed experts (SPEC §2.1), and how to list every parameter of the
-checkpoint from the config alone (names and shapes as Hugging Face writes them, BF16). Adding a
-DeepSeek-V3 style model later means one more lister and one more row, not new control flow.
+checkpoint from the config alone (names, shapes and each tensor's dtype as Hugging Face writes them:
+BF16, except the FP32 router ``e_score_correction_bias`` of the DeepSeek-V3 and GLM-4.5 families).
 
 The listers follow transformers' module registration order (``modeling_qwen3_moe.py``,
-``modeling_qwen3_5_moe.py``), so a listing reads like ``model.state_dict().keys()``.
+``modeling_qwen3_5_moe.py``, ``modeling_deepseek_v3.py``, ``modeling_glm4_moe.py``), so a listing
+reads like ``model.state_dict().keys()``. DeepSeek-V3 and GLM-4.5 append their MTP layers as
+``model.layers.{num_hidden_layers + n}`` (``ModelSpec.mtp_in_layers``), with their own ``embed_tokens``
+and ``shared_head`` copies as the checkpoints hold them. ``ModelSpec.linear_re`` names the linear
+layers a block-FP8 checkpoint (``quantization_config.weight_block_size``) stores in FP8 besides the
+routed experts: attention projections, dense MLPs and shared experts, never the router, embeddings,
+heads, norms or the MTP ``eh_proj``.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ PER_EXPERT_RE = re.compile(
     rf"^(?P<prefix>{EXPERT_PREFIX})\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
 
-#: every parameter of the supported checkpoints is stored in BF16
+#: the dtype of a checkpoint parameter unless its lister says otherwise
 PARAM_DTYPE = torch.bfloat16
+#: the sigmoid router's bias (DeepSeek-V3, GLM-4.5): FP32 in the checkpoints and in the engines
+#: (vLLM deepseek_v2.py / glm4_moe.py create it with ``dtype=torch.float32``)
+ROUTER_BIAS_DTYPE = torch.float32
 #: Qwen3.5 default: every 4th layer is full attention (transformers' Qwen3_5MoeTextConfig)
 QWEN3_5_FULL_ATTENTION_INTERVAL = 4
 LINEAR_ATTENTION = "linear_attention"
@@ -274,6 +283,143 @@ def _qwen3_5_moe_params(config: Mapping[str, Any], *, include_mtp: bool, include
 
 
 # --------------------------------------------------------------------------------------------------
+# DeepSeek-V3 family (DeepSeek-V3/R1/V3.1, Kimi-K2) and GLM-4.5/4.6 MoE: per-expert names, a sigmoid
+# router with an FP32 bias, shared experts, leading dense layers, MTP layers appended to model.layers
+
+
+def _mla(p: str, cfg: Mapping[str, Any], m: str) -> list[Param]:
+    """Multi-head latent attention (``DeepseekV3Attention``; vLLM ``DeepseekV2MLAAttention``)."""
+    h = _int(cfg, "hidden_size", model=m)
+    heads = _int(cfg, "num_attention_heads", model=m)
+    nope = _int(cfg, "qk_nope_head_dim", model=m)
+    rope = _int(cfg, "qk_rope_head_dim", model=m)
+    v = _int(cfg, "v_head_dim", model=m)
+    kv_lora = _int(cfg, "kv_lora_rank", model=m)
+    q_lora = cfg.get("q_lora_rank")  # None: DeepSeek-V2-Lite style, one q_proj
+    bias = bool(cfg.get("attention_bias"))
+    a = f"{p}.self_attn"
+    out: list[Param] = []
+    if q_lora is None:
+        out.append((f"{a}.q_proj.weight", (heads * (nope + rope), h), PARAM_DTYPE))
+    else:
+        q_lora = _int(cfg, "q_lora_rank", model=m)
+        out.append((f"{a}.q_a_proj.weight", (q_lora, h), PARAM_DTYPE))
+        if bias:
+            out.append((f"{a}.q_a_proj.bias", (q_lora,), PARAM_DTYPE))
+        out += [
+            (f"{a}.q_a_layernorm.weight", (q_lora,), PARAM_DTYPE),
+            (f"{a}.q_b_proj.weight", (heads * (nope + rope), q_lora), PARAM_DTYPE),
+        ]
+    out.append((f"{a}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h), PARAM_DTYPE))
+    if bias:
+        out.append((f"{a}.kv_a_proj_with_mqa.bias", (kv_lora + rope,), PARAM_DTYPE))
+    out += [
+        (f"{a}.kv_a_layernorm.weight", (kv_lora,), PARAM_DTYPE),
+        (f"{a}.kv_b_proj.weight", (heads * (nope + v), kv_lora), PARAM_DTYPE),
+        (f"{a}.o_proj.weight", (h, heads * v), PARAM_DTYPE),
+    ]
+    if bias:
+        out.append((f"{a}.o_proj.bias", (h,), PARAM_DTYPE))
+    return out
+
+
+def _glm4_attention(p: str, cfg: Mapping[str, Any], m: str) -> list[Param]:
+    """``Glm4MoeAttention``: biased q/k/v (``attention_bias``), unbiased o_proj, optional q/k norms."""
+    h = _int(cfg, "hidden_size", model=m)
+    heads = _int(cfg, "num_attention_heads", model=m)
+    kv = _int(cfg, "num_key_value_heads", heads, model=m)
+    hd = _int(cfg, "head_dim", h // heads if heads else None, model=m)
+    a = f"{p}.self_attn"
+    out: list[Param] = []
+    for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+        out.append((f"{a}.{proj}.weight", (rows, h), PARAM_DTYPE))
+        if cfg.get("attention_bias"):
+            out.append((f"{a}.{proj}.bias", (rows,), PARAM_DTYPE))
+    out.append((f"{a}.o_proj.weight", (h, heads * hd), PARAM_DTYPE))
+    if cfg.get("use_qk_norm"):
+        out += [(f"{a}.q_norm.weight", (hd,), PARAM_DTYPE), (f"{a}.k_norm.weight", (hd,), PARAM_DTYPE)]
+    return out
+
+
+def _deepseek_moe_layer(layer: int, cfg: Mapping[str, Any], m: str) -> bool:
+    """A MoE layer (else dense): ``first_k_dense_replace`` leading dense layers, then every
+    ``moe_layer_freq``-th layer (transformers ``DeepseekV3DecoderLayer`` / ``Glm4MoeDecoderLayer``)."""
+    first_dense = _int(cfg, "first_k_dense_replace", 0, model=m)
+    freq = _int(cfg, "moe_layer_freq", 1, model=m)
+    return _int(cfg, "n_routed_experts", model=m) > 0 and layer >= first_dense and layer % max(freq, 1) == 0
+
+
+def _deepseek_mlp(p: str, layer: int, cfg: Mapping[str, Any], m: str) -> list[Param]:
+    h = _int(cfg, "hidden_size", model=m)
+    if not _deepseek_moe_layer(layer, cfg, m):
+        return _mlp(f"{p}.mlp", h, _int(cfg, "intermediate_size", model=m))
+    experts = _int(cfg, "n_routed_experts", model=m)
+    inter = _int(cfg, "moe_intermediate_size", model=m)
+    out: list[Param] = []
+    for e in range(experts):
+        out += _mlp(f"{p}.mlp.experts.{e}", h, inter)
+    out.append((f"{p}.mlp.gate.weight", (experts, h), PARAM_DTYPE))
+    if cfg.get("topk_method", "noaux_tc") == "noaux_tc":
+        out.append((f"{p}.mlp.gate.e_score_correction_bias", (experts,), ROUTER_BIAS_DTYPE))
+    shared = _int(cfg, "n_shared_experts", 0, model=m)
+    if shared:
+        out += _mlp(f"{p}.mlp.shared_experts", h, inter * shared)
+    return out
+
+
+def _deepseek_family_params(
+    config: Mapping[str, Any], *, include_mtp: bool, attention: Callable[..., list[Param]], m: str
+) -> list[Param]:
+    h = _int(config, "hidden_size", model=m)
+    vocab = _int(config, "vocab_size", model=m)
+    layers = _int(config, "num_hidden_layers", model=m)
+    mtp = _int(config, "num_nextn_predict_layers", 0, model=m) if include_mtp else 0
+    out: list[Param] = [("model.embed_tokens.weight", (vocab, h), PARAM_DTYPE)]
+    for layer in range(layers + mtp):
+        p = f"model.layers.{layer}"
+        if layer >= layers:  # an MTP layer (vLLM deepseek_mtp.py / glm4_moe_mtp.py), own embed/head copies
+            out += [
+                (f"{p}.embed_tokens.weight", (vocab, h), PARAM_DTYPE),
+                (f"{p}.enorm.weight", (h,), PARAM_DTYPE),
+                (f"{p}.hnorm.weight", (h,), PARAM_DTYPE),
+                (f"{p}.eh_proj.weight", (h, 2 * h), PARAM_DTYPE),
+            ]
+        out += attention(p, config, m)
+        out += _deepseek_mlp(p, layer, config, m)
+        out += _layer_norms(p, h)
+        if layer >= layers:
+            out += [
+                (f"{p}.shared_head.norm.weight", (h,), PARAM_DTYPE),
+                (f"{p}.shared_head.head.weight", (vocab, h), PARAM_DTYPE),
+            ]
+    out.append(("model.norm.weight", (h,), PARAM_DTYPE))
+    if not config.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (vocab, h), PARAM_DTYPE))
+    return out
+
+
+def _deepseek_v3_params(config: Mapping[str, Any], *, include_mtp: bool, include_vision: bool) -> list[Param]:
+    """``DeepseekV3ForCausalLM`` (DeepSeek-V3/R1/V3.1, Kimi-K2): MLA, per-expert routed experts."""
+    del include_vision
+    return _deepseek_family_params(config, include_mtp=include_mtp, attention=_mla, m="deepseek_v3")
+
+
+def _glm4_moe_params(config: Mapping[str, Any], *, include_mtp: bool, include_vision: bool) -> list[Param]:
+    """``Glm4MoeForCausalLM`` (GLM-4.5/4.6): GQA attention, otherwise DeepSeek-V3's MoE layout."""
+    del include_vision
+    return _deepseek_family_params(config, include_mtp=include_mtp, attention=_glm4_attention, m="glm4_moe")
+
+
+#: linear layers a block-FP8 DeepSeek-V3/GLM-4.5 checkpoint stores in FP8 besides the routed experts
+#: (``weight_scale_inv`` beside each); the router ``mlp.gate``, embeddings, heads, norms and the MTP
+#: ``eh_proj`` stay BF16 (vLLM builds those without a quant_config)
+DEEPSEEK_LINEAR_RE = re.compile(
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|k_proj|v_proj"
+    r"|o_proj)|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj|down_proj))\.weight$"
+)
+
+
+# --------------------------------------------------------------------------------------------------
 # the registry
 
 ParamLister = Callable[..., list[Param]]
@@ -294,6 +440,10 @@ class ModelSpec:
     #: other ``model_type`` strings (e.g. a nested text config's own) that mean this family
     aliases: tuple[str, ...] = ()
     has_mtp: bool = False
+    #: MTP layers are ``model.layers.{num_hidden_layers + n}`` (DeepSeek-V3, GLM-4.5), not ``mtp.layers.n``
+    mtp_in_layers: bool = False
+    #: non-expert linear weights a block-FP8 checkpoint quantizes (``quantization_config``); None: none
+    linear_re: re.Pattern[str] | None = None
     #: ``lister(config, *, include_mtp, include_vision) -> [(name, shape, dtype), ...]``
     lister: ParamLister
 
@@ -307,10 +457,16 @@ class ModelSpec:
         """Decoder layers of the text model (MTP layers not counted)."""
         return _int(self.text_config(config), "num_hidden_layers", model=self.model_type)
 
+    def mtp_layer(self, layer: int, num_hidden_layers: int) -> int | None:
+        """The MTP index of decoder-named ``layers.{layer}`` (None: a decoder layer)."""
+        if self.mtp_in_layers and layer >= num_hidden_layers:
+            return layer - num_hidden_layers
+        return None
+
     def parameters(
         self, config: Mapping[str, Any], *, include_mtp: bool = True, include_vision: bool = False
     ) -> list[Param]:
-        """Every checkpoint parameter as ``(name, shape, torch.bfloat16)``, in module order."""
+        """Every checkpoint parameter as ``(name, shape, dtype)``, in module order."""
         return self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
 
 
@@ -334,8 +490,35 @@ QWEN3_5_MOE = ModelSpec(
     lister=_qwen3_5_moe_params,
 )
 
+DEEPSEEK_V3 = ModelSpec(
+    model_type="deepseek_v3",
+    description="DeepSeek-V3 family (DeepSeek-V3/R1/V3.1, Kimi-K2): MLA, shared experts, FP32 router bias, MTP",
+    slab_re=SLAB_RE,  # a trainer may send grouped slabs; the checkpoint names experts one by one
+    per_expert_re=PER_EXPERT_RE,
+    text_config_key=None,
+    aliases=("kimi_k2",),
+    has_mtp=True,
+    mtp_in_layers=True,
+    linear_re=DEEPSEEK_LINEAR_RE,
+    lister=_deepseek_v3_params,
+)
+
+GLM4_MOE = ModelSpec(
+    model_type="glm4_moe",
+    description="GLM-4.5/4.6 MoE: GQA attention with q/k/v bias, shared experts, FP32 router bias, MTP",
+    slab_re=SLAB_RE,
+    per_expert_re=PER_EXPERT_RE,
+    text_config_key=None,
+    has_mtp=True,
+    mtp_in_layers=True,
+    linear_re=DEEPSEEK_LINEAR_RE,
+    lister=_glm4_moe_params,
+)
+
 #: model_type -> ModelSpec; add a row to support a new family
-MODELS: dict[str, ModelSpec] = {spec.model_type: spec for spec in (QWEN3_MOE, QWEN3_5_MOE)}
+MODELS: dict[str, ModelSpec] = {
+    spec.model_type: spec for spec in (QWEN3_MOE, QWEN3_5_MOE, DEEPSEEK_V3, GLM4_MOE)
+}
 
 
 def get_model(model_type: str) -> ModelSpec:

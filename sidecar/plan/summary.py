@@ -23,10 +23,11 @@ from sidecar.plan.build import (
 #: passthrough tensors grouped by what they are, for the summary; the first pattern that matches wins
 _PASSTHROUGH_KINDS = (
     ("vision", re.compile(r"(?:^|\.)visual\.")),
+    ("mtp", re.compile(r"\.(?:eh_proj|enorm|hnorm|shared_head)\.")),  # DeepSeek-V3/GLM-4.5 MTP glue
     ("attention", re.compile(r"\.self_attn\.")),
     ("linear_attention", re.compile(r"\.linear_attn\.")),
     ("shared_expert", re.compile(r"\.mlp\.shared_expert")),
-    ("router", re.compile(r"\.mlp\.gate\.weight$")),
+    ("router", re.compile(r"\.mlp\.gate\.(?:weight|e_score_correction_bias)$")),
     ("dense_mlp", re.compile(r"\.mlp\.")),
     ("embeddings", re.compile(r"embed_tokens")),
     ("lm_head", re.compile(r"^lm_head\.")),
@@ -52,6 +53,7 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
         lambda: {"bytes_in": 0, "bytes_out": 0, "quantized_inputs": 0, "passthrough_inputs": 0}
     )
     quantized = {"slabs": 0, "expert_tensors": 0, "weights": 0, "params": 0, "bytes_in": 0, "bytes_out": 0}
+    linears = {"tensors": 0, "params": 0, "bytes_in": 0, "bytes_out": 0}
     routed_params = 0
     for u in plan.units:
         row = layers[u.layer]
@@ -68,6 +70,12 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
                 routed_params += params
             continue
         row["quantized_inputs"] += len(u.inputs)
+        if u.kind is UnitKind.LINEAR:  # a non-expert linear the checkpoint's scheme quantizes
+            linears["tensors"] += 1
+            linears["params"] += params
+            linears["bytes_in"] += u.bytes_in
+            linears["bytes_out"] += u.bytes_out
+            continue
         quantized["slabs" if u.kind is UnitKind.SLAB else "expert_tensors"] += len(u.inputs)
         quantized["weights"] += sum(o.role is Role.WEIGHT for o in u.outputs)
         quantized["params"] += params
@@ -86,6 +94,17 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
         "keep_bf16_modules": len(plan.keep_bf16),
         "counts": {"inputs": len(plan.inputs), "outputs": len(plan.outputs), "units": len(plan.units)},
         "quantized": quantized,
+        "quantize_linears": bool(spec.quantize_linears),
+        "linears": linears,
+        "share": None
+        if plan.share is None
+        else {
+            "ep": plan.share[0].ep,
+            "tp": plan.share[0].tp,
+            "nodes": plan.share[0].nodes,
+            "node": plan.share[1],
+            "dropped_inputs": len(plan.dropped),
+        },
         "kept_bf16_experts": dict(sorted(kept_reasons.items())),
         "passthrough": dict(sorted(kinds.items())),
         "routed_expert_params": routed_params,

@@ -2,7 +2,9 @@
 
 Starts a real daemon (``refitd serve`` in a subprocess), a reference engine process that attaches
 with its manifest and loads every generation, and two trainer rank processes that push a small
-synthetic Qwen3.5-MoE model for several steps (the weights change every step, as an optimizer
+synthetic Qwen3.5-MoE model (or, with ``--model deepseek_v3``, a DeepSeek-V3-shaped one: MLA, a
+dense first layer, shared experts, the FP32 router bias, an MTP layer, block-FP8 linears as its
+checkpoint's quantization_config says) for several steps (the weights change every step, as an optimizer
 changes them; rank 0 writes into shared memory, rank 1 streams over ZeroMQ) and wait until the
 engine has loaded each step. Then it checks, per step:
 
@@ -33,6 +35,8 @@ from sidecar.cli.plan import human_bytes
 from sidecar.numerics.formats import Format
 
 WORLD_SIZE = 2
+DEFAULT_MODEL = "qwen3_5_moe"
+MODELS = ("qwen3_5_moe", "deepseek_v3")
 BASE_SEED = 1000
 LEARNING_RATE = 2e-3  # each step moves every weight by about this fraction of its scale
 
@@ -40,6 +44,7 @@ LEARNING_RATE = 2e-3  # each step moves every weight by about this fraction of i
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
     p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the synthetic model's family")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
@@ -65,14 +70,39 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {"num_layers": args.layers, "num_experts": args.experts, "unaligned": True}
+    """The synthetic model's arguments; ``model_type`` is there only when it is not the default."""
+    kwargs: dict[str, Any] = {"num_layers": args.layers, "num_experts": args.experts, "unaligned": True}
+    if getattr(args, "model", DEFAULT_MODEL) != DEFAULT_MODEL:
+        kwargs["model_type"] = args.model
+    return kwargs
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    rest = dict(kwargs)
+    return rest.pop("model_type", DEFAULT_MODEL), rest
+
+
+def hf_config(kwargs: dict[str, Any]) -> dict[str, Any]:
+    from sidecar.cli.demo.synthetic import make_hf_config
+
+    model, rest = _split(kwargs)
+    return make_hf_config(model, **rest)
+
+
+def demo_spec(fmt: str, kwargs: dict[str, Any]):
+    """The RefitSpec the daemon runs for this model (the checkpoint's own scheme resolved)."""
+    from sidecar.plan.build import RefitSpec, plan_from_hf_config
+
+    config = hf_config(kwargs)
+    return plan_from_hf_config(config, RefitSpec(model_type=_split(kwargs)[0], fmt=fmt)).spec
 
 
 def weights(step: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Step ``step``'s weights: the initial ones plus ``step`` small deterministic updates."""
     from sidecar.cli.demo.synthetic import make_state_dict
 
-    state = make_state_dict("qwen3_5_moe", seed=BASE_SEED, **kwargs)
+    model, rest = _split(kwargs)
+    state = make_state_dict(model, seed=BASE_SEED, **rest)
     for s in range(1, step + 1):
         g = torch.Generator().manual_seed(BASE_SEED + s)
         for t in state.values():
@@ -105,11 +135,11 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
     """The reference engine: attach, then load, check and measure every step."""
     from adapters.engine import EngineWorker
     from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
-    from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import convert
 
     torch.set_num_threads(1)
-    config = make_hf_config("qwen3_5_moe", **kwargs)
+    config = hf_config(kwargs)
+    spec = demo_spec(fmt, kwargs)
     live = ReferenceEngine.from_config(config, expert_format=fmt)
     worker = EngineWorker(
         endpoint, name="reference-engine-0", manifest=live.manifest(), load=lambda g: live.load(g.tensors)
@@ -122,7 +152,7 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
             loaded = worker.load_next(min_step=step, timeout=120)
             state = weights(step, kwargs)
             oracle = ReferenceEngine.from_config(config, expert_format=fmt)
-            oracle.load(convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt)))
+            oracle.load(convert(state, spec))
             exact = all(torch.equal(_bytes(p), _bytes(oracle.params[n])) for n, p in live.params.items())
             bf16 = ReferenceEngine.from_config(config, expert_format="bf16")
             bf16.load_bf16(state)
@@ -200,10 +230,9 @@ class Verifier:
     def __init__(self, endpoint: str, spec, kwargs: dict[str, Any]):
         from adapters.engine import EngineWorker
         from adapters.manifest import EngineKind, Manifest, ManifestTensor
-        from sidecar.cli.demo.synthetic import make_hf_config
         from sidecar.plan.build import plan_from_hf_config
 
-        plan = plan_from_hf_config(make_hf_config("qwen3_5_moe", **kwargs), spec)
+        plan = plan_from_hf_config(hf_config(kwargs), spec)
         manifest = Manifest(
             engine=EngineKind.REFERENCE,
             engine_version="demo-verifier",
@@ -229,20 +258,22 @@ class Verifier:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "layout", "colocated") == "disaggregated":
+        if getattr(args, "model", DEFAULT_MODEL) != DEFAULT_MODEL:
+            print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
+            return 2
         from sidecar.cli.demo.disaggregated import run_disaggregated
 
         return run_disaggregated(args)
     from adapters.base import RefitReader
-    from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import convert
 
     kwargs = model_kwargs(args)
-    spec = RefitSpec(model_type="qwen3_5_moe", fmt=args.format)
+    spec = demo_spec(args.format, kwargs)
     rows, problems = [], []
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
         config = Path(tmp) / "config.json"
-        config.write_text(json.dumps(make_hf_config("qwen3_5_moe", **kwargs)))
+        config.write_text(json.dumps(hf_config(kwargs)))
         daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format, args.staging_regions)
         failures, results, attached = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs: list = []
@@ -322,7 +353,7 @@ def _changed_fraction(previous: dict[str, torch.Tensor] | None, current: dict[st
 def _header(args: argparse.Namespace, spec) -> None:
     """The table's title and columns, printed before the first step so rows show progress as they land."""
     print(
-        f"refitd demo: synthetic qwen3_5_moe ({args.layers} layers + MTP, {args.experts} experts), format "
+        f"refitd demo: synthetic {getattr(args, 'model', DEFAULT_MODEL)} ({args.layers} layers + MTP, {args.experts} experts), format "
         f"{spec.fmt.value}; {WORLD_SIZE} trainer ranks (rank 0 via shared memory, rank 1 via ZeroMQ frames), "
         "1 reference engine"
     )

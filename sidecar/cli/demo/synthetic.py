@@ -1,8 +1,11 @@
 """Small, deterministic, real-looking state dicts for tests and the demo.
 
 Names and layouts are the Hugging Face checkpoint's: Qwen3.5 MoE (``model.language_model.*``, linear
-and full attention layers, grouped expert slabs, shared expert and its gate, router, MTP) and Qwen3
-MoE (per-expert projections). The parameter list here is written out independently of
+and full attention layers, grouped expert slabs, shared expert and its gate, router, MTP), Qwen3
+MoE (per-expert projections), DeepSeek-V3 (MLA, a leading dense layer, shared experts, the FP32
+router bias, an MTP layer appended to ``model.layers`` with its own embedding and head, and the
+checkpoint's block-FP8 ``quantization_config``) and GLM-4.5 (biased GQA attention with q/k norms,
+otherwise DeepSeek-V3's MoE layout, a BF16 checkpoint). The parameter list here is written out independently of
 ``sidecar.plan.models`` on purpose: a test checks that the two agree, so a slip in either shows up.
 
 ``unaligned=True`` picks a hidden size and an expert width that are multiples of 32 (MXFP8 can take
@@ -33,6 +36,18 @@ QWEN3_5_HEADS, QWEN3_5_KV_HEADS, QWEN3_5_HEAD_DIM = 2, 1, 32
 QWEN3_5_LINEAR_K_HEADS, QWEN3_5_LINEAR_V_HEADS, QWEN3_5_LINEAR_HEAD_DIM = 2, 4, 16
 QWEN3_5_CONV_KERNEL = 4
 QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD_DIM = 4, 2, 32
+# MLA of the synthetic DeepSeek-V3: latent ranks and head dims that block-FP8 tiles evenly
+DSV3_HEADS, DSV3_Q_LORA, DSV3_KV_LORA = 2, 128, 128
+DSV3_NOPE, DSV3_ROPE, DSV3_V = 64, 32, 64
+DSV3_FIRST_DENSE = 1
+GLM4_HEADS, GLM4_KV_HEADS, GLM4_HEAD_DIM = 4, 2, 32
+#: DeepSeek-V3's own quantization_config: block-FP8 on every linear but router, embeddings, heads
+DSV3_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 
 
 def _sizes(hidden: int | None, intermediate: int | None, unaligned: bool) -> tuple[int, int]:
@@ -54,6 +69,8 @@ def make_hf_config(
     """A ``config.json``-style dict describing the model :func:`make_state_dict` builds."""
     model = get_model(model_type).model_type
     h, inter = _sizes(hidden, intermediate, unaligned)
+    if model in ("deepseek_v3", "glm4_moe"):
+        return _deepseek_family_config(model, h, inter, num_layers, num_experts, mtp_layers, vocab)
     if model == "qwen3_moe":
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -105,6 +122,132 @@ def make_hf_config(
             "tie_word_embeddings": False,
         },
     }
+
+
+def _deepseek_family_config(
+    model: str, h: int, inter: int, layers: int, experts: int, mtp: int, vocab: int
+) -> dict[str, Any]:
+    common = {
+        "model_type": model,
+        "hidden_size": h,
+        "intermediate_size": 2 * inter,
+        "moe_intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": DSV3_FIRST_DENSE,
+        "moe_layer_freq": 1,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": min(2, experts),
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": mtp,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    if model == "glm4_moe":
+        return {
+            "architectures": ["Glm4MoeForCausalLM"],
+            **common,
+            "num_attention_heads": GLM4_HEADS,
+            "num_key_value_heads": GLM4_KV_HEADS,
+            "head_dim": GLM4_HEAD_DIM,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "partial_rotary_factor": 0.5,
+        }
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        **common,
+        "num_attention_heads": DSV3_HEADS,
+        "num_key_value_heads": DSV3_HEADS,
+        "q_lora_rank": DSV3_Q_LORA,
+        "kv_lora_rank": DSV3_KV_LORA,
+        "qk_nope_head_dim": DSV3_NOPE,
+        "qk_rope_head_dim": DSV3_ROPE,
+        "v_head_dim": DSV3_V,
+        "attention_bias": False,
+        "quantization_config": dict(DSV3_QUANTIZATION_CONFIG),
+    }
+
+
+def _deepseek_family_shapes(
+    model: str, h: int, inter: int, layers: int, experts: int, vocab: int, mtp: int
+) -> list:
+    """(name, shape, dtype) of the synthetic DeepSeek-V3 / GLM-4.5, written out from the checkpoints."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    out: list = [("model.embed_tokens.weight", (vocab, h), bf16)]
+    for layer in range(layers + mtp):
+        p = f"model.layers.{layer}"
+        a = f"{p}.self_attn"
+        if layer >= layers:
+            out += [
+                (f"{p}.embed_tokens.weight", (vocab, h), bf16),
+                (f"{p}.enorm.weight", (h,), bf16),
+                (f"{p}.hnorm.weight", (h,), bf16),
+                (f"{p}.eh_proj.weight", (h, 2 * h), bf16),
+            ]
+        if model == "deepseek_v3":
+            qk = DSV3_NOPE + DSV3_ROPE
+            out += [
+                (f"{a}.q_a_proj.weight", (DSV3_Q_LORA, h), bf16),
+                (f"{a}.q_a_layernorm.weight", (DSV3_Q_LORA,), bf16),
+                (f"{a}.q_b_proj.weight", (DSV3_HEADS * qk, DSV3_Q_LORA), bf16),
+                (f"{a}.kv_a_proj_with_mqa.weight", (DSV3_KV_LORA + DSV3_ROPE, h), bf16),
+                (f"{a}.kv_a_layernorm.weight", (DSV3_KV_LORA,), bf16),
+                (f"{a}.kv_b_proj.weight", (DSV3_HEADS * (DSV3_NOPE + DSV3_V), DSV3_KV_LORA), bf16),
+                (f"{a}.o_proj.weight", (h, DSV3_HEADS * DSV3_V), bf16),
+            ]
+        else:
+            q, kv, hd = GLM4_HEADS * GLM4_HEAD_DIM, GLM4_KV_HEADS * GLM4_HEAD_DIM, GLM4_HEAD_DIM
+            out += [
+                (f"{a}.q_proj.weight", (q, h), bf16),
+                (f"{a}.q_proj.bias", (q,), bf16),
+                (f"{a}.k_proj.weight", (kv, h), bf16),
+                (f"{a}.k_proj.bias", (kv,), bf16),
+                (f"{a}.v_proj.weight", (kv, h), bf16),
+                (f"{a}.v_proj.bias", (kv,), bf16),
+                (f"{a}.o_proj.weight", (h, q), bf16),
+                (f"{a}.q_norm.weight", (hd,), bf16),
+                (f"{a}.k_norm.weight", (hd,), bf16),
+            ]
+        if layer < DSV3_FIRST_DENSE:
+            d = 2 * inter
+            out += [
+                (f"{p}.mlp.gate_proj.weight", (d, h), bf16),
+                (f"{p}.mlp.up_proj.weight", (d, h), bf16),
+                (f"{p}.mlp.down_proj.weight", (h, d), bf16),
+            ]
+        else:
+            for e in range(experts):
+                out += [
+                    (f"{p}.mlp.experts.{e}.gate_proj.weight", (inter, h), bf16),
+                    (f"{p}.mlp.experts.{e}.up_proj.weight", (inter, h), bf16),
+                    (f"{p}.mlp.experts.{e}.down_proj.weight", (h, inter), bf16),
+                ]
+            out += [
+                (f"{p}.mlp.gate.weight", (experts, h), bf16),
+                (f"{p}.mlp.gate.e_score_correction_bias", (experts,), fp32),
+                (f"{p}.mlp.shared_experts.gate_proj.weight", (inter, h), bf16),
+                (f"{p}.mlp.shared_experts.up_proj.weight", (inter, h), bf16),
+                (f"{p}.mlp.shared_experts.down_proj.weight", (h, inter), bf16),
+            ]
+        out += [
+            (f"{p}.input_layernorm.weight", (h,), bf16),
+            (f"{p}.post_attention_layernorm.weight", (h,), bf16),
+        ]
+        if layer >= layers:
+            out += [
+                (f"{p}.shared_head.norm.weight", (h,), bf16),
+                (f"{p}.shared_head.head.weight", (vocab, h), bf16),
+            ]
+    return [*out, ("model.norm.weight", (h,), bf16), ("lm_head.weight", (vocab, h), bf16)]
 
 
 def _qwen3_moe_shapes(h: int, inter: int, layers: int, experts: int, vocab: int) -> list:
@@ -205,18 +348,35 @@ def make_state_dict(
 ) -> dict[str, torch.Tensor]:
     """A state dict of ``model_type`` with values ~ N(0, 0.02) drawn from ``torch.Generator(seed)``.
 
-    Same arguments, same tensors, on every machine. ``mtp_layers`` applies to qwen3_5_moe only.
+    Same arguments, same tensors, on every machine. ``mtp_layers`` applies to the families with
+    MTP. ``dtype`` is that of the BF16 parameters; the FP32 router bias stays FP32 (as checkpoints
+    hold it) and is drawn around zero like the others.
     """
     model = get_model(model_type).model_type
     h, inter = _sizes(hidden, intermediate, unaligned)
     if model == "qwen3_moe":
-        shapes = _qwen3_moe_shapes(h, inter, num_layers, num_experts, vocab)
+        shapes = [(n, s, dtype) for n, s in _qwen3_moe_shapes(h, inter, num_layers, num_experts, vocab)]
+    elif model in ("deepseek_v3", "glm4_moe"):
+        shapes = [
+            (n, s, dtype if d is torch.bfloat16 else d)
+            for n, s, d in _deepseek_family_shapes(
+                model, h, inter, num_layers, num_experts, vocab, mtp_layers
+            )
+        ]
     else:
-        shapes = _qwen3_5_moe_shapes(h, inter, num_layers, num_experts, vocab, mtp_layers)
+        shapes = [
+            (n, s, dtype)
+            for n, s in _qwen3_5_moe_shapes(h, inter, num_layers, num_experts, vocab, mtp_layers)
+        ]
     gen = torch.Generator().manual_seed(seed)
+    # DeepSeek-V3 and GLM-4.5 scale by the RMSNorm weight itself (Qwen3.5 by 1 + weight): start them at 1
+    one = 1.0 if model in ("deepseek_v3", "glm4_moe") else 0.0
     return {
-        name: (torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD).to(dtype)
-        for name, shape in shapes
+        name: (
+            torch.randn(shape, generator=gen, dtype=torch.float32) * INIT_STD
+            + (one if name.endswith("norm.weight") else 0.0)
+        ).to(d)
+        for name, shape, d in shapes
     }
 
 
@@ -229,7 +389,7 @@ def shard_for_rank(state: dict[str, torch.Tensor], rank: int, world_size: int) -
     """
     from sidecar.client.client import Shard  # the client is only needed here, not by the rest of this module
 
-    model = get_model("qwen3_5_moe")
+    model = get_model("qwen3_5_moe")  # the expert regexes are the same for every family
     out: dict[str, Any] = {}
     for i, (name, t) in enumerate(state.items()):
         routed = model.slab_re.match(name) or model.per_expert_re.match(name)

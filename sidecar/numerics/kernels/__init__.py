@@ -546,7 +546,7 @@ def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mappin
         if arranged is None or slab.dim() != 3:
             return False
         jobs = [(slab, *arranged)]
-    elif unit.kind is UnitKind.EXPERT:
+    elif unit.kind in (UnitKind.EXPERT, UnitKind.LINEAR):
         if any(len(g) > 1 for g in unit.scale_groups):
             return False  # one shared scale over two input tensors: the reference does it
         jobs = []
