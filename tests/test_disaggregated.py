@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.net import free_port
 
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
@@ -72,12 +72,6 @@ def expected(step: int, fmt: str) -> dict[str, torch.Tensor]:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _isolation() -> str:

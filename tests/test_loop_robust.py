@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from daemons import daemon_factory
+from support.daemons import daemon_factory
 
 from adapters.base import Generation, RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict

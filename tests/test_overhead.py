@@ -386,7 +386,7 @@ def test_begin_rows_unchanged():
 def test_a_begin_over_max_header_bytes_says_which_setting_to_raise(tmp_path):
     """Many tensors make a large BEGIN: over the daemon's max_header_bytes the step fails with a
     message naming the setting and the per-piece cost; the daemon keeps serving."""
-    from daemons import RunningDaemon
+    from support.daemons import RunningDaemon
 
     from sidecar.errors import ErrorKind
 

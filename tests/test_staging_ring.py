@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemons import daemon_factory
+from support.daemons import daemon_factory
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
