@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import adapters.vllm as av
+import adapters.vllm.worker as avw
 from sidecar.cli.demo.synthetic import make_hf_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
@@ -1168,7 +1169,7 @@ def test_real_vllm_reload_outside_the_config_context_fails(real_vllm, monkeypatc
     import contextlib
 
     _, worker = _started_engine(real_vllm)
-    monkeypatch.setattr(av, "_config_context", lambda worker: contextlib.nullcontext())
+    monkeypatch.setattr(avw, "_config_context", lambda worker: contextlib.nullcontext())
     with pytest.raises(AssertionError, match="Current vLLM config is not set"):
         av.load_generation(worker, _toy_generation(3), Format.BLOCK_FP8)
 
@@ -1185,5 +1186,5 @@ def test_real_vllm_manifest_reads_load_time_shapes(real_vllm):
     assert shapes["model.layers.0.mlp.experts.w13_weight_scale_inv"] == (E, I2 // 128, H // 128)
     live, live_source = av.engine_parameters_and_source(_toy_model(real_vllm))
     assert live_source == av.PARAM_SOURCE_LIVE and len(live) == len(params)
-    assert av._deep_gemm_e8m0() is False  # CPU: no DeepGEMM
+    assert avw._deep_gemm_e8m0() is False  # CPU: no DeepGEMM
     assert real_vllm.version == "0.33.0"
