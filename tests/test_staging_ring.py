@@ -392,7 +392,7 @@ class Eager(RefitClient):
         if "staging" in ready:
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": list(ids)})
             return "staging", ""
-        self._stream_remote(step, pieces, ids, deadline)
+        self._remote.stream(step, pieces, ids, deadline, self._frame_limit())
         return "zmq", ""
 
 
