@@ -5,7 +5,8 @@ functions: one that builds the manifest from the loaded model, one that copies a
 the engine's parameters. The driver side collects every worker's ``LoadResult`` with
 ``check_results``, which fails loudly when any worker failed, or when none answered.
 
-    worker = EngineWorker(endpoint, name="vllm-tp0", manifest=build_manifest, load=load_into_model)
+    worker = EngineWorker(endpoint, name="vllm-tp0", manifest=build_manifest, load=load_into_model,
+                          check=check_vllm_constraints)   # the adapter's own rules: required for vLLM
     worker.attach()                       # refused, listing every mismatch, if the plan disagrees
     result = worker.load_next(min_step=7) # wait, copy out, acknowledge, release
 """
