@@ -7,7 +7,11 @@
     reader.release(gen)                              # the daemon may now reuse that generation
 
 The daemon never writes into a generation a reader holds; a reader that does not release within the
-daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. Views of a shared-memory
+daemon's ``reader_timeout_s`` (because it died or hung) loses its hold. A live reader that was just
+slow is never left with a silently torn copy: the daemon bumps the generation's epoch (a read-only
+shared page, ``transport.epochs``) before writing into it and sends REVOKED, ``gen.intact()``
+compares the epoch with the one the generation was handed out at, and ``release`` raises
+:class:`~sidecar.errors.HoldRevoked` when it changed (after still sending the RELEASE). Views of a shared-memory
 arena are mapped read-only: a stray write faults in the reader instead of corrupting what every
 engine loads. Views of a GPU (CUDA-IPC) arena are writable (CUDA has no read-only mapping): readers
 are trusted not to write. Not thread-safe: use one reader per thread.
@@ -36,8 +40,9 @@ import zmq
 
 from adapters.manifest import Manifest
 from sidecar.cli.keygen import curve_hint, set_client
-from sidecar.errors import ErrorKind, RefitError
+from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 from transport.cuda_ipc import open_any_arena
+from transport.epochs import EpochView, fence
 from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, decode, encode
 
@@ -66,6 +71,32 @@ class Generation:
     on_gpu: bool = False  # views into a CUDA-IPC arena (device memory)
     instance: str | None = None  # the daemon start that published it
     device: int | None = None  # CUDA index the arena is mapped on in this process (on_gpu only)
+    epoch: int | None = None  # the generation's epoch when it was handed out (None: the daemon sent none)
+    epochs: EpochView | None = field(default=None, repr=False)  # the daemon's epoch page, read-only
+    revoked: bool = False  # the daemon said (REVOKED) it dropped this hold to write a newer step
+    reader: str = ""  # the reader it was handed to (for HoldRevoked)
+    reader_timeout_s: float | None = None  # the daemon's limit, as announced at attach
+
+    def intact(self) -> bool:
+        """Whether no byte of this generation was rewritten since it was handed out: True means a
+        copy made out of it (and finished) holds exactly the published step. False means the daemon
+        dropped this reader's hold after ``reader_timeout_s`` and began writing a newer step into it:
+        the copy may be torn. On a GPU arena, asynchronous copies out of it are finished first.
+        Costs one shared-memory load (no round trip to the daemon)."""
+        if self.on_gpu and not self.released:
+            _finish_copies(self)
+        return self._epoch_unchanged()
+
+    def _epoch_unchanged(self) -> bool:
+        if self.epochs is None or self.epoch is None:  # a daemon that sends no epochs: only REVOKED tells
+            return not self.revoked
+        fence()  # the re-read below may not be satisfied before the copy's own loads
+        return self.epochs.read(self.index) == self.epoch
+
+    def revoked_error(self) -> HoldRevoked:
+        return HoldRevoked(
+            reader=self.reader, generation=self.index, step=self.step, reader_timeout_s=self.reader_timeout_s
+        )
 
 
 def _finish_copies(gen: Generation) -> None:
@@ -109,6 +140,7 @@ class RefitReader:
         self.instance: str | None = None
         self._arenas: dict[str, ShmArena] = {}
         self._arena_instance: dict[str, str | None] = {}  # segment name -> the daemon start it belongs to
+        self._epochs: dict[str, EpochView] = {}  # epoch page name -> its read-only mapping
         self._held: list[Generation] = []
         self._closed = False
         self._io = threading.Lock()  # the socket, shared with the heartbeat thread
@@ -157,23 +189,30 @@ class RefitReader:
 
         An engine worker also acknowledges with it: ``ok=False`` and ``error`` say that loading the
         generation failed; the daemon reports it, naming this reader, to the trainer.
+
+        Raises :class:`~sidecar.errors.HoldRevoked` (after sending the RELEASE) when the daemon
+        dropped this hold after ``reader_timeout_s`` and rewrote the generation: what was copied
+        out of it may be torn and must not be served.
         """
         if gen.released:
             return
-        gen.released = True
         if gen.on_gpu:  # copies out of a GPU arena are asynchronous: finish them before handing it back
             _finish_copies(gen)
+        gen.released = True
+        torn = not gen._epoch_unchanged()
         if gen in self._held:
             self._held.remove(gen)
         if gen.instance != self.instance:  # a daemon that is gone handed it out: nobody to tell
             self._forget_arenas()  # and its segment is unmapped once no held generation uses it
-            return
-        fields: dict[str, Any] = {"generation": gen.index, "step": gen.step, "ok": ok}
-        if error is not None:
-            fields["error"] = str(error)
-        if seconds is not None:
-            fields["seconds"] = float(seconds)
-        self._send(Kind.RELEASE, fields)
+        else:
+            fields: dict[str, Any] = {"generation": gen.index, "step": gen.step, "ok": ok}
+            if error is not None:
+                fields["error"] = str(error)
+            if seconds is not None:
+                fields["seconds"] = float(seconds)
+            self._send(Kind.RELEASE, fields)
+        if torn:
+            raise gen.revoked_error()
 
     def attach(self, timeout: float | None = None) -> dict[str, Any]:
         """Attach now (``wait`` does it on demand); returns the daemon's ATTACHED fields.
@@ -202,13 +241,17 @@ class RefitReader:
         if self._beat is not None:
             self._beat.join(timeout=5)
         for gen in list(self._held):
-            self.release(gen)
+            try:
+                self.release(gen)
+            except HoldRevoked as exc:  # closing: nothing is loaded from it any more; say so, go on
+                log.warning("reader %s: closing with a revoked generation: %s", self.name, exc)
         with contextlib.suppress(zmq.ZMQError):
             self._send(Kind.DETACH, {}, wait=False)
         for arena in self._arenas.values():
             arena.close()
         self._arenas.clear()
         self._arena_instance.clear()
+        self._epochs.clear()  # unmapped once no Generation refers to them
         self._sock.close(linger=100)
         self._ctx.term()
 
@@ -266,12 +309,31 @@ class RefitReader:
                 self._ping_if_due()  # the heartbeat thread skips its turn while we hold the socket
                 if self._sock.poll(int(min(left, self._ping_s, 1.0) * 1000)):
                     msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
-                    if msg.kind is not Kind.PONG or self._from_new_instance(msg):
+                    if msg.kind is Kind.REVOKED and not self._from_new_instance(msg):
+                        self._note_revoked(msg)
+                    elif msg.kind is not Kind.PONG or self._from_new_instance(msg):
                         return msg
 
     def _from_new_instance(self, msg: Message) -> bool:
         instance = msg.get("instance")
         return self.instance is not None and isinstance(instance, str) and instance != self.instance
+
+    def _note_revoked(self, msg: Message) -> None:
+        """The daemon dropped our hold on a generation to write a newer step into it (REVOKED): mark
+        it, and say so now (the owner learns it from ``intact()`` / ``release``)."""
+        index, step = msg.get("generation"), msg.get("step")
+        hit = [g for g in self._held if g.index == index and g.step == step and g.instance == self.instance]
+        for gen in hit:
+            gen.revoked = True
+        log.warning(
+            "reader %s: the daemon dropped its hold on generation %s (step %s) after reader_timeout_s=%s and "
+            "is writing a newer step into it%s",
+            self.name,
+            index,
+            step,
+            msg.get("reader_timeout_s"),
+            ": a copy still in progress there may be torn" if hit else "",
+        )
 
     def _ping_if_due(self) -> None:
         """Ping if nothing was sent for a heartbeat interval (caller holds ``_io``); never blocks."""
@@ -290,7 +352,9 @@ class RefitReader:
                     return
                 while self._sock.poll(0):
                     msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
-                    if msg.kind is not Kind.PONG or self._from_new_instance(msg):
+                    if msg.kind is Kind.REVOKED and not self._from_new_instance(msg):
+                        self._note_revoked(msg)
+                    elif msg.kind is not Kind.PONG or self._from_new_instance(msg):
                         self._inbox.append(msg)  # a PONG from a new daemon instance tells of a restart
                 self._ping_if_due()
             except Exception:  # a garbled answer must not end the heartbeat (the owner sees errors)
@@ -333,6 +397,12 @@ class RefitReader:
         for name in [n for n, i in self._arena_instance.items() if i != self.instance and n not in in_use]:
             del self._arena_instance[name]
             self._arenas.pop(name).close()
+        # epoch pages of previous starts: dropped here, unmapped when no Generation refers to them
+        current = self.attach_info.get("epochs")
+        keep = {g.epochs.name for g in self._held if g.epochs is not None}
+        keep.add(current.get("name") if isinstance(current, dict) else None)
+        for name in [n for n in self._epochs if n not in keep]:
+            del self._epochs[name]
 
     def _generation(self, fields: dict[str, Any]) -> Generation:
         handle = fields["arena"]
@@ -350,9 +420,27 @@ class RefitReader:
             on_gpu=handle.get("kind") == "cuda_ipc",
             instance=self.instance,
             device=getattr(arena, "device", None) if handle.get("kind") == "cuda_ipc" else None,
+            reader=self.name,
+            reader_timeout_s=_number_or_none(self.attach_info.get("reader_timeout_s")),
         )
+        epoch, page = fields.get("epoch"), fields.get("epochs")
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(page, dict):
+            gen.epoch, gen.epochs = epoch, self._epoch_view(page)
         self._held.append(gen)
         return gen
+
+    def _epoch_view(self, handle: dict[str, Any]) -> EpochView:
+        """The daemon's epoch page, mapped read-only once per daemon start (kept, like its arenas,
+        while a generation handed out by that start is held)."""
+        name = str(handle.get("name"))
+        view = self._epochs.get(name)
+        if view is None:
+            view = self._epochs[name] = EpochView.attach(handle)
+        return view
+
+
+def _number_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _unknown_peer(msg: Message) -> bool:

@@ -13,6 +13,7 @@ the engine's parameters. The driver side collects every worker's ``LoadResult`` 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -20,9 +21,11 @@ from typing import Any
 
 from adapters.base import Generation, RefitReader
 from adapters.manifest import EngineKind, Manifest
-from sidecar.errors import ErrorKind, RefitError
+from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 
 __all__ = ["EngineWorker", "LoadResult", "check_results", "engine_problems"]
+
+log = logging.getLogger("refitd.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,13 @@ class EngineWorker:
         return self.attach_info
 
     def load_next(self, min_step: int | None = None, timeout: float | None = None) -> LoadResult:
-        """Wait for a generation >= ``min_step``, load it, acknowledge and release it."""
+        """Wait for a generation >= ``min_step``, load it, acknowledge and release it.
+
+        Raises :class:`~sidecar.errors.HoldRevoked` when the load outlasted the daemon's
+        ``reader_timeout_s`` and the daemon rewrote the generation meanwhile: the engine's weights
+        may be torn (a mix of two steps). The daemon (and the trainer's LOADED report) is told
+        ``ok=False`` with that error first; the engine must then load the next generation
+        (``load_next`` again) before serving."""
         if self.reader is None:
             self.attach(timeout)
         gen = self.reader.wait(min_step=min_step, timeout=timeout)  # re-attaches if the daemon restarted
@@ -110,8 +119,33 @@ class EngineWorker:
         except Exception as exc:  # reported to the daemon and the caller, never swallowed
             error = f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - t0
+        if not gen.intact():  # checked after the copies finished, before acknowledging
+            torn = gen.revoked_error()
+            log.error("engine worker %s: %s", self.name, torn)
+            self.reader.release(gen, ok=False, error=str(torn), seconds=seconds)  # raises HoldRevoked
+            raise torn  # (a release that did not raise: the epoch moved on after all; still torn)
         self.reader.release(gen, ok=error is None, error=error, seconds=seconds)
         return LoadResult(worker=self.name, step=gen.step, ok=error is None, seconds=seconds, error=error)
+
+    def load_intact(
+        self, min_step: int | None = None, timeout: float | None = None, *, attempts: int = 3
+    ) -> LoadResult:
+        """``load_next``, again (up to ``attempts`` in all) while a load is found torn: each
+        HoldRevoked was acknowledged ok=False, and the next try gets the newest generation. For an
+        engine loop that must end up serving intact weights of step >= ``min_step``."""
+        if attempts < 1:
+            raise ValueError(f"attempts={attempts}: give at least 1")
+        for attempt in range(1, attempts):
+            try:
+                return self.load_next(min_step=min_step, timeout=timeout)
+            except HoldRevoked as exc:
+                log.warning(
+                    "engine worker %s: loading the next generation (attempt %d): %s",
+                    self.name,
+                    attempt + 1,
+                    exc,
+                )
+        return self.load_next(min_step=min_step, timeout=timeout)
 
     def detach(self) -> None:
         if self.reader is not None:

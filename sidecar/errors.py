@@ -29,6 +29,7 @@ class ErrorKind(str, enum.Enum):
     UNKNOWN_PEER = "unknown_peer"  # the daemon does not know this peer (it restarted): introduce yourself
     UNAUTHORIZED = "unauthorized"  # a request this peer may not make (forwarding from a non-trainer)
     RESTARTED = "restarted"  # the daemon restarted mid-step (a new instance): the step was lost, push again
+    REVOKED = "revoked"  # a reader's hold was dropped after reader_timeout_s and the generation rewritten
     INTERNAL = "internal"  # a bug: please report it
 
     @classmethod
@@ -87,3 +88,22 @@ def _int_or_none(value: Any) -> int | None:
         return operator.index(value)  # int, numpy integers
     except Exception:  # a list, a string, or an object whose __index__ misbehaves
         return None
+
+
+class HoldRevoked(RefitError):
+    """A reader held a generation past the daemon's ``reader_timeout_s``: the daemon dropped the hold
+    and began writing a newer step into that generation while the reader may still have been copying
+    out of it. What the reader copied may be torn (a mix of two steps): do not serve it; load the next
+    generation. ``generation`` and ``step`` say which, ``reader_timeout_s`` the limit that elapsed."""
+
+    def __init__(self, *, reader: str, generation: int, step: int | None, reader_timeout_s: float | None):
+        limit = "reader_timeout_s" if reader_timeout_s is None else f"reader_timeout_s={reader_timeout_s:g} s"
+        super().__init__(
+            f"reader {reader!r} held generation {generation} (step {step}) longer than the daemon's {limit}: "
+            "the daemon dropped the hold and is writing a newer step into it, so what was copied out of it may "
+            "be torn (a mix of two steps). Do not serve it: load the next generation. Release generations "
+            "sooner after copying, or raise reader_timeout_s (--reader-timeout) above the engine's load time",
+            kind=ErrorKind.REVOKED,
+            step=step,
+        )
+        self.reader, self.generation, self.reader_timeout_s = reader, generation, reader_timeout_s

@@ -41,7 +41,9 @@
 # authentication (CURVE keys), which this launcher does not set up.
 #
 # Launcher options (everything else before `--` is passed to `refitd serve`, e.g. --hf-config,
-# --world-size, --format, --config; not --runtime-dir or --listen, which the launcher sets):
+# --world-size, --format, --config; not --runtime-dir or --listen, which the launcher sets; with
+# --nodes N, a node's share of an engine spanning N nodes, each daemon also gets --node-rank
+# $SLURM_NODEID unless the flags give one):
 #   --runtime-base DIR     parent of the per-node runtime dirs, node-local (default /tmp)
 #   --refitd PATH          the refitd executable on the nodes (default: refitd on PATH)
 #   --ready-timeout SECS   give up when the daemons are not all ready by then (default 300)
@@ -108,6 +110,15 @@ refitd_node_daemon() { # BASE REFITD [SERVE ARGS...]
     echo "REFITD-START $node ${SLURM_JOB_ID}.${SLURM_STEP_ID}"
     trap 'echo "REFITD-STOPPING $node TERM"' TERM
     trap 'echo "REFITD-STOPPING $node INT"' INT
+    # a node's share (--nodes N): each daemon is told its node, unless the arguments say it already
+    local arg share=0
+    for arg in "$@"; do
+        case $arg in
+        --nodes | --nodes=*) share=1 ;;
+        --node-rank | --node-rank=*) share=0 && break ;;
+        esac
+    done
+    ((share)) && set -- "$@" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set}"
     "$refitd" serve --runtime-dir "$dir" "$@" </dev/null 1>&2 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null; do

@@ -180,7 +180,7 @@ class DaemonProc:
         recorded = json.loads((self.runtime_dir / "segments.json").read_text())
         assert recorded["pid"] == self.proc.pid
         self.segments = recorded["segments"]
-        assert len(self.segments) == 3 and all((Path("/dev/shm") / n).exists() for n in self.segments)
+        assert len(self.segments) == 4 and all((Path("/dev/shm") / n).exists() for n in self.segments)
         return status
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -65,3 +65,13 @@ def test_status_says_how_staging_is_held():
     assert "staging: ring of 4 x 3.0 MiB for 48 layer groups (12.0 MiB); held now: layer 7, layer 8" in text
     text = render_status({**base, "staging": {"segment": "s", "bytes": 5 << 20, "ring": None}})
     assert "staging: whole steps (5.0 MiB)" in text
+
+
+def test_status_table_counts_revoked_holds_only_when_there_were_some():
+    """A daemon that revoked reader holds (after reader_timeout_s) says how many; none, no line."""
+    base = {"generations": [], "trainers": [], "readers": [], "engines": [], "history": []}
+    base |= {"instance": "abc", "pid": 7, "host": "n", "listen": "ipc://x", "format": "block_fp8"}
+    base |= {"world_size": 1, "last_step": 3, "live": None, "step_in_progress": None}
+    assert "revoked" not in render_status({**base, "revoked_holds": 0})
+    text = render_status({**base, "revoked_holds": 2})
+    assert "holds revoked after reader_timeout_s: 2" in text and "torn" in text

@@ -40,7 +40,7 @@ class Kind(enum.IntEnum):
     HELLO = 1  # client: rank, world_size, pid, host, local -> WELCOME
     WELCOME = 2  # daemon: instance, staging arena, limits
     BEGIN = 3  # client: step, rank, pieces it will send -> READY (when the daemon can take the step)
-    READY = 4  # daemon: step accepted; piece ids; write now
+    READY = 4  # daemon: step accepted; piece ids (skip: those outside its node share, not sent); write now
     SHARD = 5  # client (remote): name, piece id, sub-block offsets and shape + 1 data frame
     PIECE_DONE = 6  # client (local): piece written straight into the staging arena
     CREDIT = 7  # daemon: frames the remote client may send
@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     WAIT = 22  # reader: min_step -> GENERATION when one is published
     GENERATION = 23  # daemon: generation index, step, layout
     RELEASE = 24  # reader: generation index, step
+    REVOKED = 25  # daemon: a reader's hold on a generation was dropped (reader_timeout_s) to write a step
     STATUS = 30  # anyone -> STATUS_REPLY
     STATUS_REPLY = 31
     DETACH = 32  # reader or client leaving

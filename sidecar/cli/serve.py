@@ -220,10 +220,20 @@ def render_status(s: dict) -> str:
     if s.get("step_in_progress"):
         p = s["step_in_progress"]
         lines.append(f"step {p['step']} in progress: begun {p['begun']}, committed {p['committed']}")
+    if share := (s.get("plan") or {}).get("share"):
+        lines.append(
+            f"node share: node {share['node_rank']} of {share['nodes']} (engine EP {share['engine_ep']}, TP "
+            f"{share['engine_tp']}); {share['dropped_inputs']} inputs of other nodes' experts skipped"
+        )
     lines.append(f"{'generation':<12}{'step':>8}{'holders':>9}  segment")
     for g in s.get("generations", []):
         live = " (live)" if s.get("live") and s["live"]["generation"] == g["generation"] else ""
         lines.append(f"{g['generation']:<12}{g['step']!s:>8}{g['holders']:>9}  {g['segment']}{live}")
+    if s.get("revoked_holds"):
+        lines.append(
+            f"holds revoked after reader_timeout_s: {s['revoked_holds']} (those readers were told; "
+            "a copy still in progress may have been torn)"
+        )
     staging = s.get("staging") or {}
     ring = staging.get("ring")
     if ring:

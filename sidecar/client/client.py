@@ -273,6 +273,8 @@ class RefitClient:
                 ids = ready.get("pieces", [])
                 if len(ids) != len(pieces):
                     raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
+                if "skip" in ready:  # outside the daemon's node share: those pieces are not sent
+                    pieces, ids, srcs = _without_skipped(ready["skip"], pieces, ids, srcs)
                 self._remote.credits = int(ready.get("credit_frames", 1))
                 if "ring" in ready:
                     mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs)
@@ -508,3 +510,23 @@ class RefitClient:
         if local:
             return "staging", ""
         return "zmq", str(ready.get("mover_reason") or "")
+
+
+def _without_skipped(skip: Any, pieces: list[Piece], ids: list[Any], srcs: list | None) -> tuple:
+    """``pieces``, ``ids`` and ``srcs`` without the pieces READY listed under ``skip`` (they lie
+    outside the node share the daemon publishes)."""
+    if not isinstance(skip, list) or any(type(pid) is not int for pid in skip) or not set(skip) <= set(ids):
+        shown = f"a list of {len(skip)}" if isinstance(skip, list) else f"a {type(skip).__name__}"
+        raise ProtocolError(
+            f"READY's skip must list piece ids READY gave this rank, got {shown} that does not: the "
+            "daemon and the client disagree on the protocol; run the same refitd version on both"
+        )
+    drop = set(skip)
+    keep = [i for i, pid in enumerate(ids) if pid not in drop]
+    if len(keep) < len(ids):
+        log.debug("skipping %d piece(s) outside the daemon's node share", len(ids) - len(keep))
+    return (
+        [pieces[i] for i in keep],
+        [ids[i] for i in keep],
+        None if srcs is None else [srcs[i] for i in keep],
+    )

@@ -196,6 +196,18 @@ class DaemonConfig:
     """The trainer: how many ranks push each step."""
     world_size: int = 1
 
+    """A node's share of a multi-node inference engine (sidecar.plan.build.EngineLayout): the engine
+    runs expert-parallel over ``engine_ep`` ranks (and ``engine_tp``-way tensor parallel within a
+    node) on ``nodes`` nodes, and this daemon plans, allocates and publishes only what the engine's
+    GPUs on node ``node_rank`` hold: routed experts outside its share are dropped (trainer ranks are
+    told to skip them). ``nodes = 1`` (the default) publishes the whole model. A launcher sets
+    ``node_rank`` per node: ``REFITD_NODE_RANK=$SLURM_NODEID`` under Slurm, the node's index among
+    the engine's nodes under Ray."""
+    engine_ep: int = 1
+    engine_tp: int = 1
+    nodes: int = 1
+    node_rank: int | None = None
+
     """Arena sizes in bytes, allocated once at start. None sizes them from the plan.
     ``staging_regions``: 0 stages a whole step; N streams it through N regions the size of its
     largest layer group (sidecar.daemon.memory.staging). None: 0 for shm arenas, ``DEFAULT_GPU_REGIONS`` for cuda."""
@@ -293,6 +305,16 @@ class DaemonConfig:
         ):
             changes["listen"] = None
         return dataclasses.replace(self, **changes)
+
+    @property
+    def share(self) -> tuple[Any, int] | None:
+        """``(EngineLayout, node_rank)`` when this daemon publishes one node's share of a multi-node
+        engine (``nodes > 1``), for ``RefitPlan.build(share=...)``; None: the whole model."""
+        if self.nodes == 1:
+            return None
+        from sidecar.plan.build import EngineLayout
+
+        return EngineLayout(ep=self.engine_ep, tp=self.engine_tp, nodes=self.nodes), int(self.node_rank or 0)
 
     @property
     def ring_regions(self) -> int:
@@ -539,6 +561,12 @@ _KNOBS: dict[str, _Knob] = {
     "num_last_layers_in_bf16": _Knob("--last-bf16", _count, "N", "last N layers' experts stay BF16"),
     "ignore_patterns": _Knob("--ignore", _patterns, "PATTERN", "fnmatch of modules kept BF16 (repeatable)"),
     "world_size": _Knob("--world-size", _count, "N", "trainer ranks that push each step"),
+    "engine_ep": _Knob("--engine-ep", _count, "N", "the engine's expert-parallel size (node share)"),
+    "engine_tp": _Knob("--engine-tp", _count, "N", "the engine's tensor-parallel size (node share)"),
+    "nodes": _Knob("--nodes", _count, "N", "nodes the engine spans; >1 publishes this node's share only"),
+    "node_rank": _Knob(
+        "--node-rank", _OPT_COUNT, "N", "this node's index among --nodes (e.g. $SLURM_NODEID)"
+    ),
     "staging_bytes": _Knob("--staging-bytes", _AUTO_SIZE, "SIZE", "staging arena (auto: from the plan)"),
     "publish_bytes": _Knob("--publish-bytes", _AUTO_SIZE, "SIZE", "publish arena (auto: from the plan)"),
     "staging_regions": _Knob(
@@ -637,6 +665,10 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
         "num_last_layers_in_bf16": (0, "give a layer count >= 0"),
         "num_hidden_layers": (1, "give a positive count, or leave it unset to take it from the config"),
         "world_size": (1, "give the number of trainer ranks, at least 1"),
+        "engine_ep": (1, "give the engine's expert-parallel size, at least 1 (1: no expert parallelism)"),
+        "engine_tp": (1, "give the engine's tensor-parallel size, at least 1"),
+        "nodes": (1, "give the number of nodes the engine spans, at least 1"),
+        "node_rank": (0, "give this node's index among the engine's nodes, from 0"),
         "staging_bytes": (1, _PLAN_SIZED),
         "publish_bytes": (1, _PLAN_SIZED),
         "staging_regions": (0, "give 0 to stage whole steps, or a number of regions such as 4"),
@@ -664,6 +696,7 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             keys,
         )
     yield from _layout_problems(c, ok)
+    yield from _share_problems(c, ok)
     keys = ("heartbeat_interval_s", "rank_timeout_s")
     if ok(*keys) and c.heartbeat_interval_s >= c.rank_timeout_s:
         yield Problem(
@@ -671,6 +704,40 @@ def _value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
             f"({c.rank_timeout_s:g}), or live ranks are declared dead between pings: lower the first "
             f"or raise the second",
             keys,
+        )
+
+
+_SHARE_KEYS = ("engine_ep", "engine_tp", "nodes", "node_rank")
+
+
+def _share_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+    """A node's share: a layout :class:`EngineLayout` accepts, and this node's index inside it."""
+    if not ok(*_SHARE_KEYS) or (c.nodes == 1 and c.node_rank in (None, 0)):
+        return
+    from sidecar.plan.build import EngineLayout  # the planner; imported late, it is only needed here
+
+    try:
+        EngineLayout(ep=c.engine_ep, tp=c.engine_tp, nodes=c.nodes)
+    except ValueError as exc:
+        yield Problem(
+            f"engine_ep = {c.engine_ep}, engine_tp = {c.engine_tp}, nodes = {c.nodes}: {exc}", _SHARE_KEYS[:3]
+        )
+    if c.node_rank is None:
+        yield Problem(
+            f"nodes = {c.nodes} needs node_rank: this node's index, 0 to {c.nodes - 1} (under Slurm "
+            "REFITD_NODE_RANK=$SLURM_NODEID), so the daemon publishes that node's share",
+            ("nodes", "node_rank"),
+        )
+    elif c.node_rank >= c.nodes:
+        yield Problem(
+            f"node_rank = {c.node_rank} is outside the engine's {c.nodes} node(s): give 0 to {c.nodes - 1}",
+            ("nodes", "node_rank"),
+        )
+    if c.nodes > 1 and c.layout is NodeLayout.DISAGGREGATED:
+        yield Problem(
+            "nodes > 1 (a node's share) applies to layout = 'colocated': a disaggregated trainer node "
+            "forwards whole generations; set nodes = 1 there",
+            ("nodes", "layout"),
         )
 
 
@@ -1006,6 +1073,10 @@ num_first_layers_in_bf16 = 0
 num_last_layers_in_bf16 = 0
 ignore_patterns = []                    # fnmatch over module names, e.g. ["*.layers.0.mlp"]
 world_size = 1
+engine_ep = 1                           # a node's share of a multi-node engine: its expert-parallel size,
+engine_tp = 1                           # its tensor-parallel size (within a node),
+nodes = 1                               # the nodes it spans (1: publish the whole model),
+# node_rank = 0                         # and this node's index (Slurm: REFITD_NODE_RANK=$SLURM_NODEID)
 # staging_bytes = "16GiB"               # default: sized from the plan
 # publish_bytes = "8GiB"                # default: sized from the plan
 # staging_regions = 4                   # stream a step through N layer-sized regions, 0: stage it whole;

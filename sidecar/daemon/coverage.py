@@ -552,6 +552,12 @@ class CoverageTracker:
             ids.append(len(t.pieces) - 1)
         return ids
 
+    def forget(self, names: Iterable[str]) -> None:
+        """Stop tracking tensors ``names`` (declared, but not wanted this step: outside a node's
+        share). They are then neither checked by :meth:`check_declared` nor listed as incomplete."""
+        for name in names:
+            self._tensors.pop(name, None)
+
     def __len__(self) -> int:
         """Pieces declared so far, over every tensor."""
         return sum(len(t.pieces) for t in self._tensors.values())

@@ -66,6 +66,7 @@ class ReaderHandlers:
                 # a reader pings this often while attached; one silent for reader_timeout_s is dropped
                 "heartbeat_interval_s": self.reader_ping_interval(),
                 "reader_timeout_s": self.config.reader_timeout_s,
+                "epochs": self.arenas.epochs.handle(),  # map read-only: Generation.intact() reads it
             },
         )
 
@@ -113,7 +114,7 @@ class ReaderHandlers:
                 identity, name, manifest, engine_bf16_modules(manifest, self.spec.model_type)
             )
             return ["no plan yet: the manifest is checked when the first step fixes the plan"]
-        check = check_manifest(self.plan.inputs, self.spec, manifest)
+        check = check_manifest(self.plan.source, self.spec, manifest, share=self.plan.share)
         if not check.ok:
             raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
         if check.plan.keep_bf16 != self.plan.keep_bf16:
@@ -266,7 +267,22 @@ class ReaderHandlers:
                 seconds = None
             rnd.record(identity, msg.get("ok") is True, error, seconds)
             self._finish_rounds(time.monotonic())
+        elif msg.get("ok") is False:  # its step's round already closed (it timed out): say it here
+            self._late_load_failure(identity, step, msg.get("error"))
         self._maybe_claim()
+
+    def _late_load_failure(self, identity: bytes, step, error) -> None:
+        """An engine worker's failed load of a step whose LOADED round already closed (it took longer
+        than reader_timeout_s: the round reported it as not acknowledged in time), e.g. a load found
+        torn because its hold was revoked: logged with the worker's own error."""
+        error = error[:MAX_LOAD_ERROR_CHARS] if isinstance(error, str) else safe_repr(error)
+        log.error(
+            "%s failed to load step %s after its load round closed: %s",
+            self._holder_label(identity),
+            safe_repr(step),
+            error,
+            extra={"step": step if isinstance(step, int) else None, "phase": "load"},
+        )
 
     def handle_detach(self, identity: bytes, msg: Message) -> None:
         name = self.peers[identity].name if identity in self.peers else "?"
@@ -278,12 +294,37 @@ class ReaderHandlers:
         gen = self.arenas.live_generation()
         if peer.waiting is None or gen is None or gen.step is None or gen.step < peer.waiting:
             return
-        handle = gen.arena.handle()
-        if self._send(
-            peer.identity, Kind.GENERATION, {"generation": gen.index, "step": gen.step, "arena": handle}
-        ):
+        fields = {"generation": gen.index, "step": gen.step, "arena": gen.arena.handle()}
+        fields |= {"epoch": self.arenas.epoch(gen), "epochs": self.arenas.epochs.handle()}
+        if self._send(peer.identity, Kind.GENERATION, fields):
             self.arenas.hold(peer.identity, gen)
         peer.waiting = None
+
+    def _hold_revoked(self, identity: bytes, gen, held_step: int | None) -> None:
+        """A step claimed ``gen`` although ``identity`` still held it (``Arenas.on_revoke``): tell
+        the reader at once (REVOKED), before a byte of the new step is written, and count it. The
+        reader's copy, if it was still copying, may be torn; ``Generation.intact()`` says so too."""
+        label = self._holder_label(identity)
+        log.warning(
+            "revoked the hold of %s on generation %d (step %s) after reader_timeout_s=%g: a step is "
+            "overwriting it; a copy still in progress there may be torn and the reader is told",
+            label,
+            gen.index,
+            held_step,
+            self.config.reader_timeout_s,
+        )
+        notify(self.observers, "on_hold_revoked", self, label, gen.index, held_step)
+        if identity in self.peers:
+            self._send(
+                identity,
+                Kind.REVOKED,
+                {
+                    "instance": self.instance,
+                    "generation": gen.index,
+                    "step": held_step,
+                    "reader_timeout_s": self.config.reader_timeout_s,
+                },
+            )
 
     def _finish_rounds(self, now: float) -> None:
         """Tell each finished round's trainers which engine workers loaded the step (LOADED)."""

@@ -121,7 +121,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.quantizer: kernels.WarmUp | None = None  # which quantizer runs, and why (status, metrics)
         self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
         if config.hf_config is not None:
-            self.plan = plan_from_hf_config(hf_config, self.spec)
+            self.plan = plan_from_hf_config(hf_config, self.spec, share=config.share)
         regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
         self.parked: dict[int, list] = {}  # staging ring: ready units whose group holds no region yet
         self.ring_ranks: dict[int, set[int]] = {}  # staging ring: group -> ranks holding part of it
@@ -153,6 +153,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 "layout needs only publish_bytes)",
                 kind=ErrorKind.CAPACITY,
             )
+        self.arenas.on_revoke = self._hold_revoked  # tell a reader whose hold a step drops
         self._record_segments()
 
     # ------------------------------------------------------------------------------------------
@@ -795,10 +796,12 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 "outputs": len(self.plan.outputs),
                 "bytes_in": self.plan.bytes_in,
                 "bytes_out": self.plan.bytes_out,
+                "share": _share_status(self.plan),
             },
             "history": self.history,
             "message_errors": dict(self.message_errors),
             "blocked": None if self.step is None or self.target is not None else self.blocked,
+            "revoked_holds": self.arenas.revoked_holds if self.arenas else 0,
         }
 
     def _segments_file(self) -> Path:
@@ -837,6 +840,20 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
     )
     # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
     return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
+
+
+def _share_status(plan: RefitPlan) -> dict[str, Any] | None:
+    """The node share a plan publishes (status): the engine layout, this node, inputs dropped."""
+    if plan.share is None:
+        return None
+    layout, node = plan.share
+    return {
+        "engine_ep": layout.ep,
+        "engine_tp": layout.tp,
+        "nodes": layout.nodes,
+        "node_rank": node,
+        "dropped_inputs": len(plan.dropped),
+    }
 
 
 def _check_generic_fields(msg: Message) -> None:

@@ -153,6 +153,9 @@ class StepState:
     nixl_offers: dict[int, tuple[dict[str, Any], list[Any]]] = field(
         default_factory=dict
     )  # rank -> (offer, rows)
+    #: wire ids of pieces outside this node's share (``RefitPlan.dropped``): READY tells their
+    #: ranks to skip them, and data for one is refused
+    skipped: set[int] = field(default_factory=set)
 
     # ---- BEGIN
 
@@ -225,7 +228,11 @@ class StepState:
         return [TensorSpec(n, dtype_from_name(d), shape) for n, (d, shape) in self.tensors.items()]
 
     def validate_against(self, plan: RefitPlan) -> None:
-        """Names, dtypes and shapes against the plan, then exact coverage: all problems in one error."""
+        """Names, dtypes and shapes against the plan, then exact coverage: all problems in one error.
+
+        Tensors the plan drops (outside this node's share) are set aside first: neither checked nor
+        staged, their pieces skipped (:meth:`skipped_ids`)."""
+        self._set_aside(plan.dropped)
         problems = []
         expected = {i.name: i for i in plan.inputs}
         for name, (dtype, shape) in self.tensors.items():
@@ -246,6 +253,22 @@ class StepState:
             self.tracker.check_declared(expected)
         except CoverageError as exc:
             raise RefitError(str(exc), kind=ErrorKind.COVERAGE, step=self.step) from None
+
+    def _set_aside(self, dropped: frozenset[str]) -> None:
+        names = [n for n in self.tensors if n in dropped]
+        if not names:
+            return
+        for name in names:
+            del self.tensors[name]
+        self.tracker.forget(names)
+        gone = set(names)
+        self.skipped = {pid for pid, (_, name, _) in enumerate(self.pieces) if name in gone}
+
+    def skipped_ids(self, rank: int) -> list[int]:
+        """``rank``'s wire piece ids outside this node's share, which it must not send."""
+        if not self.skipped:
+            return []
+        return [pid for pid in self.declared.get(rank, ()) if pid in self.skipped]
 
     # ---- data
 
@@ -277,6 +300,15 @@ class StepState:
         """(tensor name, tracker piece id) of wire piece ``piece_id``, which ``rank`` must own."""
         if type(piece_id) is int and 0 <= piece_id < len(self.pieces):
             owner, name, tid = self.pieces[piece_id]
+            if owner == rank and piece_id in self.skipped:
+                raise RefitError(
+                    f"rank {rank} sent data for piece {piece_id} of {name!r}, which READY told it to skip: "
+                    "the tensor lies outside this node's share of the engine (node_rank, engine_ep); a "
+                    "client must not send the pieces READY lists under 'skip'",
+                    kind=ErrorKind.PROTOCOL,
+                    rank=rank,
+                    step=self.step,
+                )
             if owner == rank:
                 return name, tid
         shown = piece_id if type(piece_id) is int else f"<{wire_type(piece_id)}>"

@@ -158,7 +158,12 @@ class TrainerHandlers:
             self._park_begin(identity, msg)
             return
         state = self.step
-        state.begin(peer.rank, rows)
+        try:
+            state.begin(peer.rank, rows)
+        except Exception:
+            if not state.declared:  # a refused first BEGIN starts nothing: later steps must not wait on it
+                self.step = None
+            raise
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
@@ -198,6 +203,8 @@ class TrainerHandlers:
                 "pieces": state.piece_ids(rank),
                 "credit_frames": self.config.credit_frames,
             }
+            if skip := state.skipped_ids(rank):
+                fields["skip"] = skip  # pieces outside this node's share: the rank does not send them
             if peer is not None and peer.local:
                 fields["staging"] = staging
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
@@ -208,14 +215,19 @@ class TrainerHandlers:
                 fields.update({"pull": [], "mover_reason": self.pull_reason})
             if ring is not None:
                 fields["ring"] = ring.wire()
-                fields["placement"] = [list(ring.placement(state.pieces[pid][1])) for pid in fields["pieces"]]
+                fields["placement"] = [
+                    list(ring.placement(state.pieces[pid][1]))
+                    for pid in fields["pieces"]
+                    if pid not in state.skipped
+                ]
             self._send(identity, Kind.READY, fields)
         state.ready_sent = True
         self.parked = {}
         if ring is not None:
             self.ring_ranks = {}
-            for rank, name, _ in state.pieces:
-                self.ring_ranks.setdefault(ring.group_of[name], set()).add(rank)
+            for pid, (rank, name, _) in enumerate(state.pieces):
+                if pid not in state.skipped:
+                    self.ring_ranks.setdefault(ring.group_of[name], set()).add(rank)
             self._grant(ring.start())
         for name in [i.name for i in self.plan.inputs if state.tracker.tensor_complete(i.name)]:
             self._tensor_complete(name)  # zero-byte tensors complete at once
@@ -242,13 +254,15 @@ class TrainerHandlers:
                 step=state.step,
             )
         for e in self.engines.values():
-            check = check_manifest(state.specs(), self.spec, e.manifest)
+            check = check_manifest(state.specs(), self.spec, e.manifest, share=self.config.share)
             if not check.ok:
                 raise RefitError(
                     check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
                 )
         try:
-            plan = RefitPlan.build(state.specs(), self.spec, keep_bf16=next(iter(keeps), ()))
+            plan = RefitPlan.build(
+                state.specs(), self.spec, keep_bf16=next(iter(keeps), ()), share=self.config.share
+            )
             self.arenas.apply_plan(plan)
         except ValueError as exc:
             raise RefitError(
@@ -258,11 +272,12 @@ class TrainerHandlers:
             ) from None
         self.plan = plan
         log.info(
-            "plan fixed from step %d: %d inputs, %d outputs, %d units",
+            "plan fixed from step %d: %d inputs, %d outputs, %d units (%d inputs outside this node's share)",
             state.step,
             len(plan.inputs),
             len(plan.outputs),
             len(plan.units),
+            len(plan.dropped),
         )
 
     def handle_piece_done(self, identity: bytes, msg: Message) -> None:
@@ -419,6 +434,8 @@ class TrainerHandlers:
             views = self.arenas.staging.tensors()
             targets = []
             for index, (pid, row) in enumerate(zip(ids, rows)):
+                if pid in state.skipped:
+                    continue  # outside this node's share: not sent at all
                 name, offsets, shape = row[0], row[3], row[4]
                 view = views[name]
                 if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
@@ -435,7 +452,7 @@ class TrainerHandlers:
             log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
             self.pull_movers[str(rank)] = {"mover": "zmq", "reason": why}
             return {"pull": [], "mover_reason": why}
-        streamed = len(ids) - len(pull.pieces)
+        streamed = len(ids) - len(pull.pieces) - len(state.skipped_ids(rank))
         why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
         self.pull_movers[str(rank)] = {"mover": "nixl" if not streamed else "nixl+zmq", "reason": why}
         return {"pull": pull.pieces, "mover_reason": why}

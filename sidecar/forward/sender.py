@@ -49,7 +49,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +67,7 @@ from sidecar.forward.movers import (
     shm_region,
     support,
 )
+from transport.epochs import fence
 from transport.shm import Layout, Slot
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_from_name, dtype_name, encode
 
@@ -257,6 +258,8 @@ class Forwarding:
         if gen.step != job.step:
             return None  # reused by a newer step: the forwarder moves on to it
         daemon.arenas.hold(fwd.identity, gen)
+        page, epoch = daemon.arenas.epochs, daemon.arenas.epoch(gen)
+        fwd.hold_intact = lambda: page.read(gen.index) == epoch  # read by its thread after the grant
         return {name: t.reshape(-1).view(torch.uint8) for name, t in gen.arena.tensors().items()}
 
     def close(self) -> None:
@@ -301,6 +304,8 @@ class Forwarder:
         self._nixl = SourceSide(nixl_name or f"refitd-{instance}-{secrets.token_hex(4)}")
         self._reported: tuple[str, str] | None = None  # the mover (and why) last logged
         self.transfer = ""
+        #: set by the serve loop with each granted hold: whether the generation's epoch is unchanged
+        self.hold_intact: Callable[[], bool] = lambda: True
 
     # ---- any thread
 
@@ -547,12 +552,32 @@ class Forwarder:
                 with contextlib.suppress(ForwardFailed):
                     self.send(Kind.FORWARD_ABORT, {"transfer": self.transfer, "reason": "NIXL failed"})
                 raise ForwardFailed(f"NIXL to {self.endpoint} failed: {exc}") from exc
+            self._check_intact(job)
             self.send(Kind.FORWARD_COMMIT, {"transfer": self.transfer, "step": job.step})
             done = self._await({Kind.FORWARDED}, deadline)
         finally:
             del views
             self._post("release", job)
         self._acknowledged(job, done, sent, time.monotonic() - t0, mover.name)
+
+    def _check_intact(self, job: Job) -> None:
+        """Before COMMIT: if the daemon dropped this forwarder's hold and rewrote the generation while
+        its bytes were being sent (the epoch moved), what the peer received may be torn: abort the
+        transfer instead of letting the peer publish it (the next attempt sends what is live then)."""
+        fence()  # the epoch re-read may not pass the sends' reads of the generation
+        if self.hold_intact():
+            return
+        with contextlib.suppress(ForwardFailed, zmq.ZMQError):
+            self.send(
+                Kind.FORWARD_ABORT,
+                {"transfer": self.transfer, "reason": "the generation was rewritten meanwhile"},
+            )
+        raise ForwardFailed(
+            f"generation {job.generation} (step {job.step}) was rewritten while it was being sent: the daemon "
+            "dropped the forwarder's hold (reader_timeout_s) and a newer step was written into it, so the bytes "
+            "sent may be torn; the transfer was aborted, not committed. Keep forward_timeout_s below "
+            "reader_timeout_s"
+        )
 
     def _acknowledged(self, job: Job, reply: Message, sent: int, seconds: float, mover: str | None) -> None:
         self._done, self._peer_instance = job, reply.get("instance")

@@ -16,7 +16,8 @@ every published step: wait_ranks, validate, receive, quantize, quantize_tail, pu
 ``last_published_step`` (the live generation), ``last_publish_timestamp_seconds``,
 ``engines_attached``, ``quant_sqnr_db{format}`` (see below), ``step_failures_total{kind}`` (one
 series per ErrorKind, from 0), ``message_errors_total{kind}`` (messages answered with an error, one
-series per ErrorKind) and ``internal_errors_total`` (bugs met handling a message), ``engine_loads_total``, ``engine_load_failures_total`` and
+series per ErrorKind) and ``internal_errors_total`` (bugs met handling a message), ``holds_revoked_total`` (reader holds a
+step dropped after ``reader_timeout_s``), ``engine_loads_total``, ``engine_load_failures_total`` and
 ``engine_load_seconds``; and the standard ``process_*`` series (CPU, memory, open files).
 
 Quantization quality is sampled, not measured: every :data:`SQNR_EVERY_STEPS` published steps
@@ -178,6 +179,12 @@ class MetricsObserver(Observer):
             "Bugs met while handling a message (each logged with its traceback; the daemon serves on)",
             registry=r,
         )
+        self.holds_revoked = Counter(
+            "refitd_holds_revoked",
+            "Reader holds dropped after reader_timeout_s because a step needed the generation (the reader "
+            "is told; a copy it was still making may be torn)",
+            registry=r,
+        )
         self.loads = Counter("refitd_engine_loads", "Engine worker acknowledgements of a step", registry=r)
         self.load_failures = Counter(
             "refitd_engine_load_failures",
@@ -269,6 +276,9 @@ class MetricsObserver(Observer):
         self.message_errors.labels(kind=kind.value).inc()
         if kind is ErrorKind.INTERNAL:
             self.internal_errors.inc()
+
+    def on_hold_revoked(self, daemon: Daemon, reader: str, generation: int, step: int | None) -> None:
+        self.holds_revoked.inc()
 
     def on_step_loaded(self, daemon: Daemon, report: dict[str, Any]) -> None:
         for row in report["results"]:

@@ -48,6 +48,9 @@ class Observer:
     def on_message_error(self, daemon: Daemon, kind: ErrorKind) -> None:
         """A message was answered with an error of ``kind`` (``internal``: a bug met handling it)."""
 
+    def on_hold_revoked(self, daemon: Daemon, reader: str, generation: int, step: int | None) -> None:
+        """A step claimed ``generation`` while ``reader`` still held it (after reader_timeout_s)."""
+
     def on_stopping(self, daemon: Daemon) -> None:
         """The daemon is shutting down (before arenas are freed)."""
 

@@ -21,7 +21,7 @@ import torch
 
 from adapters.manifest import Manifest
 from sidecar.numerics.formats import FP8_DTYPE, MX_BLOCK, Format
-from sidecar.plan.build import ExpertProj, RefitPlan, RefitSpec, Role, TensorSpec
+from sidecar.plan.build import EngineLayout, ExpertProj, RefitPlan, RefitSpec, Role, TensorSpec
 from sidecar.plan.models import get_model
 
 MAX_LISTED = 40
@@ -69,11 +69,21 @@ def engine_bf16_modules(manifest: Manifest, model_type: str) -> frozenset[str]:
     return frozenset(keep)
 
 
-def check_manifest(inputs: Iterable[TensorSpec], spec: RefitSpec, manifest: Manifest) -> AttachCheck:
-    """Plan ``inputs`` under ``spec`` with the manifest's BF16 experts kept, and list every mismatch."""
+def check_manifest(
+    inputs: Iterable[TensorSpec],
+    spec: RefitSpec,
+    manifest: Manifest,
+    *,
+    share: tuple[EngineLayout, int] | None = None,
+) -> AttachCheck:
+    """Plan ``inputs`` under ``spec`` with the manifest's BF16 experts kept, and list every mismatch.
+
+    ``share=(layout, node)``: the daemon publishes one node's share; ``inputs`` are then every input
+    (``RefitPlan.source``), the other nodes' experts included, and the engine must expect no more
+    than the share."""
     keep = engine_bf16_modules(manifest, spec.model_type)
     try:
-        plan = RefitPlan.build(list(inputs), spec, keep_bf16=keep)
+        plan = RefitPlan.build(list(inputs), spec, keep_bf16=keep, share=share)
     except ValueError as exc:
         return AttachCheck(None, keep, [f"the plan cannot be built with the engine's BF16 experts: {exc}"])
     check = AttachCheck(plan, keep)

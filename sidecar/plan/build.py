@@ -694,6 +694,9 @@ class RefitPlan:
     share: tuple[EngineLayout, int] | None = None
     #: inputs outside the node's share: per-expert tensors of other nodes' experts, not planned
     dropped: frozenset[str] = frozenset()
+    #: every input given to :meth:`build`, the dropped ones included: what a re-plan of the same
+    #: share starts from (the attach check re-plans for an engine's BF16 modules)
+    source: tuple[TensorSpec, ...] = ()
     #: ``units_for_input``'s answers, made once (the daemon asks for every input of every step)
     _input_units: Mapping[str, tuple[Unit, ...]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -723,7 +726,7 @@ class RefitPlan:
         experts outside its expert-parallel share are left out (per-expert inputs are ``dropped``,
         slabs publish only the node's experts). Raises ValueError listing every problem found.
         """
-        inputs = tuple(TensorSpec.coerce(s) for s in specs)
+        inputs = source = tuple(TensorSpec.coerce(s) for s in specs)
         dupes = sorted(n for n, c in Counter(i.name for i in inputs).items() if c > 1)
         if dupes:
             raise ValueError(f"input names must be unique; repeated: {dupes}")
@@ -784,6 +787,7 @@ class RefitPlan:
             _units_of_input={n: tuple(ix) for n, ix in units_of.items()},
             share=share,
             dropped=dropped,
+            source=source,
         )
 
     @staticmethod

@@ -11,7 +11,7 @@ import torch
 from sidecar.numerics import kernels
 from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import Format
-from sidecar.plan.build import OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
+from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 
 __all__ = ["convert", "iter_convert", "run_passthroughs", "run_unit"]
 
@@ -119,14 +119,16 @@ def convert(
     spec: RefitSpec,
     *,
     keep_bf16: Collection[str] = (),
+    share: tuple[EngineLayout, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Convert a whole state dict; returns every output in plan order.
 
     Passthrough outputs are the input tensors themselves (aliases, not copies): clone them if the
-    source will be modified while the result is in use.
+    source will be modified while the result is in use. ``share=(layout, node)`` converts only what
+    that node publishes (``RefitPlan.build``); the inputs it drops are not read.
     """
     tensors = dict(_pairs(named_tensors))
-    plan = RefitPlan.build(list(tensors.items()), spec, keep_bf16=keep_bf16)
+    plan = RefitPlan.build(list(tensors.items()), spec, keep_bf16=keep_bf16, share=share)
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         out.update(_run_allocating(unit, tensors))

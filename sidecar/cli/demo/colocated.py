@@ -149,8 +149,9 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
         attached.set()
         ids = sample_inputs(live.vocab_size, batch=4, seq=32)
         for step in range(steps):
-            loaded = worker.load_next(min_step=step, timeout=120)
-            state = weights(step, kwargs)
+            # a load found torn (its hold revoked, HoldRevoked) is refused and the next generation loaded
+            loaded = worker.load_intact(min_step=step, timeout=120)
+            state = weights(loaded.step, kwargs)
             oracle = ReferenceEngine.from_config(config, expert_format=fmt)
             oracle.load(convert(state, spec))
             exact = all(torch.equal(_bytes(p), _bytes(oracle.params[n])) for n, p in live.params.items())
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             with RefitReader(endpoint, name="demo-status", timeout=120) as status:
                 previous = None
                 for step in range(args.steps):
-                    checked = verifier.worker.load_next(min_step=step, timeout=120)
+                    checked = verifier.worker.load_intact(min_step=step, timeout=120)
                     bad = verifier.checked.get(checked.step, ["(not checked)"])
                     expected = convert(weights(checked.step, kwargs), spec)
                     record = next(h for h in status.status()["history"] if h["step"] == checked.step)

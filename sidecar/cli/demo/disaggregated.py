@@ -149,7 +149,7 @@ def run_disaggregated(args: argparse.Namespace) -> int:
                     gate.wait(timeout=300)
                     nodes = []
                     for i, verifier in enumerate(verifiers):
-                        checked = verifier.worker.load_next(min_step=step, timeout=120)
+                        checked = verifier.worker.load_intact(min_step=step, timeout=120)
                         loaded = results[i].get(timeout=120)
                         bad = verifier.checked.get(checked.step, ["(not checked)"])
                         nodes.append({"published_exact": not bad, "mismatches": bad[:5], **loaded})

@@ -4,17 +4,21 @@ A step is written into the generation no reader can be handed (never the live on
 published by flipping ``live``. Readers hold the generation they were given until they release it;
 the daemon reuses a generation only when nobody holds it, or after ``reader_timeout_s`` has passed
 since it first needed it, dropping the holds of readers that vanished or hung (and saying so).
+Claiming a generation bumps its epoch (transport.epochs) before any byte goes into it, so a reader
+whose hold was dropped while it still copied finds out its copy may be torn.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.config.settings import ArenaKind
 from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.plan.build import RefitPlan
+from transport.epochs import EpochPage
 from transport.shm import Arena, Layout, ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
@@ -50,8 +54,13 @@ class Arenas:
         self.staging_regions = staging_regions
         self.ring: RingStaging | None = None
         self.generations: list[Generation] = []
+        self.epochs: EpochPage | None = None
+        #: called with (reader identity, generation, step it held) for each hold dropped by a claim
+        self.on_revoke: Callable[[bytes, Generation, int | None], None] | None = None
+        self.revoked_holds = 0  # holds dropped because a step needed the generation (status, metrics)
         self.staging = self._create("staging", staging_bytes)
         try:
+            self.epochs = EpochPage.create(segment_name(prefix, "epochs"), N_GENERATIONS)
             for i in range(N_GENERATIONS):
                 self.generations.append(Generation(i, self._create(f"gen{i}", publish_bytes)))
         except BaseException:
@@ -115,7 +124,8 @@ class Arenas:
     def segment_names(self) -> list[str]:
         """The POSIX shared-memory segments (crash clean-up of /dev/shm); GPU memory dies with us."""
         arenas = [self.staging, *(g.arena for g in self.generations)]
-        return [a.name for a in arenas if getattr(a, "kind", "shm") == "shm"]
+        page = [] if self.epochs is None else [self.epochs.name]
+        return [a.name for a in arenas if getattr(a, "kind", "shm") == "shm"] + page
 
     def all_arenas(self) -> list[Arena]:
         return [self.staging, *(g.arena for g in self.generations)]
@@ -131,7 +141,12 @@ class Arenas:
         return self.generations[index]
 
     def claim_target(self, now: float, reader_timeout_s: float) -> Generation | None:
-        """The target generation if it is free (dropping holds that timed out), else None."""
+        """The target generation if it is free (dropping holds that timed out), else None.
+
+        Every path that writes a step into a generation (a trainer step, staged whole or through the
+        ring, on host or GPU arenas; a forwarded step on an inference node) claims it here first, so
+        its epoch is bumped before the first byte is written: a reader still copying out of it
+        after its hold was dropped sees the epoch change (``adapters.base.Generation.intact``)."""
         gen = self.target()
         if gen.holders:
             if gen.needed_since is None:
@@ -145,10 +160,32 @@ class Arenas:
                 len(gen.holders),
                 reader_timeout_s,
             )
+            revoked, held_step = list(gen.holders), gen.step
             gen.holders.clear()
+            self.revoked_holds += len(revoked)
+            for identity in revoked:
+                self._revoked(identity, gen, held_step)
         gen.needed_since = None
         gen.step = None  # from here on it is being written: nobody may be handed it
+        self.epochs.bump(gen.index)  # before any byte of the new step: readers can tell
         return gen
+
+    def _revoked(self, identity: bytes, gen: Generation, held_step: int | None) -> None:
+        """Tell the owner (the daemon says so to the reader); never let that stop the claim."""
+        if self.on_revoke is None:
+            return
+        try:
+            self.on_revoke(identity, gen, held_step)
+        except Exception:  # the claim goes on: the epoch still tells the reader
+            log.exception(
+                "telling reader %s that its hold on generation %d was dropped failed",
+                identity.hex()[:16],
+                gen.index,
+            )
+
+    def epoch(self, gen: Generation) -> int:
+        """The epoch ``gen`` is at now: the one a reader handed it is given to compare with later."""
+        return self.epochs.read(gen.index)
 
     def publish(self, gen: Generation, step: int) -> None:
         gen.step = step
@@ -175,6 +212,9 @@ class Arenas:
         for arena in [self.staging, *(g.arena for g in self.generations)]:
             arena.close()
             arena.unlink()
+        if self.epochs is not None:
+            self.epochs.close()
+            self.epochs.unlink()
 
 
 def layouts(plan: RefitPlan) -> tuple[Layout, Layout]:
