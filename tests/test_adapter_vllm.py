@@ -810,6 +810,30 @@ def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_da
     assert check_manifest(plan_from_hf_config(config, spec).inputs, spec, ep).ok
 
 
+def test_a_running_daemon_refuses_a_tp4_vllm_worker_that_skipped_its_own_check(daemons):
+    """The daemon's half of the fix, over its control socket: a vLLM worker whose experts split I = 768
+    four ways (192 per rank) attaches to a block-FP8 daemon with the adapter's check bypassed; the
+    daemon's attach check refuses it, naming the setting to change, and the worker is not attached."""
+    from adapters.engine import EngineWorker
+
+    config = make_hf_config("qwen3_moe", num_layers=1, num_experts=2, hidden=256, intermediate=768)
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    manifest = av.build_manifest(
+        vllm_parameters(config, quant, tp=4, unchecked=True), config, quant, tp_size=4
+    )
+    d = daemons(hf_config=config, format="block_fp8")
+    worker = EngineWorker(
+        d.endpoint, name="vllm-rank0", manifest=manifest, load=lambda g: None, check=lambda m: []
+    )
+    with pytest.raises(RefitError) as info:
+        worker.attach(timeout=30)
+    text = str(info.value)
+    assert "768/4 = 192 to be a multiple of 128" in text and "enable_expert_parallel=True" in text, text
+    worker.detach()
+    assert d.status()["readers"] == []  # the refused worker never counted as attached
+
+
 def test_engine_worker_refuses_a_vllm_or_trtllm_manifest_without_its_adapters_check():
     """The adapter's own check is not optional: an EngineWorker for a vLLM manifest built without
     ``check=`` refuses to attach (a TypeError naming the check) instead of skipping the engine's rules."""
