@@ -260,8 +260,12 @@ def test_node_config_file_reads_back_as_the_same_settings(tmp_path):
         "REFITD_FORMAT": "bf16",
         "REFITD_STEP_TIMEOUT_S": "7",
     }
+    from sidecar.cli.keygen import write_keypair
+
+    key, pub = write_keypair(tmp_path, "node")  # an inference node takes forwarding only over CURVE
+    curve = ["--curve-secret-key", str(key), "--curve-allowed-keys", str(pub), "--curve-server-key", str(pub)]
     config = refitd_ray.ray_config(
-        ["--runtime-dir", str(tmp_path / "run"), "--ignore", "*.layers.0.mlp"], env=env
+        ["--runtime-dir", str(tmp_path / "run"), "--ignore", "*.layers.0.mlp", *curve], env=env
     )
     assert (config.world_size, config.format.value, config.step_timeout_s) == (4, "bf16", 7.0)
     node = refitd_ray.node_config(config, group="g", node_id="ab" * 28, layout=NodeLayout.COLOCATED)
