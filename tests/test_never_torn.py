@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from support.daemons import RunningDaemon, daemon_factory
 from support.net import free_port
+from support.waiting import wait_until
 
 from adapters.base import Generation, RefitReader
 from adapters.engine import EngineWorker
@@ -80,13 +80,8 @@ def exact(copy: dict[str, torch.Tensor], step: int) -> bool:
 
 
 def wait_for(predicate, what: str, timeout: float = REPLY_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)  # polling a condition with a deadline, not waiting a fixed time
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+    """``predicate()``'s first truthy value within ``timeout`` (support.waiting.wait_until)."""
+    return wait_until(what, predicate, timeout=timeout, interval=0.02)
 
 
 def held_then_overwritten(d, reader: RefitReader) -> Generation:
