@@ -10,14 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.daemon import coverage
-from sidecar.daemon.coverage import (
-    CoverageError,
-    CoverageTracker,
-    FrameError,
-    Piece,
-    check_cover,
-    validate_piece,
-)
+from sidecar.daemon.coverage import CoverageError, Piece, check_cover, validate_piece
+from sidecar.daemon.tracker import CoverageTracker, FrameError
 
 SLAB = "model.layers.3.mlp.experts.gate_up_proj"
 HINT = (

@@ -638,8 +638,8 @@ def test_views_first_made_by_the_worker_stay_writable_by_the_serve_loop():
         worker.submit(
             0,
             unit,
-            lambda: {n: staging.tensor(n) for n in unit.inputs},
-            lambda: {o.name: target.tensor(o.name) for o in unit.outputs},
+            {n: staging.tensor(n) for n in unit.inputs},
+            {o.name: target.tensor(o.name) for o in unit.outputs},
         )
         try:
             done = worker.results.get(timeout=30)

@@ -41,7 +41,7 @@ from sidecar.client.client import RefitClient
 from sidecar.config.settings import EXIT_CONFIG
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.movers import descriptors
-from sidecar.forward.sender import Job
+from sidecar.forward.types import Job
 from sidecar.plan.build import RefitSpec, convert
 from transport.nixl import available as nixl_available
 from transport.shm import ALIGN

@@ -421,7 +421,7 @@ class Fuzz:
         """No BEGIN queued and no unit in the worker: the next example starts from the same state
         whatever the timing (read from the test thread; the serve loop only appends and counts)."""
         worker = self.d.daemon.worker
-        return not self.d.daemon.pending and (worker is None or worker.inflight == 0)
+        return not self.d.daemon.trainers.pending and (worker is None or worker.inflight == 0)
 
     def check_healthy(self, what: str) -> None:
         """Alive, the same instance, nothing wedged, and the live generation byte for byte unchanged."""
@@ -433,7 +433,7 @@ class Fuzz:
                 break
             assert time.monotonic() < deadline, (
                 f"after {what}, step {st_['step_in_progress']} stayed in progress once every peer left "
-                f"(pending BEGINs: {len(self.d.daemon.pending)})"
+                f"(pending BEGINs: {len(self.d.daemon.trainers.pending)})"
             )
             time.sleep(0.02)  # polling the daemon's own state, bounded by the deadline above
         st_ = self.status()  # after whatever the loop did while it went quiet

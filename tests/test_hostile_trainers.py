@@ -562,7 +562,7 @@ def test_begins_repeated_for_a_later_step_are_kept_once(start, pool):
             raw.send(Kind.BEGIN, {"step": 3, "pieces": rows})
         raw.send(Kind.PING, {})
         raw.expect(Kind.PONG)  # every BEGIN before it was handled
-        assert len(d.daemon.pending) == 1
+        assert len(d.daemon.trainers.pending) == 1
         raw.send(Kind.ABORT, {"step": 2, "reason": "test"})
         assert raw.error().kind is ErrorKind.ABORTED and failure(honest).kind is ErrorKind.ABORTED
         assert d.status()["live"]["step"] == 1

@@ -941,13 +941,14 @@ def test_worker_checks_the_kernels_flags_once_per_batch(monkeypatch):
         release = threading.Event()
         first = plan.units[0]
 
-        def held():
-            release.wait(30)  # the other units queue up behind this one and run as one batch
-            return {n: tensors[n] for n in first.inputs}
+        class Held(dict):
+            def __getitem__(self, name):
+                release.wait(30)  # the other units queue up behind this one and run as one batch
+                return super().__getitem__(name)
 
-        worker.submit(0, first, held, lambda: outputs)
+        worker.submit(0, first, Held({n: tensors[n] for n in first.inputs}), outputs)
         for unit in plan.units[1:]:
-            worker.submit(0, unit, lambda unit=unit: {n: tensors[n] for n in unit.inputs}, lambda: outputs)
+            worker.submit(0, unit, {n: tensors[n] for n in unit.inputs}, outputs)
         release.set()
         done = {d.unit: d for d in (worker.results.get(timeout=120) for _ in plan.units)}
     finally:

@@ -191,7 +191,8 @@ def test_a_handler_bug_is_answered_as_internal_counted_and_the_loop_serves_on(st
         calls.append(msg.kind)
         raise _Unprintable()
 
-    d.daemon.handle_wait = broken
+    real = d.daemon.routes[Kind.WAIT]
+    d.daemon.routes[Kind.WAIT] = (None, broken)  # any peer: this raw one never attached
     peer = RawPeer(d.endpoint)
     try:
         peer.send(Kind.WAIT, {"min_step": 1})
@@ -201,7 +202,7 @@ def test_a_handler_bug_is_answered_as_internal_counted_and_the_loop_serves_on(st
         assert err.kind is ErrorKind.INTERNAL and "WAIT" in err.message, err
     finally:
         peer.close()
-    del d.daemon.handle_wait  # the class's own handler again
+    d.daemon.routes[Kind.WAIT] = real  # the engines component's own handler again
     assert calls == [Kind.WAIT] and d.thread.is_alive()
     counts = d.status()["message_errors"]
     assert counts.get("internal") == 1, counts
@@ -446,7 +447,7 @@ def test_a_bug_outside_any_message_is_logged_counted_and_the_loop_turns_on(start
     """A timer that raises once (a bug outside any one message) no longer ends the serve loop: it
     is logged, counted as internal, and the next turn goes on; an honest step then publishes."""
     d = start()
-    real, raised = d.daemon._forward_timers, []
+    real, raised = d.daemon.receiver.timers, []
 
     def broken(now: float) -> None:
         if not raised:
@@ -454,7 +455,7 @@ def test_a_bug_outside_any_message_is_logged_counted_and_the_loop_turns_on(start
             raise RuntimeError("a bug in a timer")
         real(now)
 
-    d.daemon._forward_timers = broken
+    d.daemon.receiver.timers = broken
     wait_until("the broken timer ran", lambda: raised, timeout=REPLY_S)
     publish_and_check(d.endpoint, 1, seed=41)
     assert d.thread.is_alive() and d.status()["message_errors"].get("internal") == 1

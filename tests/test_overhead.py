@@ -179,8 +179,8 @@ def submit_all(w: Worker, plan: RefitPlan, srcs: dict, outs: dict, step: int = 0
         w.worker.submit(
             step,
             u,
-            lambda u=u: {n: srcs[n] for n in u.inputs},
-            lambda u=u: {o.name: outs[o.name] for o in u.outputs},
+            {n: srcs[n] for n in u.inputs},
+            {o.name: outs[o.name] for o in u.outputs},
         )
 
 
@@ -190,11 +190,18 @@ def blocker(w: Worker, release) -> None:
     u = plan.units[0]
     src, dst = torch.ones(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
 
-    def inputs():
-        release.get(timeout=30)
-        return {u.inputs[0]: src}
+    class Held(dict):
+        """The worker reads its inputs only once it runs the unit: the first read waits."""
 
-    w.worker.submit(99, u, inputs, lambda: {u.outputs[0].name: dst})
+        waited = False
+
+        def __getitem__(self, name):
+            if not self.waited:
+                self.waited = True
+                release.get(timeout=30)
+            return super().__getitem__(name)
+
+    w.worker.submit(99, u, Held({u.inputs[0]: src}), {u.outputs[0].name: dst})
 
 
 def test_worker_runs_a_batch_like_one_by_one(qworker):

@@ -87,6 +87,10 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol; the receiver refuses it and keeps serving."""
 
 
+class HeaderTooLarge(ProtocolError):
+    """A message header over ``Limits.max_header_bytes`` (a BEGIN of very many pieces, most likely)."""
+
+
 #: how much of a peer-supplied value an error message quotes
 _QUOTE = reprlib.Repr()
 _QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict, _QUOTE.maxset = 3, 4, 4, 4, 4
@@ -144,7 +148,7 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
     raw = frames[0]
     raw = raw.bytes if hasattr(raw, "bytes") else bytes(raw)
     if len(raw) > limits.max_header_bytes:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}")
+        raise HeaderTooLarge(f"header of {len(raw)} bytes exceeds the limit of {limits.max_header_bytes}")
     for i, frame in enumerate(frames[1:]):
         size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
         if size > limits.max_frame_bytes:

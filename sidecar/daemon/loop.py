@@ -1,7 +1,12 @@
 """The refitd serve loop: trainer ranks push, the daemon seals, quantizes and publishes generations.
 
-One ROUTER socket carries every peer (trainer clients and engine readers); a message is dispatched
-to ``handle_<kind>``. The loop is single-threaded: only the quantization worker runs beside it.
+One ROUTER socket carries every peer (trainer clients, engine readers, forwarders). The loop owns
+the sockets and one routing table ``{Kind: (PeerRole, handler)}``: a request's role is checked once,
+before any handler runs. The handlers live in components built with the loop as their narrow
+context (sidecar.daemon.context): trainers (sidecar.daemon.trainers), engines and readers
+(sidecar.daemon.engines), the step's pipeline (sidecar.daemon.pipeline), NIXL pulls
+(sidecar.daemon.pull) and inbound forwarding (sidecar.forward.receiver). The loop is
+single-threaded: only the quantization worker (and, on a trainer node, the forwarders) run beside it.
 
 Lifecycle::
 
@@ -24,9 +29,8 @@ import json
 import logging
 import os
 import secrets
-import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,40 +43,48 @@ from sidecar.config.settings import (
     DaemonConfig,
     DrainMode,
     NodeRole,
-    default_listen,
-    tcp_host,
 )
-from sidecar.daemon.engines import Peer, ReaderHandlers
-from sidecar.daemon.load_rounds import EngineState, LoadRound, new_round
+from sidecar.daemon import status as status_report
+from sidecar.daemon.engines import Engines
 from sidecar.daemon.memory.generations import Arenas
-from sidecar.daemon.pull import PullSide, keep_signal_handlers
-from sidecar.daemon.pull import support as pull_support
+from sidecar.daemon.peers import Peers
+from sidecar.daemon.pipeline import Pipeline
+from sidecar.daemon.pull import Pulls, keep_signal_handlers
+from sidecar.daemon.setup import bind, make_arenas, record_segments, segments_file
 from sidecar.daemon.step import StepState
-from sidecar.daemon.trainers import TrainerHandlers
+from sidecar.daemon.trainers import Trainers
 from sidecar.daemon.worker import QuantWorker
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.forward.sender import FORWARD_KINDS, Forwarding, ForwardReceiver, curve_user_id, forward_keys
+from sidecar.forward.receiver import Receiver
+from sidecar.forward.sender import Forwarding
+from sidecar.forward.types import FORWARD_KINDS, curve_user_id
 from sidecar.numerics import kernels
-from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.ops.observers import Observer, notify
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import get_model
-from transport.control import bind_control
-from transport.gpus import arena_placements, local_gpus
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
+from sidecar.protocol.enums import PeerRole
+from transport.wire import HeaderTooLarge, Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
 
 MAX_MESSAGES_PER_TICK = 256
-MAX_REMEMBERED_FAILURES = 8
 CLOSE_LINGER_MS = 500
 MAX_ERROR_CHARS = 16384  # the longest error message sent to a peer (a manifest mismatch lists many names)
 MAX_QUOTE_CHARS = 300  # how much of an exception's repr an INTERNAL error quotes
 GENERIC_INT_FIELDS = ("step", "rank")  # integers (or nil) in whichever message carries them
+#: what a peer without the role a request needs is told, per role
+INTRODUCE = {
+    PeerRole.TRAINER: "say HELLO first (the daemon restarted, or this peer never introduced itself)",
+    PeerRole.READER: "ATTACH first (the daemon restarted, or this reader never attached)",
+}
+
+Handler = Callable[[bytes, Message], None]
 
 
-class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
+class Daemon:
+    """The serve loop: sockets, the routing table, the step's lifecycle; handlers in components."""
+
     def __init__(self, config: DaemonConfig, *, observers: Iterable[Observer] = ()):
         self.config = config
         self.observers: list[Observer] = list(observers)
@@ -84,31 +96,20 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         )
         hf_config = json.loads(Path(config.hf_config).read_text()) if config.hf_config is not None else None
         self.spec = refit_spec(config, hf_config)
-        self.plan: RefitPlan | None = None
+        self.plan: RefitPlan | None = None  # set here or by adopt_plan, nowhere else
         self.arenas: Arenas | None = None
-        self.peers: dict[bytes, Peer] = {}
-        self.step: StepState | None = None
-        self.target = None  # the Generation the step in progress writes
-        self.deferred: list = []  # units ready before the target generation was free
-        self.pending: list[tuple[bytes, Message]] = []  # BEGINs for a later step
-        # step -> (error, ranks told, event number of the failure)
-        self.failures: dict[int, tuple[RefitError, set[int], int]] = {}
+        self.peers = Peers()
+        self.step: StepState | None = None  # the step in progress: ending it is dropping this object
         self.events = 0  # counts HELLOs and failures, to order them
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
-        self._credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
         self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
-        self.next_reader_check = 0.0  # when to look for readers silent past reader_timeout_s next
-        self.blocked: dict[str, Any] | None = None  # the step's generation, held by readers (status)
-        self.engines: dict[bytes, EngineState] = {}  # attached engine workers, with their manifests
-        self.forwarded_steps: dict[str, tuple[str, int]] = {}  # inference node: trainer key -> (source, step)
-        self.rounds: dict[int, LoadRound] = {}  # published steps still waiting for engine acks
         self._stop = False
         self._force = False  # a second stop request: no draining
-        self._draining = False  # stopping after the step in flight: new steps are refused
+        self.draining = False  # stopping after the step in flight: new steps are refused
         self._reload = None  # SIGHUP: a callable returning the new config, applied on the loop
         self._closed = False
-        self.ctx = zmq.Context()
+        self.zmq_ctx = zmq.Context()  # (the components' ``ctx`` is this loop itself)
         self.router: zmq.Socket | None = None
         self.wake: zmq.Socket | None = None
         self.worker: QuantWorker | None = None
@@ -116,61 +117,42 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.auth = None  # the ZAP handler enforcing curve_allowed_keys
         self.local_listen: str | None = None  # ipc:// beside a tcp:// listen, for this node's engines
         self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
-        self.pull: PullSide | None = None  # NIXL READs of remote trainers' shards (sidecar.daemon.pull)
-        self.pull_ok, self.pull_reason = False, "not started"
         self.quantizer: kernels.WarmUp | None = None  # which quantizer runs, and why (status, metrics)
-        self.pull_movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
+        # the components, each given this loop as its narrow context (sidecar.daemon.context)
+        self.pipeline = Pipeline(self)
+        self.pulls = Pulls(self)
+        self.engine_side = Engines(self)
+        self.engines = self.engine_side.engines  # attached engine workers (observers read it)
+        self.trainers = Trainers(self, self.pipeline, self.pulls, self.engine_side)
+        self.receiver = Receiver(self)
+        self.routes: dict[Kind, tuple[PeerRole | None, Handler]] = {
+            **self.trainers.routes(),
+            **self.engine_side.routes(),
+            **self.receiver.routes(),
+            Kind.STATUS: (None, self._status),
+        }
+
         if config.hf_config is not None:
             self.plan = plan_from_hf_config(hf_config, self.spec, share=config.share)
-        regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
-        self.parked: dict[int, list] = {}  # staging ring: ready units whose group holds no region yet
-        self.ring_ranks: dict[int, set[int]] = {}  # staging ring: group -> ranks holding part of it
-        if self.plan is not None:
-            self.arenas = Arenas.for_plan(
-                self.prefix,
-                self.plan,
-                staging_bytes=config.staging_bytes,
-                publish_bytes=config.publish_bytes,
-                kind=config.arena,
-                gpu=config.gpu,
-                staging_regions=regions,
-            )
-        elif config.publish_bytes is not None and (
-            config.staging_bytes is not None or config.role is NodeRole.INFERENCE
-        ):
-            self.arenas = Arenas(
-                self.prefix,
-                staging_bytes=config.staging_bytes or 4096,
-                publish_bytes=config.publish_bytes,
-                kind=config.arena,
-                gpu=config.gpu,
-                staging_regions=regions,
-            )
-        else:
-            raise RefitError(
-                "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "
-                "start, or both staging_bytes and publish_bytes (an inference node of a disaggregated "
-                "layout needs only publish_bytes)",
-                kind=ErrorKind.CAPACITY,
-            )
-        self.arenas.on_revoke = self._hold_revoked  # tell a reader whose hold a step drops
-        self._record_segments()
-
-    # ------------------------------------------------------------------------------------------
-    # lifecycle
+        self.arenas = make_arenas(self.prefix, config, self.plan)
+        self.arenas.on_revoke = self.engine_side.hold_revoked  # tell a reader whose hold a step drops
+        record_segments(config, self.arenas.segment_names())
 
     def start(self) -> None:
-        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router = self.zmq_ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.LINGER, 0)
-        self._bind()
+        self.auth, self.local_listen, self.receiver.forward_keys = bind(
+            self.router, self.zmq_ctx, self.config
+        )
         wake_endpoint = f"inproc://refitd-wake-{self.instance}"
-        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake = self.zmq_ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
-        self.worker = QuantWorker(self.ctx, wake_endpoint)
+        self.worker = QuantWorker(self.zmq_ctx, wake_endpoint)
         self.quantizer = self._warm_up()
         if self.config.role is NodeRole.TRAINER:
-            self.forwarding = Forwarding(self.ctx, wake_endpoint, self.config, self.instance)
+            self.forwarding = Forwarding(self.zmq_ctx, wake_endpoint, self.config, self.instance)
+            self.pipeline.forwarding = self.forwarding
             self.forwarding.start()
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -182,50 +164,8 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             self.config.world_size,
             self.spec.fmt.value,
         )
-        self.pull_ok, self.pull_reason = pull_support(self.arenas.staging)
-        if self.pull_ok and self.arenas.staging_regions:
-            self.pull_ok, self.pull_reason = (
-                False,
-                (
-                    f"staging is a ring of {self.arenas.staging_regions} regions (staging_regions): remote shards "
-                    "travel as ZeroMQ frames, a layer group at a time"
-                ),
-            )
-        if not self.pull_ok:
-            log.info("remote trainer shards travel as ZeroMQ frames: %s", self.pull_reason)
+        self.pulls.probe(self.arenas.staging, self.arenas.staging_regions)
         notify(self.observers, "on_ready", self)
-
-    def _bind(self) -> None:
-        """The control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
-        beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines."""
-        from sidecar.cli import keygen
-
-        cfg = self.config
-        tcp = tcp_host(cfg.listen) is not None
-        if tcp and cfg.curve_secret_key is not None:
-            try:
-                public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
-                allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
-                self.forward_keys = forward_keys(cfg, allowed)
-            except (OSError, ValueError) as exc:
-                raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
-            self.auth = keygen.start_authenticator(self.ctx, allowed)
-            keygen.set_server(self.router, public, secret)
-            self.router.bind(cfg.listen)
-            keygen.unset_server(self.router)
-            log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
-        else:
-            try:
-                bind_control(self.router, cfg.listen)  # an ipc:// socket file: 0600 whatever the umask
-            except OSError as exc:
-                raise RefitError(str(exc), kind=ErrorKind.INVALID) from None
-        if tcp:
-            local = default_listen(cfg.runtime_dir)
-            try:
-                bind_control(self.router, local)
-                self.local_listen = local
-            except (zmq.ZMQError, OSError) as exc:
-                log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
 
     @property
     def ready(self) -> bool:
@@ -277,7 +217,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         """On stop: with drain=finish, let the step in flight publish (or fail) within shutdown_timeout_s."""
         if self.step is None or self.config.drain is not DrainMode.FINISH:
             return
-        self._draining = True
+        self.draining = True
         deadline = time.monotonic() + self.config.shutdown_timeout_s
         log.info(
             "draining: waiting up to %.0f s for step %d to finish",
@@ -291,7 +231,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         """One turn of the loop: messages, worker results, timers."""
         if timeout_ms is None:
             timeout_ms = int(max(10, min(100, self.config.heartbeat_interval_s * 250)))
-        if self._forward_nixl_busy() or (self.pull is not None and self.pull.inflight):
+        if self.receiver.busy() or self.pulls.busy:
             timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
         # A step of many tensors allocates many small objects per turn (pieces, units, results): one
@@ -311,7 +251,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                     self.wake.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-        self._drain_worker()
+        self.pipeline.drain_worker()
         if self.router in events:
             for _ in range(MAX_MESSAGES_PER_TICK):
                 try:
@@ -319,12 +259,12 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 except zmq.Again:
                     break
                 self._serve_message(frames)
-            self._flush_credits()
-        self._drain_worker()
+            self.trainers.flush_credits()
+        self.pipeline.drain_worker()
         if self.forwarding is not None:
             self.forwarding.drain(self)
-        self._forward_progress()
-        self._pull_progress()
+        self.receiver.progress()
+        self.pulls.progress()
         now = time.monotonic()
         if self.forwarding is not None:
             # a forwarder thread may have created a UCX backend, which replaces SIGHUP's disposition
@@ -340,17 +280,15 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self._closed = True
         notify(self.observers, "on_stopping", self)
         if self.step is not None:
-            self._fail_step(
+            self.fail_step(
                 RefitError("the daemon is shutting down", kind=ErrorKind.SHUTDOWN, step=self.step.step)
             )
         if self.worker is not None:
             self.worker.close()
         if self.forwarding is not None:
             self.forwarding.close()
-        self._forward_close()
-        if self.pull is not None:
-            self.pull.close()
-            self.pull = None
+        self.receiver.close()
+        self.pulls.close()
         if self.arenas is not None:
             self.arenas.close()
         if self.router is not None:
@@ -359,16 +297,13 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             self.wake.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.term()
+        self.zmq_ctx.term()
         for listen in (self.config.listen, self.local_listen or ""):
             if listen.startswith("ipc://"):
                 Path(listen.removeprefix("ipc://")).unlink(missing_ok=True)
-        self._segments_file().unlink(missing_ok=True)
+        segments_file(self.config).unlink(missing_ok=True)
 
-    # ------------------------------------------------------------------------------------------
-    # sending
-
-    def _send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
+    def send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
         """Every reply carries this start's ``instance``: a client that sees a new one knows the daemon
         restarted (and that the step it had in flight was lost)."""
         fields = {**(fields or {}), "instance": self.instance}
@@ -379,26 +314,19 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             log.debug("cannot send %s to a peer: %s", kind.name, exc)
             return False
 
-    def _flush_credits(self) -> None:
-        """One CREDIT per client per turn of the loop, for every frame taken in that turn."""
-        credits, self._credits = self._credits, {}
-        if self.step is not None:
-            for identity, frames in credits.items():
-                self._send(identity, Kind.CREDIT, {"step": self.step.step, "frames": frames})
-
-    def _send_error(self, identity: bytes, err: RefitError) -> None:
+    def send_error(self, identity: bytes, err: RefitError) -> None:
         """Answer ``identity`` with ``err``; never raises (it runs inside error handling)."""
         try:
             fields = err.to_wire()
             if len(fields["message"]) > MAX_ERROR_CHARS:
                 cut = len(fields["message"]) - MAX_ERROR_CHARS
                 fields["message"] = fields["message"][:MAX_ERROR_CHARS] + f"... ({cut} more characters)"
-            self._send(identity, Kind.ERROR, fields)
+            self.send(identity, Kind.ERROR, fields)
         except Exception:
             log.exception("could not send an error to a peer")
 
     # ------------------------------------------------------------------------------------------
-    # dispatch
+    # dispatch: one routing table, the role checked once
 
     def _serve_message(self, frames: list) -> None:
         """Handle one message; nothing it raises leaves the serve loop: a bug is logged with its
@@ -416,7 +344,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             _check_generic_fields(msg)
         except ProtocolError as exc:
             text = str(exc)
-            if text.startswith("header of"):  # a BEGIN of very many pieces, most likely
+            if isinstance(exc, HeaderTooLarge):  # a BEGIN of very many pieces, most likely
                 text += (
                     " (the daemon's max_header_bytes); a BEGIN takes about 40 bytes per piece, 100 with a "
                     "NIXL offer: raise max_header_bytes (--max-header-bytes, REFITD_MAX_HEADER_BYTES) or "
@@ -424,41 +352,46 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 )
             log.warning("refused a malformed message: %s", text)
             self._message_error(ErrorKind.PROTOCOL)
-            if not self._step_protocol_error(identity, ProtocolError(text)):
-                self._send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
+            if not self.trainers.step_protocol_error(identity, ProtocolError(text)):
+                self.send_error(identity, RefitError(text, kind=ErrorKind.PROTOCOL))
             return
         peer = self.peers.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
-        if msg.kind in FORWARD_KINDS:  # who sent it: its CURVE key (ZAP User-Id), none over ipc://
-            self.sender_key = curve_user_id(frames[1])
-        handler = getattr(self, f"handle_{msg.kind.name.lower()}", None)
-        if handler is None:
+        route = self.routes.get(msg.kind)
+        if route is None:
             self._message_error(ErrorKind.PROTOCOL)
-            self._send_error(
+            self.send_error(
                 identity, RefitError(f"{msg.kind.name} is not a request", kind=ErrorKind.PROTOCOL)
             )
             return
+        role, handler = route
+        if role is not None and (peer is None or peer.role is not role):
+            self._message_error(ErrorKind.UNKNOWN_PEER)
+            self.send_error(identity, RefitError(INTRODUCE[role], kind=ErrorKind.UNKNOWN_PEER))
+            return
+        if msg.kind in FORWARD_KINDS:  # who sent it: its CURVE key (ZAP User-Id), none over ipc://
+            self.receiver.sender_key = curve_user_id(frames[1])
         self._handle(handler, identity, msg)
 
-    def _handle(self, handler, identity: bytes, msg: Message) -> None:
+    def _handle(self, handler: Handler, identity: bytes, msg: Message) -> None:
         """Run one handler; whatever it raises fails at most the step, never the daemon."""
         try:
             try:
                 handler(identity, msg)
             except ProtocolError as exc:
                 self._message_error(ErrorKind.PROTOCOL)
-                if self._step_protocol_error(identity, exc):  # a rank of the step: every rank hears it
+                if self.trainers.step_protocol_error(
+                    identity, exc
+                ):  # a rank of the step: every rank hears it
                     return
-                self._send_error(
-                    identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step"))
-                )
+                self.send_error(identity, RefitError(str(exc), kind=ErrorKind.PROTOCOL, step=msg.get("step")))
             except RefitError as exc:
                 self._message_error(exc.kind)
                 if self.step is not None and exc.step == self.step.step:
-                    self._fail_step(exc)
+                    self.fail_step(exc)
                 else:
-                    self._send_error(identity, exc)
+                    self.send_error(identity, exc)
         except Exception as exc:  # a bug (in the handler or in answering it): report it, keep serving
             self._internal_error(identity, msg.kind.name, exc, msg.get("step"))
 
@@ -473,10 +406,10 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 kind=ErrorKind.INTERNAL,
             )
             if self.step is not None and isinstance(step, int) and step == self.step.step:
-                self._fail_step(RefitError(err.message, kind=err.kind, step=self.step.step))
+                self.fail_step(RefitError(err.message, kind=err.kind, step=self.step.step))
             elif identity is not None:
-                self._send_error(identity, err)
-        except Exception:  # even the report failed (a bug in _fail_step?): the loop must go on
+                self.send_error(identity, err)
+        except Exception:  # even the report failed (a bug in fail_step?): the loop must go on
             log.critical("internal error while reporting an internal error", exc_info=True)
 
     def _message_error(self, kind: ErrorKind) -> None:
@@ -484,121 +417,49 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.message_errors[kind.value] = self.message_errors.get(kind.value, 0) + 1
         notify(self.observers, "on_message_error", self, kind)
 
-    # ---- readers
+    def _status(self, identity: bytes, msg: Message) -> None:
+        self.send(identity, Kind.STATUS_REPLY, self.status())
 
-    def handle_status(self, identity: bytes, msg: Message) -> None:
-        self._send(identity, Kind.STATUS_REPLY, self.status())
+    def status(self) -> dict[str, Any]:
+        """What ``refitd status`` shows (sidecar.daemon.status)."""
+        return status_report.status(self)
 
     # ------------------------------------------------------------------------------------------
-    # pipeline
+    # the step: begun by a trainer BEGIN, ended here (published or failed), nowhere else
 
-    def _tensor_complete(self, name: str) -> None:
-        if self.arenas.ring is not None:
-            self.arenas.ring.tensor_complete(name)
-        for unit in self.step.ready_units(self.plan, name):
-            if self.target is None:
-                self.deferred.append(unit)
-            else:
-                self._submit(unit)
+    def begin_step(self, state: StepState) -> None:
+        self.step = state
 
-    def _submit(self, unit) -> None:
-        state, ring, target = self.step, self.arenas.ring, self.target.arena
-        sync = False
-        if ring is not None:
-            group = ring.unit_group[unit.index]
-            if not ring.granted(group):  # its bytes are all zero-sized: run it once the group is granted
-                self.parked.setdefault(group, []).append(unit)
-                return
-            # the group's last unit waits for the GPU before it reports: the region is then reused
-            sync = ring.unit_submitted(unit.index) and self.arenas.kind is ArenaKind.CUDA
-        if not state.phases.quant_start:
-            state.phases.quant_start = time.monotonic()
-        self.worker.submit(
-            state.step,
-            unit,
-            lambda: {n: self._staged(n) for n in unit.inputs},
-            lambda: {o.name: target.tensor(o.name) for o in unit.outputs},
-            sync=sync,
-        )
+    def end_step(self) -> None:
+        """Drop the step in progress: its target, deferred and parked units go with it."""
+        self.step = None
 
-    def _maybe_claim(self) -> None:
-        self._forward_claim()
-        if self.step is not None and self.step.ready_sent and self.target is None:
-            self._claim_step_target(time.monotonic())  # may fail the step: readers hold its generation
-            if self.target is not None:
-                deferred, self.deferred = self.deferred, []
-                for unit in deferred:
-                    self._submit(unit)
+    def tensor_complete(self, name: str) -> None:
+        self.pipeline.tensor_complete(name)
 
-    def _drain_worker(self) -> None:
-        if self.worker is None:
-            return
-        while True:
-            try:
-                done = self.worker.results.get_nowait()
-            except Exception:
-                break
-            self.worker.inflight -= 1
-            if self.step is None or done.step != self.step.step or done.skipped:
-                continue  # a unit of a step that already failed
-            self.step.phases.quant_busy += done.seconds
-            notify(self.observers, "on_unit_done", self, done.step, done.unit, done.start, done.seconds)
-            if done.error is not None:
-                kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
-                if not isinstance(done.error, ValueError):
-                    kind = ErrorKind.INTERNAL
-                self._fail_step(RefitError(str(done.error), kind=kind, step=done.step))
-                continue
-            self.step.units_done.add(done.unit)
-            if self.arenas.ring is not None:
-                try:
-                    self._grant(self.arenas.ring.unit_done(done.unit))
-                except ValueError as exc:
-                    self._fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
-                    continue
-            if len(self.step.units_done) == len(self.plan.units):
-                self.step.phases.quant_end = time.monotonic()
-            self._maybe_publish()
-        if self.step is None and self.pending and self.worker.inflight == 0:
-            self._start_pending()
+    def adopt_plan(self, plan: RefitPlan, *, invalidate: bool = False) -> None:
+        """Carve the arenas for ``plan`` (ArenaTooSmall when they cannot hold it), then use it;
+        ``invalidate``: forget every published generation (the layout changed)."""
+        self.arenas.apply_plan(plan)
+        self.plan = plan
+        if invalidate:
+            self.arenas.invalidate()
 
-    def _maybe_publish(self) -> None:
-        state = self.step
-        if state is None or self.plan is None or not state.sealed(self.plan):
-            return
-        state.phases.published = time.monotonic()
-        phases = state.phases.seconds()
-        record = {
-            "step": state.step,
-            "generation": self.target.index,
-            "bytes_in": state.bytes_in,
-            "bytes_out": self.plan.bytes_out,
-            "seconds": {k: round(v, 6) for k, v in phases.items()},
-        }
-        if self.forwarding is not None:  # what each inference node held as this step went live
-            record["peers"] = self.forwarding.snapshot()
-        log.info(
-            "step %d published in generation %d: receive %.3fs validate %.3fs quantize %.3fs (tail %.3fs) "
-            "publish %.3fs total %.3fs; %d bytes in, %d bytes out",
-            state.step,
-            self.target.index,
-            phases["receive"],
-            phases["validate"],
-            phases["quantize"],
-            phases["quantize_tail"],
-            phases["publish"],
-            phases["total"],
-            state.bytes_in,
-            self.plan.bytes_out,
-            extra={"step": state.step, "phase": "publish", "record": record},
-        )
-        self._go_live(self.target, record, state, list(state.peers.values()))
-        if self.forwarding is not None:
-            self.forwarding.published(self.target, state.step, state.bytes_in, self.instance)
-        self.step, self.target = None, None
-        self._start_pending()
+    def next_event(self) -> int:
+        self.events += 1
+        return self.events
 
-    def _go_live(
+    def maybe_claim(self) -> None:
+        """A generation may have been released: the inbound transfer, then the step, claim theirs."""
+        self.receiver.claim()
+        self.pipeline.claim(time.monotonic())
+
+    def start_pending(self) -> None:
+        """Run the BEGINs kept for a later step again, once no step is in progress."""
+        for identity, msg in self.trainers.take_pending():
+            self._handle(self.trainers.handle_begin, identity, msg)
+
+    def publish(
         self,
         gen,
         record: dict[str, Any],
@@ -614,17 +475,11 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.last_step = record["step"]
         self.history = [*self.history[-9:], record]
         for identity in trainers:
-            self._send(identity, reply, {**record, **(extra or {})})
+            self.send(identity, reply, {**record, **(extra or {})})
         notify(self.observers, "on_step_published", self, record, state)
-        self.rounds[record["step"]] = new_round(
-            record["step"], self.engines, trainers, self.config.reader_timeout_s
-        )
-        self._finish_rounds(time.monotonic())
-        for peer in list(self.peers.values()):
-            if peer.role == "reader":
-                self._serve_waiting(peer)
+        self.engine_side.published(record["step"], trainers)
 
-    def _fail_step(self, err: RefitError) -> None:
+    def fail_step(self, err: RefitError) -> None:
         state = self.step
         if state is None:
             return
@@ -637,48 +492,32 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             extra={"step": state.step, "rank": err.rank, "phase": "fail"},
         )
         notify(self.observers, "on_step_failed", self, err)
-        told = set()
-        for peer in self.peers.values():
-            if peer.role == "trainer" and peer.rank is not None:
-                self._send_error(peer.identity, err)
-                told.add(peer.rank)
-        self.failures[state.step] = (err, told, self._next_event())
-        while len(self.failures) > MAX_REMEMBERED_FAILURES:
-            self.failures.pop(next(iter(self.failures)))
+        self.trainers.tell_failed(state, err)
         self.worker.cancel(state.step)
-        if self.pull is not None:
-            self.pull.cancel()
-        if self.target is not None:
-            self.target.step = None  # half-written: never hand it out
+        self.pulls.cancel()
+        if state.target is not None:
+            state.target.step = None  # half-written: never hand it out
         if self.arenas.ring is not None:
             self.arenas.ring.reset()
-        self.step, self.target, self.deferred, self.parked = None, None, [], {}
-        self.blocked = None
-        self._start_pending()
-
-    def _start_pending(self) -> None:
-        if self.step is not None or not self.pending or not self._can_start_step():
-            return
-        pending, self.pending = self.pending, []
-        for identity, msg in pending:
-            self._handle(self.handle_begin, identity, msg)
+        self.end_step()
+        self.start_pending()
 
     # ------------------------------------------------------------------------------------------
     # timers
 
     def _check_timers(self, now: float) -> None:
-        self._expire_readers(now)  # first: a dead reader's holds must not hold up the step below
+        self.engine_side.expire_readers(now)  # first: a dead reader's holds must not hold up the step below
         state = self.step
         if state is not None:
             if now > state.deadline:
                 missing = state.missing_ranks()
                 why = f"ranks {missing} never began it" if missing else "it was not complete"
-                if not missing and self.target is None and self.blocked is not None:
+                if not missing and state.target is None and state.blocked is not None:
                     why = (
-                        f"its generation {self.blocked['generation']} was still held by "
-                        f"{', '.join(self.blocked['readers'])}"
+                        f"its generation {state.blocked['generation']} was still held by "
+                        f"{', '.join(state.blocked['readers'])}"
                     )
-                self._fail_step(
+                self.fail_step(
                     RefitError(
                         f"step {state.step} timed out after {self.config.step_timeout_s:.1f} s: {why}",
                         kind=ErrorKind.TIMEOUT,
@@ -690,7 +529,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                 peer = self.peers.get(identity)
                 silent = now - peer.last_seen if peer is not None else float("inf")
                 if rank not in state.committed and silent > self.config.rank_timeout_s:
-                    self._fail_step(
+                    self.fail_step(
                         RefitError(
                             f"rank {rank} stopped responding mid-step (silent for {silent:.1f} s, "
                             f"rank_timeout_s={self.config.rank_timeout_s}): it died or hung",
@@ -700,12 +539,12 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
                         )
                     )
                     return
-            self._maybe_claim()
-        if self.rounds:
-            self._finish_rounds(now)
-        self._forward_timers(now)
-        if self.step is None and self.pending:
-            self._start_pending()
+            self.pipeline.claim(now)
+        if self.engine_side.rounds:
+            self.engine_side.finish_rounds(now)
+        self.receiver.timers(now)
+        if self.step is None:
+            self.start_pending()
 
     def _warm_up(self) -> kernels.WarmUp:
         """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
@@ -717,109 +556,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         return done
 
     # ------------------------------------------------------------------------------------------
-    # status and bookkeeping
-
-    def status(self) -> dict[str, Any]:
-        live = self.arenas.live_generation() if self.arenas else None
-        gpus = local_gpus()
-        return {
-            "gpus": [g.to_wire() for g in gpus],
-            "gpus_reason": getattr(gpus, "reason", None),
-            "arenas": arena_placements(self.arenas.all_arenas()) if self.arenas else [],
-            "instance": self.instance,
-            "pid": os.getpid(),
-            "draining": self._draining,
-            "settings": {k: v for k, v in self.config.to_dict().items() if k in RELOADABLE},
-            "host": socket.gethostname(),
-            "listen": self.config.listen,
-            "local_listen": self.local_listen,
-            "layout": self.config.layout.value,
-            "role": None if self.config.role is None else self.config.role.value,
-            "peers": None if self.forwarding is None else self.forwarding.snapshot(),
-            "inbound": None
-            if self.inbound is None
-            else {
-                "step": self.inbound.step,
-                "source": self.inbound.source,
-                "bytes": self.inbound.received,
-                "mover": self.inbound.mover,
-            },
-            "pull": {"nixl": self.pull_ok, "reason": self.pull_reason, "ranks": self.pull_movers},
-            "format": self.spec.fmt.value,
-            "quantizer": None if self.quantizer is None else self.quantizer.to_dict(),
-            "world_size": self.config.world_size,
-            "last_step": self.last_step,
-            "live": None if live is None else {"generation": live.index, "step": live.step},
-            "step_in_progress": None
-            if self.step is None
-            else {
-                "step": self.step.step,
-                "begun": sorted(self.step.declared),
-                "committed": sorted(self.step.committed),
-            },
-            "generations": [
-                {
-                    "generation": g.index,
-                    "step": g.step,
-                    "holders": len(g.holders),
-                    "held_by": [self._holder_label(i) for i in g.holders],
-                    "segment": g.arena.name,
-                    "bytes": g.arena.size,
-                }
-                for g in (self.arenas.generations if self.arenas else [])
-            ],
-            "staging": None
-            if self.arenas is None
-            else {
-                "segment": self.arenas.staging.name,
-                "bytes": self.arenas.staging.size,
-                "ring": None
-                if self.arenas.ring is None
-                else {**self.arenas.ring.wire(), "held": self.arenas.ring.held()},
-            },
-            "trainers": sorted(p.rank for p in self.peers.values() if p.role == "trainer"),
-            "readers": [p.name for p in self.peers.values() if p.role == "reader"],
-            "engines": [
-                {
-                    "name": e.name,
-                    "engine": e.manifest.engine.value,
-                    "version": e.manifest.engine_version,
-                    "moe_backend": e.manifest.moe_backend,
-                    "expert_format": e.manifest.expert_format.value,
-                }
-                for e in self.engines.values()
-            ],
-            "plan": None
-            if self.plan is None
-            else {
-                "inputs": len(self.plan.inputs),
-                "outputs": len(self.plan.outputs),
-                "bytes_in": self.plan.bytes_in,
-                "bytes_out": self.plan.bytes_out,
-                "share": _share_status(self.plan),
-            },
-            "history": self.history,
-            "message_errors": dict(self.message_errors),
-            "blocked": None if self.step is None or self.target is not None else self.blocked,
-            "revoked_holds": self.arenas.revoked_holds if self.arenas else 0,
-        }
-
-    def _segments_file(self) -> Path:
-        return Path(self.config.runtime_dir) / "segments.json"
-
-    def _record_segments(self) -> None:
-        """Write our segment names, after unlinking those a crashed predecessor left behind."""
-        path = self._segments_file()
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-                if not _pid_alive(int(old.get("pid", 0))):
-                    for name in old.get("segments", []):
-                        Path("/dev/shm", name).unlink(missing_ok=True)
-                        log.warning("removed shared-memory segment %s left by a crashed daemon", name)
-            except (ValueError, OSError):
-                pass
-        path.write_text(json.dumps({"pid": os.getpid(), "segments": self.arenas.segment_names()}))
+    # bookkeeping
 
 
 def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:
@@ -842,20 +579,6 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
     return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
 
 
-def _share_status(plan: RefitPlan) -> dict[str, Any] | None:
-    """The node share a plan publishes (status): the engine layout, this node, inputs dropped."""
-    if plan.share is None:
-        return None
-    layout, node = plan.share
-    return {
-        "engine_ep": layout.ep,
-        "engine_tp": layout.tp,
-        "nodes": layout.nodes,
-        "node_rank": node,
-        "dropped_inputs": len(plan.dropped),
-    }
-
-
 def _check_generic_fields(msg: Message) -> None:
     """The fields any message may carry are checked before a handler (or an error path) uses them:
     ``step`` and ``rank`` are integers, or nil."""
@@ -866,15 +589,3 @@ def _check_generic_fields(msg: Message) -> None:
                 f"{msg.kind.name} field {key!r} has type {type(value).__name__} ({safe_repr(value, 60)}): "
                 "it must be an integer, or nil"
             )
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

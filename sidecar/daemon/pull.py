@@ -21,12 +21,19 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sidecar.errors import RefitError
 from sidecar.forward.movers import shm_region
+from sidecar.protocol.enums import Mover
 from transport import nixl
+from transport.wire import Kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.daemon.context import LoopContext
+    from sidecar.daemon.step import StepState
 
 log = logging.getLogger("refitd.pull")
 
@@ -145,3 +152,118 @@ class PullSide:
         if self._ep is not None:
             self._ep.close()
             self._ep, self._reg, self._region = None, None, None
+
+
+class Pulls:
+    """The serve loop's side of NIXL pulls (a component built with its LoopContext): whether they
+    work here, the READ of each remote rank's pieces, and how each rank's bytes last moved."""
+
+    def __init__(self, ctx: LoopContext):
+        self.ctx = ctx
+        self.side: PullSide | None = None  # made on the first pull
+        self.ok, self.reason = False, "not started"
+        self.movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
+
+    def probe(self, staging: Any, staging_regions: int) -> None:
+        """At start: can remote shards be pulled over NIXL here, and if not, why."""
+        self.ok, self.reason = support(staging)
+        if self.ok and staging_regions:
+            self.ok, self.reason = (
+                False,
+                (
+                    f"staging is a ring of {staging_regions} regions (staging_regions): remote shards "
+                    "travel as ZeroMQ frames, a layer group at a time"
+                ),
+            )
+        if not self.ok:
+            log.info("remote trainer shards travel as ZeroMQ frames: %s", self.reason)
+
+    @property
+    def busy(self) -> bool:
+        return self.side is not None and bool(self.side.inflight)
+
+    def frames(self, rank: int, why: str) -> dict[str, Any]:
+        """READY's fields for a remote rank whose pieces all travel as ZeroMQ frames, and why."""
+        self.movers[str(rank)] = {"mover": Mover.ZMQ.value, "reason": why}
+        return {"pull": [], "mover_reason": why}
+
+    def start(self, state: StepState, rank: int, identity: bytes, ids: list[int]) -> dict[str, Any]:
+        """READY's ``pull`` fields for a remote rank: post the READ of its pieces whose staging
+        destination is contiguous; anything else (or any failure) travels as ZeroMQ frames."""
+        offer, rows = state.nixl_offers.get(rank, (None, None))
+        if offer is None:
+            return self.frames(rank, self.reason if not self.ok else "the client did not offer NIXL")
+        staging = self.ctx.arenas.staging
+        try:
+            regions = offer["regions"]
+            if len(regions) != len(ids) or len(rows) != len(ids):
+                raise ValueError(f"{len(regions)} regions for {len(ids)} pieces")
+            views = staging.tensors()
+            targets = []
+            for index, (pid, row) in enumerate(zip(ids, rows)):
+                if pid in state.skipped:
+                    continue  # outside this node's share: not sent at all
+                name, offsets, shape = row[0], row[3], row[4]
+                view = views[name]
+                if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
+                    view = view[tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
+                if view.numel() and view.is_contiguous() and int(regions[index][1]):
+                    targets.append((pid, view, index))
+            if not targets:
+                raise ValueError("no piece has a contiguous staging destination")
+            if self.side is None:
+                self.side = PullSide(f"refitd-{self.ctx.instance}-pull")
+            pull = self.side.start(staging, rank, identity, offer, targets, b"")
+        except Exception as exc:  # NixlError, a malformed offer: frames instead
+            why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
+            log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
+            return self.frames(rank, why)
+        streamed = len(ids) - len(pull.pieces) - len(state.skipped_ids(rank))
+        why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
+        mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
+        self.movers[str(rank)] = {"mover": mover.value, "reason": why}
+        return {"pull": pull.pieces, "mover_reason": why}
+
+    def progress(self) -> None:
+        """Each turn while a READ is in flight: account the pieces of finished READs (PULLED), or
+        tell the rank to send those of a failed one as frames."""
+        if not self.busy:
+            return
+        ctx = self.ctx
+        for pull, failed in self.side.poll():
+            state = ctx.step
+            if state is None:
+                continue
+            if failed is not None:
+                why = f"NIXL READ failed: {failed}"
+                log.warning(
+                    "rank %d step %d: %s; the client sends frames instead", pull.rank, state.step, why
+                )
+                self.movers[str(pull.rank)] = {"mover": Mover.ZMQ.value, "reason": why}
+                ctx.send(
+                    pull.identity,
+                    Kind.PULLED,
+                    {"step": state.step, "pieces": [], "failed": pull.pieces, "reason": why},
+                )
+                continue
+            try:
+                for pid in pull.pieces:
+                    done = state.piece_received(pull.rank, pid)
+                    if done:
+                        ctx.tensor_complete(done)
+            except RefitError as exc:
+                ctx.fail_step(exc)
+                return
+            ctx.send(pull.identity, Kind.PULLED, {"step": state.step, "pieces": pull.pieces})
+
+    def cancel(self) -> None:
+        if self.side is not None:
+            self.side.cancel()
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
+            self.side = None
+
+    def status(self) -> dict[str, Any]:
+        return {"nixl": self.ok, "reason": self.reason, "ranks": self.movers}

@@ -12,13 +12,17 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.daemon.coverage import CoverageError, CoverageTracker, FrameError, Piece
+from sidecar.daemon.coverage import CoverageError, Piece
+from sidecar.daemon.tracker import CoverageTracker, FrameError
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
 from sidecar.plan.build import RefitPlan, TensorSpec, Unit
 from transport.wire import ProtocolError, dtype_from_name, dtype_names
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sidecar.daemon.memory.generations import Generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +157,12 @@ class StepState:
     nixl_offers: dict[int, tuple[dict[str, Any], list[Any]]] = field(
         default_factory=dict
     )  # rank -> (offer, rows)
+    # The serve loop's state of the step: it ends with the step (the loop drops this object).
+    target: Generation | None = None  # the generation the step writes, once claimed
+    deferred: list[Unit] = field(default_factory=list)  # units ready before the target was free
+    parked: dict[int, list[Unit]] = field(default_factory=dict)  # ring: ready units whose group has no region
+    ring_ranks: dict[int, set[int]] = field(default_factory=dict)  # ring: group -> ranks holding part of it
+    blocked: dict[str, Any] | None = None  # the target generation, held by readers (status, timeout text)
     #: wire ids of pieces outside this node's share (``RefitPlan.dropped``): READY tells their
     #: ranks to skip them, and data for one is refused
     skipped: set[int] = field(default_factory=set)

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -128,13 +128,15 @@ class QuantWorker:
         self,
         step: int,
         unit: Unit,
-        inputs: Callable[[], dict],
-        outputs: Callable[[], dict],
+        inputs: Mapping[str, torch.Tensor],
+        outputs: Mapping[str, torch.Tensor],
         *,
         sync: bool = False,
     ) -> None:
-        """Queue ``unit``. ``sync``: wait for its GPU work before reporting it done (the staging ring
-        reuses the region it read as soon as it is reported)."""
+        """Queue ``unit`` with its resolved tensors: ``inputs`` (name -> staged tensor) and ``outputs``
+        (name -> its place in the target generation), views the serve loop made on its own thread (so
+        no arena's view cache is touched from this worker). ``sync``: wait for its GPU work before
+        reporting it done (the staging ring reuses the region it read as soon as it is reported)."""
         self.inflight += 1
         self._jobs.put((step, unit, inputs, outputs, sync))
 
@@ -210,14 +212,13 @@ class QuantWorker:
         error = None
         if not skip:
             try:
-                # no_grad, not inference_mode: the arenas cache their views, and a view first
-                # made here would be an inference tensor that the serve loop may not write
-                # into (handle_shard copying a remote frame into staging would raise)
+                # no_grad, not inference_mode: the views are the arenas' cached ones, which the
+                # serve loop writes into (handle_shard copying a remote frame into staging)
                 with torch.no_grad(), kernels.collecting(self._flags, (step, unit.index)):
-                    tensors = inputs()
+                    tensors = inputs
                     if unit.fmt is None:
                         check_finite(unit, tensors)
-                    run_unit(unit, tensors, outputs())
+                    run_unit(unit, tensors, outputs)
                     if sync:
                         _synchronize(tensors)
             except Exception as exc:  # reported to the serve loop, which fails the step
@@ -239,8 +240,8 @@ class QuantWorker:
         try:
             with torch.no_grad():  # not inference_mode: see _run_one
                 units = [job[1] for job in run]
-                ins = [job[2]() for job in run]
-                outs = [job[3]() for job in run]
+                ins = [job[2] for job in run]
+                outs = [job[3] for job in run]
                 if not all_finite(
                     [t for unit, tensors in zip(units, ins) for t in _inputs_of(unit, tensors)]
                 ):

@@ -32,7 +32,7 @@ from transport.shm import Layout
 from transport.wire import Message, dtype_from_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.forward.sender import Forwarder, Job
+    from sidecar.forward.types import Job, Link
 
 log = logging.getLogger("refitd.forward")
 
@@ -141,7 +141,7 @@ class NixlMover:
         self.side = side
 
     def send(
-        self, link: Forwarder, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
+        self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int:
         info = ready.get("nixl") or {}
         try:

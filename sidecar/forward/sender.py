@@ -50,31 +50,23 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import zmq
 
 from sidecar.cli.keygen import Curve, own_keypair, read_key_file, set_client
-from sidecar.errors import ErrorKind, RefitError
-from sidecar.forward.movers import (
-    NixlFailed,
-    NixlMover,
-    NixlSetupFailed,
-    SourceSide,
-    TargetSide,
-    shm_region,
-    support,
-)
+from sidecar.config.settings import ForwardMover
+from sidecar.errors import RefitError
+from sidecar.forward.movers import NixlFailed, NixlMover, SourceSide, shm_region, support
+from sidecar.forward.types import ForwardFailed, Job, Link, Request, Superseded
+from sidecar.protocol.enums import Mover as MoverName
 from transport.epochs import fence
-from transport.shm import Layout, Slot
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_from_name, dtype_name, encode
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config.settings import DaemonConfig
-    from sidecar.daemon.loop import Daemon
-    from sidecar.daemon.memory.generations import Generation
+    from sidecar.daemon.memory.generations import Arenas, Generation
 
 log = logging.getLogger("refitd.forward")
 
@@ -85,38 +77,18 @@ FRAME_LIMIT = 16 << 20  # forwarder's own cap on a data frame (the peer's max_fr
 _LIMITS = Limits(max_header_bytes=64 << 20, max_frames=4)
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One published generation to forward: metadata only; the bytes come with a hold."""
-
-    step: int
-    generation: int
-    rows: tuple[tuple[str, str, tuple[int, ...], int], ...]  # name, dtype, shape, nbytes
-    nbytes: int  # what goes on the wire (FP8 where the plan quantizes)
-    bytes_bf16: int  # what the same step weighed in BF16, as the trainer sent it
-    source: str  # the trainer daemon's instance
-    region: tuple[int, int] | None = None  # the arena's whole segment (address, size), if host shm
-    offsets: tuple[int, ...] = ()  # each row's byte offset in the arena
-
-    @classmethod
-    def of(cls, gen: Generation, step: int, bytes_bf16: int, source: str) -> Job:
-        layout = list(gen.arena.layout)
-        rows = tuple((s.name, dtype_name(s.dtype), s.shape, s.nbytes) for s in layout)
-        offsets = tuple(s.offset for s in layout)
-        nbytes = sum(r[3] for r in rows)
-        return cls(step, gen.index, rows, nbytes, bytes_bf16, source, shm_region(gen.arena), offsets)
-
-
-class ForwardFailed(RuntimeError):
-    """One attempt failed; the forwarder retries with the newest generation."""
-
-
-class Superseded(Exception):
-    """A newer generation was published before this one's bytes started moving."""
-
-
 # --------------------------------------------------------------------------------------------------
 # movers
+
+
+class HoldContext(Protocol):
+    """What the forwarders need of the serve loop: its arenas (holds are taken and released on the
+    loop thread only) and a nudge when a release may let a waiting step claim its generation."""
+
+    @property
+    def arenas(self) -> Arenas: ...
+
+    def maybe_claim(self) -> None: ...
 
 
 class Mover(Protocol):
@@ -129,17 +101,17 @@ class Mover(Protocol):
     name: str
 
     def send(
-        self, link: Forwarder, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
+        self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int: ...
 
 
 class ZmqMover:
     """Bytes as ZeroMQ frames on the control channel, in row order, under the peer's credits."""
 
-    name = "zmq"
+    name = MoverName.ZMQ.value
 
     def send(
-        self, link: Forwarder, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
+        self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int:
         credits = int(ready.get("credit_frames", 1))
         limit = min(FRAME_LIMIT, int(ready.get("max_frame_bytes", FRAME_LIMIT)))
@@ -159,19 +131,20 @@ class ZmqMover:
 
 
 def choose_mover(
-    ready: Message, offered: list[str] | tuple[str, ...] = ("zmq",), nixl: SourceSide | None = None
+    ready: Message, offered: list[str] | tuple[str, ...] = (MoverName.ZMQ,), nixl: SourceSide | None = None
 ) -> Mover:
     """The mover the peer agreed to in FORWARD_READY, among those this forwarder offered."""
-    name = ready.get("mover", "zmq")
-    if name not in offered:
+    said = ready.get("mover", MoverName.ZMQ.value)
+    name = MoverName.parse(said) if isinstance(said, str) else None
+    if name is None or name not in offered:
         raise ForwardFailed(
-            f"the peer chose mover {name!r}, but this forwarder offered {list(offered)}"
+            f"the peer chose mover {said!r}, but this forwarder offered {[MoverName(m).value for m in offered]}"
             + (f" (the peer: {ready.get('mover_reason')})" if ready.get("mover_reason") else "")
         )
-    if name == "nixl" and nixl is not None:
+    if name is MoverName.NIXL and nixl is not None:
         return NixlMover(nixl)
-    if name != "zmq":
-        raise ForwardFailed(f"the peer chose mover {name!r}, which this forwarder does not speak")
+    if name is not MoverName.ZMQ:
+        raise ForwardFailed(f"the peer chose mover {said!r}, which this forwarder does not speak")
     return ZmqMover()
 
 
@@ -215,7 +188,7 @@ class Forwarding:
                 curve,
                 config.forward_timeout_s,
                 instance,
-                mover=config.forward_mover.value,
+                mover=config.forward_mover,
                 nixl_name=f"refitd-{instance}-forward{i}",
             )
             for i, ep in enumerate(config.peers)
@@ -227,14 +200,14 @@ class Forwarding:
         log.info("forwarding every published generation to %s", ", ".join(self.peers))
 
     def published(self, gen: Generation, step: int, bytes_bf16: int, source: str) -> None:
-        job = Job.of(gen, step, bytes_bf16, source)
+        job = Job.of(gen, step, bytes_bf16, source, shm_region(gen.arena))
         for f in self.forwarders:
             f.offer(job)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         return {ep: dict(state) for ep, state in self.peers.items()}
 
-    def drain(self, daemon: Daemon) -> None:
+    def drain(self, loop: HoldContext) -> None:
         """Answer hold requests, take releases and state changes from the forwarder threads."""
         released = False
         while True:
@@ -242,23 +215,23 @@ class Forwarding:
                 what, fwd, payload = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            if what == "hold":
+            if what is Request.HOLD:
                 request, job = payload
-                fwd.grant(request, self._hold(daemon, fwd, job))
-            elif what == "release":
-                released |= daemon.arenas.release(fwd.identity, payload.generation, payload.step)
-            elif what == "state":
+                fwd.grant(request, self._hold(loop.arenas, fwd, job))
+            elif what is Request.RELEASE:
+                released |= loop.arenas.release(fwd.identity, payload.generation, payload.step)
+            elif what is Request.STATE:
                 self.peers[fwd.endpoint].update(payload)
         if released:
-            daemon._maybe_claim()
+            loop.maybe_claim()
 
     @staticmethod
-    def _hold(daemon: Daemon, fwd: Forwarder, job: Job) -> dict[str, torch.Tensor] | None:
-        gen = daemon.arenas.generations[job.generation]
+    def _hold(arenas: Arenas, fwd: Forwarder, job: Job) -> dict[str, torch.Tensor] | None:
+        gen = arenas.generations[job.generation]
         if gen.step != job.step:
             return None  # reused by a newer step: the forwarder moves on to it
-        daemon.arenas.hold(fwd.identity, gen)
-        page, epoch = daemon.arenas.epochs, daemon.arenas.epoch(gen)
+        arenas.hold(fwd.identity, gen)
+        page, epoch = arenas.epochs, arenas.epoch(gen)
         fwd.hold_intact = lambda: page.read(gen.index) == epoch  # read by its thread after the grant
         return {name: t.reshape(-1).view(torch.uint8) for name, t in gen.arena.tensors().items()}
 
@@ -282,7 +255,7 @@ class Forwarder:
         timeout_s: float,
         instance: str,
         *,
-        mover: str = "auto",
+        mover: ForwardMover = ForwardMover.AUTO,
         nixl_name: str | None = None,
     ):
         self.endpoint, self.identity = endpoint, f"forward:{endpoint}".encode()
@@ -345,7 +318,7 @@ class Forwarder:
                         log.warning("forwarding step %d to %s failed: %s", job.step, self.endpoint, exc)
                         self._failures += 1
                         state = {"in_flight": None, "error": str(exc), "failures": self._failures}
-                        self._post("state", state)
+                        self._post(Request.STATE, state)
                     self._reset()
                     self._stopping.wait(RETRY_S)
         finally:
@@ -364,7 +337,7 @@ class Forwarder:
         with self._lock:
             return self._latest is not None and self._latest.step != job.step
 
-    def _post(self, what: str, payload: Any) -> None:
+    def _post(self, what: Request, payload: Any) -> None:
         self._inbox.put((what, self, payload))
         with contextlib.suppress(zmq.Again):
             self._wake.send(b"", zmq.NOBLOCK)
@@ -410,7 +383,7 @@ class Forwarder:
     def _other(self, msg: Message) -> None:
         """A message that is not the reply being waited for."""
         if msg.kind is Kind.LOADED:
-            self._post("state", {"loaded": {k: msg.get(k) for k in ("step", "ok", "message")}})
+            self._post(Request.STATE, {"loaded": {k: msg.get(k) for k in ("step", "ok", "message")}})
         elif msg.kind is Kind.PONG:
             instance = msg.get("instance")
             if self._peer_instance is not None and instance != self._peer_instance:
@@ -418,7 +391,7 @@ class Forwarder:
                     "%s restarted (instance %s): sending it the latest generation", self.endpoint, instance
                 )
                 self._done, self._peer_instance = None, None
-                self._post("state", {"instance": instance, "last_step": None})
+                self._post(Request.STATE, {"instance": instance, "last_step": None})
         elif msg.kind is Kind.ERROR:
             log.warning("%s: %s", self.endpoint, RefitError.from_wire(msg.fields))
 
@@ -472,7 +445,7 @@ class Forwarder:
         """Ask the serve loop for a hold on ``job``'s generation: its byte views, or None."""
         self._requests += 1
         request = self._requests
-        self._post("hold", (request, job))
+        self._post(Request.HOLD, (request, job))
         while True:
             try:
                 got, views = self._grants.get(timeout=max(0.001, deadline - time.monotonic()))
@@ -481,14 +454,14 @@ class Forwarder:
             if got == request:
                 return views
             if views is not None:  # the answer to a request that timed out: give it back
-                self._post("release", job)
+                self._post(Request.RELEASE, job)
 
     def _offer(self, job: Job) -> tuple[list[str], str]:
-        """The movers to offer the peer, and why NIXL is not among them."""
-        ok, why = support(self.mover)
+        """The movers to offer the peer (wire strings), and why NIXL is not among them."""
+        ok, why = support(self.mover.value)
         if ok and job.region is None:
             ok, why = False, "this daemon's generation arenas are not host shared memory"
-        if ok and self.mover != "nixl" and (earlier := self._nixl.why_not()):
+        if ok and self.mover is not ForwardMover.NIXL and (earlier := self._nixl.why_not()):
             ok, why = False, earlier
         if ok:
             try:
@@ -496,23 +469,24 @@ class Forwarder:
             except Exception as exc:
                 self._nixl.fail(f"{type(exc).__name__}: {exc}")
                 ok, why = False, f"NIXL set-up failed: {self._nixl.broken}"
-        if self.mover == "nixl":
+        nixl, zmq_frames = MoverName.NIXL.value, MoverName.ZMQ.value
+        if self.mover is ForwardMover.NIXL:
             if not ok:
                 raise ForwardFailed(f"forward_mover=nixl, but {why}")
-            return ["nixl"], ""
-        return (["nixl", "zmq"], "") if ok else (["zmq"], why)
+            return [nixl], ""
+        return ([nixl, zmq_frames], "") if ok else ([zmq_frames], why)
 
     def _report_mover(self, mover: str, reason: str) -> None:
         if self._reported != (mover, reason):
             self._reported = (mover, reason)
             log.info("forwarding to %s over %s%s", self.endpoint, mover, f" ({reason})" if reason else "")
-        self._post("state", {"mover": mover, "mover_reason": reason})
+        self._post(Request.STATE, {"mover": mover, "mover_reason": reason})
 
     def _forward(self, job: Job) -> None:
         self.transfer = secrets.token_hex(6)
         offered, why_not = self._offer(job)
         deadline = time.monotonic() + self.timeout_s
-        self._post("state", {"in_flight": job.step})
+        self._post(Request.STATE, {"in_flight": job.step})
         self.send(
             Kind.FORWARD_BEGIN,
             {
@@ -530,7 +504,7 @@ class Forwarder:
             self._acknowledged(job, ready, 0, 0.0, None)
             return
         mover = choose_mover(ready, offered, self._nixl)
-        if mover.name == "nixl":
+        if mover.name == MoverName.NIXL.value:
             reason = "NIXL on both sides"
         else:
             reason = why_not or str(ready.get("mover_reason") or "the peer chose ZeroMQ frames")
@@ -557,7 +531,7 @@ class Forwarder:
             done = self._await({Kind.FORWARDED}, deadline)
         finally:
             del views
-            self._post("release", job)
+            self._post(Request.RELEASE, job)
         self._acknowledged(job, done, sent, time.monotonic() - t0, mover.name)
 
     def _check_intact(self, job: Job) -> None:
@@ -600,355 +574,4 @@ class Forwarder:
                 job.bytes_bf16,
                 extra={"step": job.step, "phase": "forward"},
             )
-        self._post("state", state)
-
-
-# --------------------------------------------------------------------------------------------------
-# inference side: a mixin of the Daemon
-
-
-@dataclass(slots=True)
-class Inbound:
-    """The transfer an inference daemon is receiving (at most one: a newer one replaces it)."""
-
-    identity: bytes
-    transfer: str
-    step: int
-    source: str
-    layout: Layout
-    slots: list[Slot]
-    started: float
-    last_seen: float
-    sender: str = ""  # the forwarder's CURVE public key (z85): who may continue this transfer
-    target: Generation | None = None
-    flat: dict[str, torch.Tensor] = field(default_factory=dict)
-    index: int = 0  # next tensor expected
-    offset: int = 0  # next byte of it
-    received: int = 0
-    unacked: int = 0
-    offered: tuple[str, ...] = ("zmq",)  # the movers the forwarder offered
-    mover: str = "zmq"
-    mover_reason: str = ""
-    committer: bytes | None = None  # NIXL: FORWARD_COMMIT came, publish once the notification did
-
-    def skip_empty(self) -> None:
-        while self.index < len(self.slots) and self.offset >= self.slots[self.index].nbytes:
-            self.index, self.offset = self.index + 1, 0
-
-    @property
-    def complete(self) -> bool:
-        self.skip_empty()
-        return self.index == len(self.slots)
-
-
-FORWARD_KINDS = frozenset({Kind.FORWARD_BEGIN, Kind.FORWARD_DATA, Kind.FORWARD_COMMIT, Kind.FORWARD_ABORT})
-
-
-def curve_user_id(frame: Any) -> str | None:
-    """The CURVE public key (z85) the ZAP handler authenticated for a received frame; None when the
-    connection has none (``ipc://``, or a listener without CURVE)."""
-    try:
-        user = frame.get("User-Id")
-    except (zmq.ZMQError, AttributeError):
-        return None
-    return user or None
-
-
-def forward_keys(config: DaemonConfig, allowed: set[bytes]) -> frozenset[str]:
-    """The z85 public keys that may forward to this inference node: ``curve_trainer_keys`` when
-    given, else every key allowed to connect."""
-    from sidecar.cli.keygen import allowed_keys
-
-    keys = allowed if config.curve_trainer_keys is None else allowed_keys(config.curve_trainer_keys)
-    return frozenset(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
-
-
-class ForwardReceiver:
-    """The inference side of forwarding, mixed into ``Daemon`` (which supplies ``arenas``, ``_send``,
-    ``_go_live`` and the rest). Each FORWARD_* message is dispatched to ``handle_forward_*``.
-
-    Forwarding is accepted only from this node's trainer daemons, identified by their CURVE public
-    key over ``tcp://`` (``curve_trainer_keys``, by default every key of ``curve_allowed_keys``): never
-    from the local ``ipc://`` socket (engine readers) nor from a listener without CURVE. The daemon
-    sets ``sender_key`` (the ZAP User-Id of the message being handled) before each FORWARD_* handler.
-    Step order is kept per trainer key: what one sender claims never moves another's."""
-
-    inbound: Inbound | None = None
-    forward_source: str | None = None  # the source (trainer daemon instance) of the latest forwarded step
-    forward_keys: frozenset[str] = frozenset()  # z85 public keys allowed to forward here
-    sender_key: str | None = None  # the CURVE key of the FORWARD_* message being handled, if any
-    nixl_target: TargetSide | None = None  # made on the first transfer NIXL may carry
-
-    def _inference_node(self) -> bool:
-        from sidecar.config.settings import NodeRole
-
-        return self.config.role is NodeRole.INFERENCE
-
-    def _forwarder(self, msg: Message) -> str:
-        """The sender's CURVE key if it may forward here; RefitError (UNAUTHORIZED) otherwise."""
-        key = self.sender_key
-        if key is None:
-            raise RefitError(
-                f"{msg.kind.name} refused: an inference node takes forwarded generations only from its trainer "
-                "daemons, identified by their CURVE key over tcp://; this message came without one (the local "
-                "ipc:// socket is for engine readers, and a listener without CURVE identifies nobody)",
-                kind=ErrorKind.UNAUTHORIZED,
-            )
-        if key not in self.forward_keys:
-            log.warning("refused %s from CURVE key %s, which is not a trainer daemon's", msg.kind.name, key)
-            raise RefitError(
-                f"{msg.kind.name} refused: CURVE key {key} may connect but is not a trainer daemon's; add its "
-                "NAME.key.pub to this node's curve_trainer_keys if it is one",
-                kind=ErrorKind.UNAUTHORIZED,
-            )
-        return key
-
-    def handle_forward_begin(self, identity: bytes, msg: Message) -> None:
-        if not self._inference_node():
-            raise RefitError(
-                "this daemon is not an inference node: start it with --layout disaggregated --role inference",
-                kind=ErrorKind.INVALID,
-            )
-        sender = self._forwarder(msg)
-        step, source = msg.require("step", int), msg.require("source", str)
-        transfer, rows = msg.require("transfer", str), msg.require("rows", list)
-        live = self.arenas.live_generation()
-        done = self.forwarded_steps.get(sender)  # (source, step) this sender last published here
-        if done is not None and done[0] == source and step <= done[1]:
-            self._send(
-                identity,
-                Kind.FORWARDED,
-                {
-                    "transfer": transfer,
-                    "step": done[1],
-                    "generation": None if live is None else live.index,
-                    "instance": self.instance,
-                    "already": True,
-                },
-            )
-            return
-        try:
-            layout = Layout.build((str(n), dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in rows)
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"FORWARD_BEGIN rows are not [name, dtype, shape]: {exc}") from None
-        capacity = min(g.arena.size for g in self.arenas.generations)
-        if layout.size > capacity:
-            raise RefitError(
-                f"forwarded step {step} needs {layout.size} bytes per generation but this daemon's publish "
-                f"arenas hold {capacity}: restart it with a larger --publish-bytes",
-                kind=ErrorKind.CAPACITY,
-                step=step,
-            )
-        now = time.monotonic()
-        old = self.inbound
-        offered = msg.get("movers", ["zmq"])
-        offered = tuple(str(m) for m in offered) if isinstance(offered, list) else ("zmq",)
-        self.inbound = Inbound(
-            identity, transfer, step, source, layout, list(layout), now, now, sender=sender, offered=offered
-        )
-        if old is not None:
-            log.info("forwarded step %d replaces the unfinished transfer of step %d", step, old.step)
-            self.inbound.target = old.target  # still claimed, still unpublished
-            if old.target is not None:
-                self._carve(self.inbound)
-        from sidecar.daemon.loop import Peer
-
-        self.peers[identity] = Peer(identity, "forwarder", now, name=f"forwarder of {source}")
-        self._forward_claim()
-
-    def _forward_claim(self) -> None:
-        """Claim the free generation for the transfer in progress; FORWARD_READY once it is."""
-        inbound = self.inbound
-        if inbound is None or inbound.target is not None:
-            return
-        inbound.target = self.arenas.claim_target(time.monotonic(), self.config.reader_timeout_s)
-        if inbound.target is not None:
-            self._carve(inbound)
-
-    def _carve(self, inbound: Inbound) -> None:
-        inbound.target.step = None
-        inbound.target.arena.relayout(inbound.layout)
-        inbound.flat = {n: t.reshape(-1).view(torch.uint8) for n, t in inbound.target.arena.tensors().items()}
-        fields: dict[str, Any] = {
-            "transfer": inbound.transfer,
-            "step": inbound.step,
-            "credit_frames": self.config.credit_frames,
-            "max_frame_bytes": self.config.max_frame_bytes,
-        }
-        inbound.mover, inbound.mover_reason, offer = self._choose_mover(inbound)
-        fields.update(mover=inbound.mover, mover_reason=inbound.mover_reason)
-        if offer is not None:
-            fields["nixl"] = offer
-        self._send(inbound.identity, Kind.FORWARD_READY, fields)
-
-    def _choose_mover(self, inbound: Inbound) -> tuple[str, str, dict[str, Any] | None]:
-        """``(mover, why, READY's nixl field)``: NIXL when the forwarder offers it and it works here."""
-        if "nixl" not in inbound.offered:
-            return "zmq", "the forwarder did not offer NIXL", None
-        ok, why = support(self.config.forward_mover.value)
-        if ok and self.nixl_target is not None and self.nixl_target.broken is not None:
-            ok, why = False, f"NIXL set-up failed earlier on the inference daemon: {self.nixl_target.broken}"
-        if not ok:
-            return "zmq", f"inference daemon: {why}", None
-        if self.nixl_target is None:
-            self.nixl_target = TargetSide(f"refitd-{self.instance}")
-        try:
-            offer = self.nixl_target.offer(inbound.target.arena)
-        except NixlSetupFailed as exc:
-            self.nixl_target.broken = str(exc)
-            log.warning("NIXL set-up failed, taking forwarded bytes as ZeroMQ frames: %s", exc)
-            return "zmq", f"NIXL set-up failed on the inference daemon: {exc}", None
-        return "nixl", "NIXL on both sides", offer
-
-    def _inbound(self, identity: bytes, msg: Message) -> Inbound:
-        sender = self._forwarder(msg)
-        inbound = self.inbound
-        transfer = msg.require("transfer", str)
-        if (
-            inbound is None
-            or inbound.identity != identity
-            or inbound.sender != sender
-            or inbound.transfer != transfer
-        ):
-            raise RefitError(
-                f"{msg.kind.name} for transfer {transfer}, which is not in progress here (this daemon "
-                "restarted, timed it out, or a newer transfer replaced it)",
-                kind=ErrorKind.UNKNOWN_PEER,
-            )
-        if inbound.target is None:
-            raise ProtocolError(f"{msg.kind.name} before FORWARD_READY")
-        inbound.last_seen = time.monotonic()
-        return inbound
-
-    def handle_forward_data(self, identity: bytes, msg: Message) -> None:
-        inbound = self._inbound(identity, msg)
-        try:
-            self._take_frame(inbound, msg)
-        except (ProtocolError, RefitError):
-            self._drop_inbound("it sent a bad data frame")
-            raise
-
-    def _take_frame(self, inbound: Inbound, msg: Message) -> None:
-        inbound.skip_empty()
-        index, offset = msg.require("tensor", int), msg.require("offset", int)
-        if len(msg.frames) != 1 or (index, offset) != (inbound.index, inbound.offset):
-            raise ProtocolError(
-                f"FORWARD_DATA for tensor {index} at byte {offset}: expected one frame for tensor "
-                f"{inbound.index} at byte {inbound.offset}"
-            )
-        data = msg.frames[0].buffer if hasattr(msg.frames[0], "buffer") else memoryview(msg.frames[0])
-        slot = inbound.slots[index]
-        if offset + len(data) > slot.nbytes or not len(data):
-            raise ProtocolError(f"FORWARD_DATA overruns {slot.name!r} ({slot.nbytes} bytes)")
-        inbound.flat[slot.name][offset : offset + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
-        inbound.offset += len(data)
-        inbound.received += len(data)
-        inbound.unacked += 1
-        if inbound.unacked >= max(1, self.config.credit_frames // 2):
-            self._send(
-                inbound.identity, Kind.CREDIT, {"transfer": inbound.transfer, "frames": inbound.unacked}
-            )
-            inbound.unacked = 0
-
-    def handle_forward_commit(self, identity: bytes, msg: Message) -> None:
-        inbound = self._inbound(identity, msg)
-        if inbound.mover == "nixl" and inbound.received == 0:
-            inbound.committer = identity  # published by _forward_progress once the WRITE's notification is in
-            self._forward_progress()
-            return
-        self._publish_inbound(identity, inbound)
-
-    def _forward_progress(self) -> None:
-        """Progress the NIXL endpoint while a NIXL transfer is in flight (the serve loop, each tick);
-        publish a committed one once its WRITE notification arrived."""
-        inbound = self.inbound
-        if inbound is None or inbound.mover != "nixl" or self.nixl_target is None:
-            return
-        self.nixl_target.progress()
-        if inbound.committer is not None and self.nixl_target.take(inbound.transfer):
-            inbound.received = inbound.layout.size
-            inbound.index, inbound.offset = len(inbound.slots), 0
-            self._publish_inbound(inbound.committer, inbound)
-
-    def _forward_nixl_busy(self) -> bool:
-        inbound = self.inbound
-        return inbound is not None and inbound.mover == "nixl" and inbound.target is not None
-
-    def _forward_close(self) -> None:
-        if self.nixl_target is not None:
-            self.nixl_target.close()
-            self.nixl_target = None
-
-    def _publish_inbound(self, identity: bytes, inbound: Inbound) -> None:
-        if not inbound.complete:
-            slot = inbound.slots[inbound.index]
-            self._drop_inbound("it committed before sending every byte")
-            raise RefitError(
-                f"FORWARD_COMMIT of step {inbound.step} before every byte arrived (tensor {slot.name!r} "
-                f"at byte {inbound.offset} of {slot.nbytes})",
-                kind=ErrorKind.COVERAGE,
-                step=inbound.step,
-            )
-        self.inbound = None
-        self.forward_source = inbound.source
-        self.forwarded_steps[inbound.sender] = (inbound.source, inbound.step)
-        now = time.monotonic()
-        record = {
-            "step": inbound.step,
-            "generation": inbound.target.index,
-            "bytes_in": inbound.received,
-            "bytes_out": inbound.layout.size,
-            "seconds": {"receive": round(now - inbound.started, 6), "total": round(now - inbound.started, 6)},
-            "forwarded_from": inbound.source,
-            "mover": inbound.mover,
-        }
-        log.info(
-            "forwarded step %d published in generation %d: %d bytes received over %s in %.3fs",
-            inbound.step,
-            inbound.target.index,
-            inbound.received,
-            inbound.mover,
-            now - inbound.started,
-            extra={"step": inbound.step, "phase": "publish", "record": record},
-        )
-        from sidecar.daemon.step import StepState
-
-        state = StepState(inbound.step, 0, now)
-        state.phases.first_begin = state.phases.all_begun = inbound.started
-        state.phases.all_received = state.phases.published = now
-        state.bytes_in = inbound.received
-        self._go_live(
-            inbound.target,
-            record,
-            state,
-            [identity],
-            Kind.FORWARDED,
-            {"transfer": inbound.transfer, "instance": self.instance},
-        )
-
-    def handle_forward_abort(self, identity: bytes, msg: Message) -> None:
-        sender = self._forwarder(msg)
-        inbound = self.inbound
-        if (
-            inbound is not None
-            and inbound.identity == identity
-            and inbound.sender == sender
-            and inbound.transfer == msg.get("transfer")
-        ):
-            self._drop_inbound(f"the forwarder aborted it: {msg.get('reason', 'no reason given')}")
-
-    def _drop_inbound(self, why: str) -> None:
-        inbound, self.inbound = self.inbound, None
-        if inbound is not None:
-            log.warning("dropped the transfer of forwarded step %d: %s", inbound.step, why)
-            if inbound.target is not None:
-                inbound.target.step = None  # half-written: never handed out
-
-    def _forward_timers(self, now: float) -> None:
-        inbound = self.inbound
-        if inbound is None:
-            return
-        if now - inbound.last_seen > self.config.forward_timeout_s:
-            self._drop_inbound(f"the forwarder was silent for {self.config.forward_timeout_s:g} s")
-        else:
-            self._forward_claim()
+        self._post(Request.STATE, state)

@@ -60,7 +60,7 @@ from sidecar.plan.build import OutputSpec, RefitPlan, Role
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config.settings import DaemonConfig
-    from sidecar.daemon.loop import Daemon
+    from sidecar.daemon.context import LoopContext as Daemon  # the serve loop, as it lends itself
     from sidecar.daemon.step import StepState
     from sidecar.errors import RefitError
 

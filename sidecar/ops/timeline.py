@@ -43,7 +43,7 @@ from sidecar.config.settings import ConfigError, Problem
 from sidecar.ops.observers import Observer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sidecar.daemon.loop import Daemon
+    from sidecar.daemon.context import LoopContext as Daemon  # the serve loop, as it lends itself
     from sidecar.daemon.step import StepState
     from sidecar.errors import RefitError
     from sidecar.plan.build import RefitPlan

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.config.settings import ArenaKind
-from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
+from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
 from sidecar.plan.build import RefitPlan
 from transport.epochs import EpochPage
 from transport.shm import Arena, Layout, ShmArena, segment_name
@@ -105,15 +105,16 @@ class Arenas:
         return arenas
 
     def apply_plan(self, plan: RefitPlan) -> None:
-        """Carve the arenas for ``plan``; ValueError (naming sizes) when they are too small."""
+        """Carve the arenas for ``plan``; ArenaTooSmall (naming sizes) when they are too small."""
         staging, outputs = layouts(plan)
-        if self.staging_regions:
+        if self.staging_regions:  # ArenaTooSmall when a region cannot hold the largest group
             self.ring = RingStaging(plan, regions=self.staging_regions, capacity=self.staging.size)
-            self.staging.relayout(Layout([]))  # the ring places each group's tensors itself
-        else:
-            self.staging.relayout(staging)
-        for g in self.generations:
-            g.arena.relayout(outputs)
+        try:
+            self.staging.relayout(Layout([]) if self.staging_regions else staging)  # a ring places its own
+            for g in self.generations:
+                g.arena.relayout(outputs)
+        except ValueError as exc:  # the one ValueError an arena's relayout raises: it is too small
+            raise ArenaTooSmall(str(exc)) from None
 
     def invalidate(self) -> None:
         """Forget every published generation (the layout changed): nothing is live until the next step."""

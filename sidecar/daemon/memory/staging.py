@@ -32,7 +32,12 @@ from sidecar.daemon.memory.ring import RingError, RingSlot, StagingRing
 from sidecar.plan.build import RefitPlan
 from transport.shm import ALIGN, Layout
 
-__all__ = ["Group", "RingStaging", "ring_groups"]
+__all__ = ["ArenaTooSmall", "Group", "RingStaging", "ring_groups"]
+
+
+class ArenaTooSmall(ValueError):
+    """An arena (or a region of the staging ring) cannot hold what the plan puts in it: a CAPACITY
+    problem, fixed by a larger arena, not by different tensors."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +136,7 @@ class RingStaging:
         largest = max(self.groups, key=lambda g: g.nbytes, default=None)
         if largest is not None and largest.nbytes > region_bytes:
             need = region_size(self.groups) * regions
-            raise ValueError(
+            raise ArenaTooSmall(
                 f"the staging arena holds {capacity} bytes: {regions} regions of {region_bytes} bytes, but "
                 f"group {largest.label!r} needs {largest.nbytes} bytes in one region; raise staging_bytes "
                 f"to at least {need} (or leave it unset so the daemon sizes itself), or use fewer regions"

@@ -1,0 +1,120 @@
+"""The serve loop's set-up, once per start: its arenas sized from the config (or the plan), its
+control endpoint bound (CURVE where keys are configured), and the record of its shared-memory
+segments that lets the next start clean up after a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import zmq
+
+from sidecar.config.settings import DaemonConfig, NodeRole, default_listen, tcp_host
+from sidecar.daemon.memory.generations import Arenas
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.forward.types import forward_keys
+from sidecar.plan.build import RefitPlan
+from transport.control import bind_control
+
+log = logging.getLogger("refitd.daemon")
+
+
+def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Arenas:
+    """Staging and the generations: sized for ``plan``, or by the configured byte counts."""
+    regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
+    if plan is not None:
+        return Arenas.for_plan(
+            prefix,
+            plan,
+            staging_bytes=config.staging_bytes,
+            publish_bytes=config.publish_bytes,
+            kind=config.arena,
+            gpu=config.gpu,
+            staging_regions=regions,
+        )
+    if config.publish_bytes is not None and (
+        config.staging_bytes is not None or config.role is NodeRole.INFERENCE
+    ):
+        return Arenas(
+            prefix,
+            staging_bytes=config.staging_bytes or 4096,
+            publish_bytes=config.publish_bytes,
+            kind=config.arena,
+            gpu=config.gpu,
+            staging_regions=regions,
+        )
+    raise RefitError(
+        "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "
+        "start, or both staging_bytes and publish_bytes (an inference node of a disaggregated "
+        "layout needs only publish_bytes)",
+        kind=ErrorKind.CAPACITY,
+    )
+
+
+def bind(router: zmq.Socket, ctx: zmq.Context, config: DaemonConfig):
+    """Bind the control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
+    beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines.
+    Returns ``(authenticator or None, the local ipc:// endpoint or None, the keys that may forward)``."""
+    from sidecar.cli import keygen
+
+    cfg, auth, local_listen, keys = config, None, None, frozenset()
+    tcp = tcp_host(cfg.listen) is not None
+    if tcp and cfg.curve_secret_key is not None:
+        try:
+            public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
+            allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
+            keys = forward_keys(cfg, allowed)
+        except (OSError, ValueError) as exc:
+            raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
+        auth = keygen.start_authenticator(ctx, allowed)
+        keygen.set_server(router, public, secret)
+        router.bind(cfg.listen)
+        keygen.unset_server(router)
+        log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
+    else:
+        try:
+            bind_control(router, cfg.listen)  # an ipc:// socket file: 0600 whatever the umask
+        except OSError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.INVALID) from None
+    if tcp:
+        local = default_listen(cfg.runtime_dir)
+        try:
+            bind_control(router, local)
+            local_listen = local
+        except (zmq.ZMQError, OSError) as exc:
+            log.warning("no local endpoint %s beside %s: %s", local, cfg.listen, exc)
+    return auth, local_listen, keys
+
+
+def segments_file(config: DaemonConfig) -> Path:
+    return Path(config.runtime_dir) / "segments.json"
+
+
+def record_segments(config: DaemonConfig, names: list[str]) -> None:
+    """Write our segment names, after unlinking those a crashed predecessor left behind."""
+    path = segments_file(config)
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            if not _pid_alive(int(old.get("pid", 0))):
+                for name in old.get("segments", []):
+                    Path("/dev/shm", name).unlink(missing_ok=True)
+                    log.warning("removed shared-memory segment %s left by a crashed daemon", name)
+        except (ValueError, OSError):
+            pass
+    path.write_text(json.dumps({"pid": os.getpid(), "segments": names}))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
