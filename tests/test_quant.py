@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quant_cases import CASES, Case
+from support import oracle
 
 from sidecar.numerics import reference as quant
+from sidecar.numerics.cases import CASES, Case
 from sidecar.numerics.formats import FP8_DTYPE, Format
 
 
