@@ -38,7 +38,7 @@ from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeR
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward import FORWARD_KINDS, Forwarding, ForwardReceiver, curve_user_id, forward_keys
-from sidecar.gcpause import gc_paused
+from sidecar.gcpause import freeze_long_lived, gc_paused
 from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
@@ -219,6 +219,9 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self._stop = True
 
     def serve_forever(self) -> None:
+        freeze_long_lived(
+            collect=True
+        )  # startup's objects (torch, a configured plan): out of every collection
         while not self._stop:
             self.tick()
             if self._reload is not None:

@@ -19,6 +19,7 @@ import torch
 from sidecar.attach import check_manifest
 from sidecar.config import NodeRole
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.gcpause import freeze_long_lived
 from sidecar.plan import RefitPlan
 from sidecar.pull_nixl import PullSide
 from sidecar.readers import Peer
@@ -257,6 +258,7 @@ class TrainerHandlers:
                 step=state.step,
             ) from None
         self.plan = plan
+        freeze_long_lived()  # the plan lives as long as the daemon: no collection walks it again
         log.info(
             "plan fixed from step %d: %d inputs, %d outputs, %d units",
             state.step,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import weakref
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from sidecar import client as client_mod
 from sidecar import worker as worker_mod
 from sidecar.convert import run_passthroughs
 from sidecar.errors import RefitError
-from sidecar.gcpause import gc_paused
+from sidecar.gcpause import freeze_long_lived, gc_paused
 from sidecar.plan import RefitPlan, RefitSpec, TensorSpec, run_unit
 from sidecar.quant import NonFiniteError
 from sidecar.step import StepState
@@ -294,6 +295,28 @@ def test_gc_paused_restores_the_collector():
         assert not gc.isenabled()  # left off, as found (a trainer's manual-GC mode)
     finally:
         gc.enable()
+
+
+def test_freeze_long_lived_hides_objects_and_collect_frees_their_cycles():
+    """What freeze_long_lived freezes no collection walks (nor frees, when cyclic) until collect=True."""
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector can free it
+    ref = weakref.ref(node)
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert ref() is not None  # frozen: a collection does not see it
+        freeze_long_lived(collect=True)  # unfreeze, collect, freeze again
+        assert ref() is None
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_begin_errors_unchanged_under_the_paused_collector():
