@@ -38,7 +38,7 @@ from sidecar.config import RELOADABLE, ArenaKind, DaemonConfig, DrainMode, NodeR
 from sidecar.engines import EngineState, LoadRound, new_round
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward import FORWARD_KINDS, Forwarding, ForwardReceiver, curve_user_id, forward_keys
-from sidecar.gcpause import freeze_long_lived, gc_paused
+from sidecar.gcpause import StepHold, freeze_long_lived
 from sidecar.generations import Arenas
 from sidecar.models import get_model
 from sidecar.observers import Observer, notify
@@ -76,6 +76,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self.arenas: Arenas | None = None
         self.peers: dict[bytes, Peer] = {}
         self.step: StepState | None = None
+        self._gc_hold = StepHold()  # the collector off while a step is in flight (tick)
         self.target = None  # the Generation the step in progress writes
         self.deferred: list = []  # units ready before the target generation was free
         self.pending: list[tuple[bytes, Message]] = []  # BEGINs for a later step
@@ -219,9 +220,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         self._stop = True
 
     def serve_forever(self) -> None:
-        freeze_long_lived(
-            collect=True
-        )  # startup's objects (torch, a configured plan): out of every collection
+        freeze_long_lived()  # startup's objects (torch, a configured plan): out of every collection
         while not self._stop:
             self.tick()
             if self._reload is not None:
@@ -278,9 +277,9 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
         if self._forward_nixl_busy() or (self.pull is not None and self.pull.inflight):
             timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
-        # A step of many tensors allocates many small objects per turn (pieces, units, results): one
-        # collection after the turn instead of several during it (each full one walks the whole heap).
-        with gc_paused():
+        # A step of many tensors allocates many small objects per turn (pieces, units, results): no
+        # collection while a step is in flight, one after it (each walks every object the step keeps).
+        with self._gc_hold.turn(lambda: self.step is not None):
             self._turn(events)
 
     def _turn(self, events: dict) -> None:
@@ -338,6 +337,7 @@ class Daemon(TrainerHandlers, ReaderHandlers, ForwardReceiver):
             self.wake.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+        self._gc_hold.release()
         self.ctx.term()
         for listen in (self.config.listen, self.local_listen or ""):
             if listen.startswith("ipc://"):

@@ -16,7 +16,7 @@ from sidecar import client as client_mod
 from sidecar import worker as worker_mod
 from sidecar.convert import run_passthroughs
 from sidecar.errors import RefitError
-from sidecar.gcpause import freeze_long_lived, gc_paused
+from sidecar.gcpause import StepHold, freeze_long_lived, gc_paused
 from sidecar.plan import RefitPlan, RefitSpec, TensorSpec, run_unit
 from sidecar.quant import NonFiniteError
 from sidecar.step import StepState
@@ -297,8 +297,8 @@ def test_gc_paused_restores_the_collector():
         gc.enable()
 
 
-def test_freeze_long_lived_hides_objects_and_collect_frees_their_cycles():
-    """What freeze_long_lived freezes no collection walks (nor frees, when cyclic) until collect=True."""
+def test_freeze_long_lived_hides_objects_from_collections():
+    """What freeze_long_lived froze no collection walks (a frozen cycle outlives gc.collect)."""
 
     class Node:
         pass
@@ -311,12 +311,40 @@ def test_freeze_long_lived_hides_objects_and_collect_frees_their_cycles():
         assert gc.get_freeze_count() > 0
         del node
         gc.collect()
-        assert ref() is not None  # frozen: a collection does not see it
-        freeze_long_lived(collect=True)  # unfreeze, collect, freeze again
-        assert ref() is None
-        assert gc.get_freeze_count() > 0
+        assert ref() is not None  # frozen: the collection did not see it
     finally:
         gc.unfreeze()
+    gc.collect()
+    assert ref() is None
+
+
+def test_step_hold_keeps_the_collector_off_until_the_step_ends():
+    hold, busy = StepHold(), [True]
+    assert gc.isenabled()
+    try:
+        with hold.turn(lambda: busy[0]):  # the turn that starts a step
+            assert not gc.isenabled()
+        assert not gc.isenabled() and hold.held  # between turns of the step: still off
+        with hold.turn(lambda: busy[0]):
+            assert not gc.isenabled()
+        busy[0] = False
+        with pytest.raises(RuntimeError), hold.turn(lambda: busy[0]):  # the turn that ends it
+            raise RuntimeError("boom")
+        assert gc.isenabled() and not hold.held
+        with hold.turn(lambda: False):  # an idle turn: off during it only
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with hold.turn(lambda: True):
+            pass
+        hold.release()  # the daemon's close in the middle of a step
+        assert gc.isenabled()
+        gc.disable()  # a manual-GC mode: left alone, never turned on
+        with hold.turn(lambda: False):
+            pass
+        hold.release()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_begin_errors_unchanged_under_the_paused_collector():
