@@ -9,6 +9,12 @@ How it stays fast without giving up exactness:
   per-tensor); each chunk is upcast into one reused float32 scratch buffer, quantized there in place
   and cast straight into the output. Peak extra memory is one chunk of float32 (``chunk_elems``
   elements, 4 MiB by default, a size that stays in cache on a CPU) plus the scales;
+* max |x| of a bfloat16 / float16 input is an int16 max over its sign-cleared bits (one 2-byte pass,
+  NaN and Inf still seen), not a float32 max and min over the upcast chunk;
+* where the scale is computed here, the clamp to [-448, 448] is skipped: every scaled value is at
+  most 448 * (1 + 2^-22), which the cast rounds to 448 as it does the clamped value (a test checks
+  it for every bf16/f16 amax). What remains is the float32 -> float8 cast, torch's scalar
+  conversion loop: about two thirds of the time on a CPU (bench/quant.py);
 * outputs may be caller-provided (``out=``) so the daemon writes straight into shared memory;
 * every division that SPEC.md says must be correctly rounded divides by a tensor on the same device
   (on CUDA, torch turns ``t / 448.0`` into ``t * (1/448)``, which is not).
