@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import queue
+import weakref
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from sidecar.daemon.step import StepState
 from sidecar.daemon.worker import QuantWorker, all_finite, batches, check_finite
 from sidecar.errors import RefitError
 from sidecar.numerics.reference import NonFiniteError
-from sidecar.ops.gcpause import gc_paused
+from sidecar.ops.gcpause import StepHold, freeze_long_lived, gc_paused
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec, run_unit
 from sidecar.plan.run import run_passthroughs
 from transport.wire import Kind
@@ -302,6 +303,56 @@ def test_gc_paused_restores_the_collector():
         with gc_paused():
             pass
         assert not gc.isenabled()  # left off, as found (a trainer's manual-GC mode)
+    finally:
+        gc.enable()
+
+
+def test_freeze_long_lived_hides_objects_from_collections():
+    """What freeze_long_lived froze no collection walks (a frozen cycle outlives gc.collect)."""
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector can free it
+    ref = weakref.ref(node)
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert ref() is not None  # frozen: the collection did not see it
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert ref() is None
+
+
+def test_step_hold_keeps_the_collector_off_until_the_step_ends():
+    hold, busy = StepHold(), [True]
+    assert gc.isenabled()
+    try:
+        with hold.turn(lambda: busy[0]):  # the turn that starts a step
+            assert not gc.isenabled()
+        assert not gc.isenabled() and hold.held  # between turns of the step: still off
+        with hold.turn(lambda: busy[0]):
+            assert not gc.isenabled()
+        busy[0] = False
+        with pytest.raises(RuntimeError), hold.turn(lambda: busy[0]):  # the turn that ends it
+            raise RuntimeError("boom")
+        assert gc.isenabled() and not hold.held
+        with hold.turn(lambda: False):  # an idle turn: off during it only
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with hold.turn(lambda: True):
+            pass
+        hold.release()  # the daemon's close in the middle of a step
+        assert gc.isenabled()
+        gc.disable()  # a manual-GC mode: left alone, never turned on
+        with hold.turn(lambda: False):
+            pass
+        hold.release()
+        assert not gc.isenabled()
     finally:
         gc.enable()
 
