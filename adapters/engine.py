@@ -5,7 +5,8 @@ functions: one that builds the manifest from the loaded model, one that copies a
 the engine's parameters. The driver side collects every worker's ``LoadResult`` with
 ``check_results``, which fails loudly when any worker failed, or when none answered.
 
-    worker = EngineWorker(endpoint, name="vllm-tp0", manifest=build_manifest, load=load_into_model)
+    worker = EngineWorker(endpoint, name="vllm-tp0", manifest=build_manifest, load=load_into_model,
+                          check=check_vllm_constraints)   # the adapter's own rules: required for vLLM
     worker.attach()                       # refused, listing every mismatch, if the plan disagrees
     result = worker.load_next(min_step=7) # wait, copy out, acknowledge, release
 """
@@ -19,10 +20,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from adapters.base import Generation, RefitReader
-from adapters.manifest import Manifest
+from adapters.manifest import EngineKind, Manifest
 from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 
-__all__ = ["EngineWorker", "LoadResult", "check_results"]
+__all__ = ["EngineWorker", "LoadResult", "check_results", "engine_problems"]
 
 log = logging.getLogger("refitd.engine")
 
@@ -71,8 +72,10 @@ class EngineWorker:
         timeout: float = 600.0,
         check: Callable[[Manifest], list[str]] | None = None,
     ):
-        """``check``: the adapter's own constraint check (e.g. ``adapters.vllm.check_vllm_constraints``),
-        run on the manifest before the daemon is contacted; any problem refuses the attach."""
+        """``check``: the adapter's own constraint check (``adapters.vllm.check_vllm_constraints``,
+        ``adapters.trtllm.check_trtllm_constraints``), required for those engines' manifests and run
+        on every attach before the daemon is contacted; any problem refuses the attach. Without one
+        (the reference engine) the manifest's :class:`~adapters.manifest.EngineConstraints` are run."""
         self.endpoint, self.name, self.timeout = endpoint, name, timeout
         self._manifest, self._load, self._check = manifest, load, check
         self.reader: RefitReader | None = None
@@ -86,7 +89,7 @@ class EngineWorker:
         adapter's own check first, then by the daemon)."""
         if self.reader is None:
             manifest = self.manifest()
-            problems = self._check(manifest) if self._check is not None else []
+            problems = engine_problems(manifest, self._check)
             if problems:
                 lines = "\n".join(f"  - {p}" for p in problems)
                 raise RefitError(
@@ -148,6 +151,28 @@ class EngineWorker:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+#: engines whose adapters carry rules beyond the shared constraints: their check must be passed
+ADAPTER_CHECKS = {
+    EngineKind.VLLM: "adapters.vllm.check_vllm_constraints",
+    EngineKind.TRTLLM: "adapters.trtllm.check_trtllm_constraints",
+}
+
+
+def engine_problems(manifest: Manifest, check: Callable[[Manifest], list[str]] | None) -> list[str]:
+    """What refuses ``manifest`` before the daemon is asked: the adapter's ``check`` (which runs the
+    shared :class:`~adapters.manifest.EngineConstraints` rules too), else those rules alone. A vLLM or
+    TRT-LLM manifest without its adapter's check is a programming error, not a pass."""
+    if check is not None:
+        return list(check(manifest))
+    needed = ADAPTER_CHECKS.get(manifest.engine)
+    if needed is not None:
+        raise TypeError(
+            f"a {manifest.engine.value} EngineWorker needs its adapter's check: pass check={needed.rsplit('.', 1)[1]} "
+            f"(from {needed.rsplit('.', 1)[0]}); attaching without it skips the engine's own rules"
+        )
+    return manifest.constraints.problems()
 
 
 def check_results(

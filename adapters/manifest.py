@@ -14,7 +14,6 @@ before it builds anything, and every check is linear in the number of entries.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from sidecar.numerics.formats import Format
+from sidecar.plan.constraints import EngineConstraints, EngineKind
 from transport.wire import dtype_from_name, dtype_name, safe_repr
 
 #: the most tensors a manifest may list. A Kimi-K2-size model (~1T parameters: 61 layers of 384
@@ -39,10 +39,7 @@ MAX_DIM = 1 << 48
 MAX_LISTED = 5
 
 
-class EngineKind(str, enum.Enum):
-    REFERENCE = "reference"
-    VLLM = "vllm"
-    TRTLLM = "trtllm"
+__all__ = ["EngineConstraints", "EngineKind", "Manifest", "ManifestTensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +58,29 @@ class Manifest:
     moe_backend: str  # the resolved MoE implementation's class name, e.g. "CutlassFusedMoE"
     expert_format: Format  # what the engine's routed experts hold: block_fp8, mxfp8, fp8_per_tensor, bf16
     tensors: tuple[ManifestTensor, ...]
-    #: backend constraints the daemon checks: e.g. {"mxfp8_align": 128, "block_fp8_align": 128}
-    constraints: Mapping[str, Any] = field(default_factory=dict)
+    #: what the engine's MoE kernels need of the experts, checked by the adapter and by the daemon
+    #: (None: no rule beyond the format's own; it must name this manifest's engine and format)
+    constraints: EngineConstraints | None = None
     #: free-form facts for logs and status (tp size, device, model name)
     info: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", EngineKind(self.engine))
         object.__setattr__(self, "expert_format", Format.parse(self.expert_format))
+        if self.constraints is None:
+            object.__setattr__(
+                self, "constraints", EngineConstraints(engine=self.engine, expert_format=self.expert_format)
+            )
+        elif not isinstance(self.constraints, EngineConstraints):
+            raise TypeError(
+                f"Manifest.constraints is an EngineConstraints, got {type(self.constraints).__name__}"
+            )
+        elif (self.constraints.engine, self.constraints.expert_format) != (self.engine, self.expert_format):
+            raise ValueError(
+                f"the constraints describe a {self.constraints.engine.value} engine holding "
+                f"{self.constraints.expert_format.value} experts, the manifest a {self.engine.value} engine "
+                f"holding {self.expert_format.value}: build both from the same engine settings"
+            )
         if len(self.tensors) > MAX_MANIFEST_TENSORS:
             raise ValueError(_too_many(len(self.tensors)))
         counts = Counter(t.name for t in self.tensors)  # linear: 24k entries once took 9 s with list.count
@@ -89,7 +101,7 @@ class Manifest:
             "moe_backend": self.moe_backend,
             "expert_format": self.expert_format.value,
             "tensors": [[t.name, dtype_name(t.dtype), list(t.shape)] for t in self.tensors],
-            "constraints": dict(self.constraints),
+            "constraints": self.constraints.to_wire(),
             "info": dict(self.info),
         }
 
@@ -105,13 +117,16 @@ class Manifest:
             if len(rows) > MAX_MANIFEST_TENSORS:
                 raise ValueError(_too_many(len(rows)))
             tensors = tuple(_tensor_from_wire(i, row) for i, row in enumerate(rows))
+            engine, fmt = EngineKind(_text(data, "engine")), Format.parse(_text(data, "expert_format"))
             return cls(
-                engine=_text(data, "engine"),
+                engine=engine,
                 engine_version=_text(data, "engine_version", ""),
                 moe_backend=_text(data, "moe_backend", ""),
-                expert_format=_text(data, "expert_format"),
+                expert_format=fmt,
                 tensors=tensors,
-                constraints=_constraints(_map(data, "constraints")),
+                constraints=EngineConstraints.from_wire(
+                    _map(data, "constraints"), engine=engine, expert_format=fmt
+                ),
                 info=_map(data, "info"),
             )
         except KeyError as exc:
@@ -175,24 +190,3 @@ def _map(data: Mapping[str, Any], key: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ValueError(f"{key!r} must be a map, got {type(value).__name__}")
     return dict(value)
-
-
-#: constraint keys the daemon computes with (sidecar.plan.attach.constraint_problems), and what they hold
-_INT_CONSTRAINTS = ("tp_size", "moe_ep_size", "mxfp8_align", "block_fp8_align")
-
-
-def _constraints(c: dict[str, Any]) -> dict[str, Any]:
-    for key in _INT_CONSTRAINTS:
-        value = c.get(key)
-        if value is not None and (type(value) is not int or not 1 <= value <= MAX_DIM):
-            raise ValueError(
-                f"constraint {key!r} must be a positive integer or nil, got {safe_repr(value, 80)}"
-            )
-    formats = c.get("unsupported_formats")
-    if formats is not None and (
-        not isinstance(formats, list) or len(formats) > 16 or not all(isinstance(f, str) for f in formats)
-    ):
-        raise ValueError(
-            f"constraint 'unsupported_formats' must be a list of format names, got {safe_repr(formats, 80)}"
-        )
-    return c

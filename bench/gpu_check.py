@@ -18,7 +18,7 @@ Three sections, each recorded even when another fails:
 1. **correctness**: every kernel against the torch reference run on the same device, byte for byte
    (values through ``.view(torch.uint8)``, scales exact), on fresh random slabs (ragged and batched
    shapes, fp16/fp32, a strided view, a zeroed 128x128 block, one NaN), the edge-case table of
-   tests/quant_cases.py, and every timed Qwen3.5 layer. The GPU reference itself is checked against
+   sidecar/numerics/cases.py, and every timed Qwen3.5 layer. The GPU reference itself is checked against
    the CPU reference (SPEC.md's division trap: it divides by device tensors, never Python scalars).
 2. **timing** on a Qwen3.5-35B-A3B layer's routed experts (gate_up ``[256, 1024, 2048]`` + down
    ``[256, 2048, 512]``, bf16): a device-to-device copy of the same bytes, the torch reference per
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):  # the repo (no install needed on the GPU machine) and quant_cases
+for _p in (ROOT,):  # the repo (no install needed on the GPU machine); no test file is imported
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -306,8 +306,8 @@ def check_non_finite(impls, device) -> list[dict[str, Any]]:
 
 
 def check_table(impls, device) -> list[dict[str, Any]]:
-    """tests/quant_cases.py through each implementation on ``device``, against the CPU reference."""
-    from quant_cases import CASES
+    """sidecar/numerics/cases.py through each implementation on ``device``, against the CPU reference."""
+    from sidecar.numerics.cases import CASES
 
     table_impls: dict[str, Callable | str] = {"torch-" + device.type: quant.quantize}
     if "triton" in impls:

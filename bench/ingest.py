@@ -59,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config
-from sidecar.client.client import RefitClient, _blocks
+from sidecar.client.client import RefitClient
+from sidecar.client.pieces import blocks
 from sidecar.errors import RefitError
 from sidecar.plan.models import get_model
 from transport.shm import Layout, ShmArena, ShmSegment
@@ -134,7 +135,7 @@ def frames_of(sd: dict[str, torch.Tensor], limit: int = MAX_FRAME) -> list:
     """The data frames ``RefitClient`` sends for ``sd`` on the remote path, as uint8 numpy views."""
     frames = []
     for t in sd.values():
-        for rel, shape in _blocks(tuple(t.shape), t.element_size(), limit):
+        for rel, shape in blocks(tuple(t.shape), t.element_size(), limit):
             block = t[tuple(slice(o, o + s) for o, s in zip(rel, shape))] if shape else t
             frames.append(block.reshape(-1).view(torch.uint8).numpy())
     return frames

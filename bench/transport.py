@@ -10,7 +10,7 @@ daemon's arenas) move from this process to a spawned peer, in the same run, inte
   zmq raw       DEALER -> ROUTER over tcp://127.0.0.1, frames of at most ``--frame-mib``, the
                 receiver ``recv_into`` a preallocated buffer, one ack at the end;
   zmq refitd    the same chunks as refitd's SHARD messages: ``transport.wire.encode`` header +
-                one data frame per block of ``sidecar.client.client._blocks``, the receiver
+                one data frame per block of ``sidecar.client.pieces.blocks``, the receiver
                 ``recv_multipart(copy=False)`` + ``wire.decode`` + ``copy_`` as the daemon does.
 NIXL times run until the initiator sees DONE (the bytes are in the peer's memory); ZeroMQ times until
 the receiver's ack. Every rep zeroes the destination first (untimed) and checks a CRC after.
@@ -46,7 +46,7 @@ import msgpack
 import torch
 import zmq
 
-from sidecar.client.client import _blocks
+from sidecar.client.pieces import blocks as frame_blocks
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from transport.nixl import NixlEndpoint, _api, available, backend_module
 from transport.shm import Layout, ShmArena, segment_name
@@ -188,7 +188,7 @@ def run_transfers(nbytes: int, repeat: int, frame: int) -> dict[str, Any]:
     raw.register_memory([(src.data_ptr(), nbytes, 0, "")], "DRAM")
     ep = NixlEndpoint("bench-src")
     ep.register(src)
-    blocks = list(_blocks((nbytes,), 1, frame))
+    blocks = list(frame_blocks((nbytes,), 1, frame))
     ctx = zmq.Context()
     ctl = Control(ctx.socket(zmq.PAIR), [raw.get_new_notifs, ep.progress])
     with tempfile.TemporaryDirectory(prefix="refitd-bench-transport-") as tmp:

@@ -28,6 +28,7 @@ from adapters.trtllm import (
     resolve_moe_backend,
     trtllm_llm_args,
 )
+from adapters.trtllm import worker as trtllm_worker
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import get_model
@@ -250,7 +251,7 @@ def test_per_tensor_manifest_says_input_scales_are_carried():
     data = _load("trtllm_qwen3-30b-a3b_fp8_per_tensor")
     manifest = _manifest(data)
     assert manifest.moe_backend == MoeBackend.CUTLASS  # TRTLLM was requested: falls back
-    assert "input_scales" in manifest.constraints
+    assert manifest.info["input_scales"] is True  # carried from the engine, not published
     assert not any(t.name.endswith("input_scale") for t in manifest.tensors)
     gate = manifest.by_name()["model.layers.1.mlp.experts.5.gate_proj.weight_scale"]
     assert gate.dtype == torch.float32 and gate.shape == ()
@@ -352,7 +353,7 @@ def test_mxfp8_alignment_per_tp_rank():
         params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, tp_size=8, mxfp8_reload_path=True
     )
     assert manifest.expert_format is Format.MXFP8
-    assert manifest.constraints["mxfp8_align"] == 128
+    assert manifest.constraints.mxfp8_align == 128 and manifest.constraints.moe_tp_size == 8
     problems = check_trtllm_constraints(manifest, cfg)
     (problem,) = problems
     assert problem.startswith(
@@ -401,7 +402,7 @@ def test_mxfp8_reload_path_probe(monkeypatch):
             "tensorrt_llm._torch.modules.fused_moe.quantization": quant,
         }.items():
             monkeypatch.setitem(sys.modules, name, mod)
-        assert trtllm._mxfp8_reload_path() is want
+        assert trtllm_worker._mxfp8_reload_path() is want
 
 
 def test_block_fp8_needs_intermediate_per_rank_multiple_of_128():
@@ -737,7 +738,7 @@ def test_input_scales_found_on_a_configurable_moe_backend():
     root.mlp.experts = configurable
     scales = ext._refit_capture_input_scales(root, None)
     assert scales == {"mlp.experts": (0.5, 0.25, 3)}
-    assert trtllm._resolved_moe(configurable) == "CutlassFusedMoE"
+    assert trtllm_worker._resolved_moe(configurable) == "CutlassFusedMoE"
 
 
 def test_reload_waits_for_the_copies(monkeypatch):
@@ -757,8 +758,8 @@ def test_reload_waits_for_the_copies(monkeypatch):
         def reload(self, model, weights, allow_partial_loading):
             events.append(f"reload {sorted(weights)}")
 
-    monkeypatch.setattr(trtllm.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(trtllm, "_sync_copies", lambda device: events.append(f"sync {device}"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(trtllm_worker, "_sync_copies", lambda device: events.append(f"sync {device}"))
     ext = RefitWorkerExtension()
     ext._refit_format, ext._refit_fp8_input = Format.BLOCK_FP8, {}
     ext.engine = SimpleNamespace(model_engine=SimpleNamespace(model=torch.nn.Module(), model_loader=Loader()))

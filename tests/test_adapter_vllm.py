@@ -27,8 +27,9 @@ import pytest
 import torch
 
 import adapters.vllm as av
+import adapters.vllm.worker as avw
 from sidecar.cli.demo.synthetic import make_hf_config
-from sidecar.errors import RefitError
+from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import get_model, model_type_of
@@ -155,6 +156,8 @@ class _Emitter:
         self.ignored = [mapper(n) for n in names]
         self.packed, self.tp, self.ep = packed, tp, ep
         self.out: list[list[Any]] = []
+        #: allocate block-FP8 experts whatever I/tp is, as a vLLM without create_weights' check would
+        self.unchecked = False
 
     def param(self, name: str, dtype: str, shape: list[int]) -> None:
         self.out.append([name, dtype, list(shape)])
@@ -199,7 +202,7 @@ class _Emitter:
             self.param(f"{prefix}.w13_weight_scale", U8, [e_loc, 2 * i_loc, h // 32])
             self.param(f"{prefix}.w2_weight_scale", U8, [e_loc, h, i_loc // 32])
         elif self.block:
-            if i_loc % 128:
+            if i_loc % 128 and not self.unchecked:
                 raise ValueError(f"{prefix}: intermediate_size_per_partition {i_loc} not divisible by 128")
             self.param(f"{prefix}.w13_weight_scale_inv", F32, [e_loc, 2 * _cdiv(i_loc, 128), _cdiv(h, 128)])
             self.param(f"{prefix}.w2_weight_scale_inv", F32, [e_loc, _cdiv(h, 128), _cdiv(i_loc, 128)])
@@ -266,12 +269,14 @@ def _qwen3_5_moe(em: _Emitter, c: dict[str, Any]) -> None:
 
 
 def vllm_parameters(
-    config: dict[str, Any], quant: dict[str, Any] | None, *, tp: int = 1, ep: int = 1
+    config: dict[str, Any], quant: dict[str, Any] | None, *, tp: int = 1, ep: int = 1, unchecked: bool = False
 ) -> list:
-    """The parameters (name, dtype, load-time shape) vLLM creates for ``config`` under ``quant``."""
+    """The parameters (name, dtype, load-time shape) vLLM creates for ``config`` under ``quant``
+    (``unchecked``: without Fp8MoEMethod's I/tp % 128 check, which the adapter must then make)."""
     if model_type_of(config) == "qwen3_moe":
         packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
         em = _Emitter(quant, packed, lambda n: n, tp, ep)
+        em.unchecked = unchecked
         _qwen3_moe(em, config)
     else:
         packed = {
@@ -281,6 +286,7 @@ def vllm_parameters(
             "in_proj_ba": ["in_proj_b", "in_proj_a"],
         }
         em = _Emitter(quant, packed, _hf_to_vllm, tp, ep)
+        em.unchecked = unchecked
         _qwen3_5_moe(em, config)
     return em.out
 
@@ -660,7 +666,11 @@ def test_block_fp8_needs_i_per_rank_aligned_to_128():
 def _with_tp(manifest, tp):
     from dataclasses import replace
 
-    return replace(manifest, info={**manifest.info, "tp_size": tp, "moe_tp_size": tp})
+    return replace(
+        manifest,
+        constraints=replace(manifest.constraints, moe_tp_size=tp),
+        info={**manifest.info, "tp_size": tp, "moe_tp_size": tp},
+    )
 
 
 def test_mxfp8_needs_h_and_i_aligned_to_32():
@@ -752,12 +762,119 @@ def test_daemon_attach_check_reads_the_moe_tp_size_vllm_writes():
     config = _config("qwen3_moe")  # I = 768: 192 per rank at moe_tp = 4 is not a multiple of 128
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
     base = _manifest(config, spec)
-    assert "tp_size" not in base.constraints and base.constraints["moe_tp_size"] == 1
+    assert base.constraints.moe_tp_size == 1
     plan = plan_from_hf_config(config, spec)
     assert check_manifest(plan.inputs, spec, base).ok
-    four = replace(base, constraints={**base.constraints, "moe_tp_size": 4})
+    four = replace(base, constraints=replace(base.constraints, moe_tp_size=4))
     errors = check_manifest(plan.inputs, spec, four).errors
-    assert errors and all("per TP rank is not a multiple of 128" in e for e in errors), errors
+    assert errors and all("768/4 = 192 to be a multiple of 128" in e for e in errors), errors
+
+
+def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_daemon():
+    """Issue 12's bug: a TP=4 Qwen3-30B-A3B vLLM worker (I = 768, I/tp = 192) attached in block-FP8
+    although SPEC §2.4 needs I/tp % 128 == 0. Built from the parameters vLLM creates at tp=4, the
+    manifest is refused by the adapter's check (what EngineWorker.attach runs, before any socket) and,
+    were that skipped, by the daemon's attach check: both name the settings that would work."""
+    from adapters.engine import EngineWorker
+    from sidecar.plan.attach import check_manifest
+
+    config = _config("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    params = vllm_parameters(config, quant, tp=4, unchecked=True)
+    manifest = av.build_manifest(params, config, quant, tp_size=4)
+    assert manifest.constraints.moe_tp_size == 4 and manifest.constraints.intermediate_size == 768
+
+    adapter = av.check_vllm_constraints(manifest)  # what the manifest recorded, no config needed
+    assert len(adapter) == 1 and "768/4 = 192 to be a multiple of 128" in adapter[0], adapter
+    assert "tensor_parallel_size" in adapter[0] and "enable_expert_parallel=True" in adapter[0]
+    worker = EngineWorker(
+        "ipc:///nonexistent/refitd.sock",
+        name="vllm-rank0",
+        manifest=manifest,
+        load=lambda gen: None,
+        check=av.check_vllm_constraints,
+    )
+    with pytest.raises(RefitError, match="768/4 = 192") as info:
+        worker.attach(timeout=1.0)
+    assert info.value.kind is ErrorKind.ENGINE and worker.reader is None
+
+    daemon = check_manifest(plan_from_hf_config(config, spec).inputs, spec, manifest)
+    assert not daemon.ok and daemon.errors
+    assert all("768/4 = 192 to be a multiple of 128" in e for e in daemon.errors), daemon.errors[:3]
+    assert "enable_expert_parallel=True" in daemon.message("vllm-rank0")
+
+    # the same engine with expert parallelism keeps I whole: accepted by both
+    ep = av.build_manifest(vllm_parameters(config, quant, ep=4), config, quant, tp_size=4, ep_size=4)
+    assert av.check_vllm_constraints(ep) == []
+    assert check_manifest(plan_from_hf_config(config, spec).inputs, spec, ep).ok
+
+
+def test_a_running_daemon_refuses_a_tp4_vllm_worker_that_skipped_its_own_check(daemons):
+    """The daemon's half of the fix, over its control socket: a vLLM worker whose experts split I = 768
+    four ways (192 per rank) attaches to a block-FP8 daemon with the adapter's check bypassed; the
+    daemon's attach check refuses it, naming the setting to change, and the worker is not attached."""
+    from adapters.engine import EngineWorker
+
+    config = make_hf_config("qwen3_moe", num_layers=1, num_experts=2, hidden=256, intermediate=768)
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    manifest = av.build_manifest(
+        vllm_parameters(config, quant, tp=4, unchecked=True), config, quant, tp_size=4
+    )
+    d = daemons(hf_config=config, format="block_fp8")
+    worker = EngineWorker(
+        d.endpoint, name="vllm-rank0", manifest=manifest, load=lambda g: None, check=lambda m: []
+    )
+    with pytest.raises(RefitError) as info:
+        worker.attach(timeout=30)
+    text = str(info.value)
+    assert "768/4 = 192 to be a multiple of 128" in text and "enable_expert_parallel=True" in text, text
+    worker.detach()
+    assert d.status()["readers"] == []  # the refused worker never counted as attached
+
+
+def test_engine_worker_refuses_a_vllm_or_trtllm_manifest_without_its_adapters_check():
+    """The adapter's own check is not optional: an EngineWorker for a vLLM manifest built without
+    ``check=`` refuses to attach (a TypeError naming the check) instead of skipping the engine's rules."""
+    from adapters.engine import EngineWorker
+
+    config = _small("qwen3_moe")
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    manifest = _manifest(config, spec)
+    worker = EngineWorker("ipc:///nonexistent/refitd.sock", name="w", manifest=manifest, load=lambda g: None)
+    with pytest.raises(TypeError, match="pass check=check_vllm_constraints"):
+        worker.attach(timeout=1.0)
+    assert worker.reader is None
+
+
+def test_engine_worker_runs_the_shared_constraints_for_an_engine_without_its_own_check():
+    """A reference-engine manifest carrying constraints is checked by EngineWorker.attach with the
+    shared EngineConstraints rule, before any socket is opened."""
+    from adapters.engine import EngineWorker
+    from adapters.manifest import EngineConstraints, EngineKind, Manifest
+
+    constraints = EngineConstraints(
+        engine=EngineKind.REFERENCE,
+        expert_format=Format.BLOCK_FP8,
+        intermediate_size=768,
+        moe_tp_size=4,
+        block_fp8_align=128,
+    )
+    manifest = Manifest(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format=Format.BLOCK_FP8,
+        tensors=(),
+        constraints=constraints,
+    )
+    worker = EngineWorker(
+        "ipc:///nonexistent/refitd.sock", name="ref0", manifest=manifest, load=lambda g: None
+    )
+    with pytest.raises(RefitError, match=r"ref0: this reference engine cannot take (.|\n)*768/4 = 192"):
+        worker.attach(timeout=1.0)
+    assert worker.reader is None
 
 
 def test_engine_worker_runs_the_adapters_check_before_contacting_the_daemon():
@@ -1076,7 +1193,7 @@ def test_real_vllm_reload_outside_the_config_context_fails(real_vllm, monkeypatc
     import contextlib
 
     _, worker = _started_engine(real_vllm)
-    monkeypatch.setattr(av, "_config_context", lambda worker: contextlib.nullcontext())
+    monkeypatch.setattr(avw, "_config_context", lambda worker: contextlib.nullcontext())
     with pytest.raises(AssertionError, match="Current vLLM config is not set"):
         av.load_generation(worker, _toy_generation(3), Format.BLOCK_FP8)
 
@@ -1093,5 +1210,5 @@ def test_real_vllm_manifest_reads_load_time_shapes(real_vllm):
     assert shapes["model.layers.0.mlp.experts.w13_weight_scale_inv"] == (E, I2 // 128, H // 128)
     live, live_source = av.engine_parameters_and_source(_toy_model(real_vllm))
     assert live_source == av.PARAM_SOURCE_LIVE and len(live) == len(params)
-    assert av._deep_gemm_e8m0() is False  # CPU: no DeepGEMM
+    assert avw._deep_gemm_e8m0() is False  # CPU: no DeepGEMM
     assert real_vllm.version == "0.33.0"

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.manifest import MAX_LISTED, MAX_MANIFEST_TENSORS, EngineKind, Manifest, ManifestTensor
+from adapters.manifest import (
+    MAX_LISTED,
+    MAX_MANIFEST_TENSORS,
+    EngineConstraints,
+    EngineKind,
+    Manifest,
+    ManifestTensor,
+)
 from sidecar.cli.demo.synthetic import make_state_dict
 from sidecar.plan.attach import check_manifest, engine_bf16_modules
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
@@ -27,6 +34,10 @@ def manifest_for(plan: RefitPlan, **kw) -> Manifest:
         expert_format=plan.spec.format,
     )
     base.update(kw)
+    if isinstance(kw.get("constraints"), dict):  # the constraints' own fields, for this manifest's engine
+        base["constraints"] = EngineConstraints(
+            engine=base["engine"], expert_format=base["expert_format"], **kw["constraints"]
+        )
     tensors = kw.pop("tensors", None) or tuple(
         ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs
     )
@@ -77,7 +88,9 @@ def test_every_mismatch_is_listed(inputs):
     assert "self_attn.q_proj.weight: the engine holds float8_e4m3fn" in text
     assert "experts.0.down_proj.weight: the engine holds float8_e4m3fn [7, 7]" in text
     assert "experts.99.up_proj.weight: the engine expects" in text and "does not publish it" in text
-    assert "not a multiple of 128, which CutlassFusedMoE needs for mxfp8" in text
+    assert "MXFP8 MoE needs hidden_size = 160 to be a multiple of 128" in text
+    assert "moe_intermediate_size / tp (96/1) = 96 to be a multiple of 128" in text
+    assert "(MoE backend CutlassFusedMoE)" in text
     assert len(check.errors) >= 4
 
 
@@ -89,7 +102,7 @@ def test_expert_format_the_backend_holds_must_match(inputs):
 
 def test_unsupported_format_constraint(inputs):
     plan = RefitPlan.build(inputs, SPEC)
-    check = check_manifest(inputs, SPEC, manifest_for(plan, constraints={"unsupported_formats": ["mxfp8"]}))
+    check = check_manifest(inputs, SPEC, manifest_for(plan, constraints={"unsupported_formats": {"mxfp8"}}))
     assert any("cannot take mxfp8" in e for e in check.errors)
 
 
@@ -104,7 +117,7 @@ def test_extra_published_tensors_are_warnings(inputs):
 
 def test_manifest_round_trips_and_refuses_duplicates(inputs):
     plan = RefitPlan.build(inputs, SPEC)
-    m = manifest_for(plan, constraints={"tp_size": 2}, info={"device": "cpu"})
+    m = manifest_for(plan, constraints={"moe_tp_size": 2, "block_fp8_align": 128}, info={"device": "cpu"})
     again = Manifest.from_wire(m.to_wire())
     assert again == m
     with pytest.raises(ValueError, match="more than once"):
@@ -168,7 +181,8 @@ def _deep(depth: int = 1000) -> list:
         ({"tensors": [["a", "bfloat16"]]}, "tensor 0 is not [name, dtype, shape]"),
         ({"tensors": {"a": 1}}, "'tensors' is a list"),
         ({"engine": _deep()}, "'engine' must be a string"),
-        ({"constraints": {"tp_size": "2"}}, "constraint 'tp_size' must be a positive integer"),
+        ({"constraints": {"moe_tp_size": "2"}}, "constraint 'moe_tp_size' must be a positive integer"),
+        ({"constraints": {"tp_size": 2}}, "unknown engine constraint(s) ['tp_size']"),
         ({"constraints": {"mxfp8_align": 0}}, "constraint 'mxfp8_align' must be a positive integer"),
         ({"constraints": {"unsupported_formats": "mxfp8"}}, "'unsupported_formats' must be a list"),
         ({"constraints": [1]}, "'constraints' must be a map"),

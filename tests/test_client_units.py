@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.client.client import Shard, _blocks, _pieces
+from sidecar.client.pieces import Shard, blocks
+from sidecar.client.pieces import pieces as pieces_of
 
 
 @settings(max_examples=60, deadline=None)
@@ -22,7 +23,7 @@ def test_blocks_tile_the_piece_contiguously_within_the_limit(shape, itemsize, li
     """Every element lands in exactly one block; each block is contiguous and fits the frame limit."""
     t = torch.arange(max(1, int(torch.tensor(shape).prod().item()) if shape else 1)).reshape(shape)
     seen = torch.zeros(shape, dtype=torch.int32)
-    for offsets, sub in _blocks(shape, itemsize, limit):
+    for offsets, sub in blocks(shape, itemsize, limit):
         block = t[tuple(slice(o, o + s) for o, s in zip(offsets, sub))] if shape else t
         assert block.is_contiguous()
         assert block.numel() * itemsize <= max(limit, itemsize)
@@ -35,12 +36,12 @@ def test_blocks_tile_the_piece_contiguously_within_the_limit(shape, itemsize, li
 
 def test_blocks_refuse_an_element_larger_than_the_limit():
     with pytest.raises(ValueError, match="single element"):
-        list(_blocks((4,), 8, 4))
+        list(blocks((4,), 8, 4))
 
 
 def test_pieces_accept_tensors_shards_and_lists():
     w = torch.zeros(4, 6)
-    pieces = _pieces(
+    pieces = pieces_of(
         {
             "full": w,
             "tp": Shard(w[:2], (4, 6), (2, 0)),
@@ -66,4 +67,4 @@ def test_pieces_accept_tensors_shards_and_lists():
 )
 def test_pieces_refuse_bad_input(value, error, fragment):
     with pytest.raises(error, match=fragment):
-        _pieces({"x": value})
+        pieces_of({"x": value})

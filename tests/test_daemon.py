@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import procs
 import pytest
+from support import procs
 
 from adapters.base import RefitReader
 from sidecar.errors import RefitError

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from daemons import RunningDaemon
+from support.daemons import RunningDaemon
 
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient

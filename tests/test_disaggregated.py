@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.net import free_port
+from support.waiting import wait_until
 
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
@@ -73,12 +74,6 @@ def expected(step: int, fmt: str) -> dict[str, torch.Tensor]:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _isolation() -> str:
@@ -148,16 +143,6 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def wait_for(predicate, timeout: float, what: str):
-    """Poll ``predicate`` (a status query: each call waits on the daemon's reply) until true."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Cluster:
@@ -306,7 +291,9 @@ def test_every_inference_node_publishes_the_trainer_nodes_bytes(cluster, fmt, mo
             assert all(f.result().ok for f in loads)
             for e in engines:
                 assert e.mismatches[step] == [], e.mismatches[step][:5]
-            peers = wait_for(peers_at(c.trainer, step), 30, f"both peers to acknowledge step {step}")
+            peers = wait_until(
+                f"both peers to acknowledge step {step}", peers_at(c.trainer, step), timeout=30
+            )
     want = reference_logits(1, fmt)
     for e in engines:
         assert torch.equal(e.logits(), want)
@@ -344,7 +331,7 @@ def test_a_peer_without_nixl_gets_zeromq_frames_and_the_trainer_says_why(tmp_pat
     try:
         with RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
             client.push_step(0, weights(0), wait="published", timeout=60)
-            peers = wait_for(peers_at(c.trainer, 0), 30, "both peers to acknowledge step 0")
+            peers = wait_until("both peers to acknowledge step 0", peers_at(c.trainer, 0), timeout=30)
         for p in peers.values():
             assert p["mover"] == "zmq" and p["mover_reason"] == "inference daemon: forward_mover=zmq", p
         for node in c.inference:
@@ -426,7 +413,9 @@ def test_an_inference_node_in_its_own_network_namespace_gets_the_bytes(tmp_path,
         with RefitClient(c.trainer.local, 0, 1, timeout=60) as client:
             client.push_step(0, weights(0), wait="published", timeout=60)
             assert engine.worker.load_next(0, 60).ok and engine.mismatches[0] == []
-            peers = wait_for(peers_at(c.trainer, 0), 30, "the namespaced peer to acknowledge step 0")
+            peers = wait_until(
+                "the namespaced peer to acknowledge step 0", peers_at(c.trainer, 0), timeout=30
+            )
         engine.worker.detach()
         (p,) = peers.values()
         assert p["mover"] == AUTO_MOVER and p["error"] is None, p
@@ -448,16 +437,16 @@ def test_a_killed_inference_node_does_not_hold_up_the_others_and_catches_up(clus
         loading = pool.submit(engine0.worker.load_next, 0, 60)
         client.push_step(0, weights(0), timeout=60)
         assert loading.result().ok
-        wait_for(peers_at(c.trainer, 0), 30, "both peers at step 0")
+        wait_until("both peers at step 0", peers_at(c.trainer, 0), timeout=30)
 
         doomed.proc.send_signal(signal.SIGSTOP)
         loading = pool.submit(engine0.worker.load_next, 1, 60)
         client.push_step(1, weights(1), timeout=60)
         assert loading.result().step == 1 and engine0.mismatches[1] == []
-        peers = wait_for(
-            lambda: (p := c.trainer.status()["peers"])[doomed_ep(c)]["in_flight"] == 1 and p,
-            30,
+        peers = wait_until(
             "the transfer of step 1 to the frozen node",
+            lambda: (p := c.trainer.status()["peers"])[doomed_ep(c)]["in_flight"] == 1 and p,
+            timeout=30,
         )
         assert peers[c.endpoints[0]]["last_step"] == 1
         doomed.proc.kill()  # SIGKILL, mid-transfer
@@ -475,7 +464,7 @@ def test_a_killed_inference_node_does_not_hold_up_the_others_and_catches_up(clus
         engine1.worker.attach(timeout=30)
         caught_up = engine1.worker.load_next(2, 60)
         assert caught_up.ok and caught_up.step == 2 and engine1.mismatches[2] == []
-        wait_for(peers_at(c.trainer, 2), 30, "both peers at step 2")
+        wait_until("both peers at step 2", peers_at(c.trainer, 2), timeout=30)
         assert torch.equal(engine1.logits(), reference_logits(2, fmt))
         engine1.worker.detach()
     engine0.worker.detach()

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from daemons import daemon_factory
+from support.daemons import daemon_factory
 
 from adapters.engine import EngineWorker, LoadResult, check_results
 from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs

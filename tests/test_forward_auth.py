@@ -10,14 +10,14 @@ real trainer's source instance) moves nothing, and the trainer's next step still
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
-from daemons import RunningDaemon
+from support.daemons import RunningDaemon
+from support.net import free_port
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.timeout(180)
 MODEL = dict(num_layers=2, num_experts=4, unaligned=True)
 CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
 FORGED_STEP = 10**9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +38,14 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import oracle
 import pytest
 import torch
 import zmq
-from daemons import RunningDaemon
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from support import oracle
+from support.daemons import RunningDaemon
+from support.net import free_port
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -1169,12 +1169,6 @@ def write_keypair(folder, name: str) -> tuple[str, str]:
     (folder / f"{name}.key").write_text(f'public-key = "{public}"\nsecret-key = "{secret}"\n')
     (folder / f"{name}.key.pub").write_text(f'public-key = "{public}"\n')
     return str(folder / f"{name}.key"), str(folder / f"{name}.key.pub")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("who", ["anonymous", "reader"])

@@ -12,7 +12,6 @@ the daemon still serves, and the next honest step publishes byte-exact against `
 from __future__ import annotations
 
 import os
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from daemons import daemon_factory
+from support.daemons import daemon_factory
+from support.net import free_port
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -262,12 +262,6 @@ def test_a_block_outside_its_piece_or_not_contiguous_is_refused_on_every_rank(st
 
 # --------------------------------------------------------------------------------------------------
 # defect 2: PIECE_DONE only from a rank handed the staging arena
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

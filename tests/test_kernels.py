@@ -656,7 +656,7 @@ def test_plan_slab_units_through_the_kernels(fmt):
 
 
 def _table_cases():
-    from quant_cases import CASES
+    from sidecar.numerics.cases import CASES
 
     return CASES
 
@@ -668,7 +668,7 @@ def _on_cuda(w, *, fmt, **kw):
 @kernel_tier
 @pytest.mark.parametrize("case", _table_cases(), ids=lambda c: c.id)
 def test_edge_case_table(case):
-    """Every case of tests/quant_cases.py through ``kernels.quantize`` (a slab launch per tensor).
+    """Every case of sidecar/numerics/cases.py through ``kernels.quantize`` (a slab launch per tensor).
 
     On a GPU this is the shared table's own test with the "triton" implementation registered; under
     the interpreter scales and errors are exact and values are checked through its cast."""
@@ -1041,7 +1041,7 @@ def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
     why; the metrics show the same as a labelled gauge."""
     from types import SimpleNamespace
 
-    from daemons import RunningDaemon
+    from support.daemons import RunningDaemon
 
     from sidecar.cli.demo.synthetic import make_hf_config
     from sidecar.cli.serve import render_status

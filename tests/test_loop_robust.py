@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import zmq
-from daemons import daemon_factory
+from support.daemons import daemon_factory
+from support.waiting import wait_until
 
 from adapters.base import Generation, RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -266,17 +266,6 @@ def free_tcp_port() -> int:
 # defect 11: readers heartbeat; one that vanishes without DETACH expires
 
 
-def wait_for(predicate, what: str, timeout: float = REPLY_S):
-    """Poll ``predicate()`` (a status question) until it returns something truthy, or fail."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a condition with a deadline, not waiting a fixed time
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
-
-
 def _status_without(d, reader: str) -> dict | None:
     status = d.status()
     return None if reader in status["readers"] else status
@@ -306,7 +295,9 @@ def test_a_reader_that_vanishes_without_detach_expires_and_loses_its_hold(start)
         assert status["generations"][held]["holders"] == 1
         peer.close()  # gone, without a DETACH
 
-        status = wait_for(lambda: _status_without(d, "vanishing"), "the vanished reader expired")
+        status = wait_until(
+            "the vanished reader expired", lambda: _status_without(d, "vanishing"), timeout=REPLY_S
+        )
         assert status["generations"][held]["holders"] == 0
         assert status["readers"] == ["idle-engine"], "an idle reader that heartbeats must not expire"
         for step in (2, 3):  # step 3 is written into the generation the vanished reader held
@@ -385,7 +376,9 @@ def test_a_held_generation_is_named_in_status_while_the_step_waits_then_dropped(
         try:
             sd, names = weights(23), sorted(weights(23))
             futures = [c.push_step_async(3, {n: sd[n] for n in names[c.rank :: 2]}) for c in clients]
-            blocked = wait_for(lambda: d.status()["blocked"], "status names the blocking reader")
+            blocked = wait_until(
+                "status names the blocking reader", lambda: d.status()["blocked"], timeout=REPLY_S
+            )
             assert blocked["step"] == 3 and blocked["generation"] == gen.index and blocked["holds_step"] == 1
             assert any("'slow-engine'" in r for r in blocked["readers"]), blocked
             held_by = d.status()["generations"][gen.index]["held_by"]
@@ -464,6 +457,6 @@ def test_a_bug_outside_any_message_is_logged_counted_and_the_loop_turns_on(start
         real(now)
 
     d.daemon.receiver.timers = broken
-    wait_for(lambda: raised, "the broken timer ran")
+    wait_until("the broken timer ran", lambda: raised, timeout=REPLY_S)
     publish_and_check(d.endpoint, 1, seed=41)
     assert d.thread.is_alive() and d.status()["message_errors"].get("internal") == 1

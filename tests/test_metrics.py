@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from support.net import free_port
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -67,13 +68,6 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 def value(observer: MetricsObserver, name: str, **labels: str) -> float | None:
     return observer.registry.get_sample_value(name, labels)
-
-
-def free_port() -> int:
-    """A port free a moment ago on loopback (the subprocess binds it; a race is possible, not likely)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(step: int, generation: int = 0, **seconds: float) -> dict[str, Any]:

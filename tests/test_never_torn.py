@@ -16,14 +16,14 @@ revocation costs about two seconds.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from daemons import RunningDaemon, daemon_factory
+from support.daemons import RunningDaemon, daemon_factory
+from support.net import free_port
+from support.waiting import wait_until
 
 from adapters.base import Generation, RefitReader
 from adapters.engine import EngineWorker
@@ -81,13 +81,8 @@ def exact(copy: dict[str, torch.Tensor], step: int) -> bool:
 
 
 def wait_for(predicate, what: str, timeout: float = REPLY_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)  # polling a condition with a deadline, not waiting a fixed time
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+    """``predicate()``'s first truthy value within ``timeout`` (support.waiting.wait_until)."""
+    return wait_until(what, predicate, timeout=timeout, interval=0.02)
 
 
 def held_then_overwritten(d, reader: RefitReader) -> Generation:
@@ -337,12 +332,6 @@ def test_arenas_bump_on_claim_count_revocations_and_own_their_epoch_page(tmp_pat
 # an inference node of a disaggregated layout: forwarded generations are claimed the same way
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def disaggregated(tmp_path):
     """(trainer node's daemon, inference node's daemon), CURVE between them; readers on the
@@ -352,7 +341,7 @@ def disaggregated(tmp_path):
     allowed.mkdir(parents=True)
     trainer_key, _ = write_keypair(allowed, "trainer")
     inference_key, inference_pub = write_keypair(keys, "inference")
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     common = dict(layout="disaggregated", forward_timeout_s=10.0, format="block_fp8")
     inference = RunningDaemon(
         tmp_path,

@@ -8,18 +8,15 @@ Every published tensor is compared byte for byte with ``sidecar.plan.run.convert
 
 from __future__ import annotations
 
-import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import procs
 import pytest
 import torch
+from support import procs
+from support.daemons import RunningDaemon
 
 from adapters.base import RefitReader
 from sidecar.client.client import RefitClient
-from sidecar.config.settings import DaemonConfig, prepare_runtime_dir
-from sidecar.daemon.loop import Daemon
 from transport import nixl
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,38 +28,13 @@ needs_nixl = pytest.mark.skipif(not NIXL_OK, reason=f"NIXL is unavailable: {NIXL
 
 
 @pytest.fixture
-def daemon(tmp_path):
-    cfg_path = tmp_path / "config.json"
-    cfg_path.write_text(json.dumps(procs.hf_config()))
-    config = DaemonConfig(
-        runtime_dir=tmp_path / "run",
-        hf_config=cfg_path,
-        world_size=WORLD,
-        format=FMT,
-        reader_timeout_s=3.0,
-        rank_timeout_s=10.0,
-        heartbeat_interval_s=0.2,
-    )
-    prepare_runtime_dir(config)
-    d = Daemon(config)
-    d.start()
-    thread = threading.Thread(target=d.serve_forever, name="refitd-test", daemon=True)
-    thread.start()
-    yield d
-    d.request_stop()
-    thread.join(timeout=30)
-    d.close()
+def daemon(daemons) -> RunningDaemon:
+    return daemons(hf_config=procs.hf_config(), world_size=WORLD, format=FMT)
 
 
-def status(d: Daemon) -> dict:
-    """Asked over the control socket, as an operator would (the serve loop owns the state)."""
-    with RefitReader(d.config.listen, name="test-status") as reader:
-        return reader.status(timeout=30)
-
-
-def push_steps(d: Daemon, seeds: list[int], remote_mover: str) -> list:
+def push_steps(d: RunningDaemon, seeds: list[int], remote_mover: str) -> list:
     """Push one step per seed from both ranks; check each published generation; rank 1's results."""
-    endpoint = d.config.listen
+    endpoint = d.endpoint
     results = []
     with (
         RefitClient(endpoint, 0, WORLD, local=True, timeout=20) as c0,
@@ -97,7 +69,7 @@ def test_remote_rank_is_pulled_over_nixl_byte_exact(daemon):
         # dim-1 tensor-parallel slices are not contiguous in staging: those go as frames
         assert r.mover == "nixl+zmq", (r.mover, r.mover_reason)
         assert "contiguous" in r.mover_reason
-    pull = status(daemon)["pull"]
+    pull = daemon.status()["pull"]
     assert pull["nixl"] is True and pull["ranks"]["1"]["mover"] == "nixl+zmq"
 
 
@@ -105,7 +77,7 @@ def test_forced_zmq_remote_rank_streams_frames_byte_exact(daemon):
     results = push_steps(daemon, [21], "zmq")
     assert results[0].mover == "zmq"
     assert results[0].mover_reason in ("mover=zmq", "the daemon does not offer NIXL pulls")
-    assert status(daemon)["pull"]["ranks"]["1"]["mover"] == "zmq"
+    assert daemon.status()["pull"]["ranks"]["1"]["mover"] == "zmq"
 
 
 @needs_nixl

@@ -13,13 +13,13 @@ publishes. Plus the settings' validation.
 from __future__ import annotations
 
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from daemons import RunningDaemon
+from support.daemons import RunningDaemon
+from support.net import free_port
 from test_hostile_trainers import RawRank
 
 from adapters.base import RefitReader
@@ -48,12 +48,6 @@ WAIT_S = 60.0
 SHARE = dict(engine_ep=LAYOUT.ep, engine_tp=LAYOUT.tp, nodes=LAYOUT.nodes)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POSIX shared memory")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import gc
 import queue
+import weakref
 
 import pytest
 import torch
 import zmq
 
-from sidecar.client import client as client_mod
+from sidecar.client import RefitClient
+from sidecar.client import local as local_mod
+from sidecar.client import pieces as pieces_mod
 from sidecar.daemon import worker as worker_mod
 from sidecar.daemon.step import StepState
 from sidecar.daemon.worker import QuantWorker, all_finite, batches, check_finite
 from sidecar.errors import RefitError
 from sidecar.numerics.reference import NonFiniteError
-from sidecar.ops.gcpause import gc_paused
+from sidecar.ops.gcpause import StepHold, freeze_long_lived, gc_paused
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
 from sidecar.plan.run import run_passthroughs, run_unit
+from transport.wire import Kind
 
 N = 40
 
@@ -303,6 +307,56 @@ def test_gc_paused_restores_the_collector():
         gc.enable()
 
 
+def test_freeze_long_lived_hides_objects_from_collections():
+    """What freeze_long_lived froze no collection walks (a frozen cycle outlives gc.collect)."""
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle: only the collector can free it
+    ref = weakref.ref(node)
+    try:
+        freeze_long_lived()
+        assert gc.get_freeze_count() > 0
+        del node
+        gc.collect()
+        assert ref() is not None  # frozen: the collection did not see it
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert ref() is None
+
+
+def test_step_hold_keeps_the_collector_off_until_the_step_ends():
+    hold, busy = StepHold(), [True]
+    assert gc.isenabled()
+    try:
+        with hold.turn(lambda: busy[0]):  # the turn that starts a step
+            assert not gc.isenabled()
+        assert not gc.isenabled() and hold.held  # between turns of the step: still off
+        with hold.turn(lambda: busy[0]):
+            assert not gc.isenabled()
+        busy[0] = False
+        with pytest.raises(RuntimeError), hold.turn(lambda: busy[0]):  # the turn that ends it
+            raise RuntimeError("boom")
+        assert gc.isenabled() and not hold.held
+        with hold.turn(lambda: False):  # an idle turn: off during it only
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with hold.turn(lambda: True):
+            pass
+        hold.release()  # the daemon's close in the middle of a step
+        assert gc.isenabled()
+        gc.disable()  # a manual-GC mode: left alone, never turned on
+        with hold.turn(lambda: False):
+            pass
+        hold.release()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_begin_errors_unchanged_under_the_paused_collector():
     state = StepState(0, 1, float("inf"))
     with pytest.raises(Exception, match="shape is a list of 1, expected a list of ints"):
@@ -329,61 +383,61 @@ class FakeStaging:
 
 
 def test_copy_in_batches_small_copies_before_each_piece_done(monkeypatch):
-    monkeypatch.setattr(client_mod, "DONE_BATCH_PIECES", 4)
-    c = client_mod.RefitClient("ipc:///nonexistent/refitd.sock", rank=0, world_size=1)
+    """The staging writer copies small pieces together and says PIECE_DONE only for pieces that
+    landed: with DONE_BATCH_PIECES = 4, ten pieces go as batches of 4, 4, 2."""
+    monkeypatch.setattr(pieces_mod, "DONE_BATCH_PIECES", 4)
     sent: list[list[int]] = []
     staged = {
         "a": torch.zeros(8, dtype=torch.bfloat16),
         "b": torch.zeros(4, 6, dtype=torch.bfloat16),
-        "big": torch.zeros(client_mod.FOREACH_COPY_BYTES, dtype=torch.bfloat16),
+        "big": torch.zeros(local_mod.FOREACH_COPY_BYTES, dtype=torch.bfloat16),
     }
     for i in range(6):
         staged[f"s{i}"] = torch.zeros(3, dtype=torch.bfloat16)
     a = torch.randn(8).bfloat16()
     b = torch.randn(4, 6).bfloat16()
-    big = torch.randn(client_mod.FOREACH_COPY_BYTES).bfloat16()
+    big = torch.randn(local_mod.FOREACH_COPY_BYTES).bfloat16()
     smalls = {f"s{i}": torch.randn(3).bfloat16() for i in range(6)}
     named = {
         "a": a,
         "b": [
-            client_mod.Shard(b[:2], global_shape=(4, 6), offsets=(0, 0)),
-            client_mod.Shard(b[2:], global_shape=(4, 6), offsets=(2, 0)),
+            pieces_mod.Shard(b[:2], global_shape=(4, 6), offsets=(0, 0)),
+            pieces_mod.Shard(b[2:], global_shape=(4, 6), offsets=(2, 0)),
         ],
         "big": big,
         **smalls,
     }
-    pieces = client_mod._pieces(named)
+    pieces = pieces_mod.pieces(named)
     assert [p.whole for p in pieces] == [True, False, False, True] + [True] * 6
 
-    def pieces_done(step, batch, last):
-        # every piece named here has landed already
-        for pid in batch:
+    def send(kind, fields, frames=()):
+        assert kind is Kind.PIECE_DONE
+        for pid in fields["pieces"]:  # every piece named here has landed already
             p = pieces[pid]
             full = staged[p.name]
             region = full[tuple(slice(o, o + s) for o, s in zip(p.offsets, p.tensor.shape))]
             assert torch.equal(region, p.tensor), p.name
-        sent.append(list(batch))
+        sent.append(list(fields["pieces"]))
 
-    monkeypatch.setattr(c, "_pieces_done", pieces_done)
-    monkeypatch.setattr(c, "_poll_async", lambda step: None)
-    monkeypatch.setattr(c, "_keepalive", lambda *a, **k: None)
-    c._staging = FakeStaging(staged)
-    monkeypatch.setattr(c, "_open_staging", lambda handle: None)
-    c._write_local(0, pieces, list(range(len(pieces))), {}, float("inf"))
+    link = pieces_mod.Link(
+        send=send, keepalive=lambda *a: None, poll=lambda step, timeout: None, heartbeat=lambda: 1.0
+    )
+    writer = local_mod.StagingWriter(link)
+    writer.arena = FakeStaging(staged)
+    monkeypatch.setattr(writer, "open", lambda handle: None)
+    writer.write_step(0, pieces, list(range(len(pieces))), {}, float("inf"))
     assert sent == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert torch.equal(staged["a"], a) and torch.equal(staged["b"], b) and torch.equal(staged["big"], big)
     for name, t in smalls.items():
         assert torch.equal(staged[name], t)
     assert gc.isenabled()
-    c._staging = None
-    c.close()
 
 
 def test_begin_rows_unchanged():
     t = torch.zeros(3, 5, dtype=torch.bfloat16)
-    (whole,) = client_mod._pieces({"w": t})
+    (whole,) = pieces_mod.pieces({"w": t})
     assert whole.wire() == ["w", "bfloat16", [3, 5], [0, 0], [3, 5]]
-    (shard,) = client_mod._pieces({"w": client_mod.Shard(t[1:], global_shape=(3, 5), offsets=(1, 0))})
+    (shard,) = pieces_mod.pieces({"w": pieces_mod.Shard(t[1:], global_shape=(3, 5), offsets=(1, 0))})
     assert shard.wire() == ["w", "bfloat16", [3, 5], [1, 0], [2, 5]]
 
 
@@ -393,7 +447,7 @@ def test_begin_rows_unchanged():
 def test_a_begin_over_max_header_bytes_says_which_setting_to_raise(tmp_path):
     """Many tensors make a large BEGIN: over the daemon's max_header_bytes the step fails with a
     message naming the setting and the per-piece cost; the daemon keeps serving."""
-    from daemons import RunningDaemon
+    from support.daemons import RunningDaemon
 
     from sidecar.errors import ErrorKind
 
@@ -407,7 +461,7 @@ def test_a_begin_over_max_header_bytes_says_which_setting_to_raise(tmp_path):
     )
     try:
         many = {f"model.language_model.layers.0.mlp.gate.w{i}.weight": torch.zeros(4) for i in range(400)}
-        with client_mod.RefitClient(d.endpoint, 0, 1, timeout=30) as c, pytest.raises(RefitError) as err:
+        with RefitClient(d.endpoint, 0, 1, timeout=30) as c, pytest.raises(RefitError) as err:
             c.push_step(0, many)
         assert err.value.kind is ErrorKind.PROTOCOL
         text = str(err.value)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-import oracle
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from quant_cases import CASES, Case
+from support import oracle
 
 from sidecar.numerics import reference as quant
+from sidecar.numerics.cases import CASES, Case
 from sidecar.numerics.formats import FP8_DTYPE, Format
 
 
@@ -111,6 +111,58 @@ def test_edge_case_table(case: Case, impl: str):
     if case.scales is not None:
         flat = s.reshape(-1).tolist()
         assert flat == list(case.scales)
+
+
+def _all_finite_magnitudes() -> torch.Tensor:
+    """Every positive finite bfloat16 and float16 value, and float32 extremes, as float32 amaxes."""
+    bf16 = (torch.arange(1, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    f16 = torch.arange(1, 0x7C00, dtype=torch.int16).view(torch.float16).float()
+    f32 = torch.tensor([2.0**-149, 2.0**-126, 1e-30, 1.0, 448.0, 449.0, 3.0e38, 3.4028234663852886e38])
+    return torch.cat([bf16, f16, f32])
+
+
+def test_scaling_by_a_computed_scale_needs_no_clamp():
+    """The quantizers skip SPEC's clamp when they computed the scale: it must never change a byte.
+
+    For every amax an input can have, the largest scaled magnitude (amax itself times the multiplier)
+    casts to the same byte with and without the clamp, for block-FP8 / per-tensor and for MXFP8.
+    """
+    amax = _all_finite_magnitudes()
+    block = amax * torch.reciprocal(quant._scale_from_amax(amax))
+    mx = amax * quant._pow2_from_exponent(quant.E8M0_BIAS - quant._e8m0_bytes(amax))
+    for scaled in (block, mx, -block, -mx):
+        unclamped = scaled.to(FP8_DTYPE).view(torch.uint8)
+        clamped = scaled.clamp(-448.0, 448.0).to(FP8_DTYPE).view(torch.uint8)
+        assert torch.equal(unclamped, clamped)
+        assert bool((scaled.abs() < 464.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf"), -float("nan"), float("nan")])
+@pytest.mark.parametrize("fmt", [Format.BLOCK_FP8, Format.MXFP8, Format.FP8_PER_TENSOR])
+def test_amax_from_magnitude_bits_sees_every_non_finite(fmt, bad, dtype):
+    """The 2-byte inputs' amax is taken on sign-cleared bits: -NaN and -Inf must still be refused."""
+    w = torch.zeros(3, 256, dtype=dtype)
+    w[2, 200] = bad
+    with pytest.raises(quant.NonFiniteError, match="NaN or Inf"):
+        quant.quantize(w, fmt, name="w")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", [Format.BLOCK_FP8, Format.MXFP8, Format.FP8_PER_TENSOR])
+def test_negative_zeros_and_largest_magnitudes_from_magnitude_bits(fmt, dtype):
+    """-0.0 has magnitude bits 0 (scale of an all-zero block), and the largest finite value is kept."""
+    zeros = torch.full((2, 128), -0.0, dtype=dtype)
+    q, s = quant.quantize(zeros, fmt)
+    assert bool((q.view(torch.uint8) == 0x80).all())
+    expected = 1 if fmt is Format.MXFP8 else 1.0
+    assert s.reshape(-1).tolist() == [expected] * s.numel()
+    big = torch.full((2, 128), torch.finfo(dtype).max, dtype=dtype)
+    big[1, 5] = -torch.finfo(dtype).max
+    oq, os_ = ORACLES[fmt](big)
+    q, s = quant.quantize(big, fmt)
+    np.testing.assert_array_equal(_bits(q), oq)
+    np.testing.assert_array_equal(_bits(s).reshape(-1), np.asarray(os_).view(_bits(s).dtype).reshape(-1))
 
 
 def test_shared_scale_saturates_and_is_used():

@@ -19,11 +19,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
@@ -55,14 +55,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def until(what: str, predicate, timeout: float = DEADLINE_S):
-    """``predicate()``'s first truthy value, asked until ``timeout``; fails naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        threading.Event().wait(0.1)
-    pytest.fail(f"{what} within {timeout:g} s")
+    """``predicate()``'s first truthy value, asked until ``timeout`` (Ray's default); fails naming ``what``."""
+    return wait_until(what, predicate, timeout=timeout, interval=0.1)
 
 
 def pid_alive(pid: int) -> bool:

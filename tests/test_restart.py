@@ -17,7 +17,6 @@ import contextlib
 import gc
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from daemons import RunningDaemon
+from support.daemons import RunningDaemon
+from support.net import free_port
 
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
@@ -226,12 +226,6 @@ def test_a_daemon_sigkilled_mid_step_fails_the_step_once_and_every_client_carrie
 
 # --------------------------------------------------------------------------------------------------
 # a refused CURVE key
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemons import daemon_factory
+from support.daemons import daemon_factory
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -393,7 +393,7 @@ class Eager(RefitClient):
         if "staging" in ready:
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": list(ids)})
             return "staging", ""
-        self._stream_remote(step, pieces, ids, deadline)
+        self._remote.stream(step, pieces, ids, deadline, self._frame_limit())
         return "zmq", ""
 
 

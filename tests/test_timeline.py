@@ -4,21 +4,20 @@ trainer rank and an engine worker; each step's file is read back as a Chrome tra
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
+from support.daemons import RunningDaemon
 
-from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient
-from sidecar.config.settings import ConfigError, DaemonConfig, prepare_runtime_dir
-from sidecar.daemon.loop import Daemon
+from sidecar.config.settings import ConfigError, DaemonConfig
 from sidecar.daemon.step import StepState
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
@@ -43,44 +42,31 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return make_state_dict(MODEL, seed=200 + step, **SIZES)
 
 
-class ServeThread:
-    """The daemon's serve loop in a thread, with a TimelineObserver writing into ``timelines``."""
+class Serving(NamedTuple):
+    """A RunningDaemon with a TimelineObserver writing into ``timelines``."""
 
-    def __init__(self, tmp_path: Path):
-        cfg = tmp_path / "config.json"
-        cfg.write_text(json.dumps(CONFIG))
-        self.timelines = tmp_path / "timelines"
-        self.config = DaemonConfig(
-            runtime_dir=tmp_path / "run",
-            hf_config=cfg,
-            format="block_fp8",
-            heartbeat_interval_s=0.2,
-            reader_timeout_s=10.0,
-            timeline_dir=self.timelines,
-        )
-        prepare_runtime_dir(self.config)
-        self.daemon = Daemon(self.config, observers=[TimelineObserver(self.config.timeline_dir)])
-        self.daemon.start()
-        self.thread = threading.Thread(target=self.daemon.serve_forever, name="refitd-test", daemon=True)
-        self.thread.start()
-        self.endpoint = self.config.listen
+    daemon: RunningDaemon
+    timelines: Path
+
+    @property
+    def endpoint(self) -> str:
+        return self.daemon.endpoint
 
     def barrier(self) -> None:
-        """A STATUS round trip: the serve loop is done with every hook of what came before."""
-        with RefitReader(self.endpoint, name="barrier") as probe:
-            probe.status(timeout=30)
-
-    def close(self) -> None:
-        self.daemon.request_stop()
-        self.thread.join(timeout=30)
-        self.daemon.close()
+        self.daemon.barrier()
 
 
 @pytest.fixture
-def serving(tmp_path):
-    s = ServeThread(tmp_path)
-    yield s
-    s.close()
+def serving(tmp_path, daemons) -> Serving:
+    timelines = tmp_path / "timelines"
+    d = daemons(
+        hf_config=CONFIG,
+        format="block_fp8",
+        reader_timeout_s=10.0,
+        timeline_dir=timelines,
+        observers=[TimelineObserver(timelines)],
+    )
+    return Serving(d, timelines)
 
 
 def load_trace(path: Path) -> dict:
@@ -140,7 +126,7 @@ def test_a_published_step_has_every_phase_every_unit_and_each_engine_load(servin
     worker_spans = spans(doc, WORKER_TID)
     (quantize,) = [e for e in worker_spans if e["name"] == "quantize"]
     units = [e for e in worker_spans if e["name"] != "quantize"]
-    plan = serving.daemon.plan
+    plan = serving.daemon.daemon.plan
     assert sorted(e["args"]["unit"] for e in units) == list(range(len(plan.units)))
     for e in units:
         unit = plan.units[e["args"]["unit"]]
@@ -176,7 +162,7 @@ def test_a_failed_step_gets_its_own_file_and_the_next_step_without_engines_is_wr
     assert done["otherData"]["loads"]["ok"] is False  # nobody attached to load it
     assert spans(done, FIRST_ENGINE_TID) == []
     assert len([e for e in spans(done, WORKER_TID) if e["name"] != "quantize"]) == len(
-        serving.daemon.plan.units
+        serving.daemon.daemon.plan.units
     )
 
 

@@ -21,98 +21,45 @@ tensors would otherwise trigger collections that walk the trainer's whole heap.
 
 ZeroMQ sockets are not thread-safe: every socket operation happens on the client's one worker
 thread, which also runs ``push_step_async``'s futures.
+
+This module is the session (HELLO/WELCOME, BEGIN/READY, COMMIT/ACK/RESULT, heartbeats, errors, a
+restarted daemon); the bytes move through two components that get a narrow ``Link`` to it:
+``sidecar.client.local.StagingWriter`` (same node) and ``sidecar.client.remote.RemoteSender`` (NIXL
+or frames). ``sidecar.client.pieces`` holds ``Shard``, ``StepResult`` and the pure helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 
 from sidecar.cli.keygen import curve_hint, set_client
+from sidecar.client.local import StagingWriter
+from sidecar.client.pieces import Link, Piece, Shard, StepResult, host_copy, pieces
+from sidecar.client.remote import RemoteSender
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
-from transport import nixl
-from transport.cuda_ipc import open_any_arena
-from transport.shm import ShmArena
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, dtype_name, encode
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
 __all__ = ["DaemonRestarted", "RefitClient", "RefitError", "Shard", "StepResult"]
 
 log = logging.getLogger("refitd.client")
 
-DONE_BATCH_BYTES = 32 << 20  # local path: tell the daemon about written pieces at least this often
-DONE_BATCH_PIECES = 512
-#: local path: while copying pieces, look for an ERROR (and keep the daemon's heartbeat) this often,
-#: not after every piece (a poll costs more than copying a small tensor)
-POLL_INTERVAL_S = 0.001
 #: a send the socket cannot take at once (no connection yet: e.g. a server refusing our CURVE key)
 #: is retried this often until the step's deadline, never blocked on
 SEND_RETRY_S = 0.05
 #: on close, queued messages (an ABORT) get this long to leave; close() never waits longer
 CLOSE_LINGER_MS = 100
-#: local path: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE
-#: batch), not one torch call each
-FOREACH_COPY_BYTES = 256 << 10
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """A slice of one global tensor held by this rank: ``global[offsets[d] : offsets[d] + tensor.shape[d]]``."""
-
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
-        object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    step: int
-    generation: int
-    bytes_in: int
-    bytes_out: int
-    seconds: dict[str, float]
-    loads: list[dict[str, Any]] = field(default_factory=list)  # wait="loaded": each engine worker's ack
-    # disaggregated trainer node: each inference daemon's forwarding state as this step went live
-    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # how this rank's bytes moved: "staging" (same node), "nixl" (the daemon READ them), "zmq" (frames),
-    # "nixl+zmq" (some pieces each way); mover_reason says why NIXL was not (or not wholly) used
-    mover: str = ""
-    mover_reason: str = ""
-
-
-@dataclass(slots=True)
-class _Piece:
-    name: str
-    tensor: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    whole: bool = False  # the whole global tensor (offsets all 0): written without slicing
-
-    def wire(self) -> list[Any]:
-        shape = list(self.tensor.shape)
-        return [
-            self.name,
-            dtype_name(self.tensor.dtype),
-            shape if self.whole else list(self.global_shape),
-            list(self.offsets),
-            shape,
-        ]
 
 
 class RefitClient:
@@ -143,23 +90,19 @@ class RefitClient:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"refitd-rank{rank}")
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None  # created and used on the worker thread only
-        self._staging: ShmArena | None = None
         self._welcome: dict[str, Any] = {}
         self.instance: str | None = None  # the daemon instance of the latest WELCOME
         self._step_instance: str | None = None  # this step's daemon (None until its WELCOME)
         self._deadline = float("inf")  # the step in flight's: every wait and send ends by it
-        self._credits = 0
         self._last_heard = 0.0
         self._last_sent = 0.0
         self._closed = False
         self.mover = mover
-        self._nixl_ep: nixl.NixlEndpoint | None = None  # worker thread only, made on first use
-        self._nixl_broken = ""  # why NIXL set-up failed here: frames from then on
-        self._pulling = False  # the daemon may be READing: progress the endpoint while waiting
-        self._pulled: dict[str, Any] | None = None  # the step's PULLED, whenever it arrives
         self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
-        self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
-        self._ready_events: list = []  # CUDA events: the step's tensors are written once they fire
+        # the two data paths, given a narrow view of this connection (worker thread only)
+        link = Link(send=self._send, keepalive=self._keepalive, poll=self._poll, heartbeat=self._heartbeat)
+        self._local = StagingWriter(link)
+        self._remote = RemoteSender(link, rank=rank, mover=mover)
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -229,31 +172,27 @@ class RefitClient:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        pieces = _pieces(named_tensors)
+        rows = pieces(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         # on the caller's thread: its current streams hold the work that wrote the tensors
         ready = [
             torch.cuda.current_stream(d).record_event()
-            for d in {p.tensor.device for p in pieces if p.tensor.is_cuda}
+            for d in {p.tensor.device for p in rows if p.tensor.is_cuda}
         ]
-        return self._executor.submit(self._push, step, pieces, deadline, committed, loaded, ready)
+        return self._executor.submit(self._push, step, rows, deadline, committed, loaded, ready)
 
     def _close_on_worker(self) -> None:
-        if self._nixl_ep is not None:
-            self._nixl_ep.close()
-            self._nixl_ep = None
+        self._remote.close()
         self._drop_connection()
 
     def _drop_connection(self) -> None:
         """Forget the daemon this client talked to: its socket (and anything queued on it either
         way) and its staging mapping. The next push says HELLO on a fresh socket."""
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._local.close()
         if self._sock is not None:
             self._sock.close(linger=CLOSE_LINGER_MS)
             self._sock = None
-        self._welcome, self._slots, self._credits = {}, {}, 0
+        self._welcome, self._slots, self._remote.credits = {}, {}, 0
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -308,24 +247,24 @@ class RefitClient:
     def _push(
         self,
         step: int,
-        pieces: list[_Piece],
+        pieces: list[Piece],
         deadline: float,
         committed: threading.Event,
         loaded: bool = False,
         ready: list | None = None,
     ) -> StepResult:
         try:
-            self._slots, self._ready_events, self._deadline = {}, ready or [], deadline
+            self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
             self._hello(step, deadline)
             with gc_paused():
                 begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
             srcs, reg, why = None, None, ""
             if not self._welcome.get("local"):
-                for event in self._ready_events:  # the trainer's writes land before reading to host
+                for event in self._local.ready_events:  # the trainer's writes land before reading to host
                     event.synchronize()
                 with gc_paused():
-                    srcs = [_cpu(p.tensor) for p in pieces]
-                    offer, reg, why = self._nixl_offer(srcs)
+                    srcs = [host_copy(p.tensor) for p in pieces]
+                    offer, reg, why = self._remote.offer(srcs, self._welcome)
                 if offer is not None:
                     begin["nixl"] = offer
             try:
@@ -336,18 +275,17 @@ class RefitClient:
                     raise ProtocolError(f"READY lists {len(ids)} pieces, this rank declared {len(pieces)}")
                 if "skip" in ready:  # outside the daemon's node share: those pieces are not sent
                     pieces, ids, srcs = _without_skipped(ready["skip"], pieces, ids, srcs)
-                self._credits = int(ready.get("credit_frames", 1))
+                self._remote.credits = int(ready.get("credit_frames", 1))
                 if "ring" in ready:
                     mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs)
                 elif "staging" in ready:
-                    self._write_local(step, pieces, ids, ready["staging"], deadline)
+                    self._local.write_step(step, pieces, ids, ready["staging"], deadline)
                     mover = "staging"
                 else:
-                    mover, why = self._send_remote(step, pieces, srcs, ids, ready, reg, why, deadline)
+                    limit = self._frame_limit()
+                    mover, why = self._remote.send(step, pieces, srcs, ids, ready, reg, why, deadline, limit)
             finally:
-                self._pulling = False
-                if reg is not None:
-                    self._nixl_ep.deregister(reg)
+                self._remote.finish(reg)
             self._send(Kind.COMMIT, {"step": step, "rank": self.rank})
             self._await(step, deadline, {Kind.ACK})
             committed.set()
@@ -413,9 +351,7 @@ class RefitClient:
                 instance,
                 extra={"step": step, "rank": self.rank},
             )
-            if self._staging is not None:  # the old daemon's segment: never written again
-                self._staging.close()
-                self._staging = None
+            self._local.close()  # the old daemon's segment: never written again
         self._welcome, self.instance = welcome, instance
         self._step_instance = instance if isinstance(instance, str) else None
 
@@ -446,6 +382,9 @@ class RefitClient:
     def _heartbeat(self) -> float:
         return float(self._welcome.get("heartbeat_interval_s", 1.0))
 
+    def _frame_limit(self) -> int:
+        return int(self._welcome.get("max_frame_bytes", 64 << 20))
+
     def _silence_limit(self) -> float:
         return max(3 * self._heartbeat(), float(self._welcome.get("rank_timeout_s", 10.0)))
 
@@ -456,8 +395,8 @@ class RefitClient:
         while True:
             self._keepalive(step, deadline, what, silence_ok=silence_ok)
             wait = min(self._heartbeat(), max(0.001, deadline - time.monotonic()))
-            if self._pulling:  # the daemon READs from this process: progress the endpoint meanwhile
-                self._progress_nixl()
+            if self._remote.pulling:  # the daemon READs from this process: progress the endpoint meanwhile
+                self._remote.progress()
                 wait = 0.001
             if not sock.poll(int(wait * 1000)):
                 continue
@@ -487,7 +426,7 @@ class RefitClient:
             self._restarted(step, instance if isinstance(instance, str) else None)
         if msg.kind is Kind.CREDIT:
             if msg.get("step") == step:
-                self._credits += int(msg.get("frames", 1))
+                self._remote.credits += int(msg.get("frames", 1))
             return True
         if msg.kind is Kind.SLOT:
             if msg.get("step") == step:
@@ -495,7 +434,7 @@ class RefitClient:
             return True
         if msg.kind is Kind.PULLED:
             if msg.get("step") == step:
-                self._pulled = msg.fields
+                self._remote.pulled = msg.fields
             return True
         if msg.kind is Kind.ERROR:
             err = RefitError.from_wire(msg.fields)
@@ -522,23 +461,21 @@ class RefitClient:
             f"{what}; step {step} was lost, push again", old=old, new=new, rank=self.rank, step=step
         )
 
-    def _poll_async(self, step: int) -> None:
-        self._progress_nixl()
+    def _poll(self, step: int, timeout: float = 0.0) -> None:
+        """Take in what the daemon sent (credits, grants, errors: raised), waiting up to ``timeout``
+        seconds for the first message; progresses a NIXL pull first."""
+        self._remote.progress()
         sock = self._socket()
-        while sock.poll(0):
+        wait = int(timeout * 1000)
+        while sock.poll(wait):
             msg = self._recv(sock)
             self._last_heard = time.monotonic()
             self._handle_async(msg, step)
+            wait = 0
 
     # ---- data
 
-    def _write_local(
-        self, step: int, pieces: list[_Piece], ids: list[int], handle: dict, deadline: float
-    ) -> None:
-        """Whole-step staging: every piece into its tensor's slot of the arena."""
-        self._open_staging(handle)
-        views = self._staging.tensors()  # device-to-device copies through the mapped handle on GPUs
-        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+    # ---- data
 
     def _write_ring(self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None) -> tuple[str, str]:
         """Staging ring: write each of this rank's layer groups once the daemon grants it a region
@@ -551,257 +488,31 @@ class RefitClient:
             )
         local = "staging" in ready
         if local:
-            self._open_staging(ready["staging"])
-        groups: dict[int, list[tuple[_Piece, int, int, Any]]] = {}
+            self._local.open(ready["staging"])
+        groups: dict[int, list[tuple[Piece, int, int, Any]]] = {}
         for i, (piece, pid, (group, rel)) in enumerate(zip(pieces, ids, placement)):
             src = srcs[i] if srcs is not None else None  # remote: the host copy made for the step
             groups.setdefault(int(group), []).append((piece, pid, int(rel), src))
-        sock = self._socket()
         while groups:
             granted = [g for g in groups if g in self._slots]
             if not granted:
                 self._keepalive(step, deadline, "waiting for a staging region (SLOT)")
-                if sock.poll(int(self._heartbeat() * 1000)):
-                    msg = self._recv(sock)
-                    self._last_heard = time.monotonic()
-                    self._handle_async(msg, step)
+                self._poll(step, self._heartbeat())
                 continue
             for g in granted:
                 rows, offset = groups.pop(g), self._slots.pop(g)
                 if local:
-                    self._write_group(step, rows, offset, deadline)
+                    self._local.write_group(step, rows, offset, deadline)
                 else:
                     host = [r[3] for r in rows] if srcs is not None else None
-                    self._stream_remote(step, [r[0] for r in rows], [r[1] for r in rows], deadline, srcs=host)
+                    rps, rids = [r[0] for r in rows], [r[1] for r in rows]
+                    self._remote.stream(step, rps, rids, deadline, self._frame_limit(), host)
         if local:
             return "staging", ""
         return "zmq", str(ready.get("mover_reason") or "")
 
-    def _open_staging(self, handle: dict) -> None:
-        if self._staging is None or self._staging.name != handle.get("name"):
-            if self._staging is not None:
-                self._staging.close()
-            self._staging = open_any_arena(handle, writable=True)
 
-    def _write_group(self, step: int, rows, offset: int, deadline: float) -> None:
-        """One granted group: each piece into its tensor's place in the region at ``offset``."""
-        view = self._staging.view
-        dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel, _ in rows)
-        self._copy_in(step, dests, deadline)
-
-    def _copy_in(self, step: int, dests, deadline: float) -> None:
-        """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
-        # many small copies make many small objects: no collections meanwhile
-        with gc_paused(), self._copy_stream():
-            self._copy_pieces(step, dests, deadline)
-
-    @contextlib.contextmanager
-    def _copy_stream(self) -> Iterator[None]:
-        """GPU staging: the copies run on a stream of the client's own, which first waits for what
-        the trainer had queued when it called push_step (the work that wrote the tensors). They then
-        neither queue behind the trainer's later work nor hold it up, and PIECE_DONE waits for the
-        copies alone, not for the whole device."""
-        if self._staging is None or getattr(self._staging, "kind", "shm") == "shm":
-            yield
-            return
-        device = torch.device("cuda", self._staging.device)
-        stream = self._streams.get(device.index)
-        if stream is None:
-            stream = self._streams[device.index] = torch.cuda.Stream(device)
-        for event in self._ready_events:
-            stream.wait_event(event)
-        with torch.cuda.stream(stream):
-            yield
-
-    def _copy_pieces(self, step: int, dests, deadline: float) -> None:
-        batch, batch_bytes, region = [], 0, None
-        next_poll = 0.0
-        regions: list[torch.Tensor] = []  # small copies wait for one foreach copy before PIECE_DONE
-        srcs: list[torch.Tensor] = []
-        for piece, pid, full in dests:
-            src = piece.tensor
-            if piece.whole and full.shape == src.shape:
-                region = full
-            else:
-                region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, src.shape))]
-            nbytes = src.numel() * src.element_size()
-            if (
-                nbytes <= FOREACH_COPY_BYTES
-                and region.shape == src.shape
-                and region.dtype == src.dtype
-                and region.device == src.device
-            ):
-                regions.append(region)
-                srcs.append(src)
-            else:
-                region.copy_(src)
-            batch.append(pid)
-            batch_bytes += nbytes
-            if batch_bytes >= DONE_BATCH_BYTES or len(batch) >= DONE_BATCH_PIECES:
-                _copy_all(regions, srcs)
-                self._pieces_done(step, batch, region)
-                batch, batch_bytes = [], 0
-            now = time.monotonic()
-            if now >= next_poll:
-                self._poll_async(step)
-                self._keepalive(step, deadline, "writing its shards")
-                next_poll = now + POLL_INTERVAL_S
-        if batch:
-            _copy_all(regions, srcs)
-            self._pieces_done(step, batch, region)
-
-    def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
-        if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads
-            torch.cuda.current_stream(last.device).synchronize()  # the copy stream (_copy_stream)
-        self._send(Kind.PIECE_DONE, {"step": step, "pieces": batch})
-
-    def _nixl_offer(self, srcs: list[torch.Tensor]) -> tuple[dict[str, Any] | None, Any, str]:
-        """BEGIN's ``nixl`` field (agent metadata, one ``[addr, nbytes]`` per piece) with the step's
-        registration, or ``(None, None, why not)``."""
-        if self.mover == "zmq":
-            return None, None, "mover=zmq"
-        if "nixl" not in self._welcome.get("pull", ()):
-            return None, None, "the daemon does not offer NIXL pulls"
-        if self._nixl_broken:
-            return None, None, self._nixl_broken
-        ok, why = nixl.available()
-        if not ok:
-            return None, None, f"NIXL is unavailable here: {why}"
-        rows = [(t.data_ptr(), t.numel() * t.element_size()) for t in srcs]
-        regions = [[a, n] if n else [0, 0] for a, n in rows]
-        try:
-            if self._nixl_ep is None:
-                self._nixl_ep = nixl.NixlEndpoint(
-                    f"refitd-client-{socket.gethostname()}-{os.getpid()}-r{self.rank}-{id(self):x}"
-                )
-        except (nixl.NixlError, ValueError, TypeError) as exc:  # no endpoint: frames from now on
-            self._nixl_broken = f"NIXL set-up failed here: {type(exc).__name__}: {exc}"
-            return None, None, self._nixl_broken
-        reg = None
-        try:  # this step's copies only: frames for this step if they cannot be registered
-            live = [(a, n) for a, n in rows if n]
-            reg = self._nixl_ep.register(live) if live else None
-            md = self._nixl_ep.metadata()
-        except (nixl.NixlError, ValueError, TypeError) as exc:
-            if reg is not None:
-                self._nixl_ep.deregister(reg)
-            return None, None, f"NIXL registration failed here: {type(exc).__name__}: {exc}"
-        return {"md": md, "regions": regions}, reg, ""
-
-    def _send_remote(self, step, pieces, srcs, ids, ready, reg, why, deadline) -> tuple[str, str]:
-        """Frames for the pieces the daemon does not pull; then wait until it pulled the rest (frames
-        for any whose READ failed). Returns the mover and why NIXL was not (wholly) used."""
-        pull = set(ready.get("pull") or ()) if reg is not None else set()
-        why = why or str(ready.get("mover_reason") or "")
-        self._pulling, self._pulled = bool(pull), None
-        rest = [i for i, pid in enumerate(ids) if pid not in pull]
-        self._stream_remote(
-            step, [pieces[i] for i in rest], [ids[i] for i in rest], deadline, srcs=[srcs[i] for i in rest]
-        )
-        if not pull:
-            return "zmq", why
-        sock = self._socket()
-        while self._pulled is None:  # it may have arrived already, while frames were streamed
-            self._keepalive(step, deadline, "waiting for the daemon to pull its shards (PULLED)")
-            self._progress_nixl()
-            if sock.poll(1):
-                msg = self._recv(sock)
-                self._last_heard = time.monotonic()
-                self._handle_async(msg, step)
-        pulled, self._pulled, self._pulling = self._pulled, None, False
-        failed = set(pulled.get("failed") or ())
-        if failed:
-            why = str(pulled.get("reason") or "the NIXL READ failed")
-            again = [i for i, pid in enumerate(ids) if pid in failed]
-            self._stream_remote(
-                step,
-                [pieces[i] for i in again],
-                [ids[i] for i in again],
-                deadline,
-                srcs=[srcs[i] for i in again],
-            )
-            return "zmq", why
-        return ("nixl+zmq" if rest else "nixl"), why
-
-    def _progress_nixl(self) -> None:
-        if self._pulling and self._nixl_ep is not None:
-            try:
-                self._nixl_ep.progress()
-            except nixl.NixlError as exc:  # the daemon's READ then fails and it says so
-                self._pulling = False
-                self._nixl_broken = f"progressing the NIXL endpoint failed: {exc}"
-
-    def _stream_remote(
-        self, step: int, pieces: list[_Piece], ids: list[int], deadline: float, srcs=None
-    ) -> None:
-        limit = int(self._welcome.get("max_frame_bytes", 64 << 20))
-        next_poll = 0.0
-        for start in range(0, len(pieces), DONE_BATCH_PIECES):
-            # many small frames make many small objects: at most one collection per run of pieces
-            with gc_paused():
-                for i in range(start, min(start + DONE_BATCH_PIECES, len(pieces))):
-                    piece, pid = pieces[i], ids[i]
-                    src = srcs[i] if srcs is not None else _cpu(piece.tensor)
-                    whole = tuple(src.shape)
-                    for rel, shape in _blocks(whole, src.element_size(), limit):
-                        while self._credits <= 0:
-                            self._await_credit(step, deadline)
-                        if shape and shape != whole:
-                            block = src[tuple(slice(o, o + s) for o, s in zip(rel, shape))]
-                        else:
-                            block = src
-                        data = block.reshape(-1).view(torch.uint8).numpy() if block.numel() else b""
-                        offsets = [o + r for o, r in zip(piece.offsets, rel)]
-                        self._send(
-                            Kind.SHARD,
-                            {"step": step, "piece": pid, "offsets": offsets, "shape": list(shape)},
-                            [data],
-                        )
-                        self._credits -= 1
-                        now = time.monotonic()
-                        if now >= next_poll:  # credits and errors; waiting for credit polls anyway
-                            self._poll_async(step)
-                            next_poll = now + POLL_INTERVAL_S
-
-    def _await_credit(self, step: int, deadline: float) -> None:
-        sock = self._socket()
-        self._keepalive(step, deadline, "waiting for the daemon to take its data (credit)")
-        self._progress_nixl()
-        if sock.poll(1 if self._pulling else int(self._heartbeat() * 1000)):
-            msg = self._recv(sock)
-            self._last_heard = time.monotonic()
-            self._handle_async(msg, step)
-
-
-def _pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Piece]:
-    """Normalize user input (tensors, Shards, lists of Shards) into pieces, validating each."""
-    with gc_paused():  # many small objects at once: no collections meanwhile
-        return _pieces_of(named_tensors)
-
-
-def _pieces_of(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[_Piece]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    pieces = []
-    for name, value in items:
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(v, torch.Tensor):
-                pieces.append(_Piece(name, v, tuple(v.shape), (0,) * v.dim(), True))
-                continue
-            if not isinstance(v, Shard):
-                raise TypeError(f"{name!r}: expected a tensor or a Shard, got {type(v).__name__}")
-            t, g, o = v.tensor, v.global_shape, v.offsets
-            if not (len(g) == len(o) == t.dim()) or any(
-                oo < 0 or oo + s > gg for oo, s, gg in zip(o, t.shape, g)
-            ):
-                raise ValueError(
-                    f"{name!r}: shard of shape {list(t.shape)} at offsets {list(o)} does not fit the global "
-                    f"shape {list(g)}"
-                )
-            pieces.append(_Piece(name, t, g, o))
-    return pieces
-
-
-def _without_skipped(skip: Any, pieces: list[_Piece], ids: list[Any], srcs: list | None) -> tuple:
+def _without_skipped(skip: Any, pieces: list[Piece], ids: list[Any], srcs: list | None) -> tuple:
     """``pieces``, ``ids`` and ``srcs`` without the pieces READY listed under ``skip`` (they lie
     outside the node share the daemon publishes)."""
     if not isinstance(skip, list) or any(type(pid) is not int for pid in skip) or not set(skip) <= set(ids):
@@ -819,45 +530,3 @@ def _without_skipped(skip: Any, pieces: list[_Piece], ids: list[Any], srcs: list
         [ids[i] for i in keep],
         None if srcs is None else [srcs[i] for i in keep],
     )
-
-
-def _copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, in one call for a batch of small tensors; empties both lists."""
-    if dests:
-        torch._foreach_copy_(dests, srcs)
-        dests.clear()
-        srcs.clear()
-
-
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    src = tensor.detach()
-    return (src.cpu() if src.device.type != "cpu" else src).contiguous()
-
-
-def _blocks(
-    shape: tuple[int, ...], itemsize: int, limit: int
-) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Split a C-contiguous ``shape`` into contiguous sub-blocks of at most ``limit`` bytes each.
-
-    Each block fixes the leading indices, takes a range along one dim and all of the dims after it.
-    """
-    nd = len(shape)
-    if itemsize > limit:
-        raise ValueError(f"a single element of {itemsize} bytes exceeds the frame limit {limit}")
-    if nd == 0 or itemsize * _prod(shape) <= limit:
-        yield (0,) * nd, shape
-        return
-    k = next(k for k in range(1, nd + 1) if itemsize * _prod(shape[k:]) <= limit)
-    row = itemsize * _prod(shape[k:])
-    step = max(1, limit // row)
-    for lead in itertools.product(*(range(d) for d in shape[: k - 1])):
-        for r0 in range(0, shape[k - 1], step):
-            r1 = min(shape[k - 1], r0 + step)
-            yield (*lead, r0, *(0,) * (nd - k)), (*(1,) * len(lead), r1 - r0, *shape[k:])
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

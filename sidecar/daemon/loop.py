@@ -59,7 +59,7 @@ from sidecar.forward.receiver import Receiver
 from sidecar.forward.sender import Forwarding
 from sidecar.forward.types import FORWARD_KINDS, curve_user_id
 from sidecar.numerics import kernels
-from sidecar.ops.gcpause import gc_paused
+from sidecar.ops.gcpause import StepHold, freeze_long_lived
 from sidecar.ops.observers import Observer, notify
 from sidecar.plan import launch
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
@@ -102,6 +102,7 @@ class Daemon:
         self.arenas: Arenas | None = None
         self.peers = Peers()
         self.step: StepState | None = None  # the step in progress: ending it is dropping this object
+        self._gc_hold = StepHold()  # the collector off while a step is in flight (tick)
         self.events = 0  # counts HELLOs and failures, to order them
         self.last_step: int | None = None
         self.history: list[dict[str, Any]] = []  # last few steps, for status
@@ -181,6 +182,7 @@ class Daemon:
 
     def serve_forever(self, poll: Callable[[Daemon], None] | None = None) -> None:
         """Tick until stopped; ``poll(self)`` after every tick (the CLI's signal flags, cli.serve.Signals)."""
+        freeze_long_lived()  # startup's objects (torch, a configured plan): out of every collection
         while not self._stop:
             self.tick()
             if poll is not None:
@@ -241,9 +243,9 @@ class Daemon:
         if self.receiver.busy() or self.pulls.busy:
             timeout_ms = min(timeout_ms, 1)  # a NIXL WRITE lands here: progress the endpoint often
         events = dict(self.poller.poll(timeout_ms))
-        # A step of many tensors allocates many small objects per turn (pieces, units, results): one
-        # collection after the turn instead of several during it (each full one walks the whole heap).
-        with gc_paused():
+        # A step of many tensors allocates many small objects per turn (pieces, units, results): no
+        # collection while a step is in flight, one after it (each walks every object the step keeps).
+        with self._gc_hold.turn(lambda: self.step is not None):
             try:
                 self._turn(events)
             except Exception as exc:  # a bug outside any one message (timers, results): fail the step, go on
@@ -304,6 +306,7 @@ class Daemon:
             self.wake.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
+        self._gc_hold.release()
         self.zmq_ctx.term()
         for listen in (self.config.listen, self.local_listen or ""):
             if listen.startswith("ipc://"):
@@ -449,6 +452,7 @@ class Daemon:
         ``invalidate``: forget every published generation (the layout changed)."""
         self.arenas.apply_plan(plan)
         self.plan = plan
+        freeze_long_lived()  # the plan lives as long as the daemon: no collection walks it again
         if invalidate:
             self.arenas.invalidate()
 

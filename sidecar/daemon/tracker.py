@@ -251,17 +251,20 @@ class CoverageTracker:
         is one contiguous run of it: leading dims of extent 1, a range along one dim, every later
         dim whole (how a client splits a piece into frames)."""
         _, piece = self._piece(name, piece_id)
-        where = f"tensor {name!r}: rank {piece.rank}'s block at {_show(offsets)} shape {_show(shape)}"
+
+        def where() -> str:  # built only for an error: a step of many frames pays nothing for it
+            return f"tensor {name!r}: rank {piece.rank}'s block at {_show(offsets)} shape {_show(shape)}"
+
         if not self.contains(name, piece_id, offsets, shape):
             raise FrameError(
-                f"{where} is not a non-empty box inside the piece it declared, {piece.describe()}: "
+                f"{where()} is not a non-empty box inside the piece it declared, {piece.describe()}: "
                 "send blocks of the declared piece, in global coordinates"
             )
         rel = [o - lo for o, lo in zip(offsets, piece.offsets)]
         partial = [d for d, (s, full) in enumerate(zip(shape, piece.shape)) if s != full or rel[d]]
         if partial and any(shape[d] != 1 for d in range(partial[-1])):
             raise FrameError(
-                f"{where} is not one contiguous run of {piece.describe()}: fix the leading indices, take "
+                f"{where()} is not one contiguous run of {piece.describe()}: fix the leading indices, take "
                 "a range along one dim and all of every dim after it"
             )
         lo, stride = 0, 1
@@ -282,16 +285,20 @@ class CoverageTracker:
         :class:`FrameError` and records nothing."""
         t, piece = self._piece(name, piece_id)
         ranges = t.arrived[piece_id]
-        if offsets is None or shape is None:
+        whole = offsets is None or shape is None
+        if whole:
             lo, hi = 0, piece.numel
-            what = f"tensor {name!r}: rank {piece.rank} reported all of {piece.describe()} written"
         else:
             lo, hi = self.block_range(name, piece_id, offsets, shape)
-            what = (
-                f"tensor {name!r}: rank {piece.rank} sent the block at {_show(offsets)} shape {_show(shape)}"
-            )
         clash = ranges.add(lo, hi)
-        if clash is not None:
+        if clash is not None:  # the message is built only now: a step of many pieces pays nothing for it
+            if whole:
+                what = f"tensor {name!r}: rank {piece.rank} reported all of {piece.describe()} written"
+            else:
+                what = (
+                    f"tensor {name!r}: rank {piece.rank} sent the block at {_show(offsets)} "
+                    f"shape {_show(shape)}"
+                )
             raise FrameError(
                 f"{what}, but elements [{max(lo, clash[0])}, {min(hi, clash[1])}) of that piece "
                 f"({piece.describe()}, flattened) already arrived: every element must be sent exactly once; "

@@ -15,7 +15,7 @@ vision tower) are reported as warnings: publishing them costs memory, not correc
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -135,39 +135,27 @@ def check_manifest(
 
 
 def constraint_problems(plan: RefitPlan, manifest: Manifest) -> list[str]:
-    """Shapes the engine's resolved backend cannot take (``manifest.constraints``, set by adapters).
-
-    Known keys: ``unsupported_formats`` (list of format names), ``mxfp8_align`` and ``block_fp8_align``
-    (every quantized expert dim must be a multiple: e.g. TRT-LLM's CUTLASS MXFP8 packs 4 scales per
-    int32, so H and I must be multiples of 128), ``moe_tp_size`` or else ``tp_size`` (the experts' tensor-parallel
-    split: dims are divided across ranks before the check).
-    """
-    c = manifest.constraints
+    """What the engine's resolved backend cannot take: the adapter's :class:`EngineConstraints`
+    (``manifest.constraints``) run against the expert dims of the daemon's own plan, so the daemon
+    refuses what the adapter's check refuses even when an adapter skipped it."""
     fmt = plan.spec.format
+    weights = [o for o in plan.outputs if o.role is Role.WEIGHT]
     problems = []
-    if fmt.value in c.get("unsupported_formats", ()):
-        problems.append(f"the engine's MoE backend {manifest.moe_backend} cannot take {fmt.value} experts")
-    align = {Format.MXFP8: c.get("mxfp8_align"), Format.BLOCK_FP8: c.get("block_fp8_align")}.get(fmt)
-    if align:
-        # the vLLM adapter writes moe_tp_size (1 under expert parallelism), the TRT-LLM one tp_size
-        tp = int(c.get("moe_tp_size", c.get("tp_size", 1)))
-        bad = {}
-        for o in plan.outputs:
-            if o.role is not Role.WEIGHT:
-                continue
+    if weights:
+        # the engine holds the format the plan publishes (a mismatch is reported above); check that one
+        c = replace(manifest.constraints, expert_format=fmt)
+        dims: dict[tuple[int, int], str] = {}
+        for o in weights:
             out_dim, in_dim = o.shape[-2], o.shape[-1]
             # the intermediate dim is what tensor parallelism splits: rows of gate/up, columns of down
-            split = in_dim if o.proj is ExpertProj.DOWN else out_dim
-            for label, dim in (("out", out_dim), ("in", in_dim)):
-                size = dim // tp if dim == split and tp > 1 else dim
-                if size % align:
-                    bad.setdefault((label, size), o.name)
-        for (label, size), example in list(bad.items())[:MAX_LISTED]:
-            problems.append(
-                f"{example}: {label} dim {size}{' per TP rank' if tp > 1 else ''} is not a multiple of {align}, "
-                f"which {manifest.moe_backend} needs for {fmt.value}"
-            )
-    if fmt is Format.MXFP8 and any(o.shape[-1] % MX_BLOCK for o in plan.outputs if o.role is Role.WEIGHT):
+            h, i = (out_dim, in_dim) if o.proj is ExpertProj.DOWN else (in_dim, out_dim)
+            dims.setdefault((h, i), o.name)
+        for (h, i), example in list(dims.items())[:MAX_LISTED]:
+            problems += [
+                f"{example}: {p} (MoE backend {manifest.moe_backend or 'unknown'})"
+                for p in c.problems(hidden=h, intermediate=i)
+            ]
+    if fmt is Format.MXFP8 and any(o.shape[-1] % MX_BLOCK for o in weights):
         problems.append(f"mxfp8 needs every expert's in dim to be a multiple of {MX_BLOCK}")
     return problems
 

@@ -1,18 +1,18 @@
 """``RunningDaemon``: refitd's real serve loop (sockets, shared memory, the quantization worker) in a
 thread of the test process, asked about itself over its control socket as an operator would.
 
-    d = RunningDaemon(tmp_path, hf_config=make_hf_config(...), world_size=2, staging_regions=2)
-    ...  # RefitClient(d.endpoint, ...), RefitReader(d.endpoint, ...)
-    d.close()
+    with RunningDaemon(tmp_path, hf_config=make_hf_config(...), world_size=2, observers=[obs]) as d:
+        ...  # RefitClient(d.endpoint, ...), RefitReader(d.endpoint, ...); d.status(); d.barrier()
 
-``daemon_factory(tmp_path)`` is the body of a fixture that starts any number and closes them all.
+``daemon_factory(tmp_path)`` is the body of a fixture that starts any number and closes them all
+(tests/conftest.py's ``daemons`` fixture).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,28 @@ DEFAULTS: dict[str, Any] = dict(reader_timeout_s=3.0, rank_timeout_s=10.0, heart
 
 
 class RunningDaemon:
-    def __init__(self, tmp_path: Path, *, hf_config: dict | None = None, **settings: Any):
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        hf_config: dict | None = None,
+        observers: Sequence[Any] = (),
+        **settings: Any,
+    ):
+        """``settings`` are DaemonConfig fields over :data:`DEFAULTS` (``runtime_dir`` defaults to
+        ``tmp_path/run``); ``hf_config`` a config.json dict written to ``tmp_path``; ``observers``
+        the daemon's observers (e.g. a TimelineObserver)."""
         if hf_config is not None:
             path = tmp_path / "config.json"
             path.write_text(json.dumps(hf_config))
             settings.setdefault("hf_config", path)
         self.config = DaemonConfig(**{"runtime_dir": tmp_path / "run", **DEFAULTS, **settings})
         prepare_runtime_dir(self.config)
-        self.daemon = Daemon(self.config)
+        self.daemon = Daemon(self.config, observers=list(observers))
         self.daemon.start()
-        self.thread = threading.Thread(target=self.daemon.serve_forever, name="refitd-test", daemon=True)
+        self.thread: threading.Thread | None = threading.Thread(
+            target=self.daemon.serve_forever, name="refitd-test", daemon=True
+        )
         self.thread.start()
         self.endpoint = self.config.listen
 
@@ -43,10 +55,24 @@ class RunningDaemon:
         with RefitReader(self.endpoint, name="test-status") as reader:
             return reader.status(timeout=30)
 
+    def barrier(self) -> None:
+        """A STATUS round trip: the serve loop is done with every message and hook before it."""
+        self.status()
+
     def close(self) -> None:
+        """Stop the loop, join its thread and free the daemon's memory; a second call does nothing."""
+        if self.thread is None:
+            return
         self.daemon.request_stop()
         self.thread.join(timeout=30)
+        self.thread = None
         self.daemon.close()
+
+    def __enter__(self) -> RunningDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def daemon_factory(tmp_path: Path, **defaults: Any) -> Iterator:

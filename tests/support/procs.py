@@ -185,9 +185,9 @@ def _die_after_ready(client, conn) -> None:
         conn.send({"ok": False, "kind": "dying", "at": time.monotonic()})
         os.kill(os.getpid(), signal.SIGKILL)
 
-    client._write_local = die
-    client._write_ring = die
-    client._stream_remote = die
+    client._local.write_step = die  # whole-step staging
+    client._write_ring = die  # a staging ring
+    client._remote.stream = die  # frames (a NIXL pull starts after READY too, but streams first)
 
 
 _HOOKED: dict[int, Any] = {}  # id(client) -> its own _send, while a hook replaces it

@@ -2,7 +2,7 @@
 
 Each case names a format, builds its input, and, where the answer is known by hand, the exact bytes
 expected (``q`` as uint8 codes for chosen positions, scales as float32 bit patterns or E8M0 bytes).
-Cases without hand-written bytes are still compared byte for byte against tests/oracle.py.
+Cases without hand-written bytes are still compared byte for byte against tests/support/oracle.py (a scalar oracle of SPEC §1).
 """
 
 from __future__ import annotations

@@ -1,0 +1,233 @@
+"""A TRT-LLM model's parameters -> the manifest of checkpoint tensors it expects (pure)."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
+from adapters.trtllm.backends import (
+    BLOCK_FP8_MOE_ALIGN,
+    MXFP8_MOE_ALIGN,
+    _unsupported_formats,
+)
+from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, Format
+from sidecar.plan.build import Layer, layer_of_name
+from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
+
+EngineParam = tuple[str, torch.dtype, tuple[int, ...]]
+#: a fused MoE module's parameters: ``<module>.experts[.backend].<param>``
+_MOE_PARAM_RE = re.compile(r"^(?P<module>.+\.experts)(?:\.backend)?\.(?P<param>[A-Za-z0-9_]+)$")
+_MOE_WEIGHTS = ("w3_w1_weight", "w2_weight")
+#: a checkpoint module fused by TRT-LLM: checkpoint suffix -> engine module suffix
+_FUSED_MODULES = (
+    ("self_attn.q_proj", "self_attn.qkv_proj"),
+    ("self_attn.k_proj", "self_attn.qkv_proj"),
+    ("self_attn.v_proj", "self_attn.qkv_proj"),
+    ("linear_attn.in_proj_qkv", "linear_attn.in_proj_qkvz"),
+    ("linear_attn.in_proj_z", "linear_attn.in_proj_qkvz"),
+    ("linear_attn.in_proj_b", "linear_attn.in_proj_ba"),
+    ("linear_attn.in_proj_a", "linear_attn.in_proj_ba"),
+    ("shared_expert.gate_proj", "shared_expert.gate_up_proj"),
+    ("shared_expert.up_proj", "shared_expert.gate_up_proj"),
+    ("mlp.gate_proj", "mlp.gate_up_proj"),
+    ("mlp.up_proj", "mlp.gate_up_proj"),
+)
+_LM_PREFIX = "model.language_model."
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {value!r} in the engine's parameter list")
+    return dtype
+
+
+def _coerce_params(params: Iterable[Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    out = {}
+    for item in params:
+        name, rest = item[0], item[1:]
+        if len(rest) == 1 and isinstance(rest[0], torch.Tensor):
+            dtype, shape = rest[0].dtype, tuple(rest[0].shape)
+        elif len(rest) == 2:
+            dtype, shape = _dtype(rest[0]), tuple(int(d) for d in rest[1])
+        else:
+            raise ValueError(f"cannot read an engine parameter from {item!r}: give (name, dtype, shape)")
+        out[str(name)] = (dtype, shape)
+    return out
+
+
+def _moe_format(module: str, params: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Format:
+    """The expert format a fused MoE module holds, from its parameter names and dtypes."""
+    lacking = [p for p in _MOE_WEIGHTS if p not in params]
+    if lacking:
+        raise ValueError(f"{module}: no {lacking} among its parameters; is it a TRT-LLM fused MoE module?")
+    dtype = params["w3_w1_weight"][0]
+    if dtype in FLOAT_DTYPES:
+        return Format.BF16
+    if dtype != FP8_DTYPE:
+        raise ValueError(
+            f"{module}.w3_w1_weight is {dtype}: refitd handles bf16 and float8_e4m3fn experts only"
+        )
+    if "w3_w1_weight_scaling_factor" in params:
+        return Format.BLOCK_FP8
+    if "fc31_dequant" in params or "fc31_input_dequant" in params:
+        return Format.FP8_PER_TENSOR
+    if "w3_w1_weight_scale" in params:
+        return Format.MXFP8
+    raise ValueError(f"{module}: float8 experts with scales {sorted(params)} that refitd does not know")
+
+
+def _linear_format(scales: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Format:
+    """The format of an FP8 linear (non-expert) from its scale parameters."""
+    if "weight_scale_inv" in scales:
+        return Format.BLOCK_FP8
+    dtype = scales.get("weight_scale", (torch.float32, ()))[0]
+    if dtype in (torch.uint8, torch.int32):
+        return Format.MXFP8
+    return Format.FP8_PER_TENSOR
+
+
+def _engine_module(ckpt_module: str) -> str:
+    """The TRT-LLM module a checkpoint module loads into (Qwen3.5 strips ``language_model``)."""
+    name = "model." + ckpt_module[len(_LM_PREFIX) :] if ckpt_module.startswith(_LM_PREFIX) else ckpt_module
+    for ckpt_suffix, engine_suffix in _FUSED_MODULES:
+        if name.endswith("." + ckpt_suffix):
+            return name[: -len(ckpt_suffix)] + engine_suffix
+    return name
+
+
+def _quantized(name: str, shape: tuple[int, ...], fmt: Format) -> list[ManifestTensor]:
+    scale_shape = fmt.scale_shape(shape)
+    return [
+        ManifestTensor(name, FP8_DTYPE, shape),
+        ManifestTensor(f"{name.removesuffix('.weight')}.{fmt.scale_suffix}", fmt.scale_dtype, scale_shape),
+    ]
+
+
+def _expand_slab(name: str, shape: tuple[int, ...], fmt: Format) -> list[ManifestTensor]:
+    """A grouped slab as the per-expert FP8 tensors refitd publishes for it (SPEC §2.3)."""
+    m = SLAB_RE.match(name)
+    prefix, proj = m.group("prefix"), m.group("proj")
+    experts, rows, cols = shape
+    projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+    out_rows = rows // 2 if proj == "gate_up_proj" else rows
+    out: list[ManifestTensor] = []
+    for e in range(experts):
+        for p in projs:
+            out += _quantized(f"{prefix}.{e}.{p}.weight", (out_rows, cols), fmt)
+    return out
+
+
+def build_manifest(
+    params: Iterable[Any],
+    hf_config: Mapping[str, Any],
+    *,
+    moe_backend: str,
+    requested_backend: str = "",
+    sm: int | None = None,
+    tp_size: int = 1,
+    moe_tp_size: int | None = None,
+    moe_ep_size: int = 1,
+    engine_version: str = "",
+    input_scales: bool | None = None,
+    quant_method: str = "",
+    mxfp8_reload_path: bool | None = None,
+) -> Manifest:
+    """The manifest of a TRT-LLM model: the *checkpoint* tensors it expects, in global shapes.
+
+    ``params`` is the model's ``named_parameters()`` as ``(name, dtype, shape)`` (or ``(name,
+    tensor)``); ``moe_backend`` the resolved MoE class name. Fused MoE modules (``w3_w1_weight``,
+    ``w2_weight`` and their scales) are mapped back to one tensor per expert and projection as refitd
+    publishes them; a module held in BF16 keeps the checkpoint's own expert tensors (a Qwen3.5 slab
+    stays a slab). Everything else is the checkpoint's BF16 tensor, unless the engine holds its
+    module in FP8 (then the manifest says so, and :func:`check_trtllm_constraints` objects).
+    Per-tensor FP8 ``input_scale`` tensors are not listed: refitd does not publish them; the worker
+    extension carries the engine's own static input scales into every reload (``constraints``).
+    Layers the engine does not hold (pipeline parallelism, no MTP) are left out. ``quant_method`` is
+    the MoE modules' resolved quant method class and ``mxfp8_reload_path`` whether the build has the
+    MXFP8 reload path (both recorded in ``info``; :func:`backend_refusal` reads them).
+    """
+    engine = _coerce_params(params)
+    model = get_model(model_type_of(hf_config))
+    moe_params: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
+    linear_params: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
+    for name, value in engine.items():
+        if m := _MOE_PARAM_RE.match(name):
+            moe_params[m.group("module")][m.group("param")] = value
+        else:
+            module, _, leaf = name.rpartition(".")
+            linear_params[module][leaf] = value
+    moe_format: dict[Layer, Format] = {
+        layer_of_name(mod + "."): _moe_format(mod, p) for mod, p in moe_params.items()
+    }
+    quantized = sorted({f.value for f in moe_format.values() if f.quantized})
+    if len(quantized) > 1:
+        raise ValueError(f"the engine's routed experts mix formats {quantized}; refitd publishes one format")
+    expert_format = Format(quantized[0]) if quantized else Format.BF16
+    fp8_linears = {
+        mod: _linear_format(p) for mod, p in linear_params.items() if p.get("weight", (None,))[0] == FP8_DTYPE
+    }
+    held_layers = {layer_of_name(n) for n in engine} | {None}
+    include_mtp = any(isinstance(layer, tuple) for layer in held_layers)
+
+    tensors: list[ManifestTensor] = []
+    for name, shape, dtype in model.parameters(hf_config, include_mtp=include_mtp):
+        layer = layer_of_name(name)
+        if layer not in held_layers:
+            continue
+        routed = SLAB_RE.match(name) or PER_EXPERT_RE.match(name)
+        if routed:
+            fmt = moe_format.get(layer, Format.BF16)
+            if not fmt.quantized:
+                tensors.append(ManifestTensor(name, dtype, shape))
+            elif SLAB_RE.match(name):
+                tensors += _expand_slab(name, shape, fmt)
+            else:
+                tensors += _quantized(name, shape, fmt)
+            continue
+        module = name.removesuffix(".weight")
+        fmt = fp8_linears.get(_engine_module(module)) if name.endswith(".weight") else None
+        tensors += _quantized(name, shape, fmt) if fmt else [ManifestTensor(name, dtype, shape)]
+
+    text = model.text_config(hf_config)
+    moe_tp = tp_size if moe_tp_size is None else moe_tp_size
+    constraints = EngineConstraints(
+        engine=EngineKind.TRTLLM,
+        expert_format=expert_format,
+        hidden_size=int(text["hidden_size"]) if text.get("hidden_size") else None,
+        intermediate_size=int(text["moe_intermediate_size"]) if text.get("moe_intermediate_size") else None,
+        moe_tp_size=moe_tp,
+        moe_ep_size=moe_ep_size,
+        block_fp8_align=BLOCK_FP8_MOE_ALIGN,
+        mxfp8_align=MXFP8_MOE_ALIGN,
+        unsupported_formats=frozenset(Format(f) for f in _unsupported_formats(moe_backend)),
+    )
+    info = {
+        "model_type": model.model_type,
+        "requested_moe_backend": requested_backend,
+        "sm": sm,
+        "tp_size": tp_size,
+        "hidden_size": text.get("hidden_size"),
+        "moe_intermediate_size": text.get("moe_intermediate_size"),
+        "moe_modules": len(moe_params),
+        "bf16_moe_modules": sum(not f.quantized for f in moe_format.values()),
+        "input_scales": None if input_scales is None else bool(input_scales),
+        "moe_quant_method": quant_method,
+        "mxfp8_reload_path": mxfp8_reload_path,
+    }
+    return Manifest(
+        engine=EngineKind.TRTLLM,
+        engine_version=engine_version,
+        moe_backend=moe_backend,
+        expert_format=expert_format,
+        tensors=tuple(tensors),
+        constraints=constraints,
+        info=info,
+    )

@@ -1,0 +1,245 @@
+"""vLLM's load-time parameters -> the manifest of checkpoint tensors its loader expects (pure)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
+from adapters.vllm.quant import (
+    BLOCK_FP8_ALIGN,
+    ENGINE_TO_CHECKPOINT,
+    EXPERT_PROJS,
+    KV_SCALE_LEAVES,
+    MXFP8_ALIGN,
+    PACKED_MODULES,
+    SCALE_LEAVES,
+    VllmQuant,
+    resolve_quant,
+)
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.plan.models import get_model, model_type_of
+from transport.wire import dtype_from_name
+
+
+def _checkpoint_name(engine_name: str) -> str:
+    name = engine_name.replace(".base_layer.", ".")
+    for engine_prefix, ckpt_prefix in ENGINE_TO_CHECKPOINT:
+        if name.startswith(engine_prefix):
+            return ckpt_prefix + name[len(engine_prefix) :]
+    return name
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    return value if isinstance(value, torch.dtype) else dtype_from_name(str(value).removeprefix("torch."))
+
+
+def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if leaf == "weight_scale_inv":
+        return Format.BLOCK_FP8.scale_shape(weight_shape)
+    if leaf == "weight_scale" and dtype == torch.uint8:
+        return Format.MXFP8.scale_shape(weight_shape)
+    return ()  # per-tensor weight_scale, input_scale
+
+
+class _Builder:
+    """Collects manifest tensors, the BF16-held routed experts, and every problem found."""
+
+    def __init__(self, ckpt: Mapping[str, tuple[int, ...]]) -> None:
+        self.ckpt = ckpt
+        self.tensors: dict[str, ManifestTensor] = {}
+        self.keep_bf16: list[str] = []
+        self.problems: list[str] = []
+
+    def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        have = self.tensors.get(name)
+        if have is not None and (have.dtype, have.shape) != (dtype, shape):
+            self.problems.append(f"{name}: two engine parameters expect it as {have.dtype} and {dtype}")
+        self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
+
+    def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
+        name = _checkpoint_name(engine_name)
+        module, _, leaf = name.rpartition(".")
+        if leaf in KV_SCALE_LEAVES:
+            return
+        if name == "lm_head.weight" and tied:
+            return
+        parent, _, proj = module.rpartition(".")
+        shards = [module]
+        if proj in PACKED_MODULES:
+            shards = [f"{parent}.{s}" for s in PACKED_MODULES[proj] if f"{parent}.{s}.weight" in self.ckpt]
+        for shard in shards:
+            target, weight = f"{shard}.{leaf}", self.ckpt.get(f"{shard}.weight")
+            if target in self.ckpt:
+                self.add(target, dtype, self.ckpt[target])
+            elif leaf in SCALE_LEAVES and weight is not None:
+                self.add(target, dtype, _scale_shape(leaf, dtype, weight))
+            else:
+                self.problems.append(f"{engine_name}: no checkpoint tensor {target} maps to it")
+        if not shards:
+            self.problems.append(f"{engine_name}: none of its packed shards is in the checkpoint")
+
+    def experts(
+        self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]], **dims: Any
+    ) -> None:
+        """One MoE layer's ``w13_*`` / ``w2_*`` parameters -> per-expert checkpoint tensors."""
+        w13, w2 = params.get(("w13", "weight")), params.get(("w2", "weight"))
+        if w13 is None or w2 is None or len(w13[1]) != 3 or len(w2[1]) != 3:
+            self.problems.append(f"{moe}: expected 3-D w13_weight and w2_weight, got {w13} / {w2}")
+            return
+        ckpt_moe = _checkpoint_name(moe)
+        e, i, h = self._expert_dims(ckpt_moe, w13[1], w2[1], **dims)
+        if w13[0] != FP8_DTYPE:  # held unquantized: the checkpoint form the loader takes
+            slab = f"{ckpt_moe}.gate_up_proj"
+            if slab in self.ckpt:
+                self.add(slab, w13[0], (e, 2 * i, h))
+                self.add(f"{ckpt_moe}.down_proj", w2[0], (e, h, i))
+                self.keep_bf16 += [slab, f"{ckpt_moe}.down_proj"]
+                return
+        for x in range(e):
+            for w, projs in EXPERT_PROJS.items():
+                shape = (i, h) if w == "w13" else (h, i)
+                dtype = params[(w, "weight")][0]
+                for proj in projs:
+                    module = f"{ckpt_moe}.{x}.{proj}"
+                    self.add(f"{module}.weight", dtype, shape)
+                    if dtype != FP8_DTYPE:
+                        self.keep_bf16.append(module)
+                        continue
+                    for leaf in SCALE_LEAVES:
+                        if (w, leaf) in params:
+                            sdtype = params[(w, leaf)][0]
+                            self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
+
+    def _expert_dims(
+        self,
+        ckpt_moe: str,
+        w13_shape: tuple[int, ...],
+        w2_shape: tuple[int, ...],
+        *,
+        moe_tp: int,
+        ep: int,
+        num_experts: int | None,
+    ) -> tuple[int, int, int]:
+        (e_loc, two_i, h), (e2, h2, i_loc) = w13_shape, w2_shape
+        e, i = num_experts or e_loc * ep, i_loc * moe_tp
+        if two_i != 2 * i_loc or e2 != e_loc or h2 != h or e_loc * ep < e:
+            self.problems.append(f"{ckpt_moe}: w13 {w13_shape} and w2 {w2_shape} disagree (ep={ep})")
+        gate = self.ckpt.get(f"{ckpt_moe}.0.gate_proj.weight")
+        slab = self.ckpt.get(f"{ckpt_moe}.gate_up_proj")
+        want = gate if gate is not None else (slab[1] // 2, slab[2]) if slab is not None else None
+        if want is None:
+            self.problems.append(f"{ckpt_moe}: the checkpoint has no routed experts here")
+        elif (i, h) != tuple(want):
+            # a backend may round H or I/tp up; the loader narrows, the checkpoint keeps its own shape
+            if i < want[0] or h < want[1]:
+                self.problems.append(
+                    f"{ckpt_moe}: the engine holds I={i}, H={h}; the checkpoint has {tuple(want)}"
+                )
+            i, h = want
+        return e, i, h
+
+
+def build_manifest(
+    params: Iterable[tuple[str, torch.dtype | str, Sequence[int]]],
+    hf_config: Mapping[str, Any],
+    quant_config: Any,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    engine_version: str = "",
+    moe_backend: str = "",
+    param_source: str = "",
+    deep_gemm_e8m0: bool | None = None,
+) -> Manifest:
+    """The manifest of a vLLM model from its load-time parameters ``(name, dtype, shape)``.
+
+    ``param_source`` says where the parameter list came from (:func:`engine_parameters_and_source`);
+    ``deep_gemm_e8m0`` is vLLM's ``is_deep_gemm_e8m0_used()`` in the worker (None: unknown). Both go
+    to ``info``, where :func:`check_vllm_constraints` reads them.
+
+    ``ep_size > 1`` means vLLM's expert parallelism (experts split across ranks, I not split);
+    otherwise the experts are tensor-parallel (I split ``tp_size`` ways). Raises ValueError listing
+    every engine parameter that maps to no checkpoint tensor and every expert shape that disagrees.
+    """
+    model = get_model(model_type_of(hf_config))
+    text = model.text_config(hf_config)
+    vision = isinstance(hf_config.get("vision_config"), Mapping)
+    ckpt = {n: tuple(s) for n, s, _ in model.parameters(hf_config, include_mtp=True, include_vision=vision)}
+    quant = resolve_quant(quant_config)
+    tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    moe_tp = 1 if ep_size > 1 else tp_size
+    b = _Builder(ckpt)
+    experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
+    for engine_name, dtype, shape in params:
+        m = _experts_match(engine_name)
+        if m is not None:
+            experts.setdefault(m[0], {})[(m[1], m[2])] = (_dtype(dtype), tuple(int(d) for d in shape))
+        else:
+            b.dense(engine_name, _dtype(dtype), tied)
+    for moe, group in experts.items():
+        b.experts(moe, group, moe_tp=moe_tp, ep=ep_size, num_experts=text.get("num_experts"))
+    if b.problems:
+        raise ValueError("cannot map vLLM's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems))
+    return Manifest(
+        engine=EngineKind.VLLM,
+        engine_version=engine_version,
+        moe_backend=moe_backend or _default_backend(quant),
+        expert_format=quant.fmt,
+        tensors=tuple(b.tensors.values()),
+        constraints=EngineConstraints(
+            engine=EngineKind.VLLM,
+            expert_format=quant.fmt,
+            hidden_size=_size(text.get("hidden_size")),
+            intermediate_size=_size(text.get("moe_intermediate_size")),
+            moe_tp_size=moe_tp,
+            moe_ep_size=ep_size,
+            block_fp8_align=BLOCK_FP8_ALIGN,
+            mxfp8_align=MXFP8_ALIGN,
+        ),
+        info={
+            "model_type": model.model_type,
+            "tp_size": tp_size,
+            "ep_size": ep_size,
+            "moe_tp_size": moe_tp,
+            "quant_method": quant.method,
+            "keep_bf16": sorted(b.keep_bf16),
+            "param_source": param_source,
+            "deep_gemm_e8m0": deep_gemm_e8m0,
+        },
+    )
+
+
+def _size(value: Any) -> int | None:
+    return int(value) if value else None
+
+
+def _experts_match(engine_name: str) -> tuple[str, str, str] | None:
+    """``<moe>.[routed_experts.][base_layer.]w13_weight_scale_inv`` -> (moe, "w13", "weight_scale_inv")."""
+    head, sep, tail = engine_name.rpartition(".mlp.experts.")
+    if not sep:
+        return None
+    parts = [p for p in tail.split(".") if p not in ("routed_experts", "base_layer")]
+    if len(parts) != 1 or "_" not in parts[0]:
+        return None
+    w, _, leaf = parts[0].partition("_")
+    if w not in EXPERT_PROJS or leaf not in ("weight", *SCALE_LEAVES):
+        return None
+    return f"{head}.mlp.experts", w, leaf
+
+
+def _default_backend(quant: VllmQuant) -> str:
+    return {
+        Format.BLOCK_FP8: "Fp8MoEMethod",
+        Format.FP8_PER_TENSOR: "Fp8MoEMethod",
+        Format.MXFP8: "ModelOptMxFp8FusedMoE",
+        Format.BF16: "UnquantizedFusedMoEMethod",
+    }[quant.fmt]
+
+
+def routed_bf16_modules(manifest: Manifest) -> list[str]:
+    """The routed-expert modules the engine holds in BF16: the plan's ``keep_bf16``."""
+    return list(manifest.info.get("keep_bf16", ()))

@@ -1,0 +1,72 @@
+"""What vLLM's MoE kernels cannot take (SPEC §2.4): the manifest's EngineConstraints plus vLLM's own
+rules; ``EngineWorker.attach`` runs :func:`check_vllm_constraints` before the daemon is contacted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from adapters.manifest import Manifest
+from adapters.vllm.quant import PARAM_SOURCE_LIVE
+from sidecar.numerics.formats import Format
+from sidecar.plan.build import RefitPlan
+from sidecar.plan.models import get_model, model_type_of
+
+
+def _moe_dims(plan_or_config: RefitPlan | Mapping[str, Any]) -> tuple[int, int]:
+    """(H, I) of the routed experts, from a plan's inputs or a config.json dict."""
+    if isinstance(plan_or_config, RefitPlan):
+        model = plan_or_config.spec.model
+        for i in plan_or_config.inputs:
+            if (
+                model.slab_re is not None
+                and (m := model.slab_re.match(i.name))
+                and m["proj"] == "gate_up_proj"
+            ):
+                return i.shape[2], i.shape[1] // 2
+            if (m := model.per_expert_re.match(i.name)) and m["proj"] == "gate_proj":
+                return i.shape[1], i.shape[0]
+        raise ValueError("the plan has no routed experts")
+    text = get_model(model_type_of(plan_or_config)).text_config(plan_or_config)
+    return int(text["hidden_size"]), int(text["moe_intermediate_size"])
+
+
+def check_vllm_constraints(
+    manifest: Manifest, plan_or_config: RefitPlan | Mapping[str, Any] | None = None
+) -> list[str]:
+    """What vLLM's MoE kernels cannot take (SPEC §2.4), one line each naming the engine setting that
+    would work; empty when all is well. ``EngineWorker.attach`` runs it before contacting the daemon.
+
+    The alignment rules are the manifest's :class:`EngineConstraints` (the daemon runs the same
+    ones); H and I come from ``plan_or_config`` when given, else from what the manifest recorded.
+    """
+    h, i = _moe_dims(plan_or_config) if plan_or_config is not None else (None, None)
+    fmt = manifest.expert_format
+    problems = manifest.constraints.problems(hidden=h, intermediate=i)
+    if fmt is Format.BLOCK_FP8 and manifest.info.get("deep_gemm_e8m0") is True:
+        problems.append(
+            "vLLM reports is_deep_gemm_e8m0_used() = True: DeepGEMM would round the FP32 block scales refitd "
+            "publishes to UE8M0 powers of two (Hopper too: the flag alone decides); start every vLLM process "
+            "with VLLM_USE_DEEP_GEMM_E8M0=0 (adapters.vllm.VLLM_ENV)"
+        )
+    static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
+    if static:
+        problems.append(
+            f"the engine expects static activation scales ({len(static)} tensors, e.g. {static[0]}); "
+            "refitd publishes none: set activation_scheme 'dynamic' in the quantization config "
+            "(vllm_engine_args does)"
+        )
+    return problems
+
+
+def fallback_note(manifest: Manifest) -> str:
+    """What an attach refusal must add when the manifest was read from live parameters: shapes after
+    ``process_weights_after_loading``, which may differ from what the loader takes."""
+    if manifest.info.get("param_source") != PARAM_SOURCE_LIVE:
+        return ""
+    return (
+        " (note: this vLLM exposes no layerwise-reload metadata (reload.layerwise.get_layerwise_info), so "
+        "the manifest was read from the live, post-processing parameters and a shape mismatch may be "
+        "spurious; use a vLLM with model_loader/reload, e.g. 0.33.0)"
+    )

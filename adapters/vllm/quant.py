@@ -1,0 +1,101 @@
+"""The quantization vLLM applies and the constants of vLLM's loader this adapter mirrors (see
+``adapters.vllm``'s docstring for the source files each fact comes from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.numerics.formats import BLOCK, Format
+
+WORKER_EXTENSION = "adapters.vllm.RefitWorkerExtension"
+#: environment for every vLLM process (set before the engine starts): DeepGEMM on Blackwell would
+#: otherwise requantize block scales to UE8M0 powers of two, losing the FP32 scales refitd publishes
+VLLM_ENV: Mapping[str, str] = {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+#: vLLM's packed modules -> their checkpoint shards (models' ``packed_modules_mapping``)
+PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+#: Qwen3.5's ``hf_to_vllm_mapper`` inverted: engine prefix -> checkpoint prefix (first match wins)
+ENGINE_TO_CHECKPOINT = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("visual.", "model.visual."),
+)
+#: attention KV-cache scales: engine parameters no refit publishes
+KV_SCALE_LEAVES = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "kv_scale"})
+EXPERT_PROJS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
+SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
+MXFP8_ALIGN = 32  # vLLM ModelOpt MXFP8 MoE: H and I/tp multiples of 32
+BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: I/tp a multiple of block_n = 128
+#: where a manifest's parameter list came from (``adapters.vllm.worker.engine_parameters_and_source``)
+PARAM_SOURCE_LAYERWISE = "layerwise_metadata"
+PARAM_SOURCE_LIVE = "live_parameters"
+
+
+# --------------------------------------------------------------------------------------------------
+# the quantization config in force
+
+
+@dataclass(frozen=True, slots=True)
+class VllmQuant:
+    """The quantization vLLM applies: the routed experts' format and the modules it leaves alone."""
+
+    fmt: Format
+    method: str | None  # "fp8", "modelopt" or None (unquantized)
+    ignored: tuple[str, ...] = ()
+    static_activations: bool = False
+
+
+def resolve_quant(quant_config: Any) -> VllmQuant:
+    """The expert format of a quantization config: a ``quantization_config`` dict, a vLLM
+    ``QuantizationConfig`` object (dispatched on its resolved class) or None (BF16)."""
+    if quant_config is None or (isinstance(quant_config, Mapping) and not quant_config):
+        return VllmQuant(Format.BF16, None)
+    if isinstance(quant_config, Mapping):
+        return _quant_from_dict(quant_config)
+    kind = type(quant_config).__name__
+    if kind == "Fp8Config":
+        return _fp8(
+            getattr(quant_config, "weight_block_size", None),
+            getattr(quant_config, "ignored_layers", None) or (),
+            getattr(quant_config, "activation_scheme", "dynamic"),
+        )
+    if kind == "ModelOptMxFp8Config":
+        return VllmQuant(Format.MXFP8, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ()))
+    raise ValueError(
+        f"vLLM resolved quantization {kind}; refitd publishes Fp8Config (block-FP8 or per-tensor FP8), "
+        "ModelOpt MXFP8 or unquantized experts: start the engine with vllm_engine_args()"
+    )
+
+
+def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
+    method = str(cfg.get("quant_method", "")).lower()
+    if method == "fp8":
+        ignored = cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or ()
+        return _fp8(cfg.get("weight_block_size"), ignored, cfg.get("activation_scheme", "dynamic"))
+    if method == "modelopt":
+        inner = cfg.get("quantization") if isinstance(cfg.get("quantization"), Mapping) else cfg
+        algo = str(inner.get("quant_algo", "")).upper()
+        if algo != "MXFP8":
+            raise ValueError(f"ModelOpt quant_algo {algo!r}: refitd publishes MXFP8 only for ModelOpt")
+        return VllmQuant(
+            Format.MXFP8, "modelopt", tuple(inner.get("ignore", inner.get("exclude_modules", ())))
+        )
+    raise ValueError(
+        f"quantization_config quant_method {method!r}: refitd's vLLM adapter knows fp8 and modelopt"
+    )
+
+
+def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuant:
+    static = str(activation_scheme).lower() == "static"
+    if block is None:
+        return VllmQuant(Format.FP8_PER_TENSOR, "fp8", tuple(ignored), static)
+    if list(block) != [BLOCK, BLOCK]:
+        raise ValueError(f"weight_block_size {list(block)}: refitd publishes {BLOCK}x{BLOCK} blocks only")
+    return VllmQuant(Format.BLOCK_FP8, "fp8", tuple(ignored), static)

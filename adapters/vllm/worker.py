@@ -1,0 +1,262 @@
+"""The engine-touching surface, driven by ``llm.collective_rpc``: vLLM is imported inside functions,
+so this module imports on a machine without vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from adapters.manifest import Manifest
+from adapters.vllm.checkpoint import build_manifest
+from adapters.vllm.checks import check_vllm_constraints, fallback_note
+from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
+from sidecar.errors import ErrorKind, RefitError
+from sidecar.numerics.formats import Format
+
+log = logging.getLogger("adapters.vllm")
+
+
+def _require_vllm(what: str) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"{what} runs inside vLLM's workers and needs vLLM installed (pip install vllm); the "
+            "manifest and engine-argument helpers of adapters.vllm work without it"
+        ) from None
+
+
+def _layerwise_metadata() -> Callable[[torch.nn.Module], Any] | None:
+    """vLLM's per-module reload info getter: ``reload.layerwise.get_layerwise_info`` (public in
+    layerwise's ``__all__`` since it exists), else the older module-level ``LAYERWISE_INFO`` dict."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return None
+    getter = getattr(layerwise, "get_layerwise_info", None)
+    if callable(getter):
+        return getter
+    info = getattr(layerwise, "LAYERWISE_INFO", None)
+    return info.get if info is not None else None
+
+
+def engine_parameters_and_source(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], str]:
+    """Every parameter as the loader sees it, and where that came from: the load-time metadata vLLM
+    records for layerwise reload (``restore_metadata``: scales reshaped by
+    ``process_weights_after_loading`` read as they load) when any module has it, else the live
+    parameters (:data:`PARAM_SOURCE_LIVE`; the attach error then says so)."""
+    getter = _layerwise_metadata()
+    out, recorded = [], False
+    for module_name, module in model.named_modules():
+        meta = getattr(getter(module), "restore_metadata", None) if getter is not None else None
+        if meta and meta[0]:
+            own, recorded = meta[0], True
+        else:
+            own = dict(module.named_parameters(recurse=False))
+        prefix = f"{module_name}." if module_name else ""
+        out += [(prefix + n, p.dtype, tuple(p.shape)) for n, p in own.items()]
+    return out, PARAM_SOURCE_LAYERWISE if recorded else PARAM_SOURCE_LIVE
+
+
+def engine_parameters(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """:func:`engine_parameters_and_source` without the source."""
+    return engine_parameters_and_source(model)[0]
+
+
+def _config_context(worker: Any) -> contextlib.AbstractContextManager:
+    """``set_current_vllm_config(worker.vllm_config)``: vLLM's own ``start_weight_update`` /
+    ``update_weights`` / ``finish_weight_update`` and ``Worker.reload_weights`` run under it, and
+    ``get_current_vllm_config()`` raises outside it (vLLM PR #31747)."""
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:
+        return contextlib.nullcontext()
+    return set_current_vllm_config(worker.vllm_config)
+
+
+def _model(worker: Any) -> torch.nn.Module:
+    """The worker's model through ``model_runner.get_model()`` (what vLLM's worker uses)."""
+    runner = worker.model_runner
+    get_model = getattr(runner, "get_model", None)
+    return get_model() if callable(get_model) else runner.model
+
+
+def _deep_gemm_e8m0() -> bool | None:
+    """vLLM's ``is_deep_gemm_e8m0_used()`` (None when this vLLM has no such function)."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+    except ImportError:
+        return None
+    return bool(is_deep_gemm_e8m0_used())
+
+
+def ordered_weights(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """A generation in the order vLLM's loaders need: grouped slabs last (Qwen3.5's loader switches
+    to its fused-expert mapping for the rest of a call once it has seen a slab)."""
+    slab = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    return sorted(tensors.items(), key=lambda kv: kv[0].endswith(slab))
+
+
+def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_format: Format) -> None:
+    """Hand a generation to vLLM's own loader; copies go host -> device from the shared views.
+
+    Under ``set_current_vllm_config(worker.vllm_config)``, as vLLM's worker does: vLLM's layerwise
+    reload (what its weight-transfer engines and ``reload_weights(is_checkpoint_format=True)`` run)
+    where present, else ``model_runner.reload_weights``; a vLLM with neither can only take BF16
+    (loading FP8 into already-processed kernel parameters would corrupt them).
+    """
+    runner, weights = worker.model_runner, ordered_weights(tensors)
+    model = _model(worker)
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        pass
+    else:
+        with _config_context(worker), torch.device(worker.device):
+            initialize_layerwise_reload(model)
+            model.load_weights(weights)
+            finalize_layerwise_reload(model, worker.model_config)
+        return
+    if hasattr(runner, "reload_weights"):
+        with _config_context(worker):
+            runner.reload_weights(weights_iterator=iter(weights))
+        return
+    if expert_format.quantized:
+        raise RefitError(
+            "this vLLM has no layerwise reload (vllm.model_executor.model_loader.reload); reloading FP8 "
+            "weights into processed kernel parameters would corrupt them: upgrade vLLM",
+            kind=ErrorKind.ENGINE,
+        )
+    with _config_context(worker):
+        model.load_weights(weights)
+
+
+def _resolved_backend(model: torch.nn.Module) -> str:
+    """The first MoE layer's resolved quant method class (and its kernel backend, if it says)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(module, "w13_weight"):
+            backend = next(
+                (
+                    getattr(method, a)
+                    for a in ("fp8_backend", "mxfp8_backend", "backend")
+                    if getattr(method, a, None)
+                ),
+                None,
+            )
+            kind = type(method).__name__
+            return f"{kind}/{getattr(backend, 'name', backend)}" if backend is not None else kind
+    return ""
+
+
+class RefitWorkerExtension:
+    """Mixed into every vLLM worker by ``LLM(worker_extension_cls="adapters.vllm.RefitWorkerExtension")``.
+
+    ``self`` is vLLM's worker (``model_runner``, ``device``, ``model_config``, ``vllm_config``, ``rank``).
+    Drive it from the driver with ``llm.collective_rpc``::
+
+        llm.collective_rpc("refit_attach", args=("ipc:///run/refitd/control.sock",))
+        results = refit_engine(llm, min_step=0)     # every worker loads; raises naming any that failed
+        llm.collective_rpc("refit_detach")
+    """
+
+    def refit_manifest(self) -> Manifest:
+        _require_vllm("RefitWorkerExtension.refit_manifest")
+        import vllm
+
+        parallel = self.vllm_config.parallel_config
+        ep = (
+            parallel.tensor_parallel_size * parallel.data_parallel_size
+            if parallel.enable_expert_parallel
+            else 1
+        )
+        with _config_context(self):
+            model = _model(self)
+            params, source = engine_parameters_and_source(model)
+            return build_manifest(
+                params,
+                self.model_config.hf_config.to_dict(),
+                self.vllm_config.quant_config,
+                tp_size=parallel.tensor_parallel_size,
+                ep_size=ep,
+                engine_version=vllm.__version__,
+                moe_backend=_resolved_backend(model),
+                param_source=source,
+                deep_gemm_e8m0=_deep_gemm_e8m0(),
+            )
+
+    def refit_attach(self, endpoint: str, name: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+        """Attach with this worker's manifest: refused locally (:func:`check_vllm_constraints`, naming
+        the engine setting that works) or by the daemon (listing every mismatch)."""
+        _require_vllm("RefitWorkerExtension.refit_attach")
+        from adapters.engine import EngineWorker
+
+        manifest = self.refit_manifest()
+        hf_config = self.model_config.hf_config.to_dict()
+        fmt = manifest.expert_format
+        self._refit = EngineWorker(
+            endpoint,
+            name=name or f"vllm-rank{self.rank}",
+            manifest=manifest,
+            load=lambda gen: load_generation(self, gen.tensors, fmt),
+            timeout=timeout,
+            check=lambda m: check_vllm_constraints(m, hf_config),
+        )
+        try:
+            return self._refit.attach()
+        except RefitError as exc:
+            note = fallback_note(manifest)
+            if not note:
+                raise
+            raise RefitError(exc.message + note, kind=exc.kind, rank=exc.rank, step=exc.step) from exc
+
+    def refit_load(self, min_step: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Load the next generation >= ``min_step``; a result dict even on failure, so the driver
+        names every failed worker."""
+        _require_vllm("RefitWorkerExtension.refit_load")
+        worker = getattr(self, "_refit", None)
+        name = getattr(worker, "name", f"vllm-rank{getattr(self, 'rank', '?')}")
+        t0 = time.perf_counter()
+        try:
+            if worker is None:
+                raise RefitError("refit_load before refit_attach", kind=ErrorKind.ENGINE)
+            return worker.load_next(min_step=min_step, timeout=timeout).to_dict()
+        except Exception as exc:
+            log.exception("refit load failed on %s", name)
+            error = f"{type(exc).__name__}: {exc}"
+            return {
+                "worker": name,
+                "step": None,
+                "ok": False,
+                "seconds": time.perf_counter() - t0,
+                "error": error,
+            }
+
+    def refit_detach(self) -> None:
+        worker = getattr(self, "_refit", None)
+        if worker is not None:
+            worker.detach()
+            self._refit = None
+
+
+def refit_engine(llm: Any, min_step: int | None = None, timeout: float | None = None) -> list:
+    """Driver side: every worker loads the next generation >= ``min_step``; RefitError naming every
+    failed worker (an empty result list is a failure). Resets the prefix cache after a success."""
+    from adapters.engine import check_results
+
+    results = check_results(llm.collective_rpc("refit_load", args=(min_step, timeout)), step=min_step)
+    reset: Callable[[], Any] | None = getattr(llm, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+    return results

@@ -1,0 +1,139 @@
+"""Same-node ranks: pieces copied straight into the daemon's staging arena, never exported.
+
+The daemon hands the rank a handle to its staging arena (POSIX shm, or a CUDA-IPC handle to its GPU
+arena) in READY; :class:`StagingWriter` maps it once and copies each piece into its tensor's place:
+the whole step at once, or, with a staging ring, one granted layer-group region at a time. Every
+``DONE_BATCH_BYTES`` / ``DONE_BATCH_PIECES`` it tells the daemon which pieces landed (PIECE_DONE), so
+the daemon quantizes layers while later ones are still being written.
+
+    writer = StagingWriter(link)
+    writer.write_step(step, pieces, ids, ready["staging"], deadline)   # whole-step staging
+    writer.close()                                                     # unmap the arena
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from sidecar.client import pieces as P
+from sidecar.client.pieces import Link, Piece, copy_all
+from sidecar.ops.gcpause import gc_paused
+from transport.cuda_ipc import open_any_arena
+from transport.wire import Kind
+
+#: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
+#: one torch call each
+FOREACH_COPY_BYTES = 256 << 10
+
+
+class StagingWriter:
+    """Writes a local rank's pieces into the daemon's staging arena (the client's worker thread only)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.arena: Any = None  # the mapped staging arena (ShmArena or a CUDA-IPC arena), or None
+        #: CUDA events recorded on the trainer's streams at push_step: the tensors are written once they fire
+        self.ready_events: list = []
+        self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
+
+    def open(self, handle: dict) -> None:
+        """Map the arena READY names (again only when it is another one)."""
+        if self.arena is None or self.arena.name != handle.get("name"):
+            self.close()
+            self.arena = open_any_arena(handle, writable=True)
+
+    def close(self) -> None:
+        """Unmap the arena (a restarted daemon's segment is never written again); idempotent."""
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    def write_step(
+        self, step: int, pieces: list[Piece], ids: list[int], handle: dict, deadline: float
+    ) -> None:
+        """Whole-step staging: every piece into its tensor's slot of the arena."""
+        self.open(handle)
+        views = self.arena.tensors()  # device-to-device copies through the mapped handle on GPUs
+        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+
+    def write_group(
+        self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float
+    ) -> None:
+        """One granted ring region: each ``(piece, id, offset in the region, _)`` into its tensor's place
+        in the region at ``offset``."""
+        view = self.arena.view
+        dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel, _ in rows)
+        self._copy_in(step, dests, deadline)
+
+    def _copy_in(self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float) -> None:
+        """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
+        # many small copies make many small objects: no collections meanwhile
+        with gc_paused(), self._copy_stream():
+            self._copy_pieces(step, dests, deadline)
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """GPU staging: the copies run on a stream of the client's own, which first waits for what
+        the trainer had queued when it called push_step (the work that wrote the tensors). They then
+        neither queue behind the trainer's later work nor hold it up, and PIECE_DONE waits for the
+        copies alone, not for the whole device."""
+        if self.arena is None or getattr(self.arena, "kind", "shm") == "shm":
+            yield
+            return
+        device = torch.device("cuda", self.arena.device)
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        for event in self.ready_events:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
+
+    def _copy_pieces(
+        self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float
+    ) -> None:
+        batch, batch_bytes, region = [], 0, None
+        next_poll = 0.0
+        regions: list[torch.Tensor] = []  # small copies wait for one foreach copy before PIECE_DONE
+        srcs: list[torch.Tensor] = []
+        for piece, pid, full in dests:
+            src = piece.tensor
+            if piece.whole and full.shape == src.shape:
+                region = full
+            else:
+                region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, src.shape))]
+            nbytes = src.numel() * src.element_size()
+            if (
+                nbytes <= FOREACH_COPY_BYTES
+                and region.shape == src.shape
+                and region.dtype == src.dtype
+                and region.device == src.device
+            ):
+                regions.append(region)
+                srcs.append(src)
+            else:
+                region.copy_(src)
+            batch.append(pid)
+            batch_bytes += nbytes
+            if batch_bytes >= P.DONE_BATCH_BYTES or len(batch) >= P.DONE_BATCH_PIECES:
+                copy_all(regions, srcs)
+                self._pieces_done(step, batch, region)
+                batch, batch_bytes = [], 0
+            now = time.monotonic()
+            if now >= next_poll:
+                self.link.poll(step, 0.0)
+                self.link.keepalive(step, deadline, "writing its shards")
+                next_poll = now + P.POLL_INTERVAL_S
+        if batch:
+            copy_all(regions, srcs)
+            self._pieces_done(step, batch, region)
+
+    def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
+        if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads
+            torch.cuda.current_stream(last.device).synchronize()  # the copy stream (_copy_stream)
+        self.link.send(Kind.PIECE_DONE, {"step": step, "pieces": batch})

@@ -1,0 +1,157 @@
+"""What a trainer rank hands ``push_step`` and what it gets back, normalized once: ``Shard``,
+``StepResult``, the ``Piece`` rows of a BEGIN, and the pure helpers both writers share.
+
+``Link`` is the narrow view of the client's connection that the writers get (the staging writer in
+``sidecar.client.local``, the remote sender in ``sidecar.client.remote``): send, keep the step
+alive, take in what the daemon said meanwhile. Everything runs on the client's one worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sidecar.ops.gcpause import gc_paused
+from transport.wire import dtype_name
+
+DONE_BATCH_BYTES = 32 << 20  # local path: tell the daemon about written pieces at least this often
+DONE_BATCH_PIECES = 512  # local path: ... and after at most this many; remote: pieces per gc pause
+#: while copying pieces or streaming frames, look for an ERROR (and keep the daemon's heartbeat)
+#: this often, not after every piece (a poll costs more than copying a small tensor)
+POLL_INTERVAL_S = 0.001
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """What a writer needs of the client's connection (all on the client's worker thread)."""
+
+    #: send a message, never blocking past the step's deadline
+    send: Callable[..., None]
+    #: ``keepalive(step, deadline, what)``: raise on a passed deadline or a silent daemon; ping when due
+    keepalive: Callable[[int, float, str], None]
+    #: ``poll(step, timeout_s)``: take in what the daemon sent (credits, grants, errors: raised),
+    #: waiting up to ``timeout_s`` for the first message
+    poll: Callable[[int, float], None]
+    #: the daemon's heartbeat interval (seconds)
+    heartbeat: Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A slice of one global tensor held by this rank: ``global[offsets[d] : offsets[d] + tensor.shape[d]]``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(d) for d in self.global_shape))
+        object.__setattr__(self, "offsets", tuple(int(d) for d in self.offsets))
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    generation: int
+    bytes_in: int
+    bytes_out: int
+    seconds: dict[str, float]
+    loads: list[dict[str, Any]] = field(default_factory=list)  # wait="loaded": each engine worker's ack
+    # disaggregated trainer node: each inference daemon's forwarding state as this step went live
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # how this rank's bytes moved: "staging" (same node), "nixl" (the daemon READ them), "zmq" (frames),
+    # "nixl+zmq" (some pieces each way); mover_reason says why NIXL was not (or not wholly) used
+    mover: str = ""
+    mover_reason: str = ""
+
+
+@dataclass(slots=True)
+class Piece:
+    name: str
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    whole: bool = False  # the whole global tensor (offsets all 0): written without slicing
+
+    def wire(self) -> list[Any]:
+        shape = list(self.tensor.shape)
+        return [
+            self.name,
+            dtype_name(self.tensor.dtype),
+            shape if self.whole else list(self.global_shape),
+            list(self.offsets),
+            shape,
+        ]
+
+
+def pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Piece]:
+    """Normalize user input (tensors, Shards, lists of Shards) into pieces, validating each."""
+    with gc_paused():  # many small objects at once: no collections meanwhile
+        return _pieces_of(named_tensors)
+
+
+def _pieces_of(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Piece]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    pieces = []
+    for name, value in items:
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.Tensor):
+                pieces.append(Piece(name, v, tuple(v.shape), (0,) * v.dim(), True))
+                continue
+            if not isinstance(v, Shard):
+                raise TypeError(f"{name!r}: expected a tensor or a Shard, got {type(v).__name__}")
+            t, g, o = v.tensor, v.global_shape, v.offsets
+            if not (len(g) == len(o) == t.dim()) or any(
+                oo < 0 or oo + s > gg for oo, s, gg in zip(o, t.shape, g)
+            ):
+                raise ValueError(
+                    f"{name!r}: shard of shape {list(t.shape)} at offsets {list(o)} does not fit the global "
+                    f"shape {list(g)}"
+                )
+            pieces.append(Piece(name, t, g, o))
+    return pieces
+
+
+def copy_all(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, in one call for a batch of small tensors; empties both lists."""
+    if dests:
+        torch._foreach_copy_(dests, srcs)
+        dests.clear()
+        srcs.clear()
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of ``tensor``'s values (itself when it already is one)."""
+    src = tensor.detach()
+    return (src.cpu() if src.device.type != "cpu" else src).contiguous()
+
+
+def blocks(
+    shape: tuple[int, ...], itemsize: int, limit: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split a C-contiguous ``shape`` into contiguous sub-blocks of at most ``limit`` bytes each.
+
+    Each block fixes the leading indices, takes a range along one dim and all of the dims after it.
+    """
+    nd = len(shape)
+    if itemsize > limit:
+        raise ValueError(f"a single element of {itemsize} bytes exceeds the frame limit {limit}")
+    if nd == 0 or itemsize * _prod(shape) <= limit:
+        yield (0,) * nd, shape
+        return
+    k = next(k for k in range(1, nd + 1) if itemsize * _prod(shape[k:]) <= limit)
+    row = itemsize * _prod(shape[k:])
+    step = max(1, limit // row)
+    for lead in itertools.product(*(range(d) for d in shape[: k - 1])):
+        for r0 in range(0, shape[k - 1], step):
+            r1 = min(shape[k - 1], r0 + step)
+            yield (*lead, r0, *(0,) * (nd - k)), (*(1,) * len(lead), r1 - r0, *shape[k:])
+
+
+def _prod(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
