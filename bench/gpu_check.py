@@ -880,7 +880,7 @@ def _zmq_reason() -> str | None:
 #: exits non-zero with the reason when the daemon could not allocate CUDA-IPC arenas here
 _CUDA_IPC_CHECK = (
     "import sys\n"
-    "from transport.cuda_ipc import cuda_unavailable_reason\n"
+    "from transport.cuda_driver import cuda_unavailable_reason\n"
     "r = cuda_unavailable_reason()\n"
     "sys.exit(r) if r else None\n"
 )

@@ -48,7 +48,8 @@ from adapters.base import RefitReader  # noqa: E402
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict  # noqa: E402
 from sidecar.client.client import RefitClient, Shard  # noqa: E402
 from sidecar.errors import RefitError  # noqa: E402
-from sidecar.plan.build import RefitSpec, convert  # noqa: E402
+from sidecar.plan.build import RefitSpec  # noqa: E402
+from sidecar.plan.run import convert  # noqa: E402
 
 MiB = 1 << 20
 MODEL = dict(num_layers=2, num_experts=4, unaligned=True)

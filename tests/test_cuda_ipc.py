@@ -25,17 +25,20 @@ import numpy as np
 import pytest
 import torch
 
-from transport.cuda_ipc import (
-    ALLOC_GRANULARITY,
+from transport.arena import Arena, ArenaKind
+from transport.cuda_driver import (
     IPC_HANDLE_BYTES,
     CudaArrayInterface,
     CudaDriver,
     CudaError,
+    cuda_available,
+    cuda_unavailable_reason,
+)
+from transport.cuda_ipc import (
+    ALLOC_GRANULARITY,
     CudaIpcArena,
     CudaIpcHandle,
     allocation_size,
-    cuda_available,
-    cuda_unavailable_reason,
     open_any_arena,
 )
 from transport.gpus import (
@@ -406,7 +409,7 @@ def test_arena_views_round_trip_to_a_second_process(node, nvml_off):
     """The daemon fills an arena on GPU 1; an engine that calls that GPU cuda:0 opens it and reads it."""
     daemon = HostDriver(node)
     arena = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[1], driver=daemon, nvml=nvml_off)
-    assert arena.kind == "cuda_ipc" and arena.size == LAYOUT.size and arena.device == 1
+    assert arena.kind is ArenaKind.CUDA_IPC and arena.size == LAYOUT.size and arena.device == 1
     assert all(t.reshape(-1).view(torch.uint8).sum() == 0 for t in arena.tensors().values())  # zeroed
     arena.tensor("w").copy_(torch.arange(15, dtype=torch.bfloat16).view(3, 5))
     arena.tensor("s").fill_(0.25)
@@ -580,7 +583,8 @@ def test_import_works_without_cuda_python():
                 if name == "cuda" or name.startswith("cuda."):
                     raise ImportError("blocked: " + name)
         sys.meta_path.insert(0, Block())
-        import transport.cuda_ipc as c
+        import transport.cuda_ipc
+        import transport.cuda_driver as c
         assert not c.cuda_available()
         print(c.cuda_unavailable_reason())
         """
@@ -751,7 +755,7 @@ def test_a_thread_without_a_context_is_not_left_on_the_arenas_gpu(nvml_off):
 def test_peer_mappings_are_labelled_with_the_gpu_that_mapped_them(monkeypatch):
     """torch labels a wrapped pointer with the GPU owning the memory; an arena mapped on cuda:1 as
     peer memory of cuda:0 is relabelled cuda:1 through DLPack, same address, same owner."""
-    from transport import cuda_ipc
+    from transport import cuda_driver
 
     ptr = 0x7F0000000000
     made = []
@@ -765,7 +769,7 @@ def test_peer_mappings_are_labelled_with_the_gpu_that_mapped_them(monkeypatch):
         made.append((p, nbytes, device, owner))
         return SimpleNamespace(device=torch.device("cuda", device), data_ptr=lambda: p)
 
-    monkeypatch.setattr(cuda_ipc, "dlpack_tensor", relabel)
+    monkeypatch.setattr(cuda_driver, "dlpack_tensor", relabel)
     driver = CudaDriver(None, None)
     owner = object()
     assert driver.tensor(ptr, 4096, 0, owner).device == torch.device("cuda", 0) and not made
@@ -779,7 +783,7 @@ def test_dlpack_wrapping_keeps_the_owner_alive_while_any_view_lives():
     import gc
     import weakref
 
-    from transport import cuda_ipc
+    from transport import cuda_driver
 
     buf = np.arange(64, dtype=np.uint8)
 
@@ -788,7 +792,7 @@ def test_dlpack_wrapping_keeps_the_owner_alive_while_any_view_lives():
 
     owner = Owner()
     alive = weakref.ref(owner)
-    t = cuda_ipc.dlpack_tensor(buf.ctypes.data, 64, 0, owner, device_type=cuda_ipc.DL_CPU)
+    t = cuda_driver.dlpack_tensor(buf.ctypes.data, 64, 0, owner, device_type=cuda_driver.DL_CPU)
     del owner
     assert t.data_ptr() == buf.ctypes.data and t.dtype == torch.uint8 and t.shape == (64,) and t[5] == 5
     view = t[8:16].view(torch.int64)
@@ -812,7 +816,7 @@ def test_dlpack_wrapping_keeps_the_owner_alive_while_any_view_lives():
     ],
 )
 def test_bindings_major_is_checked_against_the_driver(driver_version, bindings, expect):
-    from transport.cuda_ipc import bindings_mismatch
+    from transport.cuda_driver import bindings_mismatch
 
     got = bindings_mismatch(driver_version, bindings)
     assert (got is None) if expect is None else re.search(expect, got), got
@@ -821,7 +825,7 @@ def test_bindings_major_is_checked_against_the_driver(driver_version, bindings, 
 def test_a_mismatched_or_incomplete_install_is_refused_naming_the_extra():
     """cuda-bindings 13 on a CUDA 12 driver: every --arena cuda daemon would refuse with an opaque
     error; the probe says which extra to install instead. Without cuda-pathfinder it says that."""
-    from transport.cuda_ipc import _probe_with
+    from transport.cuda_driver import _probe_with
 
     rt = FakeRuntime(UUIDS[:1])
     rt.cudaDriverGetVersion = lambda: (0, 12020)
@@ -927,7 +931,7 @@ def test_gpu_arena_crosses_processes_and_copies_out():
 
 @needs_gpu
 def test_gpu_uuids_agree_between_torch_nvml_and_cuda():
-    from transport.cuda_ipc import default_driver
+    from transport.cuda_driver import default_driver
 
     visible = default_driver().visible_uuids()
     assert [
@@ -942,3 +946,22 @@ def test_gpu_uuids_agree_between_torch_nvml_and_cuda():
 def test_gpu_free_memory_check_refuses_an_impossible_arena():
     with pytest.raises(InsufficientGpuMemory, match="is free"):
         CudaIpcArena.create("refitd-huge", Layout([]), size=1 << 50)
+
+
+def test_every_arena_kind_implements_the_whole_arena_protocol(node, nvml_off):
+    """The daemon, clients, adapters and movers hold arenas of either kind through ``Arena`` only:
+    each kind has every member, with its own ``tensors``/``view`` (not the base class's stubs), and
+    a kind that names itself with the enum, whose value is what its handle says on the wire."""
+    cuda = CudaIpcArena.create("refitd-gen0", LAYOUT, gpu=UUIDS[1], driver=HostDriver(node), nvml=nvml_off)
+    shm = ShmArena.create(segment_name("refitd-test", "proto"), LAYOUT)
+    try:
+        for arena, kind in ((shm, ArenaKind.SHM), (cuda, ArenaKind.CUDA_IPC)):
+            assert isinstance(arena, Arena), type(arena).__name__
+            assert arena.kind is kind and arena.handle()["kind"] == kind.value
+            for own in ("tensors", "view", "handle", "close", "unlink"):
+                assert own in vars(type(arena)), f"{type(arena).__name__} does not implement {own}"
+            assert set(arena.tensors()) == {s.name for s in LAYOUT}
+    finally:
+        cuda.close()
+        shm.close()
+        shm.unlink()

@@ -42,7 +42,8 @@ from sidecar.config.settings import EXIT_CONFIG
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.movers import descriptors
 from sidecar.forward.types import Job
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.nixl import available as nixl_available
 from transport.shm import ALIGN
 

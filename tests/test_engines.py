@@ -18,7 +18,8 @@ from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 
 pytestmark = pytest.mark.timeout(180)
 

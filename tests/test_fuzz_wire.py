@@ -50,7 +50,8 @@ from support.net import free_port
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient, Shard
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.wire import PROTOCOL_VERSION, Kind, Limits, Message, decode, encode
 
 pytestmark = [

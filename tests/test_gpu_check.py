@@ -89,7 +89,8 @@ def test_cpu_dry_run_end_to_end(tmp_path):
 def test_engine_check_catches_a_flipped_byte(fmt):
     """The engine's check: the regenerated layer-0 inputs through sidecar.numerics.reference equal the daemon's
     conversion, and one flipped byte in a layer-0 expert (or a copy that differs) is named."""
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec
+    from sidecar.plan.run import convert
 
     config = gc._e2e_config(gc.SMALL, 2)
     plan = gc._e2e_plan(config, fmt.value)

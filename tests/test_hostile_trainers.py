@@ -26,7 +26,8 @@ from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient, Shard
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.wire import Kind, Limits, Message, decode, encode
 
 MODEL = dict(num_layers=2, num_experts=4)

@@ -38,6 +38,7 @@ from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.numerics.kernels import slab as slab_mod
 from sidecar.numerics.kernels.slab import SlabGeometry, TileConfig
+from sidecar.plan import launch
 
 QUANTIZED = [f for f in Format if f.quantized]
 #: the interpreter computes in numpy, which warns when a NaN/Inf test input meets a multiply
@@ -357,7 +358,7 @@ def test_try_run_unit_declines_cpu_tensors():
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8"))
     outputs = plan.allocate()
     for unit in plan.units:
-        assert not kernels.try_run_unit(unit, tensors, outputs)
+        assert not launch.try_run_unit(unit, tensors, outputs)
         run_unit(unit, tensors, outputs)
 
 
@@ -639,7 +640,7 @@ def test_plan_slab_units_through_the_kernels(fmt):
     got = plan.allocate(device=DEVICE)
     for unit in plan.units:
         assert unit.kind is UnitKind.SLAB
-        outs, names = kernels._slab_outs(unit, got)
+        outs, names = launch.slab_outs(unit, got)
         if "gate_up" in unit.inputs[0]:
             assert names[1][0].endswith(".1.gate_proj.weight") and names[1][1].endswith(".1.up_proj.weight")
         kernels.quantize_slab(tensors[unit.inputs[0]], fmt, outs, names=names)
@@ -708,7 +709,7 @@ def test_try_run_unit_on_cuda_matches_reference(fmt):
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
     got = plan.allocate(device="cuda")
     for unit in plan.units:
-        assert kernels.try_run_unit(unit, tensors, got)
+        assert launch.try_run_unit(unit, tensors, got)
     for o in plan.outputs:
         if o.scale_name:
             rq, rs = _planned_reference(o, tensors, fmt)
@@ -728,7 +729,7 @@ def test_try_run_unit_on_cuda_matches_reference(fmt):
     got = plan.allocate(device="cuda")
     for unit in plan.units:
         shared = any(len(grp) > 1 for grp in unit.scale_groups)
-        assert kernels.try_run_unit(unit, per_expert, got) is not shared
+        assert launch.try_run_unit(unit, per_expert, got) is not shared
 
 
 # --------------------------------------------------------------------------------------------------
@@ -846,7 +847,7 @@ def test_a_triton_that_cannot_launch_falls_back_to_the_reference_once(monkeypatc
     assert kernels.probe("cuda:2") is not None and len(tries) == 2  # each device probed once
     tensors = _layer()
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8"))
-    done = kernels.warm_up(plan, "cuda:3")
+    done = launch.warm_up(plan, "cuda:3")
     assert (done.impl, done.reason, done.compiled) == ("torch", reason, 0) and len(tries) == 2
     assert done.to_dict()["impl"] == "torch"
 
@@ -990,12 +991,12 @@ def test_warm_up_compiles_each_distinct_specialisation_of_the_plan_once(monkeypa
             plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type=model, fmt=fmt))
             # fp8_per_tensor's gate + up share one scale: the reference runs them, only down launches
             launches = 4 if model == "qwen3_5_moe" else 3 if fmt is Format.FP8_PER_TENSOR else 9
-            assert len(list(kernels._plan_launches(plan))) == launches
-            specs = kernels.specialisations(plan)
+            assert len(list(launch.plan_launches(plan))) == launches
+            specs = kernels.specialisations(launch.plan_launches(plan))
             assert len(specs) in want, (fmt, model, list(specs))
             want = len(specs)
             compiled.clear()
-            done = kernels.warm_up(plan, "cuda:1", compile=compiled.append)
+            done = launch.warm_up(plan, "cuda:1", compile=compiled.append)
             assert (done.impl, done.compiled, len(compiled)) == ("triton", want, want)
             kernels_called = {c.kernel.fn.__name__ for calls in compiled for c in calls}
             want_kernels = {
@@ -1006,7 +1007,7 @@ def test_warm_up_compiles_each_distinct_specialisation_of_the_plan_once(monkeypa
             assert kernels_called == want_kernels
     assert reserved and all(d == torch.device("cuda", 1) and n > 0 for d, n in reserved)
     monkeypatch.undo()
-    cpu = kernels.warm_up(plan, "cpu", compile=pytest.fail)
+    cpu = launch.warm_up(plan, "cpu", compile=pytest.fail)
     assert cpu.impl == "torch" and "CUDA tensors only" in cpu.reason
 
 

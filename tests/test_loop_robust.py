@@ -24,7 +24,8 @@ from adapters.base import Generation, RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.wire import PROTOCOL_VERSION, Kind, Limits, decode
 
 MODEL = dict(num_layers=2, num_experts=2)

@@ -29,7 +29,8 @@ from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
 from sidecar.ops.metrics import PHASES, MetricsObserver, sqnr_db
-from sidecar.plan.build import RefitPlan, RefitSpec, Role, convert
+from sidecar.plan.build import RefitPlan, RefitSpec, Role
+from sidecar.plan.run import convert
 from transport.shm import nbytes_of
 
 REPO = Path(__file__).resolve().parent.parent

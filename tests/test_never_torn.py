@@ -34,7 +34,8 @@ from sidecar.client.client import RefitClient
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.errors import ErrorKind, HoldRevoked
 from sidecar.ops.metrics import MetricsObserver
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.epochs import EpochView
 from transport.shm import SHM_DIR
 

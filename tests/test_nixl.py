@@ -296,3 +296,45 @@ def test_one_backend_wheel_is_enough():
         "print(n.available(), n.backend_module())"
     )
     assert _python(code) == "(True, '') nixl_cu12"
+
+
+_SIGHUP_AFTER_A_BACKEND = """
+import os, signal, sys, threading, time
+from transport import nixl
+
+got = []
+signal.signal(signal.SIGHUP, lambda *_: got.append("hup"))
+where = sys.argv[1]
+if where == "thread":  # a forwarder's endpoint: the main thread's next keep_signal_handlers() fixes it
+    t = threading.Thread(target=lambda: nixl.NixlEndpoint("refitd-sig-thread"))
+    t.start()
+    t.join()
+    nixl.keep_signal_handlers()
+else:
+    ep = nixl.NixlEndpoint("refitd-sig-main")
+os.kill(os.getpid(), signal.SIGHUP)
+deadline = time.monotonic() + 10
+while not got and time.monotonic() < deadline:
+    time.sleep(0.01)  # Python runs the handler between bytecodes
+print(",".join(got))
+"""
+
+
+@needs_nixl
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_python_handlers_survive_a_ucx_backend(where):
+    """Creating a UCX backend displaces SIGHUP's disposition under Python's handler (the daemon's
+    reload would die silently); the endpoint puts Python's handlers back itself, on the main thread
+    at once, and from another thread at the main thread's next ``keep_signal_handlers()``."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGHUP_AFTER_A_BACKEND, where],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "hup", (
+        out.returncode,
+        out.stdout,
+        out.stderr[-2000:],
+    )

@@ -3,7 +3,7 @@
 An in-process daemon (the real serve loop in a thread) with two ranks: rank 0 local (it writes into
 the staging arena), rank 1 remote (``local=False``). Tensor-parallel pieces split along dim 1 have no
 contiguous staging destination and always travel as frames, so the NIXL step mixes both movers.
-Every published tensor is compared byte for byte with ``sidecar.plan.build.convert``.
+Every published tensor is compared byte for byte with ``sidecar.plan.run.convert``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
 from sidecar.cli.serve import render_status
 from sidecar.client.client import RefitClient, Shard, _without_skipped
-from sidecar.config.settings import ConfigError, DaemonConfig, load_config
+from sidecar.config.settings import ConfigError, DaemonConfig
+from sidecar.config.sources import load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.run import convert

@@ -21,8 +21,8 @@ from sidecar.daemon.worker import QuantWorker, all_finite, batches, check_finite
 from sidecar.errors import RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.gcpause import StepHold, freeze_long_lived, gc_paused
-from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec, run_unit
-from sidecar.plan.run import run_passthroughs
+from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
+from sidecar.plan.run import run_passthroughs, run_unit
 from transport.wire import Kind
 
 N = 40

@@ -19,12 +19,11 @@ from sidecar.plan.build import (
     Role,
     TensorSpec,
     UnitKind,
-    convert,
-    iter_convert,
     meta_state_dict,
     plan_from_hf_config,
-    run_unit,
 )
+from sidecar.plan.run import convert, iter_convert, run_unit
+from sidecar.plan.summary import summarize
 
 DATA = Path(__file__).parent / "data"
 FORMATS = [f.value for f in Format]
@@ -516,7 +515,7 @@ def test_qwen3_5_35b_a3b_totals():
     assert sum(u.kind is UnitKind.SLAB for u in block.units) == 82
     mx = plan_from_hf_config(config, RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8"))
     assert _routed(mx)[1] == 960 * MIB
-    summary = block.summary()
+    summary = summarize(block)
     assert summary["routed_expert_params"] == 41 * 805_306_368
     assert summary["quantized"]["weights"] == 41 * 256 * 3
 

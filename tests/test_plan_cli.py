@@ -114,8 +114,8 @@ def test_usage_errors_exit_2(capsys, tmp_path):
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("sidecar.cli.demo.colocated") is None,
-    reason="sidecar.cli.demo.colocated not written yet",
+    importlib.util.find_spec("sidecar.cli.demo.command") is None,
+    reason="sidecar.cli.demo.command not written yet",
 )
 def test_through_the_refitd_entry_point(capsys):
     from sidecar.cli.main import main

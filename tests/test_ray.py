@@ -33,7 +33,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from sidecar import ray as refitd_ray  # noqa: E402
 from sidecar.cli.demo.synthetic import make_hf_config  # noqa: E402
-from sidecar.config.settings import ConfigError, NodeLayout, NodeRole, load_config  # noqa: E402
+from sidecar.config.settings import ConfigError, NodeLayout, NodeRole  # noqa: E402
+from sidecar.config.sources import load_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,7 +138,8 @@ class Engine:
 
     def load(self, min_step: int) -> dict:
         from adapters.base import RefitReader
-        from sidecar.plan.build import RefitSpec, convert
+        from sidecar.plan.build import RefitSpec
+        from sidecar.plan.run import convert
 
         info = refitd_ray.refitd_info(self.group)
         with RefitReader(info["endpoint"], name="ray-engine", timeout=60) as reader:

@@ -1,7 +1,7 @@
 """The pure-torch reference engine: its manifest, exact loading, and what FP8 refit does to its logits.
 
 One tiny Qwen3.5 MoE (4 layers, one full-attention, 8 experts, unaligned sizes so block-FP8 tiles
-are ragged, one MTP layer) is converted by ``sidecar.plan.build.convert`` into each format and loaded the
+are ragged, one MTP layer) is converted by ``sidecar.plan.run.convert`` into each format and loaded the
 way an engine loads a published generation.
 """
 
@@ -19,8 +19,9 @@ from adapters.reference import MOE_BACKEND, ReferenceEngine, next_token_kl, samp
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import BLOCK, FP8_DTYPE, Format
-from sidecar.plan.build import RefitSpec, convert, plan_from_hf_config
+from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import SLAB_RE
+from sidecar.plan.run import convert
 
 MODEL = "qwen3_5_moe"
 SIZES = {"num_layers": 4, "num_experts": 8, "unaligned": True}

@@ -37,7 +37,8 @@ from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.cli.keygen import client_curve, write_keypair
 from sidecar.client.client import DaemonRestarted, RefitClient, Shard
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitSpec, convert
+from sidecar.plan.build import RefitSpec
+from sidecar.plan.run import convert
 from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(240)

@@ -99,3 +99,99 @@ def test_sigterm_with_drain_finish_lets_the_step_in_flight_publish(tmp_path):
         getattr(results[r], "step", None) == 0 and not isinstance(results[r], RefitError) for r in (0, 1)
     ), results
     assert not any(Path("/dev/shm", n).exists() for n in segments)
+
+
+class _Requests:
+    """The daemon's side of :class:`Signals`, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def request_stop(self) -> None:
+        self.calls.append("stop")
+
+    def request_reload(self, load) -> None:
+        self.calls.append(f"reload:{load()}")
+
+
+def test_signal_handlers_only_set_flags_and_the_loop_acts_on_them_once():
+    """A handler runs wherever the loop happens to be, so it only sets a flag; the loop's poll turns
+    each flag into one request. Two stop signals within DUPLICATE_SIGNAL_S are one (Slurm sends two);
+    a later one escalates to force_exit, which reaches the daemon as a second stop request."""
+    from sidecar.cli.serve import DUPLICATE_SIGNAL_S, Signals
+
+    now = [100.0]
+    signals = Signals(lambda: "new-config", clock=lambda: now[0])
+    daemon = _Requests()
+    signals.on_stop(signal.SIGTERM)
+    assert (signals.should_exit, signals.force_exit) == (True, False) and daemon.calls == []
+    signals.poll(daemon)
+    signals.poll(daemon)
+    assert daemon.calls == ["stop"]
+    now[0] += DUPLICATE_SIGNAL_S / 2
+    signals.on_stop(signal.SIGINT)  # the duplicate Slurm delivers with the first
+    signals.poll(daemon)
+    assert not signals.force_exit and daemon.calls == ["stop"]
+    signals.on_reload(signal.SIGHUP)
+    now[0] += DUPLICATE_SIGNAL_S
+    signals.on_stop(signal.SIGTERM)
+    assert signals.force_exit and daemon.calls == ["stop"]
+    signals.poll(daemon)
+    signals.poll(daemon)
+    assert daemon.calls == ["stop", "reload:new-config", "stop"] and not signals.reload
+
+
+def test_a_second_stop_request_forces_the_daemon(tmp_path):
+    """The production path to ``_force``: Signals' second request is the daemon's second
+    ``request_stop``, which ends the drain at once."""
+    from sidecar.cli.serve import DUPLICATE_SIGNAL_S, Signals
+    from sidecar.config.settings import DaemonConfig
+    from sidecar.daemon.loop import Daemon
+
+    now = [0.0]
+    signals = Signals(clock=lambda: now[0])
+    daemon = Daemon.__new__(Daemon)  # only the stop flags: no sockets, no arenas
+    daemon._stop = daemon._force = False
+    daemon.config = DaemonConfig(runtime_dir=tmp_path)
+    signals.on_stop(signal.SIGTERM)
+    signals.poll(daemon)
+    assert daemon._stop and not daemon._force
+    now[0] += DUPLICATE_SIGNAL_S * 2
+    signals.on_stop(signal.SIGTERM)
+    signals.poll(daemon)
+    assert daemon._force
+
+
+def test_a_second_sigterm_stops_a_draining_daemon_at_once(tmp_path):
+    """drain=finish with a 60 s budget and a step that will never complete: the first SIGTERM starts
+    the drain, a second one (after DUPLICATE_SIGNAL_S) ends it; the step fails with SHUTDOWN, every
+    segment is unlinked and the exit status is 1 (not a clean drain)."""
+    from sidecar.cli.serve import DUPLICATE_SIGNAL_S
+
+    proc, endpoint, _ = start(tmp_path, "--world-size", "2", "--drain", "finish", "--shutdown-timeout", "60")
+    state = make_state_dict("qwen3_5_moe", seed=3, **MODEL)
+    segments = json.loads((tmp_path / "run" / "segments.json").read_text())["segments"]
+    results: dict[int, object] = {}
+
+    def push() -> None:
+        with RefitClient(endpoint, 0, 2, timeout=90) as client:
+            try:
+                results[0] = client.push_step(0, shard_for_rank(state, 0, 2))
+            except RefitError as exc:
+                results[0] = exc
+
+    first = threading.Thread(target=push)
+    first.start()
+    try:
+        wait_for(endpoint, proc, lambda s: (s["step_in_progress"] or {}).get("begun") == [0])
+        proc.send_signal(signal.SIGTERM)
+        wait_for(endpoint, proc, lambda s: s["draining"])
+        time.sleep(DUPLICATE_SIGNAL_S + 0.2)  # not waiting for an event: a sooner signal is the same request
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1  # well inside the 60 s drain it would otherwise wait
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        first.join(timeout=90)
+    assert isinstance(results[0], RefitError) and results[0].kind is ErrorKind.SHUTDOWN, results
+    assert not any(Path("/dev/shm", n).exists() for n in segments)

@@ -33,7 +33,8 @@ from sidecar.daemon.loop import Daemon
 from sidecar.daemon.memory.ring import RingError, SlotState, StagingRing
 from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.build import RefitPlan, RefitSpec, convert, plan_from_hf_config
+from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
+from sidecar.plan.run import convert
 from transport.shm import ALIGN, ShmSegment
 from transport.wire import Kind
 
@@ -266,8 +267,8 @@ def test_a_region_too_small_for_the_largest_group_is_refused_naming_the_sizes():
 
 def test_staging_regions_setting_defaults_to_a_ring_on_gpu_arenas_only(tmp_path):
     assert DaemonConfig(runtime_dir=tmp_path).ring_regions == 0
-    assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA).ring_regions == DEFAULT_GPU_REGIONS
-    assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA, staging_regions=0).ring_regions == 0
+    assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA_IPC).ring_regions == DEFAULT_GPU_REGIONS
+    assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA_IPC, staging_regions=0).ring_regions == 0
     assert DaemonConfig(runtime_dir=tmp_path, staging_regions=3).ring_regions == 3
     with pytest.raises(ConfigError, match="staging_regions = -1: give 0 to stage whole steps"):
         DaemonConfig(runtime_dir=tmp_path, staging_regions=-1)
@@ -436,7 +437,7 @@ def test_a_configured_staging_too_small_for_a_layer_group_stops_the_daemon_namin
 
 
 def _cuda_reason() -> str | None:
-    from transport.cuda_ipc import cuda_available, cuda_unavailable_reason
+    from transport.cuda_driver import cuda_available, cuda_unavailable_reason
 
     return (
         None if cuda_available() and torch.cuda.is_available() else (cuda_unavailable_reason() or "no CUDA")
@@ -449,7 +450,7 @@ def test_gpu_arenas_stage_through_the_default_ring_device_to_device(running):
     """``arena = "cuda"`` with no ``staging_regions``: the default ring of four regions on the GPU; a
     trainer's CUDA tensors go device to device into it, the Triton kernels quantize each group, and
     the generation equals ``convert()`` on the CPU byte for byte, two steps running."""
-    d = running(arena=ArenaKind.CUDA, world_size=1)
+    d = running(arena=ArenaKind.CUDA_IPC, world_size=1)
     status = d.status()
     assert status["staging"]["ring"]["regions"] == DEFAULT_GPU_REGIONS
     with RefitClient(d.endpoint, 0, 1, timeout=120) as client:

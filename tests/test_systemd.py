@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 
 from sidecar.cli.demo.synthetic import make_hf_config
-from sidecar.config.settings import ENV_PREFIX, NON_SETTING_ENV, DaemonConfig, load_config
+from sidecar.config.settings import ENV_PREFIX, NON_SETTING_ENV, DaemonConfig
+from sidecar.config.sources import load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.systemd import SystemdNotifier, describe, sd_notify, watchdog_interval
 

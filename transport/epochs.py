@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from transport.arena import ArenaKind
 from transport.shm import ShmSegment
 
 __all__ = ["EPOCH_BYTES", "EpochPage", "EpochView", "fence"]
@@ -66,7 +67,12 @@ class _Page:
 
     def handle(self) -> dict[str, Any]:
         """What a reader needs to map the page (plain data for msgpack)."""
-        return {"kind": "shm", "name": self.name, "size": self.segment.size, "count": self.count}
+        return {
+            "kind": ArenaKind.SHM.value,
+            "name": self.name,
+            "size": self.segment.size,
+            "count": self.count,
+        }
 
     def close(self) -> None:
         self._epochs = None

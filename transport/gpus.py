@@ -21,6 +21,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from transport.cuda_driver import (  # re-exported: callers use gpus.normalize_uuid
+    default_driver,
+    normalize_uuid,
+)
+
 GIB = 1 << 30
 HOST = "host"  # the placement of arenas in host memory (POSIX shm) in status output
 
@@ -62,22 +67,6 @@ class InsufficientGpuMemory(MemoryError):
 
 # --------------------------------------------------------------------------------------------------
 # UUIDs
-
-
-def normalize_uuid(uuid: str | bytes) -> str:
-    """``GPU-<hex uuid>`` in lower case, from NVML's ``GPU-…``, torch's bare ``…`` or 16 raw bytes."""
-    if isinstance(uuid, bytes | bytearray) and len(uuid) == 16:
-        h = bytes(uuid).hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    text = uuid.decode() if isinstance(uuid, bytes | bytearray) else str(uuid)
-    text = text.strip().lower()
-    if text.startswith("mig-"):
-        return "MIG-" + text[4:]
-    if text.startswith("gpu-"):
-        text = text[4:]
-    if not text:
-        raise ValueError("empty GPU UUID")
-    return "GPU-" + text
 
 
 def parse_visible_devices(value: str | None, gpus: Sequence[GpuInfo]) -> list[str]:
@@ -142,8 +131,6 @@ def cuda_index_for_uuid(uuid: str, *, driver: Any = None) -> int:
     Without CUDA (or before it is initialized) falls back to NVML + ``CUDA_VISIBLE_DEVICES``.
     """
     if driver is None:
-        from transport.cuda_ipc import default_driver  # lazy: keep this module NVML-only
-
         driver = default_driver(required=False)
     if driver is not None:
         visible = driver.visible_uuids()

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
-import importlib
 import logging
 import os
 import time
@@ -50,9 +48,29 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from transport.nixl_runtime import (
+    ERROR_HANDLING,
+    _api,
+    _backend_created,
+    available,
+    backend_module,
+    keep_signal_handlers,
+)
 
-ERROR_HANDLING = "peer"  # UCX error-handling mode: a lost peer fails the transfer instead of hanging it
+__all__ = [  # availability and the signal fix-up live in transport.nixl_runtime; reachable from here
+    "ERROR_HANDLING",
+    "Mem",
+    "NixlEndpoint",
+    "NixlError",
+    "NixlTimeout",
+    "Registration",
+    "Transfer",
+    "available",
+    "backend_module",
+    "keep_signal_handlers",
+]
+
+log = logging.getLogger(__name__)
 
 
 class NixlError(RuntimeError):
@@ -72,75 +90,6 @@ class Mem(str, enum.Enum):
 
     DRAM = "DRAM"
     VRAM = "VRAM"
-
-
-# --------------------------------------------------------------------------------------------------
-# availability (never raises: import transport.nixl must work without nixl installed)
-
-
-_BACKENDS = ("nixl_cu13", "nixl_cu12")  # the wheels ``nixl`` chooses between; any one moves DRAM
-
-
-@functools.cache
-def _api() -> Any:
-    """NIXL's ``_api`` module. The ``nixl`` meta package picks ``nixl_cuXX`` by the CUDA major it
-    detects (torch's build, else an imported ``cuda.bindings``) and refuses if that wheel is absent;
-    then take whichever backend wheel is installed, which moves DRAM alike."""
-    try:
-        from nixl import _api
-
-        _route_logging()
-        return _api
-    except ImportError as exc:
-        first = exc
-    for name in _BACKENDS:
-        try:
-            module = importlib.import_module(f"{name}._api")
-        except ImportError:
-            continue
-        _route_logging()
-        log.warning(
-            "nixl: %s; using %s directly (fine for DRAM; VRAM needs the wheel matching CUDA)", first, name
-        )
-        return module
-    raise first
-
-
-def _route_logging() -> None:
-    """NIXL's import sets its ``nixl`` logger to print INFO lines on stdout, which would corrupt a
-    daemon's or a demo's ``--json`` output: send them through the normal logging tree instead, from
-    WARNING up (``NIXL_LOG_LEVEL`` still sets the level)."""
-    nixl_log = logging.getLogger("nixl")
-    for handler in list(nixl_log.handlers):
-        nixl_log.removeHandler(handler)
-    nixl_log.propagate = True
-    if not os.getenv("NIXL_LOG_LEVEL"):
-        nixl_log.setLevel(logging.WARNING)
-
-
-def backend_module() -> str | None:
-    """Which NIXL wheel is in use (``"nixl_cu13"``, ...), or None if NIXL is unavailable."""
-    ok, _ = available()
-    return _api().__name__.rsplit(".", 1)[0] if ok else None
-
-
-@functools.cache
-def available() -> tuple[bool, str]:
-    """``(True, "")`` if NIXL imports and a UCX backend can be created here, else ``(False, why)``."""
-    try:
-        api = _api()
-    except Exception as exc:  # ImportError, or a wheel that fails to load its libraries
-        return False, f"nixl cannot be imported ({type(exc).__name__}: {exc}); pip install 'refitd[nixl]'"
-    try:
-        agent = api.nixl_agent(f"refitd-probe-{os.getpid()}", api.nixl_agent_config(backends=[]))
-        if "UCX" not in agent.get_plugin_list():
-            return False, f"nixl has no UCX plugin (plugins: {agent.get_plugin_list()})"
-        params = agent.get_plugin_params("UCX")
-        params["ucx_error_handling_mode"] = ERROR_HANDLING
-        agent.create_backend("UCX", params)
-    except Exception as exc:
-        return False, f"nixl cannot create a UCX backend here ({type(exc).__name__}: {exc})"
-    return True, ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +287,10 @@ class NixlEndpoint:
             params = agent.get_plugin_params("UCX")
             params["ucx_error_handling_mode"] = error_handling
             with _env("UCX_TLS", ucx_tls):
-                agent.create_backend("UCX", params)
+                try:
+                    agent.create_backend("UCX", params)
+                finally:
+                    _backend_created()
         except Exception as exc:
             hint = f" with UCX_TLS={ucx_tls!r}: keep a wire-up transport such as tcp in it" if ucx_tls else ""
             raise NixlError(f"endpoint {name!r}: cannot create the UCX backend{hint} ({exc})") from exc

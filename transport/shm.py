@@ -10,8 +10,9 @@ Tensor views hold a numpy export of the mapping, so the mapping cannot be unmapp
 alive (``close()`` then leaves the unmapping to the garbage collector instead of segfaulting a
 reader that still holds a view).
 
-An ``Arena`` is a segment plus a ``Layout``; its wire description (``handle()``) is plain data sent
-in msgpack. The CUDA-IPC arena implements the same interface with a 64-byte IPC handle.
+An arena (``transport.arena.Arena``) is a segment plus a ``Layout``; its wire description
+(``handle()``) is plain data sent in msgpack. The CUDA-IPC arena implements the same interface with a
+64-byte IPC handle.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from transport.arena import ArenaKind, arena_kind
 from transport.wire import dtype_from_name, dtype_name
 
 SHM_DIR = Path("/dev/shm")
@@ -176,20 +178,6 @@ class Layout:
 # arenas
 
 
-class Arena(Protocol):
-    """Daemon-owned memory carved by a Layout. Implemented by ShmArena (CPU) and the CUDA-IPC arena."""
-
-    layout: Layout
-
-    def tensor(self, name: str) -> torch.Tensor: ...
-
-    def tensors(self) -> Mapping[str, torch.Tensor]: ...
-
-    def handle(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
 class CarvedArena:
     """What every arena shares: named views over its memory, cut by a layout that may change.
 
@@ -238,7 +226,7 @@ class ShmArena(CarvedArena):
     >>> arena.close(); arena.unlink()
     """
 
-    kind = "shm"
+    kind = ArenaKind.SHM
 
     def __init__(self, segment: ShmSegment, layout: Layout):
         self.segment, self.layout = segment, layout
@@ -269,7 +257,12 @@ class ShmArena(CarvedArena):
         return self.segment.view(offset, dtype, shape)
 
     def handle(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "size": self.size, "layout": self.layout.to_wire()}
+        return {
+            "kind": self.kind.value,
+            "name": self.name,
+            "size": self.size,
+            "layout": self.layout.to_wire(),
+        }
 
     def close(self) -> None:
         self._views = None
@@ -281,8 +274,18 @@ class ShmArena(CarvedArena):
 
 def open_arena(handle: Mapping[str, Any], *, writable: bool) -> ShmArena:
     """Attach to an arena described by ``handle()`` from the daemon."""
-    kind = handle.get("kind")
-    if kind != "shm":
-        raise ValueError(f"arena kind {kind!r} cannot be opened here (this build opens 'shm' arenas)")
+    if arena_kind(handle) is not ArenaKind.SHM:
+        raise ValueError(
+            f"arena kind {handle.get('kind')!r} cannot be opened here (this build opens 'shm' arenas)"
+        )
     segment = ShmSegment.attach(str(handle["name"]), int(handle["size"]), writable=writable)
     return ShmArena(segment, Layout.from_wire(handle["layout"]))
+
+
+def shm_region(arena: Any) -> tuple[int, int] | None:
+    """``(address, size)`` of a POSIX-shm arena's whole segment in this process, else None (a CUDA
+    arena, or none): what NIXL registers to READ or WRITE a generation or the staging arena."""
+    segment = getattr(arena, "segment", None)
+    if getattr(arena, "kind", None) is not ArenaKind.SHM or segment is None or not segment.size:
+        return None
+    return segment.view(0, torch.uint8, (segment.size,)).data_ptr(), segment.size

@@ -21,7 +21,7 @@ from sidecar import __version__
 COMMANDS = {
     "serve": "sidecar.cli.serve",
     "plan": "sidecar.cli.plan",
-    "demo": "sidecar.cli.demo.colocated",
+    "demo": "sidecar.cli.demo.command",
     "keygen": "sidecar.cli.keygen",
 }
 

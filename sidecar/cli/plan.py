@@ -22,6 +22,7 @@ from typing import Any
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import model_type_of
+from sidecar.plan.summary import summarize
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -142,10 +143,10 @@ def run(args: argparse.Namespace) -> int:
             ignore_patterns=tuple(args.ignore),
             quantize_linears={"checkpoint": None, "yes": True, "no": False}[args.linears],
         )
-        summary = plan_from_hf_config(config, spec).summary()
+        summary = summarize(plan_from_hf_config(config, spec))
         if args.engine_ep is not None or args.nodes > 1 or args.engine_tp > 1:
             layout = EngineLayout(ep=args.engine_ep or 1, tp=args.engine_tp, nodes=args.nodes)
-            share = plan_from_hf_config(config, spec, share=(layout, args.node)).summary()
+            share = summarize(plan_from_hf_config(config, spec, share=(layout, args.node)))
             summary["node_share"] = {**share["share"], "memory": share["memory"], "totals": share["totals"]}
     except ValueError as exc:
         print(f"refitd plan: {exc}", file=sys.stderr)

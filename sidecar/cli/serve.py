@@ -22,13 +22,8 @@ import sys
 import time
 from collections.abc import Iterator
 
-from sidecar.config.settings import (
-    EXIT_CONFIG,
-    ConfigError,
-    add_serve_arguments,
-    config_from_args,
-    prepare_runtime_dir,
-)
+from sidecar.config.settings import EXIT_CONFIG, ConfigError, prepare_runtime_dir
+from sidecar.config.sources import add_serve_arguments, config_from_args
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.logs import setup_logging
 
@@ -54,33 +49,74 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return serve
 
 
-@contextlib.contextmanager
-def stop_signals(on_stop, on_reload=None) -> Iterator[None]:
-    """SIGTERM/SIGINT ask the daemon to stop (handlers only set flags; the loop acts); a second one,
-    more than ``DUPLICATE_SIGNAL_S`` after the first (Slurm may deliver two at once), forces an exit.
-    SIGHUP asks the loop to reload what can change safely."""
-    seen: list[float] = []
+class Signals:
+    """What the process was asked by signal, kept as flags; the serve loop acts on them.
 
-    def handler(signum, frame):
-        now = time.monotonic()
-        if seen and now - seen[0] > DUPLICATE_SIGNAL_S:
-            log.error("second %s: exiting at once", signal.Signals(signum).name)
-            raise SystemExit(EXIT_FAILURE)
-        if not seen:
-            on_stop()
-        seen.append(now)
+    The handlers only set flags (as uvicorn's ``should_exit`` / ``force_exit``; gunicorn's arbiter
+    queues signals for its loop): raising from a handler would unwind whatever the loop was doing at
+    that instant. :meth:`poll` runs on the loop after every tick and turns the flags into requests.
 
-    def reload(signum, frame):
-        if on_reload is not None:
-            on_reload()
+    - SIGTERM / SIGINT: ``should_exit`` (stop, draining the step in flight as ``drain`` says);
+    - the same again, more than ``DUPLICATE_SIGNAL_S`` after the first (Slurm may deliver two at
+      once): ``force_exit`` (stop draining now, exit 1);
+    - SIGHUP: ``reload`` (re-read the configuration; apply what may change safely).
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    Usage::
+
+        signals = Signals(lambda: config_from_args(args))
+        with signals.installed():
+            daemon.serve_forever(signals.poll)
+    """
+
+    STOP = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, load_config=None, *, clock=time.monotonic):
+        self.should_exit = False
+        self.force_exit = False
+        self.reload = False
+        self._load_config, self._clock = load_config, clock
+        self._first: float | None = None  # when the first stop signal came
+        self._stop_sent = self._force_sent = False
+
+    # ---- the handlers: flags only
+
+    def on_stop(self, signum: int, frame: object = None) -> None:
+        now = self._clock()
+        if self._first is None:
+            self._first, self.should_exit = now, True
+        elif now - self._first > DUPLICATE_SIGNAL_S:
+            self.force_exit = True
+
+    def on_reload(self, signum: int, frame: object = None) -> None:
+        self.reload = True
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Signals]:
+        """The handlers installed for the block; the previous ones restored after it."""
+        previous = {s: signal.signal(s, self.on_stop) for s in self.STOP}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.on_reload)
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    # ---- the loop's side
+
+    def poll(self, daemon) -> None:
+        """Act on the flags (on the serve loop, after each tick): each request is made once."""
+        if self.reload:
+            self.reload = False
+            if self._load_config is not None:
+                daemon.request_reload(self._load_config)
+        if self.should_exit and not self._stop_sent:
+            self._stop_sent = True
+            log.info("stop requested by signal")
+            daemon.request_stop()
+        if self.force_exit and not self._force_sent:
+            self._force_sent = True
+            log.error("second stop signal: stopping at once, without draining")
+            daemon.request_stop()  # a second request: no draining
 
 
 def make_observers(config) -> list:
@@ -125,15 +161,19 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"refitd: cannot allocate shared memory: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    signals = Signals(lambda: config_from_args(args))
     try:
-        with stop_signals(daemon.request_stop, lambda: daemon.request_reload(lambda: config_from_args(args))):
+        with signals.installed():
             daemon.start()
-            daemon.serve_forever()
+            daemon.serve_forever(signals.poll)
     except Exception:
         log.exception("refitd failed while serving")
         return EXIT_FAILURE
     finally:
         daemon.close()
+    if signals.force_exit:
+        log.warning("refitd stopped without draining (a second stop signal)")
+        return EXIT_FAILURE
     log.info("refitd stopped cleanly")
     return EXIT_OK
 

@@ -49,7 +49,7 @@ from sidecar.daemon.engines import Engines
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
-from sidecar.daemon.pull import Pulls, keep_signal_handlers
+from sidecar.daemon.pull import Pulls
 from sidecar.daemon.setup import bind, make_arenas, record_segments, segments_file
 from sidecar.daemon.step import StepState
 from sidecar.daemon.trainers import Trainers
@@ -61,9 +61,11 @@ from sidecar.forward.types import FORWARD_KINDS, curve_user_id
 from sidecar.numerics import kernels
 from sidecar.ops.gcpause import StepHold, freeze_long_lived
 from sidecar.ops.observers import Observer, notify
+from sidecar.plan import launch
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import get_model
 from sidecar.protocol.enums import PeerRole
+from transport.nixl import keep_signal_handlers
 from transport.wire import HeaderTooLarge, Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 log = logging.getLogger("refitd.daemon")
@@ -178,14 +180,17 @@ class Daemon:
             self._force = True
         self._stop = True
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, poll: Callable[[Daemon], None] | None = None) -> None:
+        """Tick until stopped; ``poll(self)`` after every tick (the CLI's signal flags, cli.serve.Signals)."""
         freeze_long_lived()  # startup's objects (torch, a configured plan): out of every collection
         while not self._stop:
             self.tick()
+            if poll is not None:
+                poll(self)
             if self._reload is not None:
                 load, self._reload = self._reload, None
                 self.reload(load)
-        self._drain()
+        self._drain(poll)
 
     def request_reload(self, load_config) -> None:
         """Re-read the configuration (``load_config() -> DaemonConfig``) on the serve loop (SIGHUP)."""
@@ -215,7 +220,7 @@ class Daemon:
             log.info("SIGHUP: the configuration is unchanged")
         return changed
 
-    def _drain(self) -> None:
+    def _drain(self, poll: Callable[[Daemon], None] | None = None) -> None:
         """On stop: with drain=finish, let the step in flight publish (or fail) within shutdown_timeout_s."""
         if self.step is None or self.config.drain is not DrainMode.FINISH:
             return
@@ -228,6 +233,8 @@ class Daemon:
         )
         while self.step is not None and time.monotonic() < deadline and not self._force:
             self.tick()
+            if poll is not None:
+                poll(self)
 
     def tick(self, timeout_ms: int | None = None) -> None:
         """One turn of the loop: messages, worker results, timers."""
@@ -270,7 +277,7 @@ class Daemon:
         now = time.monotonic()
         if self.forwarding is not None:
             # a forwarder thread may have created a UCX backend, which replaces SIGHUP's disposition
-            # under Python's handler; only this (main) thread can put it back (sidecar.daemon.pull)
+            # under Python's handler; only this (main) thread can put it back (transport.nixl)
             keep_signal_handlers()
         self._check_timers(now)
         notify(self.observers, "on_tick", self, now)
@@ -553,9 +560,9 @@ class Daemon:
     def _warm_up(self) -> kernels.WarmUp:
         """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
         READY; on host arenas (or when the probe fails) the torch reference quantizes."""
-        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA
+        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA_IPC
         device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
-        done = kernels.warm_up(self.plan, device)
+        done = launch.warm_up(self.plan, device)
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
         return done
 

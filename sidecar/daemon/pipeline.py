@@ -63,7 +63,7 @@ class Pipeline:
                 state.parked.setdefault(group, []).append(unit)
                 return
             # the group's last unit waits for the GPU before it reports: the region is then reused
-            sync = ring.unit_submitted(unit.index) and ctx.arenas.kind is ArenaKind.CUDA
+            sync = ring.unit_submitted(unit.index) and ctx.arenas.kind is ArenaKind.CUDA_IPC
         if not state.phases.quant_start:
             state.phases.quant_start = time.monotonic()
         ctx.worker.submit(

@@ -18,17 +18,15 @@ flight (the progress thread is off: transport.nixl); the client's on its worker 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sidecar.errors import RefitError
-from sidecar.forward.movers import shm_region
 from sidecar.protocol.enums import Mover
 from transport import nixl
+from transport.shm import shm_region
 from transport.wire import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,22 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("refitd.pull")
 
 
-def keep_signal_handlers() -> None:
-    """Creating a UCX backend replaces the process's SIGHUP disposition under Python's handler (a
-    SIGHUP then no longer reaches it: the daemon's reload dies silently); install Python's handlers
-    again. Only the main thread may; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if handler is not None:
-            signal.signal(sig, handler)
-
-
 def support(staging: Any) -> tuple[bool, str]:
     """Whether this daemon can pull remote shards over NIXL, and why not."""
     ok, why = nixl.available()
-    keep_signal_handlers()
     if not ok:
         return False, f"NIXL is unavailable: {why}"
     if shm_region(staging) is None:
@@ -86,7 +71,6 @@ class PullSide:
     def endpoint(self, staging: Any) -> nixl.NixlEndpoint:
         if self._ep is None:
             self._ep = nixl.NixlEndpoint(self.name)
-            keep_signal_handlers()
         region = shm_region(staging)
         if region is None:
             raise nixl.NixlError("the staging arena is not host shared memory")

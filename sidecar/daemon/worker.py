@@ -23,8 +23,8 @@ import zmq
 
 from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
-from sidecar.plan.build import Unit, run_unit
-from sidecar.plan.run import run_passthroughs
+from sidecar.plan.build import Unit
+from sidecar.plan.run import run_passthroughs, run_unit
 
 log = logging.getLogger("refitd.worker")
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transport import nixl
-from transport.shm import Layout
+from transport.shm import Layout, shm_region
 from transport.wire import Message, dtype_from_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,14 +50,6 @@ class NixlFailed(RuntimeError):
 
 class NixlSetupFailed(NixlFailed):
     """NIXL could not be set up (endpoint, registration, peer metadata, a refused transfer)."""
-
-
-def shm_region(arena: Any) -> tuple[int, int] | None:
-    """``(address, size)`` of a POSIX-shm arena's whole segment in this process, else None."""
-    segment = getattr(arena, "segment", None)
-    if getattr(arena, "kind", None) != "shm" or segment is None or not segment.size:
-        return None
-    return segment.view(0, torch.uint8, (segment.size,)).data_ptr(), segment.size
 
 
 def support(mover: str) -> tuple[bool, str]:
@@ -186,9 +178,6 @@ class TargetSide:
         try:
             if self._ep is None:
                 self._ep = nixl.NixlEndpoint(self.name)
-                from sidecar.daemon.pull import keep_signal_handlers  # (it imports this module)
-
-                keep_signal_handlers()  # UCX replaced SIGHUP's disposition (see sidecar.daemon.pull)
             if region not in self._regs:
                 self._regs[region] = self._ep.register([region])
             md = self._ep.metadata()

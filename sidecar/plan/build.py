@@ -5,8 +5,10 @@ it classifies every input (a routed-expert slab, one expert's projection, or any
 the BF16 exclusions of §2.2, validates the routed experts (§2.3; every problem in one error) and cuts
 the work into **units**: the inputs one piece of work reads and the outputs it writes. The daemon
 allocates every output from the plan up front (in shared memory), then runs each unit with
-:func:`run_unit` as soon as its inputs have arrived. :func:`convert` and :func:`iter_convert` are
-the in-process forms of the same loop.
+:func:`sidecar.plan.run.run_unit` as soon as its inputs have arrived; ``sidecar.plan.run.convert``
+and ``iter_convert`` are the in-process forms of the same loop. The spec and plan-data types live in
+``sidecar.plan.spec`` (re-exported here: the plan's vocabulary in one import), the classification of
+inputs and its checks in ``sidecar.plan.classify``.
 
 Beyond the routed experts, a block-FP8 checkpoint's linears (DeepSeek-V3: attention projections,
 dense MLPs, shared experts; ``ModelSpec.linear_re``) become ``LINEAR`` units when
@@ -26,10 +28,8 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import enum
 import fnmatch
 import logging
-import re
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +37,33 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, MX_BLOCK, Format
-from sidecar.plan.models import ModelSpec, get_model, model_type_of
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.plan.classify import (
+    Routed,
+    check_experts,
+    check_quantizable,
+    check_slabs,
+    classify,
+    raise_problems,
+)
+from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.spec import (
+    _APPENDED_MTP_RE,
+    WEIGHT_SUFFIX,
+    EngineLayout,
+    ExpertProj,
+    KeepReason,
+    Layer,
+    OutputSpec,
+    RefitSpec,
+    Role,
+    TensorSpec,
+    Unit,
+    UnitKind,
+    _layer_in,
+    _module_name,
+    layer_of_name,
+)
 
 __all__ = [
     "EngineLayout",
@@ -60,411 +85,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: the in-process conversion lives in sidecar.plan.run; these names stay importable from here
-_CONVERT_NAMES = frozenset({"convert", "iter_convert", "run_unit"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CONVERT_NAMES:
-        from sidecar.plan import run as _convert
-
-        return getattr(_convert, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-#: a layer: a decoder layer index, ("mtp", n) for an MTP layer, or None (embeddings, vision, ...)
-Layer = int | tuple[str, int] | None
-MTP = "mtp"
-WEIGHT_SUFFIX = ".weight"
-#: how many of the largest inputs the summary lists
-SUMMARY_LARGEST = 10
-_DECODER_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.")
-#: an MTP layer appended to ``model.layers`` (DeepSeek-V3, GLM-4.5): the one holding ``eh_proj``/``enorm``
-_APPENDED_MTP_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:eh_proj|enorm|hnorm)\.")
-
-
-class Role(str, enum.Enum):
-    """What an output tensor is: a quantized weight, its scale, or an input passed through."""
-
-    WEIGHT = "weight"
-    SCALE = "scale"
-    PASSTHROUGH = "passthrough"
-
-
-class ExpertProj(str, enum.Enum):
-    """A routed expert's projection, named as in the checkpoint."""
-
-    GATE = "gate_proj"
-    UP = "up_proj"
-    DOWN = "down_proj"
-
-
-class UnitKind(str, enum.Enum):
-    PASSTHROUGH = "passthrough"  # one input copied bit for bit (routed experts kept BF16 included)
-    SLAB = "slab"  # one grouped slab of one layer, split per expert and quantized
-    EXPERT = "expert"  # per-expert projection(s): gate+up of one expert together under fp8_per_tensor
-    LINEAR = "linear"  # one non-expert linear weight (attention, dense MLP, shared expert), quantized alone
-
-
-class KeepReason(str, enum.Enum):
-    """Why a routed expert stays BF16 (SPEC §2.2); the first that applies, in this order."""
-
-    FORMAT_BF16 = "format_bf16"
-    MANIFEST = "manifest"
-    FIRST_LAYERS = "first_layers"
-    LAST_LAYERS = "last_layers"
-    IGNORE_PATTERN = "ignore_pattern"
-
-
-# --------------------------------------------------------------------------------------------------
-# the spec
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RefitSpec:
-    """What to publish: the model family, the target format and the BF16 exclusions of SPEC §2.2.
-
-    ``num_hidden_layers=None`` means "infer it from the tensor names": the largest ``layers.L`` index
-    among non-MTP names, plus one. Give it explicitly (or plan from the config) when the trainer may
-    leave out trailing layers, or ``num_last_layers_in_bf16`` would count from the wrong end.
-    ``fmt`` accepts a string and ``ignore_patterns`` any collection; they are stored as a
-    :class:`Format` and a tuple. Patterns are shell-style ``fnmatch`` (case-sensitive) over module
-    names: the tensor name without ``.weight``, or the slab name.
-
-    ``quantize_linears`` widens quantization beyond the routed experts to the linear layers the
-    registry names (``ModelSpec.linear_re``: attention projections, dense MLPs, shared experts), as
-    block-FP8 checkpoints such as DeepSeek-V3's store them. ``None`` follows the checkpoint: planning
-    from a config with ``quantization_config.weight_block_size`` quantizes them (its
-    ``modules_to_not_convert`` stay BF16), without one it does not. The BF16 exclusions above (and an
-    engine's manifest) narrow it again, module by module.
-    """
-
-    model_type: str
-    fmt: Format | str
-    num_hidden_layers: int | None = None
-    num_first_layers_in_bf16: int = 0
-    num_last_layers_in_bf16: int = 0
-    ignore_patterns: tuple[str, ...] | Collection[str] = ()
-    quantize_linears: bool | None = None
-
-    def __post_init__(self) -> None:
-        get_model(self.model_type)  # raises, listing the known types
-        object.__setattr__(self, "fmt", Format.parse(self.fmt))
-        patterns = self.ignore_patterns
-        patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
-        for p in patterns:
-            if not isinstance(p, str) or not p:
-                raise ValueError(f"ignore_patterns holds {p!r}: each must be a non-empty fnmatch pattern")
-        object.__setattr__(self, "ignore_patterns", patterns)
-        if self.quantize_linears not in (None, True, False):
-            raise ValueError(
-                f"quantize_linears = {self.quantize_linears!r}: give True, False or None (the checkpoint's)"
-            )
-        if self.quantize_linears and self.model.linear_re is None:
-            raise ValueError(
-                f"quantize_linears: the {self.model_type} registry entry names no quantizable linear layers; "
-                "leave it unset"
-            )
-        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{key} = {value!r}: give a layer count >= 0")
-        layers = self.num_hidden_layers
-        if layers is not None:
-            if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
-                raise ValueError(f"num_hidden_layers = {layers!r}: give a positive count, or None to infer")
-            self.check_layer_counts(layers)
-
-    @property
-    def model(self) -> ModelSpec:
-        return get_model(self.model_type)
-
-    @property
-    def format(self) -> Format:
-        """``fmt``, typed as the Format it always is after construction."""
-        return Format.parse(self.fmt)
-
-    def check_layer_counts(self, num_hidden_layers: int) -> None:
-        first, last = self.num_first_layers_in_bf16, self.num_last_layers_in_bf16
-        if first + last > num_hidden_layers:
-            raise ValueError(
-                f"num_first_layers_in_bf16 ({first}) + num_last_layers_in_bf16 ({last}) exceeds the "
-                f"model's {num_hidden_layers} layers; lower one of them (or use fmt='bf16')"
-            )
-
-
-# --------------------------------------------------------------------------------------------------
-# a node's share of an engine
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineLayout:
-    """One inference engine's parallel layout across nodes, to plan the share one node publishes.
-
-    The engine runs on ``max(ep, tp)`` GPUs spread evenly over ``nodes`` nodes (with expert
-    parallelism the EP group is every GPU: DP x TP). Routed experts are split over the ``ep`` ranks
-    in order, as vLLM places them by default (``determine_expert_map``, linear placement):
-    rank r holds a contiguous run, the first ``E % ep`` ranks one expert more. Everything else is held
-    whole by every node: tensor parallelism stays within a node, whose daemon publishes one copy that
-    all of its GPUs read their slices from.
-
-    Usage::
-
-        layout = EngineLayout(ep=16, tp=1, nodes=2)
-        plan = plan_from_hf_config(config, spec, share=(layout, 0))   # what node 0 publishes
-    """
-
-    ep: int = 1
-    tp: int = 1
-    nodes: int = 1
-
-    def __post_init__(self) -> None:
-        for key in ("ep", "tp", "nodes"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"engine layout {key} = {value!r}: give a positive integer")
-        if self.ep > 1 and self.tp > 1 and self.ep % self.tp:
-            raise ValueError(
-                f"engine layout ep={self.ep}, tp={self.tp}: the expert-parallel group spans DP x TP, so ep must "
-                "be a multiple of tp"
-            )
-        if self.gpus % self.nodes:
-            raise ValueError(
-                f"engine layout: {self.gpus} GPUs (max of ep={self.ep}, tp={self.tp}) do not split evenly over "
-                f"{self.nodes} nodes; give ep/tp a multiple of nodes"
-            )
-        if self.tp > self.gpus_per_node:
-            raise ValueError(
-                f"engine layout: tp={self.tp} spans {self.tp // self.gpus_per_node} nodes of {self.gpus_per_node} "
-                "GPUs; refitd plans a node's share for TP within a node (use DP attention + EP across nodes)"
-            )
-
-    @property
-    def gpus(self) -> int:
-        return max(self.ep, self.tp)
-
-    @property
-    def gpus_per_node(self) -> int:
-        return self.gpus // self.nodes
-
-    def check_node(self, node: int) -> None:
-        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < self.nodes:
-            raise ValueError(f"node {node!r}: the layout has nodes 0..{self.nodes - 1}")
-
-    def experts_of_rank(self, num_experts: int, rank: int) -> range:
-        """The experts EP ``rank`` holds of ``num_experts`` (contiguous; the first ``E % ep`` one more)."""
-        base, extra = divmod(num_experts, self.ep)
-        start = rank * base + min(rank, extra)
-        return range(start, start + base + (1 if rank < extra else 0))
-
-    def experts_of_node(self, num_experts: int, node: int) -> range:
-        """The experts the engine's GPUs on ``node`` hold: the union of its EP ranks' runs."""
-        self.check_node(node)
-        if self.ep == 1:
-            return range(num_experts)
-        ranks_per_node = self.ep // self.nodes
-        first = self.experts_of_rank(num_experts, node * ranks_per_node)
-        last = self.experts_of_rank(num_experts, (node + 1) * ranks_per_node - 1)
-        return range(first.start, last.stop)
-
-
-# --------------------------------------------------------------------------------------------------
-# plan data
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """An input tensor, data-free."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @classmethod
-    def coerce(cls, item: TensorSpec | tuple[Any, ...]) -> TensorSpec:
-        """Accept a TensorSpec, ``(name, shape, dtype)`` or ``(name, tensor)``."""
-        if isinstance(item, TensorSpec):
-            return item
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-            return cls(str(item[0]), item[1].dtype, tuple(item[1].shape))
-        if isinstance(item, tuple) and len(item) == 3 and isinstance(item[2], torch.dtype):
-            return cls(str(item[0]), item[2], tuple(int(d) for d in item[1]))
-        raise ValueError(f"cannot read a tensor spec from {item!r}: give TensorSpec or (name, shape, dtype)")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OutputSpec:
-    """One output tensor and what computes it: ``source[expert][rows[0]:rows[1]]``, quantized (a
-    weight), that weight's scale, or ``source`` itself (a passthrough)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-    role: Role
-    source: str
-    expert: int | None = None  # index into a slab's dim 0
-    rows: tuple[int, int] | None = None  # row range of a gate_up expert matrix: gate or up
-    proj: ExpertProj | None = None
-    scale_name: str | None = None  # on a weight: its scale output
-
-    def source_view(self, src: torch.Tensor) -> torch.Tensor:
-        """The slice of ``src`` this output is computed from: a view, never a copy."""
-        view = src if self.expert is None else src[self.expert]
-        return view if self.rows is None else view[self.rows[0] : self.rows[1]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Unit:
-    """The inputs one piece of work reads and the outputs it writes.
-
-    ``scale_groups`` lists the weight outputs quantized together: a pair sharing one scale (gate and
-    up of one expert under fp8_per_tensor) or one weight alone.
-    """
-
-    index: int
-    kind: UnitKind
-    inputs: tuple[str, ...]
-    outputs: tuple[OutputSpec, ...]
-    layer: Layer
-    bytes_in: int
-    fmt: Format | None = None  # None: a passthrough
-    scale_groups: tuple[tuple[str, ...], ...] = ()
-    keep_reason: KeepReason | None = None  # set on a routed expert passed through
-
-    @property
-    def bytes_out(self) -> int:
-        return sum(o.nbytes for o in self.outputs)
-
-
-def _module_name(name: str) -> str:
-    return name.removesuffix(WEIGHT_SUFFIX)
-
-
-def layer_of_name(name: str) -> Layer:
-    """``…layers.L.…`` -> L; ``mtp.layers.N.…`` -> ("mtp", N); anything else -> None."""
-    if m := _MTP_LAYER_RE.match(name):
-        return (MTP, int(m.group(1)))
-    if m := _DECODER_LAYER_RE.search(name):
-        return int(m.group(1))
-    return None
-
-
-def _layer_in(name: str, model: ModelSpec, num_hidden_layers: int) -> Layer:
-    """:func:`layer_of_name`, with ``layers.L`` for ``L >= num_hidden_layers`` read as MTP layer
-    ``L - num_hidden_layers`` for the families that append MTP layers to ``model.layers``."""
-    layer = layer_of_name(name)
-    if isinstance(layer, int) and (n := model.mtp_layer(layer, num_hidden_layers)) is not None:
-        return (MTP, n)
-    return layer
-
-
-def _layer_label(layer: Layer) -> str:
-    if layer is None:
-        return "-"
-    return f"{layer[0]}.{layer[1]}" if isinstance(layer, tuple) else str(layer)
-
-
-def _layer_sort_key(layer: Layer) -> tuple[int, int]:
-    if layer is None:
-        return (2, 0)
-    return (1, layer[1]) if isinstance(layer, tuple) else (0, layer)
-
-
-# --------------------------------------------------------------------------------------------------
-# classification and validation
-
-
-@dataclass(frozen=True, slots=True)
-class _Routed:
-    """A routed-expert input: a slab (``expert`` None) or one expert's projection."""
-
-    spec: TensorSpec
-    prefix: str
-    proj: str  # gate_up_proj | down_proj | gate_proj | up_proj
-    expert: int | None
-    layer: Layer
-
-
-def _classify(inp: TensorSpec, model: ModelSpec, layer: Layer) -> _Routed | None:
-    if model.slab_re is not None and (m := model.slab_re.match(inp.name)):
-        return _Routed(inp, m.group("prefix"), m.group("proj"), None, layer)
-    if m := model.per_expert_re.match(inp.name):
-        expert = int(m.group("expert"))
-        return _Routed(inp, m.group("prefix"), m.group("proj"), expert, layer)
-    return None
-
-
-def _check_slabs(slabs: dict[str, dict[str, _Routed]], problems: list[str]) -> None:
-    """SPEC §2.3: 3-D slabs, even 2I, and a layer's gate_up/down agreeing on E, H and I."""
-    for prefix, pair in slabs.items():
-        for r in pair.values():
-            if len(r.spec.shape) != 3:
-                problems.append(f"{r.spec.name}: shape {r.spec.shape} is not 3-D [E, rows, cols]")
-        gu, down = pair.get("gate_up_proj"), pair.get("down_proj")
-        if gu is None or down is None:
-            have, lack = ("gate_up_proj", "down_proj") if down is None else ("down_proj", "gate_up_proj")
-            problems.append(f"{prefix}.{have}: no partner slab {prefix}.{lack} in the inputs")
-        if gu is not None and len(gu.spec.shape) == 3 and gu.spec.shape[1] % 2:
-            problems.append(f"{gu.spec.name}: shape {gu.spec.shape} has an odd 2I = {gu.spec.shape[1]}")
-        if gu is None or down is None or len(gu.spec.shape) != 3 or len(down.spec.shape) != 3:
-            continue
-        (e1, two_i, h1), (e2, h2, i2) = gu.spec.shape, down.spec.shape
-        for what, a, b in (("E", e1, e2), ("H", h1, h2), ("I", two_i // 2, i2)):
-            if a != b:
-                problems.append(
-                    f"{gu.spec.name} {gu.spec.shape} and {down.spec.name} {down.spec.shape} disagree "
-                    f"on {what} ({a} vs {b})"
-                )
-
-
-def _check_experts(experts: dict[tuple[str, int], dict[str, _Routed]], problems: list[str]) -> None:
-    """Per-expert gate/up ``[I, H]`` and down ``[H, I]``: all three present and consistent."""
-    for (prefix, e), projs in experts.items():
-        for r in projs.values():
-            if len(r.spec.shape) != 2:
-                problems.append(f"{r.spec.name}: shape {r.spec.shape} is not 2-D [out, in]")
-        lacking = [p.value for p in ExpertProj if p.value not in projs]
-        if lacking:
-            problems.append(f"{prefix}.{e}: expert has no {', '.join(lacking)} in the inputs")
-            continue
-        gate, up, down = (projs[p.value].spec for p in ExpertProj)
-        if any(len(s.shape) != 2 for s in (gate, up, down)):
-            continue
-        if gate.shape != up.shape:
-            problems.append(f"{gate.name} {gate.shape} and {up.name} {up.shape} differ in shape")
-        if down.shape != gate.shape[::-1]:
-            problems.append(f"{down.name} {down.shape} is not the transpose of {gate.name} {gate.shape}")
-
-
-def _check_quantizable(t: TensorSpec, fmt: Format, problems: list[str]) -> None:
-    if t.dtype not in FLOAT_DTYPES:
-        problems.append(f"{t.name}: dtype {t.dtype} cannot be quantized (bf16/fp16/fp32 only)")
-    if fmt is Format.MXFP8 and t.shape and t.shape[-1] % MX_BLOCK:
-        problems.append(
-            f"{t.name}: mxfp8 needs the input dim to be a multiple of {MX_BLOCK}, got "
-            f"{t.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
-        )
-
-
-def _raise_problems(problems: list[str]) -> None:
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"{len(problems)} problem(s) in the refit inputs; fix the trainer export:\n{lines}")
-
 
 # --------------------------------------------------------------------------------------------------
 # units
@@ -502,7 +122,7 @@ def _weight_and_scale(
 
 
 def _slab_outputs(
-    r: _Routed, fmt: Format, held: range | None = None
+    r: Routed, fmt: Format, held: range | None = None
 ) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
     """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down; only
     the experts in ``held`` (a node's share) when given."""
@@ -560,7 +180,7 @@ def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit
     )
 
 
-def _expert_unit(index: int, members: list[_Routed], fmt: Format) -> Unit:
+def _expert_unit(index: int, members: list[Routed], fmt: Format) -> Unit:
     outputs: list[OutputSpec] = []
     for r in members:
         shape = (r.spec.shape[0], r.spec.shape[1])
@@ -579,34 +199,34 @@ def _expert_unit(index: int, members: list[_Routed], fmt: Format) -> Unit:
 
 
 def _validate(
-    routed: dict[str, _Routed],
+    routed: dict[str, Routed],
     reasons: dict[str, KeepReason | None],
     fmt: Format,
     linears: Mapping[str, TensorSpec] | None = None,
 ) -> None:
     """Every structural problem of the routed experts, and every format problem of those to be
     quantized, raised together."""
-    slabs: dict[str, dict[str, _Routed]] = defaultdict(dict)
-    experts: dict[tuple[str, int], dict[str, _Routed]] = defaultdict(dict)
+    slabs: dict[str, dict[str, Routed]] = defaultdict(dict)
+    experts: dict[tuple[str, int], dict[str, Routed]] = defaultdict(dict)
     for r in routed.values():
         if r.expert is None:
             slabs[r.prefix][r.proj] = r
         else:
             experts[(r.prefix, r.expert)][r.proj] = r
     problems: list[str] = []
-    _check_slabs(slabs, problems)
-    _check_experts(experts, problems)
+    check_slabs(slabs, problems)
+    check_experts(experts, problems)
     for name, r in routed.items():
         if reasons[name] is None:
-            _check_quantizable(r.spec, fmt, problems)
+            check_quantizable(r.spec, fmt, problems)
     for t in (linears or {}).values():
-        _check_quantizable(t, fmt, problems)
-    _raise_problems(problems)
+        check_quantizable(t, fmt, problems)
+    raise_problems(problems)
 
 
 def _make_units(
     inputs: tuple[TensorSpec, ...],
-    routed: dict[str, _Routed],
+    routed: dict[str, Routed],
     reasons: dict[str, KeepReason | None],
     fmt: Format,
     layers: Mapping[str, Layer],
@@ -656,7 +276,7 @@ def _make_units(
 
 
 def _node_share(
-    routed: Mapping[str, _Routed], layout: EngineLayout, node: int
+    routed: Mapping[str, Routed], layout: EngineLayout, node: int
 ) -> tuple[dict[str, range], frozenset[str]]:
     """Each routed prefix's experts held on ``node``, and the per-expert inputs outside them."""
     layout.check_node(node)
@@ -735,7 +355,7 @@ class RefitPlan:
         num_layers = cls._resolve_layers(inputs, spec)
         layers = {i.name: _layer_in(i.name, model, num_layers) for i in inputs}
 
-        routed = {i.name: r for i in inputs if (r := _classify(i, model, layers[i.name])) is not None}
+        routed = {i.name: r for i in inputs if (r := classify(i, model, layers[i.name])) is not None}
         reasons = {n: cls._keep_reason(n, r.layer, spec, num_layers, keep) for n, r in routed.items()}
         candidates = {
             i.name: i
@@ -853,12 +473,6 @@ class RefitPlan:
         """An empty tensor for every output, in plan order (tests and the CPU path; the daemon
         allocates these in shared memory itself)."""
         return {o.name: torch.empty(o.shape, dtype=o.dtype, device=device) for o in self.outputs}
-
-    def summary(self) -> dict[str, Any]:
-        """Plain data (JSON-ready) describing the plan, for ``refitd plan`` and logs."""
-        from sidecar.plan.summary import summarize
-
-        return summarize(self)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Running a plan: :func:`run_unit` into caller buffers, and the in-process :func:`convert` /
-:func:`iter_convert` (also importable from ``sidecar.plan.build``)."""
+:func:`iter_convert`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics import kernels
 from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
+from sidecar.plan.launch import try_run_unit
 
 __all__ = ["convert", "iter_convert", "run_passthroughs", "run_unit"]
 
@@ -49,7 +49,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
     lacking += [o.name for o in unit.outputs if o.name not in outputs]
     if lacking:
         raise ValueError(f"unit {unit.index} ({unit.kind.value}) cannot run: no tensor for {lacking}")
-    if kernels.try_run_unit(unit, inputs, outputs):  # CUDA tensors with Triton: one launch per slab
+    if try_run_unit(unit, inputs, outputs):  # CUDA tensors with Triton: one launch per slab
         return
     if unit.fmt is None:
         for o in unit.outputs:

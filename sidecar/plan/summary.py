@@ -1,4 +1,4 @@
-"""``RefitPlan.summary()``: plain data describing a plan, for ``refitd plan`` and logs."""
+"""``summarize(plan)``: plain data describing a plan, for ``refitd plan`` and logs."""
 
 from __future__ import annotations
 
@@ -6,16 +6,8 @@ import re
 from collections import Counter, defaultdict
 from typing import Any
 
-from sidecar.plan.build import (
-    SUMMARY_LARGEST,
-    Layer,
-    RefitPlan,
-    Role,
-    Unit,
-    UnitKind,
-    _layer_label,
-    _layer_sort_key,
-)
+from sidecar.plan.build import RefitPlan
+from sidecar.plan.spec import SUMMARY_LARGEST, Layer, Role, Unit, UnitKind, _layer_label, _layer_sort_key
 
 # --------------------------------------------------------------------------------------------------
 # summary

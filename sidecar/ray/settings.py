@@ -9,15 +9,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sidecar.config.settings import (
-    CONFIG_ENV,
-    ENV_PREFIX,
-    DaemonConfig,
-    NodeLayout,
-    NodeRole,
-    default_listen,
-    load_config,
-)
+from sidecar.config.settings import CONFIG_ENV, ENV_PREFIX, DaemonConfig, NodeLayout, NodeRole, default_listen
+from sidecar.config.sources import load_config
 
 #: Ray namespace of the supervisor actors: named actors are found across jobs only within one.
 NAMESPACE = "refitd"

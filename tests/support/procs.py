@@ -4,7 +4,7 @@ Each child is started with the ``spawn`` context and then obeys commands sent ov
 ``multiprocessing`` pipe, one at a time: a command is ``(name, kwargs)``, every reply is a plain
 dict. Tensors never cross the pipe: a trainer rank builds the full synthetic state dict from the
 step's seed and keeps only its own shards, and the reader builds the same state dict and converts
-it with ``sidecar.plan.build.convert`` to know what the daemon must publish, byte for byte.
+it with ``sidecar.plan.run.convert`` to know what the daemon must publish, byte for byte.
 
 Sharding of the synthetic Qwen3.5-MoE model over ``world`` ranks (see :func:`rank_pieces`):
 
@@ -51,7 +51,8 @@ def hf_config() -> dict[str, Any]:
 
 def expected_outputs(seed: int, fmt: str) -> dict[str, torch.Tensor]:
     """What the daemon must publish for a step whose weights came from ``seed``."""
-    from sidecar.plan.build import RefitSpec, convert
+    from sidecar.plan.build import RefitSpec
+    from sidecar.plan.run import convert
 
     return convert(state_dict(seed), RefitSpec(model_type=MODEL, fmt=fmt))
 

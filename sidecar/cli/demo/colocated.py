@@ -32,37 +32,12 @@ from typing import Any
 import torch
 
 from sidecar.cli.plan import human_bytes
-from sidecar.numerics.formats import Format
 
 WORLD_SIZE = 2
 DEFAULT_MODEL = "qwen3_5_moe"
 MODELS = ("qwen3_5_moe", "deepseek_v3")
 BASE_SEED = 1000
 LEARNING_RATE = 2e-3  # each step moves every weight by about this fraction of its scale
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
-    p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the synthetic model's family")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument(
-        "--layout",
-        default="colocated",
-        choices=["colocated", "disaggregated"],
-        help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
-    )
-    p.add_argument(
-        "--staging-regions",
-        type=int,
-        default=0,
-        help="stream each step through N layer-sized staging regions (the GPU default is 4); 0: whole steps",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
-    p.set_defaults(run=run)
-    return p
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +110,7 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
     """The reference engine: attach, then load, check and measure every step."""
     from adapters.engine import EngineWorker
     from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
-    from sidecar.plan.build import convert
+    from sidecar.plan.run import convert
 
     torch.set_num_threads(1)
     config = hf_config(kwargs)
@@ -247,7 +222,7 @@ class Verifier:
         )
 
     def _check(self, gen) -> None:
-        from sidecar.plan.build import convert
+        from sidecar.plan.run import convert
 
         bad = verify(gen.tensors, convert(weights(gen.step, self.kwargs), self.spec))
         self.checked[gen.step] = bad
@@ -257,16 +232,10 @@ class Verifier:
             )
 
 
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "layout", "colocated") == "disaggregated":
-        if getattr(args, "model", DEFAULT_MODEL) != DEFAULT_MODEL:
-            print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
-            return 2
-        from sidecar.cli.demo.disaggregated import run_disaggregated
-
-        return run_disaggregated(args)
+def run_colocated(args: argparse.Namespace) -> int:
+    """``refitd demo`` (the default layout): two trainer ranks, one daemon, the reference engine."""
     from adapters.base import RefitReader
-    from sidecar.plan.build import convert
+    from sidecar.plan.run import convert
 
     kwargs = model_kwargs(args)
     spec = demo_spec(args.format, kwargs)

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.config.settings import ArenaKind
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
 from sidecar.plan.build import RefitPlan
+from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
-from transport.shm import Arena, Layout, ShmArena, segment_name
+from transport.shm import Layout, ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
 
@@ -70,7 +70,7 @@ class Arenas:
 
     def _create(self, role: str, size: int) -> Arena:
         name = segment_name(self.prefix, role)
-        if self.kind is ArenaKind.CUDA:
+        if self.kind is ArenaKind.CUDA_IPC:
             from transport.cuda_ipc import CudaIpcArena  # cuda-bindings only where GPU arenas are asked for
 
             gpu = int(self.gpu) if isinstance(self.gpu, str) and self.gpu.isdigit() else self.gpu
@@ -79,7 +79,7 @@ class Arenas:
 
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
-        if self.kind is ArenaKind.CUDA:
+        if self.kind is ArenaKind.CUDA_IPC:
             import torch
 
             torch.cuda.synchronize(self.staging.device)
@@ -126,7 +126,7 @@ class Arenas:
         """The POSIX shared-memory segments (crash clean-up of /dev/shm); GPU memory dies with us."""
         arenas = [self.staging, *(g.arena for g in self.generations)]
         page = [] if self.epochs is None else [self.epochs.name]
-        return [a.name for a in arenas if getattr(a, "kind", "shm") == "shm"] + page
+        return [a.name for a in arenas if a.kind is ArenaKind.SHM] + page
 
     def all_arenas(self) -> list[Arena]:
         return [self.staging, *(g.arena for g in self.generations)]

@@ -12,9 +12,9 @@ Usage::
         # gate_up [E, 2I, H]: two parts per expert (gate rows [0, I), up rows [I, 2I))
         kernels.quantize_slab(slab, "block_fp8", [[(q_gate[e], s_gate[e]), (q_up[e], s_up[e])] for e in ...])
 
-    # or let the plan's unit decide (what sidecar.plan.run.run_unit calls first):
-    if not kernels.try_run_unit(unit, inputs, outputs):
-        ...  # the torch reference
+This package knows slabs, formats and launches, never the plan: ``sidecar.plan.launch`` maps a plan's
+units onto slab launches (``try_run_unit``, what ``sidecar.plan.run.run_unit`` calls first) and a plan
+onto the :class:`LaunchSpec` list that :func:`warm_up` compiles.
 
 One launch per slab (two for fp8_per_tensor: amax, then quantize) writes every expert's values and
 scales straight into the caller's tensors, found through a table of their base addresses.
@@ -24,7 +24,7 @@ launches on the current device's stream); the daemon's quantize worker collects 
 flags in a :class:`FlagGroup` and reads them once per batch instead of once per launch; the per-tensor
 scratch is kept per device and stream. At start :func:`warm_up` probes a tiny launch on the daemon's
 GPU (a Triton that imports but cannot launch makes the torch reference quantize, said in the log,
-status and metrics) and compiles the plan's distinct specialisations before READY.
+status and metrics) and compiles the distinct specialisations of the plan's launches before READY.
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -58,9 +57,6 @@ from sidecar.numerics.kernels.slab import (
     prepare_outputs,
 )
 
-if TYPE_CHECKING:
-    from sidecar.plan.build import Unit
-
 __all__ = [
     "DEFAULT_CONFIGS",
     "FlagGroup",
@@ -74,7 +70,6 @@ __all__ = [
     "quantize",
     "quantize_slab",
     "specialisations",
-    "try_run_unit",
     "unavailable_reason",
     "warm_up",
 ]
@@ -447,7 +442,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' twin of ``sidecar.numerics.reference.quantize``: any shape the reference takes, same outputs
     (``(values, scales)``), same errors; one launch. For tests and checks: the daemon calls
-    :func:`quantize_slab` (through :func:`try_run_unit`) on whole slabs."""
+    :func:`quantize_slab` (through ``sidecar.plan.launch.try_run_unit``) on whole slabs."""
     from sidecar.numerics import reference as quant
 
     fmt = Format.parse(fmt)
@@ -484,97 +479,6 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# dispatch from a plan unit
-
-
-#: slab unit -> output order, by identity: hashing a frozen Unit rehashes its 2E outputs every call
-_ORDERS: OrderedDict[int, tuple[Unit, tuple | None]] = OrderedDict()
-_ORDERS_SIZE = 1024
-
-
-def _slab_order(unit: Unit) -> tuple[tuple[tuple[str, str], ...], ...] | None:
-    """(weight name, scale name) per expert in order, parts by row offset (gate before up); None if
-    the unit's experts are not 0..E-1 with the same number of parts each."""
-    hit = _ORDERS.get(id(unit))
-    if hit is not None and hit[0] is unit:
-        return hit[1]
-    from sidecar.plan.build import Role
-
-    by_expert: dict[int, list] = {}
-    for o in unit.outputs:
-        if o.role is Role.WEIGHT:
-            by_expert.setdefault(o.expert, []).append(o)
-    experts = sorted(by_expert, key=lambda e: -1 if e is None else e)
-    order = None
-    if experts == list(range(len(experts))) and len({len(v) for v in by_expert.values()}) <= 1:
-        order = tuple(
-            tuple(
-                (w.name, w.scale_name) for w in sorted(by_expert[e], key=lambda o: o.rows[0] if o.rows else 0)
-            )
-            for e in experts
-        )
-    _ORDERS[id(unit)] = (unit, order)
-    while len(_ORDERS) > _ORDERS_SIZE:
-        _ORDERS.popitem(last=False)
-    return order
-
-
-def _slab_outs(unit: Unit, outputs: Mapping[str, torch.Tensor]):
-    """(outs, names) for a SLAB unit; None if its outputs are irregular."""
-    order = _slab_order(unit)
-    if order is None:
-        return None
-    outs = [[(outputs[w], outputs[s]) for w, s in row] for row in order]
-    return outs, [[w for w, _ in row] for row in order]
-
-
-def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> bool:
-    """Run a quantizing ``unit`` with the kernels when its input is a CUDA tensor; False when the
-    caller should use the torch reference instead (passthrough, CPU, no Triton, a buffer the
-    kernels cannot write, fp8_per_tensor gate+up from two separate tensors).
-
-    Slab units are one launch each; per-expert units one launch per projection. The outputs are
-    checked in full the first time a set of output tensors is seen, then recognised by identity.
-    """
-    from sidecar.plan.build import Role, UnitKind
-
-    if unit.fmt is None or not unit.inputs or not available(inputs[unit.inputs[0]].device):
-        return False
-    if unit.kind is UnitKind.SLAB:
-        slab = inputs[unit.inputs[0]]
-        arranged = _slab_outs(unit, outputs)
-        if arranged is None or slab.dim() != 3:
-            return False
-        jobs = [(slab, *arranged)]
-    elif unit.kind in (UnitKind.EXPERT, UnitKind.LINEAR):
-        if any(len(g) > 1 for g in unit.scale_groups):
-            return False  # one shared scale over two input tensors: the reference does it
-        jobs = []
-        for o in unit.outputs:
-            if o.role is Role.WEIGHT:
-                src = inputs[o.source]
-                if src.dim() != 2:
-                    return False
-                jobs.append((src.unsqueeze(0), [[(outputs[o.name], outputs[o.scale_name])]], [[o.name]]))
-    else:
-        return False
-    for slab, outs, names in jobs:
-        try:
-            check_slab(slab, unit.fmt, len(outs[0]) if outs else 1, names[0][0] if names else "slab")
-        except ValueError as err:
-            log.debug("unit %s runs on the torch reference: %s", unit.index, err)
-            return False
-        if prepare_outputs(slab, unit.fmt, outs, lambda names=names: names, strict=False) is None:
-            log.debug(
-                "unit %s runs on the torch reference: its output buffers do not fit the kernels", unit.index
-            )
-            return False
-    for slab, outs, names in jobs:
-        quantize_slab(slab, unit.fmt, outs, names=names)
-    return True
-
-
-# --------------------------------------------------------------------------------------------------
 # warm-up: compile the plan's specialisations before the first step needs them
 
 
@@ -586,28 +490,6 @@ class LaunchSpec:
     fmt: Format
     dtype: torch.dtype
     geom: SlabGeometry
-
-
-def _plan_launches(plan: Any) -> Iterator[LaunchSpec]:
-    """Every launch :func:`try_run_unit` makes for ``plan``'s quantizing units, one per slab or
-    per-expert projection (repeats included)."""
-    from sidecar.plan.build import Role, UnitKind
-
-    specs = {t.name: t for t in plan.inputs}
-    for unit in plan.units:
-        if unit.fmt is None or not unit.inputs:
-            continue
-        if unit.kind is UnitKind.SLAB:
-            order = _slab_order(unit)
-            src = specs[unit.inputs[0]]
-            if order is None or len(src.shape) != 3 or not order or src.shape[1] % len(order[0]):
-                continue
-            yield LaunchSpec(unit.fmt, src.dtype, SlabGeometry.contiguous(src.shape, len(order[0])))
-        elif unit.kind is UnitKind.EXPERT and not any(len(g) > 1 for g in unit.scale_groups):
-            for o in unit.outputs:
-                src = specs.get(o.source)
-                if o.role is Role.WEIGHT and src is not None and len(src.shape) == 2:
-                    yield LaunchSpec(unit.fmt, src.dtype, SlabGeometry.contiguous((1, *src.shape), 1))
 
 
 def _calls(spec: LaunchSpec, config: TileConfig | None = None) -> list:
@@ -648,10 +530,10 @@ def specialisation(spec: LaunchSpec, config: TileConfig | None = None) -> tuple:
     return tuple(key)
 
 
-def specialisations(plan: Any) -> dict[tuple, LaunchSpec]:
-    """The plan's distinct kernel specialisations, each with one launch that needs it."""
+def specialisations(launches: Iterable[LaunchSpec]) -> dict[tuple, LaunchSpec]:
+    """The distinct kernel specialisations of ``launches``, each with one launch that needs it."""
     out: dict[tuple, LaunchSpec] = {}
-    for spec in dict.fromkeys(_plan_launches(plan)):  # equal launches (every layer's) once
+    for spec in dict.fromkeys(launches):  # equal launches (every layer's) once
         out.setdefault(specialisation(spec), spec)
     return out
 
@@ -676,21 +558,27 @@ class WarmUp:
         }
 
 
-def warm_up(plan: Any, device: torch.device | str, *, compile: Callable[[list], Any] | None = None) -> WarmUp:
+def warm_up(
+    launches: Iterable[LaunchSpec] | None,
+    device: torch.device | str,
+    *,
+    compile: Callable[[list], Any] | None = None,
+) -> WarmUp:
     """Before the daemon says READY: probe the kernels on ``device`` and compile every distinct
-    specialisation of ``plan`` there (the first step would otherwise compile each, ~0.5 s apiece),
-    and reserve the per-tensor scratch its largest launch needs. Without a plan (one fixed by the
-    first step) only the probe runs. A no-op on a CPU device (the torch reference quantizes
-    there). ``compile`` replaces Triton's compile-only call (tests)."""
+    specialisation of ``launches`` there (the first step would otherwise compile each, ~0.5 s
+    apiece), and reserve the per-tensor scratch the largest launch needs. ``None`` (no plan yet:
+    the first step fixes it) runs only the probe. A no-op on a CPU device (the torch reference
+    quantizes there). ``compile`` replaces Triton's compile-only call (tests). A plan's launches
+    come from ``sidecar.plan.launch.plan_launches``."""
     device = torch.device(device)
     if (reason := unavailable_reason(device)) is not None:
         return WarmUp(str(device), "torch", reason)
-    if plan is None:  # the plan comes with the first step: its kernels compile then
+    if launches is None:  # the plan comes with the first step: its kernels compile then
         return WarmUp(str(device), "triton")
     tq = _load()
     compile = compile or tq.compile_only
     t0 = time.monotonic()
-    specs = specialisations(plan)
+    specs = specialisations(launches)
     with device_scope(device):
         for spec in specs.values():
             compile(_calls(spec))

@@ -1,0 +1,46 @@
+"""``refitd demo``: the parser, and the dispatch to the layout asked for (each layout is its own module)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sidecar.cli.demo.colocated import DEFAULT_MODEL, MODELS
+from sidecar.numerics.formats import Format
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
+    p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the synthetic model's family")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument(
+        "--layout",
+        default="colocated",
+        choices=["colocated", "disaggregated"],
+        help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
+    )
+    p.add_argument(
+        "--staging-regions",
+        type=int,
+        default=0,
+        help="stream each step through N layer-sized staging regions (the GPU default is 4); 0: whole steps",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.layout == "disaggregated":
+        if args.model != DEFAULT_MODEL:
+            print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
+            return 2
+        from sidecar.cli.demo.disaggregated import run_disaggregated
+
+        return run_disaggregated(args)
+    from sidecar.cli.demo.colocated import run_colocated
+
+    return run_colocated(args)
