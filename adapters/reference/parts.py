@@ -1,5 +1,5 @@
 """The reference engine's parts: its fused parameters (one builder per model family's layers) and the
-small numerics its forward pass shares with :mod:`adapters.reference_mla` (RMSNorm, partial RoPE,
+small numerics its forward pass shares with :mod:`adapters.reference.mla` (RMSNorm, partial RoPE,
 dequantizing rows of an FP8 expert)."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ embeddings are plain partial RoPE (multimodal RoPE reduces to it for text-only p
 head (:meth:`ReferenceEngine.forward_mtp`) is a one-pass sketch: ``fc([norm(embed(x[t+1]));
 norm(h[t])])`` through the MTP decoder layers, ``mtp.norm`` and the shared lm_head; it exists so
 every MTP tensor is used. Qwen3 MoE (per-expert checkpoints, no shared expert) is not supported.
-DeepSeek-V3 configs get :class:`adapters.reference_mla.DeepseekReferenceEngine` (MLA, sigmoid router,
+DeepSeek-V3 configs get :class:`adapters.reference.mla.DeepseekReferenceEngine` (MLA, sigmoid router,
 block-FP8 linears) from :meth:`ReferenceEngine.from_config`.
 """
 
@@ -67,14 +67,14 @@ import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 import sidecar
 from adapters.manifest import EngineKind, Manifest, ManifestTensor
-from adapters.reference_parts import (
+from adapters.reference.parts import (
     SUPPORTED_MODEL,
     _Builder,
     _decoder_layer,
@@ -92,8 +92,6 @@ __all__ = ["ENGINE_VERSION", "MOE_BACKEND", "ReferenceEngine", "next_token_kl", 
 ENGINE_VERSION = f"refitd-reference-{sidecar.__version__}"
 MOE_BACKEND = "ReferenceFusedMoE"
 BF16 = torch.bfloat16
-#: the family :meth:`ReferenceEngine.from_config` hands to ``adapters.reference_mla``
-MLA_MODEL = "deepseek_v3"
 #: how many names of each kind a load error lists before it summarizes
 MAX_LISTED = 20
 
@@ -104,6 +102,9 @@ class ReferenceEngine:
     Build with :meth:`from_config`; :meth:`manifest` says what it expects, :meth:`load` fills it
     from a published generation (every tensor exactly once), :meth:`forward` returns float32 logits.
     """
+
+    #: engines for other model families, by model_type (``adapters.reference`` registers MLA's)
+    families: ClassVar[dict[str, type[ReferenceEngine]]] = {}
 
     def __init__(self, config: Mapping[str, Any], fmt: Format, keep_bf16: frozenset[str]) -> None:
         model = get_model(model_type_of(config))
@@ -172,11 +173,10 @@ class ReferenceEngine:
         their slabs ``…experts.gate_up_proj`` / ``…experts.down_proj`` in BF16.
         """
         keep = (keep_bf16,) if isinstance(keep_bf16, str) else tuple(keep_bf16)
-        if cls is ReferenceEngine and get_model(model_type_of(config)).model_type == MLA_MODEL:
-            from adapters.reference_mla import DeepseekReferenceEngine  # MLA, sigmoid router, MTP
-
-            return DeepseekReferenceEngine(config, Format.parse(expert_format), frozenset(keep))
-        return cls(config, Format.parse(expert_format), frozenset(keep))
+        family = (
+            cls.families.get(get_model(model_type_of(config)).model_type) if cls is ReferenceEngine else None
+        )
+        return (family or cls)(config, Format.parse(expert_format), frozenset(keep))
 
     # ---- what it holds
 
