@@ -715,7 +715,7 @@ def test_the_daemon_spec_follows_the_checkpoint_scheme(tmp_path):
     engine's manifest against (and the one it builds from a step's declarations) quantizes the
     same linears as the plan it allocated from the config (an attach was refused before)."""
     from sidecar.config.settings import DaemonConfig
-    from sidecar.daemon.loop import refit_spec
+    from sidecar.daemon.setup import refit_spec
 
     config = make_hf_config("deepseek_v3", **DSV3_KW)
     spec = refit_spec(DaemonConfig(runtime_dir=tmp_path, format="block_fp8"), config)

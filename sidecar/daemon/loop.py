@@ -50,7 +50,7 @@ from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.pull import Pulls
-from sidecar.daemon.setup import bind, make_arenas, record_segments, segments_file
+from sidecar.daemon.setup import bind, make_arenas, record_segments, refit_spec, segments_file
 from sidecar.daemon.step import StepState
 from sidecar.daemon.trainers import Trainers
 from sidecar.daemon.worker import QuantWorker
@@ -62,8 +62,7 @@ from sidecar.numerics import kernels
 from sidecar.ops.gcpause import StepHold, freeze_long_lived
 from sidecar.ops.observers import Observer, notify
 from sidecar.plan import launch
-from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
-from sidecar.plan.models import get_model
+from sidecar.plan.build import RefitPlan, plan_from_hf_config
 from sidecar.protocol.enums import PeerRole
 from transport.nixl import keep_signal_handlers
 from transport.wire import HeaderTooLarge, Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
@@ -568,26 +567,6 @@ class Daemon:
 
     # ------------------------------------------------------------------------------------------
     # bookkeeping
-
-
-def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:
-    """The daemon's RefitSpec; the model type comes from the config, else from ``hf_config``."""
-    model_type = config.model_type
-    if model_type is None and hf_config is not None:
-        model_type = hf_config.get("model_type")
-    if model_type is None:
-        raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
-    get_model(model_type)
-    spec = RefitSpec(
-        model_type=model_type,
-        fmt=config.format,
-        num_hidden_layers=config.num_hidden_layers,
-        num_first_layers_in_bf16=config.num_first_layers_in_bf16,
-        num_last_layers_in_bf16=config.num_last_layers_in_bf16,
-        ignore_patterns=tuple(config.ignore_patterns),
-    )
-    # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
-    return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
 
 
 def _check_generic_fields(msg: Message) -> None:

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -16,7 +17,8 @@ from sidecar.config.settings import DaemonConfig, NodeRole, default_listen, tcp_
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.types import forward_keys
-from sidecar.plan.build import RefitPlan
+from sidecar.plan.build import RefitPlan, RefitSpec, with_checkpoint_scheme
+from sidecar.plan.models import get_model
 from transport.control import bind_control
 
 log = logging.getLogger("refitd.daemon")
@@ -118,3 +120,23 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:
+    """The daemon's RefitSpec; the model type comes from the config, else from ``hf_config``."""
+    model_type = config.model_type
+    if model_type is None and hf_config is not None:
+        model_type = hf_config.get("model_type")
+    if model_type is None:
+        raise RefitError("the daemon needs a model type: set model_type or hf_config", kind=ErrorKind.INVALID)
+    get_model(model_type)
+    spec = RefitSpec(
+        model_type=model_type,
+        fmt=config.format,
+        num_hidden_layers=config.num_hidden_layers,
+        num_first_layers_in_bf16=config.num_first_layers_in_bf16,
+        num_last_layers_in_bf16=config.num_last_layers_in_bf16,
+        ignore_patterns=tuple(config.ignore_patterns),
+    )
+    # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
+    return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)
