@@ -15,6 +15,7 @@ import zmq
 
 from sidecar.config.settings import DaemonConfig, NodeRole, default_listen, tcp_host
 from sidecar.daemon.memory.generations import Arenas
+from sidecar.daemon.segments import SEGMENTS_FILE, remove_stale_segments
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.types import forward_keys
 from sidecar.plan.build import RefitPlan, RefitSpec, with_checkpoint_scheme
@@ -92,34 +93,14 @@ def bind(router: zmq.Socket, ctx: zmq.Context, config: DaemonConfig):
 
 
 def segments_file(config: DaemonConfig) -> Path:
-    return Path(config.runtime_dir) / "segments.json"
+    return Path(config.runtime_dir) / SEGMENTS_FILE
 
 
 def record_segments(config: DaemonConfig, names: list[str]) -> None:
     """Write our segment names, after unlinking those a crashed predecessor left behind."""
-    path = segments_file(config)
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-            if not _pid_alive(int(old.get("pid", 0))):
-                for name in old.get("segments", []):
-                    Path("/dev/shm", name).unlink(missing_ok=True)
-                    log.warning("removed shared-memory segment %s left by a crashed daemon", name)
-        except (ValueError, OSError):
-            pass
-    path.write_text(json.dumps({"pid": os.getpid(), "segments": names}))
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    for name in remove_stale_segments(config.runtime_dir):
+        log.warning("removed shared-memory segment %s left by a crashed daemon", name)
+    segments_file(config).write_text(json.dumps({"pid": os.getpid(), "segments": names}))
 
 
 def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) -> RefitSpec:

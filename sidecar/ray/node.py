@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from sidecar.config.settings import (
     default_listen,
     prepare_runtime_dir,
 )
+from sidecar.daemon.segments import remove_stale_segments
 from sidecar.ray.settings import (
     RayDaemonError,
     daemon_env,
@@ -60,38 +60,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_segments(runtime_dir: Path) -> list[str]:
-    """Unlink the ``/dev/shm`` segments a dead daemon listed in ``<runtime_dir>/segments.json``
-    (the daemon writes it at start); a live owner's are left alone. Returns the names removed."""
-    path = Path(runtime_dir) / "segments.json"
-    try:
-        record = json.loads(path.read_text())
-        pid, names = int(record.get("pid", 0)), [str(n) for n in record.get("segments", [])]
-    except (OSError, ValueError, TypeError, AttributeError):
-        return []
-    if _pid_alive(pid):
-        return []
-    removed = []
-    for name in names:
-        segment = Path("/dev/shm", name)
-        if segment.exists():
-            segment.unlink(missing_ok=True)
-            removed.append(name)
-    return removed
 
 
 def sweep_runtime_base(base: Path) -> list[str]:
