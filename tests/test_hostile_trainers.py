@@ -21,6 +21,7 @@ import torch
 import zmq
 from support.daemons import daemon_factory
 from support.net import free_port
+from support.waiting import wait_until
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -180,13 +181,12 @@ def assert_intact(pool, d, live_step: int, live_sd, next_step: int) -> None:
 
 def wait_begun(d, step: int, ranks: list[int]) -> None:
     """Until ``ranks`` began ``step`` (so a failure of the step reaches them at once)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
+
+    def begun() -> bool:
         progress = d.status()["step_in_progress"]
-        if progress is not None and progress["step"] == step and progress["begun"] == ranks:
-            return
-        assert time.monotonic() < deadline, f"ranks {ranks} did not begin step {step}: {progress}"
-        time.sleep(0.05)
+        return progress is not None and progress["step"] == step and progress["begun"] == ranks
+
+    wait_until(f"ranks {ranks} to begin step {step}", begun, timeout=WAIT_S)
 
 
 def begin_raw(d, step: int, sd, *, local: bool = False) -> tuple[RawRank, list, list[list[Any]]]:
