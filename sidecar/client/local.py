@@ -2,7 +2,8 @@
 
 The daemon hands the rank a handle to its staging arena (POSIX shm, or a CUDA-IPC handle to its GPU
 arena) in READY; :class:`StagingWriter` maps it once and copies each piece into its tensor's place:
-the whole step at once, or, with a staging ring, one granted layer-group region at a time. Every
+the whole step at once, or, with a staging ring, one granted layer-group region at a time. A piece
+the daemon publishes unchanged (READY's ``direct``) goes straight into the generation being written. Every
 ``DONE_BATCH_BYTES`` / ``DONE_BATCH_PIECES`` it tells the daemon which pieces landed (PIECE_DONE), so
 the daemon quantizes layers while later ones are still being written.
 
@@ -37,6 +38,10 @@ class StagingWriter:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.arena: Any = None  # the mapped staging arena (ShmArena or a CUDA-IPC arena), or None
+        #: the daemon's generations this rank wrote directly (READY's ``direct``), by segment name, and
+        #: the tensor views made in each (the same offsets come back every step)
+        self.generations: dict[str, Any] = {}
+        self._direct_views: dict[tuple[str, int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         #: CUDA events recorded on the trainer's streams at push_step: the tensors are written once they fire
         self.ready_events: list = []
         self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
@@ -48,18 +53,61 @@ class StagingWriter:
             self.arena = open_any_arena(handle, writable=True)
 
     def close(self) -> None:
-        """Unmap the arena (a restarted daemon's segment is never written again); idempotent."""
+        """Unmap the arenas (a restarted daemon's segments are never written again); idempotent."""
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        self._close_generations()
+
+    def _close_generations(self) -> None:
+        self._direct_views.clear()
+        for arena in self.generations.values():
+            arena.close()
+        self.generations.clear()
+
+    def _generation(self, handle: dict) -> Any:
+        """The generation READY's ``direct`` names, mapped once (a daemon has two; another name
+        means another daemon instance: the old mappings go)."""
+        name = handle.get("name")
+        arena = self.generations.get(name)
+        if arena is None:
+            if len(self.generations) >= 2:
+                self._close_generations()
+            arena = self.generations[name] = open_any_arena(handle, writable=True)
+        return arena
+
+    def _direct_view(self, arena: Any, offset: int, piece: Piece) -> torch.Tensor:
+        key = (arena.name, offset, piece.tensor.dtype, piece.global_shape)
+        view = self._direct_views.get(key)
+        if view is None:
+            view = self._direct_views[key] = arena.view(offset, piece.tensor.dtype, piece.global_shape)
+        return view
 
     def write_step(
-        self, step: int, pieces: list[Piece], ids: list[int], handle: dict, deadline: float
+        self,
+        step: int,
+        pieces: list[Piece],
+        ids: list[int],
+        handle: dict,
+        deadline: float,
+        direct: tuple[dict, dict[int, int]] | None = None,
     ) -> None:
-        """Whole-step staging: every piece into its tensor's slot of the arena."""
+        """Whole-step staging: every piece into its tensor's slot of the arena; with ``direct``
+        (the generation's handle, and piece id -> byte offset of its tensor there), a piece the
+        daemon publishes unchanged goes straight into the generation instead."""
         self.open(handle)
         views = self.arena.tensors()  # device-to-device copies through the mapped handle on GPUs
-        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+        if direct is None:
+            dests = ((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
+        else:
+            gen, offsets = self._generation(direct[0]), direct[1]
+
+            def dest(p: Piece, pid: int) -> torch.Tensor:
+                offset = offsets.get(pid, -1)
+                return views[p.name] if offset < 0 else self._direct_view(gen, offset, p)
+
+            dests = ((p, pid, dest(p, pid)) for p, pid in zip(pieces, ids))
+        self._copy_in(step, dests, deadline)
 
     def write_group(
         self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float

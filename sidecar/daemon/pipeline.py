@@ -46,11 +46,34 @@ class Pipeline:
         ctx = self.ctx
         if ctx.arenas.ring is not None:
             ctx.arenas.ring.tensor_complete(name)
-        for unit in ctx.step.ready_units(ctx.plan, name):
-            if ctx.step.target is None:
-                ctx.step.deferred.append(unit)
+        state = ctx.step
+        for unit in state.ready_units(ctx.plan, name):
+            if state.target is None:
+                state.deferred.append(unit)
+            elif self._after_local_commit(unit):
+                state.after_local.append(unit)
             else:
                 self.submit(unit)
+
+    def _after_local_commit(self, unit: Unit) -> bool:
+        """Whether a passthrough of inputs written straight into the generation waits for the local
+        ranks' COMMIT. Its work is a finiteness check: one read of bytes those ranks are still
+        copying in. Run meanwhile it only takes memory bandwidth from their copies (measured: the
+        local ingest of a 255 MiB BF16 step 44 -> 60 ms), and a trainer waits for COMMIT, not for the
+        generation; after it, the check reads at full speed."""
+        state, direct = self.ctx.step, self.ctx.arenas.direct
+        if not state.direct or unit.fmt is not None or state.staged <= state.committed:
+            return False
+        return all(name in direct for name in unit.inputs)
+
+    def local_committed(self) -> None:
+        """A rank committed: once every local rank has, run the passthroughs that waited for them."""
+        state = self.ctx.step
+        if state is None or not state.after_local or not state.staged <= state.committed:
+            return
+        waiting, state.after_local = state.after_local, []
+        for unit in waiting:
+            self.submit(unit)
 
     def submit(self, unit: Unit) -> None:
         ctx = self.ctx
@@ -78,6 +101,9 @@ class Pipeline:
         """Input ``name`` in staging: its slot there, or its group's region of the staging ring."""
         arenas = self.ctx.arenas
         ring = arenas.ring
+        state = self.ctx.step
+        if state is not None and state.direct and name in arenas.direct:
+            return arenas.direct_view(state.target, name)
         return arenas.staging.tensor(name) if ring is None else ring.view(arenas.staging, name)
 
     def check_granted(self, rank: int, name: str, state: StepState) -> None:

@@ -166,6 +166,10 @@ class StepState:
     #: wire ids of pieces outside this node's share (``RefitPlan.dropped``): READY tells their
     #: ranks to skip them, and data for one is refused
     skipped: set[int] = field(default_factory=set)
+    #: passthrough inputs are written straight into ``target`` (``Arenas.direct``), not staging
+    direct: bool = False
+    #: passthrough units of such inputs, waiting for the local ranks' COMMIT (Pipeline.tensor_complete)
+    after_local: list[Unit] = field(default_factory=list)
 
     # ---- BEGIN
 

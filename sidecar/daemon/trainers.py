@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -216,8 +216,12 @@ class Trainers:
         state.validate_against(self.ctx.plan)
         state.phases.validate = time.monotonic() - t0
         state.target = self.ctx.arenas.claim_target(time.monotonic(), self.ctx.config.reader_timeout_s)
-        staging = self.ctx.arenas.staging.handle()
-        ring = self.ctx.arenas.ring
+        arenas = self.ctx.arenas
+        staging = arenas.staging.handle()
+        ring = arenas.ring
+        # passthrough inputs land in the generation itself, not staging (sidecar.daemon.memory.direct),
+        # when it is claimed now and no rank is pulled over NIXL (that READ lands in staging)
+        state.direct = bool(state.target is not None and arenas.direct and not state.nixl_offers)
         for rank, identity in state.peers.items():
             peer = self.ctx.peers.get(identity)
             fields = {
@@ -230,6 +234,8 @@ class Trainers:
             if peer is not None and peer.local:
                 fields["staging"] = staging
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
+                if state.direct:
+                    fields["direct"] = self._direct_fields(state, fields["pieces"])
             elif peer is not None and ring is None:
                 fields.update(self.pulls.start(state, rank, identity, fields["pieces"]))
             elif peer is not None:
@@ -247,6 +253,16 @@ class Trainers:
             self.pipeline.start_ring(state, ring)
         for name in [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]:
             self.pipeline.tensor_complete(name)  # zero-byte tensors complete at once
+
+    def _direct_fields(self, state: StepState, ids: list[int]) -> dict[str, Any]:
+        """READY's ``direct`` for a local rank: the target generation's segment, and for each of its
+        pieces (READY's ``pieces`` order) the byte offset there of the piece's whole tensor, or -1
+        for a piece that goes to staging (an input that is quantized)."""
+        offsets = self.ctx.arenas.direct
+        return {
+            "generation": self.ctx.arenas.direct_handle(state.target),
+            "offsets": [offsets.get(state.pieces[pid][1], -1) for pid in ids],
+        }
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}
@@ -363,6 +379,7 @@ class Trainers:
         peer, state = self._peer(identity), self._current(msg)
         state.commit(peer.rank)
         self.ctx.send(identity, Kind.ACK, {"step": state.step, "of": "commit"})
+        self.pipeline.local_committed()
         self.pipeline.maybe_publish()
 
     def handle_abort(self, identity: bytes, msg: Message) -> None:

@@ -43,7 +43,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
     This is how the daemon writes straight into shared memory. Slab experts are views of the slab,
     never copies; each projection goes through ``sidecar.numerics.reference`` with ``out=`` and ``name=`` set to
     its checkpoint name. A passthrough is copied bit for bit (nothing is done if the output buffer
-    already is the input tensor).
+    already is the input's memory: an input written straight into the generation).
     """
     lacking = [n for n in unit.inputs if n not in inputs]
     lacking += [o.name for o in unit.outputs if o.name not in outputs]
@@ -59,7 +59,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
                     f"passthrough {o.name!r}: the input is {src.dtype} {tuple(src.shape)} but its output "
                     f"buffer is {dst.dtype} {tuple(dst.shape)}; allocate outputs from the plan"
                 )
-            if dst is not src:
+            if not _same_memory(src, dst):
                 dst.copy_(src)
         return
     weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
@@ -88,12 +88,22 @@ def run_passthroughs(
                 return False
             if src.device != dst.device:
                 return False
-            if dst is not src:
+            if not _same_memory(src, dst):
                 srcs.append(src)
                 dsts.append(dst)
     if srcs:
         torch._foreach_copy_(dsts, srcs)
     return True
+
+
+def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst`` is ``src``'s very bytes (an input written straight into its output: nothing to copy)."""
+    return dst is src or (
+        dst.data_ptr() == src.data_ptr()
+        and dst.device == src.device
+        and dst.stride() == src.stride()
+        and dst.shape == src.shape
+    )
 
 
 def _run_allocating(unit: Unit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

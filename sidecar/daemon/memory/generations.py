@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sidecar.daemon.memory.direct import direct_offsets
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
 from sidecar.plan.build import RefitPlan
 from transport.arena import Arena, ArenaKind
@@ -53,6 +54,11 @@ class Arenas:
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.staging_regions = staging_regions
         self.ring: RingStaging | None = None
+        #: inputs a step may write straight into its generation (sidecar.daemon.memory.direct): byte
+        #: offsets there; empty on GPU arenas and with a staging ring, where every input is staged
+        self.direct: dict[str, int] = {}
+        self._direct_views: dict[tuple[int, str], object] = {}
+        self._direct_specs: dict[str, tuple] = {}
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
         #: called with (reader identity, generation, step it held) for each hold dropped by a claim
@@ -115,6 +121,24 @@ class Arenas:
                 g.arena.relayout(outputs)
         except ValueError as exc:  # the one ValueError an arena's relayout raises: it is too small
             raise ArenaTooSmall(str(exc)) from None
+        self._direct_views = {}
+        direct_ok = self.kind is ArenaKind.SHM and not self.staging_regions
+        self.direct = direct_offsets(plan, outputs) if direct_ok else {}
+        self._direct_specs = {i.name: (i.dtype, i.shape) for i in plan.inputs if i.name in self.direct}
+
+    def direct_view(self, gen: Generation, name: str):
+        """Input ``name`` where it lands in ``gen`` when written directly (see :attr:`direct`)."""
+        key = (gen.index, name)
+        view = self._direct_views.get(key)
+        if view is None:
+            dtype, shape = self._direct_specs[name]
+            view = self._direct_views[key] = gen.arena.view(self.direct[name], dtype, shape)
+        return view
+
+    def direct_handle(self, gen: Generation) -> dict:
+        """``gen``'s arena handle without its layout: a local rank writing directly needs only the
+        segment, and READY stays small (the offsets travel with the pieces)."""
+        return {**gen.arena.handle(), "layout": []}
 
     def invalidate(self) -> None:
         """Forget every published generation (the layout changed): nothing is live until the next step."""
