@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sidecar.config.settings import ArenaKind
+from sidecar.daemon.spans import Span, SpanTable
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.observers import notify
@@ -39,18 +41,59 @@ class Pipeline:
     def __init__(self, ctx: LoopContext, forwarding: Forwarding | None = None):
         self.ctx = ctx
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
+        self._spans: SpanTable | None = None  # made once per plan and layouts
 
     # ---- inputs complete: units run
 
     def tensor_complete(self, name: str) -> None:
+        self.tensors_complete((name,))
+
+    def tensors_complete(self, names: Iterable[str]) -> None:
+        """Inputs ``names`` just completed (a PIECE_DONE batch, say): submit the units they make
+        ready. Small passthroughs go to the worker as byte spans (sidecar.daemon.spans)."""
         ctx = self.ctx
-        if ctx.arenas.ring is not None:
-            ctx.arenas.ring.tensor_complete(name)
-        for unit in ctx.step.ready_units(ctx.plan, name):
-            if ctx.step.target is None:
-                ctx.step.deferred.append(unit)
-            else:
-                self.submit(unit)
+        state, ring = ctx.step, ctx.arenas.ring
+        units = []
+        for name in names:
+            if ring is not None:
+                ring.tensor_complete(name)
+            units += state.ready_units(ctx.plan, name)
+        if not units:
+            return
+        if state.target is None:
+            state.deferred += units
+            return
+        self.submit_all(units)
+
+    def submit_all(self, units: list[Unit]) -> None:
+        """Submit ``units`` (their target generation is claimed): small passthroughs as spans when
+        the whole step is staged (not a ring), the rest one by one."""
+        ctx = self.ctx
+        if ctx.arenas.ring is None and len(units) > 1:
+            spans, units = self._span_table().spans(units)
+            if spans:
+                self._submit_spans(spans)
+        for unit in units:
+            self.submit(unit)
+
+    def _span_table(self) -> SpanTable:
+        ctx = self.ctx
+        staging, outputs = ctx.arenas.staging.layout, ctx.step.target.arena.layout
+        table = self._spans
+        if table is None or not table.fits(ctx.plan, staging, outputs):
+            table = self._spans = SpanTable(ctx.plan, staging, outputs)
+        return table
+
+    def _submit_spans(self, spans: list[Span]) -> None:
+        state = self.ctx.step
+        if not state.phases.quant_start:
+            state.phases.quant_start = time.monotonic()
+        staging, target = self.ctx.arenas.staging, state.target.arena
+        views = [
+            (s, staging.view(s.src, torch.uint8, (s.nbytes,)), target.view(s.dst, torch.uint8, (s.nbytes,)))
+            for s in spans
+        ]
+        self.ctx.worker.submit_spans(state.step, views)
 
     def submit(self, unit: Unit) -> None:
         ctx = self.ctx
@@ -128,14 +171,17 @@ class Pipeline:
             if state is None or done.step != state.step or done.skipped:
                 continue  # a unit of a step that already failed
             state.phases.quant_busy += done.seconds
-            notify(ctx.observers, "on_unit_done", ctx, done.step, done.unit, done.start, done.seconds)
+            units = done.units or (done.unit,)
+            share = done.seconds / len(units)
+            for k, unit in enumerate(units):
+                notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
             if done.error is not None:
                 kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
                 if not isinstance(done.error, ValueError):
                     kind = ErrorKind.INTERNAL
                 ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
                 continue
-            state.units_done.add(done.unit)
+            state.units_done.update(units)
             if ctx.arenas.ring is not None:
                 try:
                     self.grant(ctx.arenas.ring.unit_done(done.unit))
@@ -197,8 +243,7 @@ class Pipeline:
         state = self.ctx.step
         if state is not None and state.target is not None:
             deferred, state.deferred = state.deferred, []
-            for unit in deferred:
-                self.submit(unit)
+            self.submit_all(deferred)
 
     def claim_target(self, now: float) -> None:
         """Claim the generation the step in progress writes, if no reader holds it.

@@ -245,8 +245,9 @@ class Trainers:
         state.ready_sent = True
         if ring is not None:
             self.pipeline.start_ring(state, ring)
-        for name in [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]:
-            self.pipeline.tensor_complete(name)  # zero-byte tensors complete at once
+        zero = [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]
+        if zero:
+            self.pipeline.tensors_complete(zero)  # zero-byte tensors complete at once
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}
@@ -304,13 +305,17 @@ class Trainers:
                 step=state.step,
             )
         ring = self.ctx.arenas.ring
-        for pid in ids:
-            name, _ = state.piece(peer.rank, pid)
-            if ring is not None:
-                self.pipeline.check_granted(peer.rank, name, state)
-            done = state.piece_received(peer.rank, pid)
-            if done:
-                self.pipeline.tensor_complete(done)
+        complete = []  # submitted together: small passthroughs then travel as spans
+        try:
+            for pid in ids:
+                if ring is not None:
+                    self.pipeline.check_granted(peer.rank, state.piece(peer.rank, pid)[0], state)
+                done = state.piece_received(peer.rank, pid)
+                if done:
+                    complete.append(done)
+        finally:  # what completed before a refused id still runs (the step fails on that id anyway)
+            if complete:
+                self.pipeline.tensors_complete(complete)
 
     def handle_shard(self, identity: bytes, msg: Message) -> None:
         peer, state = self._peer(identity), self._current(msg)

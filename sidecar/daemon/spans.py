@@ -1,0 +1,158 @@
+"""Runs of small passthrough units copied as byte spans: staging to generation in one copy per run.
+
+A step of thousands of small tensors (norms, biases) is mostly per-tensor overhead: a view, a
+finiteness check and a copy each. Both arenas are carved in plan order (the staging layout in input
+order, the generation's in output order, and a passthrough's one output sits where its input
+does in that order), so consecutive passthrough units lie at the same relative offsets on both
+sides, separated only by alignment padding. :class:`SpanTable` (made once per plan and layouts)
+knows each passthrough unit's two offsets; :meth:`SpanTable.spans` merges the units that became
+ready together into runs; the worker checks each run for NaN/Inf with one ``aminmax`` per dtype
+and copies it with one ``copy_`` (:func:`run_span`).
+
+The padding between tensors is copied too (never read by anyone), and it takes part in the
+finiteness check: a run that looks non-finite is checked again tensor by tensor, so only a tensor
+holding NaN or Inf fails the step, by name, exactly as one-by-one units do.
+
+    table = SpanTable(plan, staging.layout, generation.layout)
+    spans, rest = table.spans(units)            # rest: units that are not small passthroughs
+    run_span(span, staging_bytes, gen_bytes)    # uint8 views of the two arenas' span ranges
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sidecar.numerics.reference import NonFiniteError
+from sidecar.plan.build import RefitPlan, Unit
+from transport.shm import ALIGN, Layout
+
+#: passthrough units of at most this many bytes go into spans (larger ones run on their own, so
+#: the worker's progress stays visible at tensor granularity where a tensor is big)
+SPAN_UNIT_BYTES = 256 << 10
+#: a span ends after this many bytes (one job's copy; the serve loop hears of it when it is done)
+SPAN_MAX_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One passthrough unit inside a span: its tensor at ``rel`` bytes from the span's start."""
+
+    unit: int
+    name: str
+    rel: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Span:
+    """Bytes ``[src, src + nbytes)`` of staging go to ``[dst, dst + nbytes)`` of the generation."""
+
+    src: int
+    dst: int
+    nbytes: int
+    members: list[Member]
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        return tuple(m.unit for m in self.members)
+
+
+class SpanTable:
+    """Which units of ``plan`` may travel in spans, and where each lies in both layouts."""
+
+    def __init__(self, plan: RefitPlan, staging: Layout, outputs: Layout):
+        self.plan, self.staging, self.outputs = plan, staging, outputs
+        # unit index -> (staging offset, generation offset, member without its rel)
+        self._rows: dict[int, tuple[int, int, Member]] = {}
+        for unit in plan.units:
+            if unit.fmt is not None or len(unit.inputs) != 1 or len(unit.outputs) != 1:
+                continue
+            out = unit.outputs[0]
+            src, dst = staging.slots.get(out.source), outputs.slots.get(out.name)
+            if src is None or dst is None or src.nbytes != dst.nbytes or src.nbytes > SPAN_UNIT_BYTES:
+                continue
+            if src.dtype != dst.dtype or src.shape != dst.shape:
+                continue  # run_unit names the mismatch
+            member = Member(unit.index, out.source, 0, src.nbytes, src.dtype, src.shape)
+            self._rows[unit.index] = (src.offset, dst.offset, member)
+
+    def fits(self, plan: RefitPlan, staging: Layout, outputs: Layout) -> bool:
+        """Whether this table was made for exactly these (a new plan carves new layouts)."""
+        return self.plan is plan and self.staging is staging and self.outputs is outputs
+
+    def spans(self, units: Iterable[Unit]) -> tuple[list[Span], list[Unit]]:
+        """``units`` split into spans (in unit order) and the units that go one by one."""
+        rows, rest, picked = self._rows, [], []
+        for unit in units:
+            row = rows.get(unit.index)
+            if row is None:
+                rest.append(unit)
+            else:
+                picked.append(row)
+        picked.sort(key=lambda r: (r[0], r[2].unit))  # a zero-byte slot shares its offset
+        spans: list[Span] = []
+        span: Span | None = None
+        for s_off, g_off, m in picked:
+            if (
+                span is not None
+                and s_off - span.src == g_off - span.dst
+                and 0 <= s_off - (span.src + span.nbytes) < ALIGN
+                and s_off + m.nbytes - span.src <= SPAN_MAX_BYTES
+            ):
+                rel = s_off - span.src
+                span.members.append(Member(m.unit, m.name, rel, m.nbytes, m.dtype, m.shape))
+                span.nbytes = rel + m.nbytes
+                continue
+            span = Span(s_off, g_off, m.nbytes, [m])
+            spans.append(span)
+        return spans, rest
+
+
+def _float_runs(members: Sequence[Member]) -> list[tuple[torch.dtype, int, int]]:
+    """Maximal runs of consecutive floating, non-empty members of one dtype: ``(dtype, lo, hi)``
+    byte ranges of the span (padding between them included)."""
+    runs: list[tuple[torch.dtype, int, int]] = []
+    for m in members:
+        if not m.dtype.is_floating_point or not m.nbytes:
+            continue
+        if runs and runs[-1][0] == m.dtype and m.rel - runs[-1][2] < ALIGN:
+            runs[-1] = (m.dtype, runs[-1][1], m.rel + m.nbytes)
+        else:
+            runs.append((m.dtype, m.rel, m.rel + m.nbytes))
+    return runs
+
+
+def _finite(t: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def check_span(span: Span, src: torch.Tensor) -> None:
+    """NonFiniteError naming the first member of ``span`` that holds NaN or Inf (``src``: the
+    span's bytes in staging, uint8). One ``aminmax`` per run of one float dtype; a run that looks
+    non-finite (a tensor, or the padding between two) is checked tensor by tensor."""
+    for dtype, lo, hi in _float_runs(span.members):
+        if _finite(src[lo:hi].view(dtype)):
+            continue
+        for m in span.members:
+            inside = lo <= m.rel < hi and m.dtype == dtype and m.nbytes
+            if inside and not _finite(src[m.rel : m.rel + m.nbytes].view(dtype)):
+                raise NonFiniteError(f"tensor {m.name!r} holds NaN or Inf; refusing to publish it")
+
+
+def run_span(span: Span, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Check ``span`` (:func:`check_span`), then copy its bytes: ``src`` and ``dst`` are uint8
+    tensors of ``span.nbytes`` bytes, in staging and in the target generation."""
+    sizes = (src.numel(), dst.numel())
+    if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or sizes != (span.nbytes, span.nbytes):
+        raise ValueError(
+            f"span of {span.nbytes} bytes got buffers of {src.numel()} ({src.dtype}) and "
+            f"{dst.numel()} ({dst.dtype}) bytes: give uint8 views of exactly the span"
+        )
+    check_span(span, src)
+    dst.copy_(src)
