@@ -45,7 +45,7 @@ import zmq
 
 from sidecar.cli.keygen import curve_hint, set_client
 from sidecar.client.local import StagingWriter
-from sidecar.client.pieces import Link, Piece, Shard, StepResult, host_copy, pieces
+from sidecar.client.pieces import Link, Piece, Shard, StepResult, host_copy, packed_rows, pieces
 from sidecar.client.remote import RemoteSender
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
@@ -256,8 +256,8 @@ class RefitClient:
         try:
             self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
             self._hello(step, deadline)
-            with gc_paused():
-                begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
+            with gc_paused():  # the rows packed once: the daemon compares them with the last step's
+                begin = {"step": step, "rank": self.rank, "pieces": packed_rows(pieces)}
             srcs, reg, why = None, None, ""
             if not self._welcome.get("local"):
                 for event in self._local.ready_events:  # the trainer's writes land before reading to host

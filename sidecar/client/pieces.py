@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
 
 from sidecar.ops.gcpause import gc_paused
@@ -87,6 +88,12 @@ class Piece:
             list(self.offsets),
             shape,
         ]
+
+
+def packed_rows(pieces: list[Piece]) -> bytes:
+    """BEGIN's ``pieces``: every piece's :meth:`Piece.wire` row, packed with msgpack (one bytes
+    value the daemon compares with the previous step's without decoding it)."""
+    return msgpack.packb([p.wire() for p in pieces], use_bin_type=True)
 
 
 def pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Piece]:

@@ -22,7 +22,7 @@ import torch
 from sidecar.config.settings import NodeRole
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
-from sidecar.daemon.step import StepState, wire_type
+from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitPlan
@@ -49,6 +49,9 @@ class Trainers:
         # step -> (error, ranks told, event number of the failure)
         self.failures: dict[int, tuple[RefitError, set[int], int]] = {}
         self.credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
+        #: the last step's declarations, checked against the plan: a step whose ranks declare the
+        #: same pieces takes them over (sidecar.daemon.step.Skeleton)
+        self.skeleton: Skeleton | None = None
 
     def _peer(self, identity: bytes) -> Peer:
         return self.ctx.peers[identity]  # the loop checked it is a trainer rank
@@ -128,7 +131,7 @@ class Trainers:
     def handle_begin(self, identity: bytes, msg: Message) -> None:
         peer = self._peer(identity)
         step = msg.require("step", int)
-        rows = msg.require("pieces", list)
+        rows = msg.require("pieces", (list, bytes))  # rows, or msgpack of them (step.begin_rows)
         failed = self.failures.get(step)
         if failed is not None:
             err, told, failed_at = failed
@@ -168,6 +171,7 @@ class Trainers:
                     self.ctx.config.world_size,
                     time.monotonic() + self.ctx.config.step_timeout_s,
                     max_pieces=self.ctx.config.max_step_pieces,
+                    skeleton=self.skeleton,
                 )
             )
             self.failures.pop(step, None)
@@ -193,7 +197,7 @@ class Trainers:
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
-            state.nixl_offers[peer.rank] = (offer, rows)
+            state.nixl_offers[peer.rank] = (offer, begin_rows(peer.rank, rows))
         if state.all_begun:
             self._all_begun()
 
@@ -210,10 +214,12 @@ class Trainers:
     def _all_begun(self) -> None:
         state = self.ctx.step
         state.phases.all_begun = time.monotonic()
+        state.settle(self.ctx.plan)
         if self.ctx.plan is None:
             self._plan_from_declarations(state)
         t0 = time.monotonic()
         state.validate_against(self.ctx.plan)
+        self.skeleton = state.skeleton_for(self.ctx.plan)
         state.phases.validate = time.monotonic() - t0
         state.target = self.ctx.arenas.claim_target(time.monotonic(), self.ctx.config.reader_timeout_s)
         staging = self.ctx.arenas.staging.handle()
