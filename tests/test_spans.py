@@ -73,8 +73,8 @@ def test_spans_merge_consecutive_passthroughs_and_stop_at_a_quantized_unit():
     assert [s.units for s in spans] == [(0, 1, 2, 3, 4, 5, 6, 7), (11, 12)]
     for s in spans:  # a span's members are where the layouts put them, on both sides
         for m in s.members:
-            assert staging.slots[m.name].offset == s.src + m.rel
-            assert outputs.slots[m.name].offset == s.dst + m.rel
+            assert staging.slots[m.name].offset == m.src and outputs.slots[m.name].offset == m.dst
+            assert m.src - s.src == m.dst - s.dst < s.nbytes or m.nbytes == 0
     assert table.fits(plan, staging, outputs)
     assert not table.fits(plan, *layouts(plan))  # other layout objects: a new table
 

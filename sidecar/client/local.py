@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sidecar.client import pieces as P
-from sidecar.client.pieces import Link, Piece, copy_all
+from sidecar.client.pieces import Link, Piece
 from sidecar.ops.gcpause import gc_paused
 from transport.cuda_ipc import open_any_arena
 from transport.wire import Kind
@@ -29,6 +30,18 @@ from transport.wire import Kind
 #: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
 #: one torch call each
 FOREACH_COPY_BYTES = 256 << 10
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The copies before one PIECE_DONE: small ones in one foreach copy, the others one by one."""
+
+    ids: list[int] = field(default_factory=list)
+    regions: list[torch.Tensor] = field(default_factory=list)  # small: torch._foreach_copy_
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    big: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (region, src)
+    last: torch.Tensor | None = None  # the last region written (on a GPU: synchronized first)
+    nbytes: int = 0
 
 
 class StagingWriter:
@@ -40,6 +53,9 @@ class StagingWriter:
         #: CUDA events recorded on the trainer's streams at push_step: the tensors are written once they fire
         self.ready_events: list = []
         self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
+        #: whole-step staging: (pieces, arena views, ids, batches) of the last step, reused by a
+        #: step of the same pieces list with the same ids into the same views
+        self._planned: tuple[list[Piece], Any, list[int], list[_Batch]] | None = None
 
     def open(self, handle: dict) -> None:
         """Map the arena READY names (again only when it is another one)."""
@@ -49,6 +65,7 @@ class StagingWriter:
 
     def close(self) -> None:
         """Unmap the arena (a restarted daemon's segment is never written again); idempotent."""
+        self._planned = None  # its views are of this arena
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -59,7 +76,14 @@ class StagingWriter:
         """Whole-step staging: every piece into its tensor's slot of the arena."""
         self.open(handle)
         views = self.arena.tensors()  # device-to-device copies through the mapped handle on GPUs
-        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+        planned = self._planned
+        if planned is None or planned[0] is not pieces or planned[1] is not views or planned[2] != ids:
+            with gc_paused():  # many small objects (views, lists): no collections meanwhile
+                batches = self._plan((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
+            # the same pieces (client.StepPieces) into the same arena next step: the same copies
+            self._planned = planned = (pieces, views, list(ids), batches)
+        with gc_paused(), self._copy_stream():
+            self._run(step, planned[3], deadline)
 
     def write_group(
         self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float
@@ -97,41 +121,60 @@ class StagingWriter:
     def _copy_pieces(
         self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float
     ) -> None:
-        batch, batch_bytes, region = [], 0, None
-        next_poll = 0.0
-        regions: list[torch.Tensor] = []  # small copies wait for one foreach copy before PIECE_DONE
-        srcs: list[torch.Tensor] = []
+        self._run(step, self._plan(dests), deadline)
+
+    def _plan(self, dests: Iterable[tuple[Piece, int, torch.Tensor]]) -> list[_Batch]:
+        """The copies of ``dests`` in PIECE_DONE batches (every DONE_BATCH_BYTES or
+        DONE_BATCH_PIECES): small pieces of one dtype and device go in one foreach copy."""
+        batches, batch = [], _Batch()
+        device = getattr(self.arena, "device", -1)  # shm: the CPU, which get_device() calls -1
+        if not isinstance(device, int):
+            device = -1
         for piece, pid, full in dests:
             src = piece.tensor
+            nbytes = src.nbytes
             if piece.whole and full.shape == src.shape:
                 region = full
+                # the usual case, checked cheaply: get_device() is -1 on the CPU, the index on a GPU
+                same = full.dtype == src.dtype and src.get_device() == device == full.get_device()
             else:
                 region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, src.shape))]
-            nbytes = src.numel() * src.element_size()
-            if (
-                nbytes <= FOREACH_COPY_BYTES
-                and region.shape == src.shape
-                and region.dtype == src.dtype
-                and region.device == src.device
-            ):
-                regions.append(region)
-                srcs.append(src)
+                same = region.shape == src.shape and region.dtype == src.dtype and region.device == src.device
+            if same and nbytes <= FOREACH_COPY_BYTES:
+                batch.regions.append(region)
+                batch.srcs.append(src)
             else:
+                batch.big.append((region, src))
+            batch.ids.append(pid)
+            batch.last = region
+            batch.nbytes += nbytes
+            if batch.nbytes >= P.DONE_BATCH_BYTES or len(batch.ids) >= P.DONE_BATCH_PIECES:
+                batches.append(batch)
+                batch = _Batch()
+        if batch.ids:
+            batches.append(batch)
+        return batches
+
+    def _run(self, step: int, batches: list[_Batch], deadline: float) -> None:
+        """Each batch's copies, then its PIECE_DONE (only pieces that landed are named); what the
+        daemon sent meanwhile is taken in every POLL_INTERVAL_S."""
+        next_poll = 0.0
+        for batch in batches:
+            for region, src in batch.big:
                 region.copy_(src)
-            batch.append(pid)
-            batch_bytes += nbytes
-            if batch_bytes >= P.DONE_BATCH_BYTES or len(batch) >= P.DONE_BATCH_PIECES:
-                copy_all(regions, srcs)
-                self._pieces_done(step, batch, region)
-                batch, batch_bytes = [], 0
-            now = time.monotonic()
-            if now >= next_poll:
-                self.link.poll(step, 0.0)
-                self.link.keepalive(step, deadline, "writing its shards")
-                next_poll = now + P.POLL_INTERVAL_S
-        if batch:
-            copy_all(regions, srcs)
-            self._pieces_done(step, batch, region)
+                next_poll = self._keepalive(step, deadline, next_poll)
+            if batch.regions:
+                torch._foreach_copy_(batch.regions, batch.srcs)
+            self._pieces_done(step, batch.ids, batch.last)
+            next_poll = self._keepalive(step, deadline, next_poll)
+
+    def _keepalive(self, step: int, deadline: float, next_poll: float) -> float:
+        now = time.monotonic()
+        if now < next_poll:
+            return next_poll
+        self.link.poll(step, 0.0)
+        self.link.keepalive(step, deadline, "writing its shards")
+        return now + P.POLL_INTERVAL_S
 
     def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
         if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads

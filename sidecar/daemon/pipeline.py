@@ -42,6 +42,7 @@ class Pipeline:
         self.ctx = ctx
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
         self._spans: SpanTable | None = None  # made once per plan and layouts
+        self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
 
     # ---- inputs complete: units run
 
@@ -88,12 +89,16 @@ class Pipeline:
         state = self.ctx.step
         if not state.phases.quant_start:
             state.phases.quant_start = time.monotonic()
-        staging, target = self.ctx.arenas.staging, state.target.arena
-        views = [
-            (s, staging.view(s.src, torch.uint8, (s.nbytes,)), target.view(s.dst, torch.uint8, (s.nbytes,)))
-            for s in spans
-        ]
+        src, dst = self._bytes_of(self.ctx.arenas.staging), self._bytes_of(state.target.arena)
+        views = [(s, src[s.src : s.src + s.nbytes], dst[s.dst : s.dst + s.nbytes]) for s in spans]
         self.ctx.worker.submit_spans(state.step, views)
+
+    def _bytes_of(self, arena: Any) -> torch.Tensor:
+        """All of ``arena`` as one uint8 tensor, made once per arena (spans are slices of it)."""
+        held = self._flat.get(id(arena))
+        if held is None or held[0] is not arena:
+            held = self._flat[id(arena)] = (arena, arena.view(0, torch.uint8, (arena.size,)))
+        return held[1]
 
     def submit(self, unit: Unit) -> None:
         ctx = self.ctx

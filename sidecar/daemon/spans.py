@@ -20,7 +20,7 @@ holding NaN or Inf fails the step, by name, exactly as one-by-one units do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,14 +38,15 @@ SPAN_MAX_BYTES = 8 << 20
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One passthrough unit inside a span: its tensor at ``rel`` bytes from the span's start."""
+    """One passthrough unit: its tensor at byte ``src`` of staging and ``dst`` of the generation
+    (made once per plan; spans list them, never copy them)."""
 
     unit: int
     name: str
-    rel: int
+    src: int
+    dst: int
     nbytes: int
     dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -67,8 +68,7 @@ class SpanTable:
 
     def __init__(self, plan: RefitPlan, staging: Layout, outputs: Layout):
         self.plan, self.staging, self.outputs = plan, staging, outputs
-        # unit index -> (staging offset, generation offset, member without its rel)
-        self._rows: dict[int, tuple[int, int, Member]] = {}
+        self._members: dict[int, Member] = {}  # by unit index
         for unit in plan.units:
             if unit.fmt is not None or len(unit.inputs) != 1 or len(unit.outputs) != 1:
                 continue
@@ -78,8 +78,9 @@ class SpanTable:
                 continue
             if src.dtype != dst.dtype or src.shape != dst.shape:
                 continue  # run_unit names the mismatch
-            member = Member(unit.index, out.source, 0, src.nbytes, src.dtype, src.shape)
-            self._rows[unit.index] = (src.offset, dst.offset, member)
+            self._members[unit.index] = Member(
+                unit.index, out.source, src.offset, dst.offset, src.nbytes, src.dtype
+            )
 
     def fits(self, plan: RefitPlan, staging: Layout, outputs: Layout) -> bool:
         """Whether this table was made for exactly these (a new plan carves new layouts)."""
@@ -87,43 +88,51 @@ class SpanTable:
 
     def spans(self, units: Iterable[Unit]) -> tuple[list[Span], list[Unit]]:
         """``units`` split into spans (in unit order) and the units that go one by one."""
-        rows, rest, picked = self._rows, [], []
+        members, rest, picked = self._members, [], []
         for unit in units:
-            row = rows.get(unit.index)
-            if row is None:
+            m = members.get(unit.index)
+            if m is None:
                 rest.append(unit)
             else:
-                picked.append(row)
-        picked.sort(key=lambda r: (r[0], r[2].unit))  # a zero-byte slot shares its offset
+                picked.append(m)
+        picked.sort(key=_order)  # unit order is layout order (a zero-byte slot shares an offset)
         spans: list[Span] = []
         span: Span | None = None
-        for s_off, g_off, m in picked:
+        lo = end = shift = 0  # the open span's first byte and end in staging; dst - src
+        for m in picked:
             if (
                 span is not None
-                and s_off - span.src == g_off - span.dst
-                and 0 <= s_off - (span.src + span.nbytes) < ALIGN
-                and s_off + m.nbytes - span.src <= SPAN_MAX_BYTES
+                and m.dst - m.src == shift
+                and 0 <= m.src - end < ALIGN
+                and m.src + m.nbytes - lo <= SPAN_MAX_BYTES
             ):
-                rel = s_off - span.src
-                span.members.append(Member(m.unit, m.name, rel, m.nbytes, m.dtype, m.shape))
-                span.nbytes = rel + m.nbytes
+                span.members.append(m)
+                end = m.src + m.nbytes
+                span.nbytes = end - lo
                 continue
-            span = Span(s_off, g_off, m.nbytes, [m])
+            span = Span(m.src, m.dst, m.nbytes, [m])
             spans.append(span)
+            lo, end, shift = m.src, m.src + m.nbytes, m.dst - m.src
         return spans, rest
 
 
-def _float_runs(members: Sequence[Member]) -> list[tuple[torch.dtype, int, int]]:
+def _order(m: Member) -> tuple[int, int]:
+    return m.src, m.unit
+
+
+def _float_runs(span: Span) -> list[tuple[torch.dtype, int, int]]:
     """Maximal runs of consecutive floating, non-empty members of one dtype: ``(dtype, lo, hi)``
-    byte ranges of the span (padding between them included)."""
+    byte ranges relative to the span (padding between them included)."""
     runs: list[tuple[torch.dtype, int, int]] = []
-    for m in members:
-        if not m.dtype.is_floating_point or not m.nbytes:
+    base = span.src
+    for m in span.members:
+        if not m.nbytes or not m.dtype.is_floating_point:
             continue
-        if runs and runs[-1][0] == m.dtype and m.rel - runs[-1][2] < ALIGN:
-            runs[-1] = (m.dtype, runs[-1][1], m.rel + m.nbytes)
+        rel = m.src - base
+        if runs and runs[-1][0] == m.dtype and rel - runs[-1][2] < ALIGN:
+            runs[-1] = (m.dtype, runs[-1][1], rel + m.nbytes)
         else:
-            runs.append((m.dtype, m.rel, m.rel + m.nbytes))
+            runs.append((m.dtype, rel, rel + m.nbytes))
     return runs
 
 
@@ -136,12 +145,13 @@ def check_span(span: Span, src: torch.Tensor) -> None:
     """NonFiniteError naming the first member of ``span`` that holds NaN or Inf (``src``: the
     span's bytes in staging, uint8). One ``aminmax`` per run of one float dtype; a run that looks
     non-finite (a tensor, or the padding between two) is checked tensor by tensor."""
-    for dtype, lo, hi in _float_runs(span.members):
+    for dtype, lo, hi in _float_runs(span):
         if _finite(src[lo:hi].view(dtype)):
             continue
         for m in span.members:
-            inside = lo <= m.rel < hi and m.dtype == dtype and m.nbytes
-            if inside and not _finite(src[m.rel : m.rel + m.nbytes].view(dtype)):
+            rel = m.src - span.src
+            inside = lo <= rel < hi and m.dtype == dtype and m.nbytes
+            if inside and not _finite(src[rel : rel + m.nbytes].view(dtype)):
                 raise NonFiniteError(f"tensor {m.name!r} holds NaN or Inf; refusing to publish it")
 
 

@@ -428,6 +428,37 @@ class StepState:
             return name
         return None
 
+    def pieces_done(self, rank: int, ids: list[Any]) -> list[str]:
+        """PIECE_DONE: ``rank`` wrote each piece of ``ids`` whole into staging. Returns the tensors
+        that just completed. :meth:`piece_received` for each, in one pass (a batch names hundreds
+        of small pieces); the first refused id raises as it would there, after the ones before it."""
+        pieces, skipped = self.pieces, self.skipped
+        n, keys = len(pieces), []
+        bad = None
+        for pid in ids:
+            if type(pid) is not int or not 0 <= pid < n or pid in skipped or pieces[pid][0] != rank:
+                bad = pid  # refused below, once the ids before it are recorded
+                break
+            _, name, tid = pieces[pid]
+            keys.append((name, tid))
+        try:
+            nbytes, names = self.tracker.received_whole(keys)
+        except FrameError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=rank, step=self.step) from None
+        except CoverageError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
+        self.bytes_in += nbytes
+        complete, done = self.complete, []
+        for name in names:
+            if name not in complete:
+                complete.add(name)
+                done.append(name)
+        if done and len(complete) == len(self.tensors):
+            self.phases.all_received = time.monotonic()
+        if bad is not None:
+            self.piece(rank, bad)  # raises, naming what is wrong with it
+        return done
+
     def piece(self, rank: int, piece_id: int) -> tuple[str, int]:
         """(tensor name, tracker piece id) of wire piece ``piece_id``, which ``rank`` must own."""
         if type(piece_id) is int and 0 <= piece_id < len(self.pieces):

@@ -342,6 +342,33 @@ class CoverageTracker:
             return True
         return False
 
+    def received_whole(self, keys: Sequence[tuple[str, int]]) -> tuple[int, list[str]]:
+        """:meth:`received` of each whole piece ``(name, piece_id)`` of ``keys``, in order, in one
+        pass (a PIECE_DONE names hundreds of small pieces). Returns the bytes they hold and the
+        tensors they completed; the first refused one raises as :meth:`received` does, after the
+        ones before it were recorded."""
+        tensors, whole, blocks, pending = self._tensors, self._whole, self._blocks, self._pending
+        nbytes, done = 0, []
+        for key in keys:
+            name, pid = key
+            t = tensors.get(name)
+            if (
+                t is None
+                or key in whole
+                or key in blocks
+                or type(pid) is not int
+                or not 0 <= pid < len(t.pieces)
+            ):
+                self.received(name, pid)  # raises naming the problem, or records it the long way
+                t = tensors[name]
+            else:
+                whole.add(key)
+                pending[name] -= 1
+            nbytes += t.pieces[pid].numel * t.itemsize
+            if not pending[name]:
+                done.append(name)
+        return nbytes, done
+
     def _held(self, name: str, piece_id: int, piece: Piece) -> int:
         """Elements of a piece that arrived."""
         if (name, piece_id) in self._whole:

@@ -310,18 +310,12 @@ class Trainers:
                 rank=peer.rank,
                 step=state.step,
             )
-        ring = self.ctx.arenas.ring
-        complete = []  # submitted together: small passthroughs then travel as spans
-        try:
+        if self.ctx.arenas.ring is not None:
             for pid in ids:
-                if ring is not None:
-                    self.pipeline.check_granted(peer.rank, state.piece(peer.rank, pid)[0], state)
-                done = state.piece_received(peer.rank, pid)
-                if done:
-                    complete.append(done)
-        finally:  # what completed before a refused id still runs (the step fails on that id anyway)
-            if complete:
-                self.pipeline.tensors_complete(complete)
+                self.pipeline.check_granted(peer.rank, state.piece(peer.rank, pid)[0], state)
+        complete = state.pieces_done(peer.rank, ids)  # submitted together: small passthroughs as spans
+        if complete:
+            self.pipeline.tensors_complete(complete)
 
     def handle_shard(self, identity: bytes, msg: Message) -> None:
         peer, state = self._peer(identity), self._current(msg)
