@@ -147,3 +147,63 @@ def test_the_staging_writer_reuses_its_plan_and_copies_current_values(monkeypatc
     assert all(torch.equal(writer.arena.tensors()[n], t) for n, t in w.items())
     writer.close()
     assert writer._planned is None
+
+
+# ---- READY names a staging arena the rank mapped by its layout id
+
+
+def test_a_ready_names_a_mapped_arena_by_layout_id_and_a_new_layout_remaps(monkeypatch):
+    from sidecar.daemon.peers import Peer
+    from sidecar.daemon.trainers import staging_for
+    from sidecar.protocol.enums import PeerRole
+    from transport.wire import ProtocolError
+
+    opened = []
+
+    class Mapped(FakeStaging):
+        def __init__(self, handle):
+            super().__init__({})
+            self.name, self.closed = handle["name"], False
+            opened.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(local_mod, "open_any_arena", lambda handle, writable: Mapped(handle))
+    full = {"kind": "shm", "name": "refitd-x-staging", "size": 4096, "layout": [["w", "bfloat16", [4], 0, 8]]}
+    full["layout_id"] = "aaaa"
+    peer = Peer(b"id", PeerRole.TRAINER, 0.0, rank=0, local=True)
+    assert staging_for(peer, full) is full  # the first READY: the whole handle
+    peer.staging = ("refitd-x-staging", "aaaa")
+    short = staging_for(peer, full)
+    assert short == {"kind": "shm", "name": "refitd-x-staging", "layout_id": "aaaa"}
+
+    writer = local_mod.StagingWriter(pieces_mod.Link(send=None, keepalive=None, poll=None, heartbeat=None))
+    with pytest.raises(ProtocolError, match="without its layout, but this client has not mapped it"):
+        writer.open(short)
+    writer.open(full)
+    writer.open(short)  # the same arena and layout: nothing opened
+    assert len(opened) == 1 and not opened[0].closed
+    writer.open({**full, "layout_id": "bbbb", "layout": [["w", "bfloat16", [2, 2], 0, 8]]})  # re-carved
+    assert len(opened) == 2 and opened[0].closed
+    with pytest.raises(ProtocolError, match="has not mapped it"):
+        writer.open(short)  # the old layout's id: not what is mapped now
+
+
+def test_local_steps_get_the_layout_once_per_connection(daemons):
+    """The daemon sends the staging layout in the first READY on a connection; later steps name
+    the arena by layout id and the client keeps its mapping; a reconnected client gets it again."""
+    from sidecar.client import RefitClient
+
+    d = daemons(model_type="qwen3_moe", format="bf16", staging_bytes=1 << 20, publish_bytes=1 << 20)
+    w = {f"n.{i}.weight": torch.randn(8) for i in range(20)}
+    with RefitClient(d.endpoint, 0, 1, timeout=60) as client:
+        client.push_step(0, w)
+        arena = client._local.arena
+        trainer = next(p for p in d.daemon.peers.values() if p.rank == 0)
+        assert trainer.staging is not None and trainer.staging[0] == arena.name
+        client.push_step(1, w)
+        assert client._local.arena is arena and client._local._layout_id == trainer.staging[1]
+    with RefitClient(d.endpoint, 0, 1, timeout=60) as again:  # a new connection: the whole handle
+        again.push_step(2, w)
+        assert again._local.arena is not None

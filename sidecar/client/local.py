@@ -25,7 +25,7 @@ from sidecar.client import pieces as P
 from sidecar.client.pieces import Link, Piece
 from sidecar.ops.gcpause import gc_paused
 from transport.cuda_ipc import open_any_arena
-from transport.wire import Kind
+from transport.wire import Kind, ProtocolError
 
 #: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
 #: one torch call each
@@ -56,16 +56,29 @@ class StagingWriter:
         #: whole-step staging: (pieces, arena views, ids, batches) of the last step, reused by a
         #: step of the same pieces list with the same ids into the same views
         self._planned: tuple[list[Piece], Any, list[int], list[_Batch]] | None = None
+        self._layout_id: str | None = None  # the mapped arena's layout (READY's layout_id)
 
     def open(self, handle: dict) -> None:
-        """Map the arena READY names (again only when it is another one)."""
-        if self.arena is None or self.arena.name != handle.get("name"):
-            self.close()
-            self.arena = open_any_arena(handle, writable=True)
+        """Map the arena READY names (again only when it is another one, or carved another way:
+        its ``layout_id`` differs). A READY names an arena this client mapped by name and layout
+        id alone, without its layout."""
+        layout_id = handle.get("layout_id")
+        if self.arena is not None and self.arena.name == handle.get("name") and layout_id == self._layout_id:
+            return
+        if "layout" not in handle:
+            raise ProtocolError(
+                f"READY names staging arena {handle.get('name')!r} (layout {layout_id!r}) without its "
+                "layout, but this client has not mapped it: the daemon and the client disagree on the "
+                "protocol; run the same refitd version on both"
+            )
+        self.close()
+        self.arena = open_any_arena(handle, writable=True)
+        self._layout_id = layout_id
 
     def close(self) -> None:
         """Unmap the arena (a restarted daemon's segment is never written again); idempotent."""
         self._planned = None  # its views are of this arena
+        self._layout_id = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -12,11 +12,13 @@ over NIXL from a remote rank's registered memory (sidecar.daemon.pull). With a s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 
 from sidecar.config.settings import NodeRole
@@ -40,6 +42,15 @@ log = logging.getLogger("refitd.daemon")
 MAX_REMEMBERED_FAILURES = 8
 
 
+def staging_for(peer: Peer, handle: dict[str, Any]) -> dict[str, Any]:
+    """READY's ``staging`` for a local rank: the whole handle, or only its name and layout id
+    when a READY on this connection already gave the rank that very arena and layout (a step of
+    10,000 tensors otherwise packs, sends and decodes 10,000 layout rows every step)."""
+    if peer.staging == (handle["name"], handle["layout_id"]):
+        return {"kind": handle["kind"], "name": handle["name"], "layout_id": handle["layout_id"]}
+    return handle
+
+
 class Trainers:
     """Trainer requests (the loop routes them here), and the step's set-up up to READY."""
 
@@ -52,6 +63,7 @@ class Trainers:
         #: the last step's declarations, checked against the plan: a step whose ranks declare the
         #: same pieces takes them over (sidecar.daemon.step.Skeleton)
         self.skeleton: Skeleton | None = None
+        self._layout: tuple[Any, str] | None = None  # (the staging layout, its layout_id)
 
     def _peer(self, identity: bytes) -> Peer:
         return self.ctx.peers[identity]  # the loop checked it is a trainer rank
@@ -102,6 +114,7 @@ class Trainers:
                 f"(got {wire_type(host)}), local a bool (got {wire_type(asked_local)}): send them with those types"
             )
         local = asked_local and self.ctx.config.listen.startswith("ipc://")
+        known = self.ctx.peers.get(identity)  # every push says HELLO: the same connection
         self.ctx.peers[identity] = Peer(
             identity,
             PeerRole.TRAINER,
@@ -111,6 +124,7 @@ class Trainers:
             host=host,
             local=local,
             hello_seq=self.ctx.next_event(),
+            staging=known.staging if known is not None and known.local == local else None,
         )
         self.ctx.send(
             identity,
@@ -222,7 +236,7 @@ class Trainers:
         self.skeleton = state.skeleton_for(self.ctx.plan)
         state.phases.validate = time.monotonic() - t0
         state.target = self.ctx.arenas.claim_target(time.monotonic(), self.ctx.config.reader_timeout_s)
-        staging = self.ctx.arenas.staging.handle()
+        staging = self._staging_handle()
         ring = self.ctx.arenas.ring
         for rank, identity in state.peers.items():
             peer = self.ctx.peers.get(identity)
@@ -234,7 +248,7 @@ class Trainers:
             if skip := state.skipped_ids(rank):
                 fields["skip"] = skip  # pieces outside this node's share: the rank does not send them
             if peer is not None and peer.local:
-                fields["staging"] = staging
+                fields["staging"] = staging_for(peer, staging)
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
             elif peer is not None and ring is None:
                 fields.update(self.pulls.start(state, rank, identity, fields["pieces"]))
@@ -247,13 +261,23 @@ class Trainers:
                     for pid in fields["pieces"]
                     if pid not in state.skipped
                 ]
-            self.ctx.send(identity, Kind.READY, fields)
+            if self.ctx.send(identity, Kind.READY, fields) and "layout" in fields.get("staging", ()):
+                peer.staging = (staging["name"], staging["layout_id"])  # it maps this one now
         state.ready_sent = True
         if ring is not None:
             self.pipeline.start_ring(state, ring)
         zero = [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]
         if zero:
             self.pipeline.tensors_complete(zero)  # zero-byte tensors complete at once
+
+    def _staging_handle(self) -> dict[str, Any]:
+        """The staging arena's handle with a ``layout_id`` (a digest of its layout, made once per
+        layout): a READY names an arena the rank already mapped by it (:func:`staging_for`)."""
+        arena = self.ctx.arenas.staging
+        if self._layout is None or self._layout[0] is not arena.layout:
+            rows = msgpack.packb(arena.layout.to_wire(), use_bin_type=True)
+            self._layout = (arena.layout, hashlib.blake2b(rows, digest_size=8).hexdigest())
+        return {**arena.handle(), "layout_id": self._layout[1]}
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}
