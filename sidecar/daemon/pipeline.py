@@ -23,7 +23,7 @@ from sidecar.daemon.spans import Span, SpanTable
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.observers import notify
-from sidecar.plan.build import Unit
+from sidecar.plan.build import RefitPlan, Unit
 from transport.wire import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +42,7 @@ class Pipeline:
         self.ctx = ctx
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
         self._spans: SpanTable | None = None  # made once per plan and layouts
+        self._sole: tuple[RefitPlan, dict[str, Unit]] | None = None  # see _sole_units
         self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
 
     # ---- inputs complete: units run
@@ -53,12 +54,18 @@ class Pipeline:
         """Inputs ``names`` just completed (a PIECE_DONE batch, say): submit the units they make
         ready. Small passthroughs go to the worker as byte spans (sidecar.daemon.spans)."""
         ctx = self.ctx
-        state, ring = ctx.step, ctx.arenas.ring
+        state, ring, plan = ctx.step, ctx.arenas.ring, ctx.plan
         units = []
+        sole, submitted = self._sole_units(plan), state.units_submitted
         for name in names:
             if ring is not None:
                 ring.tensor_complete(name)
-            units += state.ready_units(ctx.plan, name)
+            unit = sole.get(name)
+            if unit is None:
+                units += state.ready_units(plan, name)
+            elif unit.index not in submitted:  # its only input just completed: it is ready
+                submitted.add(unit.index)
+                units.append(unit)
         if not units:
             return
         if state.target is None:
@@ -76,6 +83,18 @@ class Pipeline:
                 self._submit_spans(spans)
         for unit in units:
             self.submit(unit)
+
+    def _sole_units(self, plan: RefitPlan) -> dict[str, Unit]:
+        """Inputs read by one unit that reads nothing else (every passthrough): ready the moment
+        that input completes, without asking StepState.ready_units. Made once per plan."""
+        if self._sole is None or self._sole[0] is not plan:
+            sole = {}
+            for inp in plan.inputs:
+                units = plan.units_for_input(inp.name)
+                if len(units) == 1 and units[0].inputs == (inp.name,):
+                    sole[inp.name] = units[0]
+            self._sole = (plan, sole)
+        return self._sole[1]
 
     def _span_table(self) -> SpanTable:
         ctx = self.ctx

@@ -433,16 +433,19 @@ class StepState:
         that just completed. :meth:`piece_received` for each, in one pass (a batch names hundreds
         of small pieces); the first refused id raises as it would there, after the ones before it."""
         pieces, skipped = self.pieces, self.skipped
-        n, keys = len(pieces), []
+        n, rows = len(pieces), []
         bad = None
         for pid in ids:
-            if type(pid) is not int or not 0 <= pid < n or pid in skipped or pieces[pid][0] != rank:
+            if type(pid) is not int or not 0 <= pid < n or pid in skipped:
                 bad = pid  # refused below, once the ids before it are recorded
                 break
-            _, name, tid = pieces[pid]
-            keys.append((name, tid))
+            row = pieces[pid]
+            if row[0] != rank:
+                bad = pid
+                break
+            rows.append(row)
         try:
-            nbytes, names = self.tracker.received_whole(keys)
+            nbytes, names = self.tracker.received_whole(rows)
         except FrameError as exc:
             raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=rank, step=self.step) from None
         except CoverageError as exc:

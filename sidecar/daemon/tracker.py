@@ -342,15 +342,16 @@ class CoverageTracker:
             return True
         return False
 
-    def received_whole(self, keys: Sequence[tuple[str, int]]) -> tuple[int, list[str]]:
-        """:meth:`received` of each whole piece ``(name, piece_id)`` of ``keys``, in order, in one
-        pass (a PIECE_DONE names hundreds of small pieces). Returns the bytes they hold and the
-        tensors they completed; the first refused one raises as :meth:`received` does, after the
-        ones before it were recorded."""
+    def received_whole(self, rows: Iterable[tuple[Any, str, int]]) -> tuple[int, list[str]]:
+        """:meth:`received` of each whole piece of ``rows``, in order, in one pass (a PIECE_DONE
+        names hundreds of small pieces); a row's last two fields are the tensor's name and the
+        piece id (``StepState.pieces`` rows: ``(rank, name, piece id)``). Returns the bytes they
+        hold and the tensors they completed; the first refused one raises as :meth:`received`
+        does, after the ones before it were recorded."""
         tensors, whole, blocks, pending = self._tensors, self._whole, self._blocks, self._pending
         nbytes, done = 0, []
-        for key in keys:
-            name, pid = key
+        for _, name, pid in rows:
+            key = (name, pid)
             t = tensors.get(name)
             if (
                 t is None
