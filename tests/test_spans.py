@@ -75,6 +75,7 @@ def test_spans_merge_consecutive_passthroughs_and_stop_at_a_quantized_unit():
         for m in s.members:
             assert staging.slots[m.name].offset == m.src and outputs.slots[m.name].offset == m.dst
             assert m.src - s.src == m.dst - s.dst < s.nbytes or m.nbytes == 0
+        assert s.units == [m.unit for m in s.members]
     assert table.fits(plan, staging, outputs)
     assert not table.fits(plan, *layouts(plan))  # other layout objects: a new table
 

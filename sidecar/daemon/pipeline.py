@@ -43,6 +43,7 @@ class Pipeline:
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
         self._spans: SpanTable | None = None  # made once per plan and layouts
         self._sole: tuple[RefitPlan, dict[str, Unit]] | None = None  # see _sole_units
+        self._bytes_out: tuple[RefitPlan, int] | None = None  # the plan's, summed once
         self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
 
     # ---- inputs complete: units run
@@ -225,11 +226,14 @@ class Pipeline:
             return
         state.phases.published = time.monotonic()
         phases = state.phases.seconds()
+        if self._bytes_out is None or self._bytes_out[0] is not plan:  # a sum over every output
+            self._bytes_out = (plan, plan.bytes_out)
+        bytes_out = self._bytes_out[1]
         record: dict[str, Any] = {
             "step": state.step,
             "generation": state.target.index,
             "bytes_in": state.bytes_in,
-            "bytes_out": plan.bytes_out,
+            "bytes_out": bytes_out,
             "seconds": {k: round(v, 6) for k, v in phases.items()},
         }
         if self.forwarding is not None:  # what each inference node held as this step went live
@@ -246,7 +250,7 @@ class Pipeline:
             phases["publish"],
             phases["total"],
             state.bytes_in,
-            plan.bytes_out,
+            bytes_out,
             extra={"step": state.step, "phase": "publish", "record": record},
         )
         ctx.publish(state.target, record, state, list(state.peers.values()))

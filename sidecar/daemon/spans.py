@@ -20,6 +20,7 @@ holding NaN or Inf fails the step, by name, exactly as one-by-one units do.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -57,10 +58,7 @@ class Span:
     dst: int
     nbytes: int
     members: list[Member]
-
-    @property
-    def units(self) -> tuple[int, ...]:
-        return tuple(m.unit for m in self.members)
+    units: list[int]  # the members' units, in order
 
 
 class SpanTable:
@@ -95,7 +93,7 @@ class SpanTable:
                 rest.append(unit)
             else:
                 picked.append(m)
-        picked.sort(key=_order)  # unit order is layout order (a zero-byte slot shares an offset)
+        picked.sort(key=_ORDER)  # unit order is layout order (a zero-byte slot shares an offset)
         spans: list[Span] = []
         span: Span | None = None
         lo = end = shift = 0  # the open span's first byte and end in staging; dst - src
@@ -107,17 +105,17 @@ class SpanTable:
                 and m.src + m.nbytes - lo <= SPAN_MAX_BYTES
             ):
                 span.members.append(m)
+                span.units.append(m.unit)
                 end = m.src + m.nbytes
                 span.nbytes = end - lo
                 continue
-            span = Span(m.src, m.dst, m.nbytes, [m])
+            span = Span(m.src, m.dst, m.nbytes, [m], [m.unit])
             spans.append(span)
             lo, end, shift = m.src, m.src + m.nbytes, m.dst - m.src
         return spans, rest
 
 
-def _order(m: Member) -> tuple[int, int]:
-    return m.src, m.unit
+_ORDER = operator.attrgetter("src", "unit")
 
 
 def _float_runs(span: Span) -> list[tuple[torch.dtype, int, int]]:

@@ -406,6 +406,8 @@ class CoverageTracker:
         """One line per declared piece still missing elements (of ``rank``, or of every rank), by rank,
         e.g. for a stall report."""
         rows = []
+        if not any(self._pending.values()):  # the usual question at COMMIT: every piece is in
+            return []
         for name, t in self._tensors.items():
             if not self._pending.get(name):
                 continue

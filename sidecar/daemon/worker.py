@@ -11,6 +11,7 @@ to synchronize anyway), before any of those units is reported done.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -159,7 +160,7 @@ class QuantWorker:
     def submit_spans(self, step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]]) -> None:
         """Queue the units of ``spans`` (each ``(span, staging bytes, generation bytes)``, views the
         serve loop made) as one job: one result (``Done.units``) reports them all."""
-        units = tuple(u for span, _, _ in spans for u in span.units)
+        units = tuple(itertools.chain.from_iterable(span.units for span, _, _ in spans))
         if units:
             self.inflight += 1
             self._jobs.put(SpanJob(step, spans, units))
