@@ -53,7 +53,7 @@ def test_the_same_tensors_reuse_the_pieces_and_rows():
 @pytest.mark.parametrize("change", ["new object", "renamed", "reordered", "reshaped", "retyped", "dropped"])
 def test_anything_else_rebuilds_them(change):
     cache, w = StepPieces(), weights()
-    pieces, _ = cache.of(w)
+    pieces, rows = cache.of(w)
     if change == "new object":
         w["b"] = w["b"].clone()
     elif change == "renamed":
@@ -72,6 +72,7 @@ def test_anything_else_rebuilds_them(change):
     assert rows_again == packed_rows(again)
     if change in ("new object", "reshaped", "retyped"):
         assert next(p for p in again if p.name == "b").tensor is w["b"]
+    assert (rows_again is rows) is (change == "new object")  # the same rows: the same bytes
 
 
 def test_steps_with_shards_are_never_cached_and_bad_input_still_raises():
