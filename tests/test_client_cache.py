@@ -139,6 +139,20 @@ def test_the_staging_writer_reuses_its_plan_and_copies_current_values(monkeypatc
     assert writer._planned is plan
     assert all(torch.equal(staged[n], t) for n, t in w.items())
 
+    fresh = {n: t.clone() for n, t in w.items()}  # other tensor objects, the same places
+    fresh["a"].add_(5)
+    fresh_pieces, _ = StepPieces().of(fresh)
+    writer.write_step(1, fresh_pieces, list(ids), {}, float("inf"))
+    assert writer._planned is not plan and writer._planned[3][0].regions is plan[3][0].regions
+    assert all(torch.equal(staged[n], t) for n, t in fresh.items())
+    plan = writer._planned
+    moved = dict(fresh)
+    moved["b"] = torch.randn(7).bfloat16()  # another dtype: planned again
+    writer.write_step(1, StepPieces().of(moved)[0], list(ids), {}, float("inf"))
+    assert writer._planned[3][0].regions is not plan[3][0].regions
+    writer.write_step(1, pieces, list(ids), {}, float("inf"))
+    plan = writer._planned
+
     writer.write_step(2, pieces, ids[::-1], {}, float("inf"))
     assert writer._planned is not plan and sent[-3:] == [[15, 14], [13, 12], [11, 10]]
     plan = writer._planned

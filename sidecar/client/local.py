@@ -42,6 +42,42 @@ class _Batch:
     big: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (region, src)
     last: torch.Tensor | None = None  # the last region written (on a GPU: synchronized first)
     nbytes: int = 0
+    small_at: list[int] = field(default_factory=list)  # the pieces of ``srcs``, by position
+    big_at: list[int] = field(default_factory=list)  # the pieces of ``big``, by position
+
+    def with_sources(self, pieces: list[Piece]) -> _Batch:
+        """The same copies from ``pieces`` (in the places of the pieces this batch was planned
+        for: :func:`_same_places`)."""
+        return _Batch(
+            self.ids,
+            self.regions,
+            [pieces[i].tensor for i in self.small_at],
+            [(region, pieces[i].tensor) for (region, _), i in zip(self.big, self.big_at)],
+            self.last,
+            self.nbytes,
+            self.small_at,
+            self.big_at,
+        )
+
+
+def _same_places(old: list[Piece], new: list[Piece]) -> bool:
+    """Whether ``new`` pieces go exactly where ``old`` ones went, copied the same way: the same
+    names, offsets, global shapes, and tensors of the same shapes, dtypes and devices."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new):
+        ta, tb = a.tensor, b.tensor
+        if (
+            a.name != b.name
+            or a.whole != b.whole
+            or a.offsets != b.offsets
+            or a.global_shape != b.global_shape
+            or ta.shape != tb.shape
+            or ta.dtype != tb.dtype
+            or ta.get_device() != tb.get_device()
+        ):
+            return False
+    return True
 
 
 class StagingWriter:
@@ -92,7 +128,15 @@ class StagingWriter:
         planned = self._planned
         if planned is None or planned[0] is not pieces or planned[1] is not views or planned[2] != ids:
             with gc_paused():  # many small objects (views, lists): no collections meanwhile
-                batches = self._plan((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
+                if (
+                    planned is not None
+                    and planned[1] is views
+                    and planned[2] == ids
+                    and _same_places(planned[0], pieces)
+                ):  # other tensor objects in the same places (a fresh state_dict()): new sources only
+                    batches = [batch.with_sources(pieces) for batch in planned[3]]
+                else:
+                    batches = self._plan((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
             # the same pieces (client.StepPieces) into the same arena next step: the same copies
             self._planned = planned = (pieces, views, list(ids), batches)
         with gc_paused(), self._copy_stream():
@@ -143,7 +187,7 @@ class StagingWriter:
         device = getattr(self.arena, "device", -1)  # shm: the CPU, which get_device() calls -1
         if not isinstance(device, int):
             device = -1
-        for piece, pid, full in dests:
+        for at, (piece, pid, full) in enumerate(dests):
             src = piece.tensor
             nbytes = src.nbytes
             if piece.whole and full.shape == src.shape:
@@ -156,8 +200,10 @@ class StagingWriter:
             if same and nbytes <= FOREACH_COPY_BYTES:
                 batch.regions.append(region)
                 batch.srcs.append(src)
+                batch.small_at.append(at)
             else:
                 batch.big.append((region, src))
+                batch.big_at.append(at)
             batch.ids.append(pid)
             batch.last = region
             batch.nbytes += nbytes

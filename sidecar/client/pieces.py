@@ -125,19 +125,22 @@ class StepPieces:
 
     def of(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[list[Piece], bytes]:
         """``(pieces(named_tensors), packed_rows(...))``, the last ones while the tensors are the same."""
+        with gc_paused():  # ``items`` alone is a tuple per tensor: no collections meanwhile
+            return self._of(named_tensors)
+
+    def _of(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[list[Piece], bytes]:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         with self._lock:
             key = self._key
             if key is not None and len(key) == len(items) and _same_tensors(items, key):
                 return self._pieces, self._rows
-        with gc_paused():
-            made = _pieces_of(items)
-            whole = len(made) == len(items) and all(p.whole for p in made)
-            new = [(n, t, t.shape, t.dtype) for n, t in items] if whole else None
-            # other tensor objects of the same names, shapes and dtypes (a fresh state_dict() each
-            # step): the same rows, so the same bytes (the daemon compares them with the last step's)
-            same_rows = new is not None and key is not None and _same_rows(new, key)
-            rows = self._rows if same_rows else packed_rows(made)
+        made = _pieces_of(items)
+        whole = len(made) == len(items) and all(p.whole for p in made)
+        new = [(n, t, t.shape, t.dtype) for n, t in items] if whole else None
+        # other tensor objects of the same names, shapes and dtypes (a fresh state_dict() each
+        # step): the same rows, so the same bytes (the daemon compares them with the last step's)
+        same_rows = new is not None and key is not None and _same_rows(new, key)
+        rows = self._rows if same_rows else packed_rows(made)
         with self._lock:
             self._key, self._pieces, self._rows = new, made, rows
         return made, rows
