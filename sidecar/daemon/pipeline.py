@@ -20,6 +20,7 @@ import torch
 
 from sidecar.config.settings import ArenaKind
 from sidecar.daemon.spans import Span, SpanTable
+from sidecar.daemon.worker import Done, run_spans
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.observers import notify
@@ -33,6 +34,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.forward.sender import Forwarding
 
 log = logging.getLogger("refitd.daemon")
+
+#: spans of at most this many bytes in all (in shared memory) are checked and copied on the serve
+#: loop itself: handing them to the worker (a queue, GIL hand-offs with this busy thread, a wake-up,
+#: a drain) costs more than the copy, and kept the step's tail waiting on the worker
+INLINE_SPAN_BYTES = 1 << 20
 
 
 class Pipeline:
@@ -111,7 +117,10 @@ class Pipeline:
             state.phases.quant_start = time.monotonic()
         src, dst = self._bytes_of(self.ctx.arenas.staging), self._bytes_of(state.target.arena)
         views = [(s, src[s.src : s.src + s.nbytes], dst[s.dst : s.dst + s.nbytes]) for s in spans]
-        self.ctx.worker.submit_spans(state.step, views)
+        if self.ctx.arenas.kind is ArenaKind.SHM and sum(s.nbytes for s in spans) <= INLINE_SPAN_BYTES:
+            self._unit_done(run_spans(state.step, views))  # no worker round trip for a few KiB
+        else:
+            self.ctx.worker.submit_spans(state.step, views)
 
     def _bytes_of(self, arena: Any) -> torch.Tensor:
         """All of ``arena`` as one uint8 tensor, made once per arena (spans are slices of it)."""
@@ -192,32 +201,38 @@ class Pipeline:
             except queue.Empty:
                 break
             worker.inflight -= 1
-            state = ctx.step
-            if state is None or done.step != state.step or done.skipped:
-                continue  # a unit of a step that already failed
-            state.phases.quant_busy += done.seconds
-            units = done.units or (done.unit,)
-            share = done.seconds / len(units)
-            for k, unit in enumerate(units):
-                notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
-            if done.error is not None:
-                kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
-                if not isinstance(done.error, ValueError):
-                    kind = ErrorKind.INTERNAL
-                ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
-                continue
-            state.units_done.update(units)
-            if ctx.arenas.ring is not None:
-                try:
-                    self.grant(ctx.arenas.ring.unit_done(done.unit))
-                except ValueError as exc:
-                    ctx.fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
-                    continue
-            if len(state.units_done) == len(ctx.plan.units):
-                state.phases.quant_end = time.monotonic()
-            self.maybe_publish()
+            self._unit_done(done)
         if ctx.step is None and worker.inflight == 0:
             ctx.start_pending()
+
+    def _unit_done(self, done: Done) -> None:
+        """A result of the worker (or of spans run on the loop): record it, fail the step on its
+        error, publish once the step is sealed."""
+        ctx = self.ctx
+        state = ctx.step
+        if state is None or done.step != state.step or done.skipped:
+            return  # a unit of a step that already failed
+        state.phases.quant_busy += done.seconds
+        units = done.units or (done.unit,)
+        share = done.seconds / len(units)
+        for k, unit in enumerate(units):
+            notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
+        if done.error is not None:
+            kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
+            if not isinstance(done.error, ValueError):
+                kind = ErrorKind.INTERNAL
+            ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
+            return
+        state.units_done.update(units)
+        if ctx.arenas.ring is not None:
+            try:
+                self.grant(ctx.arenas.ring.unit_done(done.unit))
+            except ValueError as exc:
+                ctx.fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
+                return
+        if len(state.units_done) == len(ctx.plan.units):
+            state.phases.quant_end = time.monotonic()
+        self.maybe_publish()
 
     def maybe_publish(self) -> None:
         ctx = self.ctx

@@ -33,8 +33,10 @@ from transport.shm import ALIGN, Layout
 #: passthrough units of at most this many bytes go into spans (larger ones run on their own, so
 #: the worker's progress stays visible at tensor granularity where a tensor is big)
 SPAN_UNIT_BYTES = 256 << 10
-#: a span ends after this many bytes (one job's copy; the serve loop hears of it when it is done)
-SPAN_MAX_BYTES = 8 << 20
+#: a span ends after this many bytes: its check and copy then stay under torch's parallel grain
+#: (32,768 elements), where a 2-thread OpenMP region on a busy 2-core machine cost 0.5-8 ms per
+#: call instead of microseconds (measured: aminmax of 64k bf16, 15 us on one thread)
+SPAN_MAX_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,4 +165,7 @@ def run_span(span: Span, src: torch.Tensor, dst: torch.Tensor) -> None:
             f"{dst.numel()} ({dst.dtype}) bytes: give uint8 views of exactly the span"
         )
     check_span(span, src)
-    dst.copy_(src)
+    wide = next(
+        d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if not span.nbytes % d.itemsize
+    )
+    dst.view(wide).copy_(src.view(wide))  # the same bytes, in fewer elements

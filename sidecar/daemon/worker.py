@@ -233,22 +233,12 @@ class QuantWorker:
             return step in self._cancelled
 
     def _run_spans(self, job: SpanJob) -> None:
-        """Check and copy every span of ``job``; one result for all its units (the first error
-        fails them all: the step fails on it anyway)."""
-        skip = self._skipped(job.step)
-        t0 = time.monotonic()
-        error = None
-        if not skip:
-            try:
-                with torch.no_grad():  # not inference_mode: see _run_one
-                    for span, src, dst in job.spans:
-                        run_span(span, src, dst)
-            except Exception as exc:  # reported to the serve loop, which fails the step
-                error = exc
-                if not isinstance(exc, (ValueError, NonFiniteError)):
-                    log.exception("a span of %d units of step %d failed", len(job.units), job.step)
-        done = Done(job.step, job.units[0], time.monotonic() - t0, error, skip, t0, units=job.units)
-        self._unreported.append(done)
+        """Check and copy every span of ``job``; one result for all its units."""
+        if self._skipped(job.step):
+            now = time.monotonic()
+            self._unreported.append(Done(job.step, job.units[0], 0.0, None, True, now, units=job.units))
+        else:
+            self._unreported.append(run_spans(job.step, job.spans, job.units))
 
     def _run_one(self, job: tuple | SpanJob) -> None:
         if isinstance(job, SpanJob):
@@ -302,6 +292,27 @@ class QuantWorker:
         for k, unit in enumerate(units):
             self._unreported.append(Done(step, unit.index, share, None, False, t0 + k * share))
         return True
+
+
+def run_spans(
+    step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]], units: tuple[int, ...] | None = None
+) -> Done:
+    """Check and copy every ``(span, staging bytes, generation bytes)``: one result for all their
+    units (the first error fails them all: the step fails on it anyway). The worker runs span jobs
+    with it, and the serve loop small ones itself."""
+    if units is None:
+        units = tuple(itertools.chain.from_iterable(span.units for span, _, _ in spans))
+    t0 = time.monotonic()
+    error = None
+    try:
+        with torch.no_grad():  # not inference_mode: see QuantWorker._run_one
+            for span, src, dst in spans:
+                run_span(span, src, dst)
+    except Exception as exc:  # reported to the serve loop, which fails the step
+        error = exc
+        if not isinstance(exc, (ValueError, NonFiniteError)):
+            log.exception("a span of %d units of step %d failed", len(units), step)
+    return Done(step, units[0], time.monotonic() - t0, error, False, t0, units=units)
 
 
 def _inputs_of(unit: Unit, tensors: dict) -> list[torch.Tensor]:
