@@ -261,3 +261,28 @@ def test_a_local_step_of_many_small_tensors_publishes_byte_exact_and_names_a_nan
         got = reader.wait(min_step=2, timeout=30)
         assert all(torch.equal(got.tensors[n], t) for n, t in sent.items())
         reader.release(got)
+
+
+@pytest.mark.parametrize("bad", [None, 0, 3, 5])
+def test_a_span_of_one_dtype_is_checked_in_one_run_and_still_names_the_tensor(bad):
+    specs = [TensorSpec(f"u.{i}", torch.bfloat16, (0,) if i == 2 else (3 + i,)) for i in range(6)]
+    plan = plan_of(specs, fmt="bf16")
+    staging, outputs, src, dst = arenas_for(plan)
+    (span,), rest = SpanTable(plan, staging, outputs).spans(plan.units)
+    assert (
+        not rest
+        and span.dtype == torch.bfloat16
+        and spans_mod._float_runs(span) == [(torch.bfloat16, 0, span.nbytes)]
+    )
+    if bad is not None:
+        slot = staging.slots[f"u.{bad}"]
+        src[slot.offset : slot.offset + 2].view(torch.bfloat16)[0] = float("nan")
+        with pytest.raises(NonFiniteError, match=f"'u.{bad}' holds NaN or Inf"):
+            run_all([span], src, dst)
+        return
+    last = staging.slots["u.5"]
+    src[last.offset - 2 : last.offset].view(torch.bfloat16)[0] = float("inf")  # padding before u.5
+    run_all([span], src, dst)
+    for slot in staging:
+        o = outputs.slots[slot.name]
+        assert torch.equal(dst[o.offset : o.offset + o.nbytes], src[slot.offset : slot.offset + slot.nbytes])

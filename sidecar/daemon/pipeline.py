@@ -215,7 +215,7 @@ class Pipeline:
         state.phases.quant_busy += done.seconds
         units = done.units or (done.unit,)
         share = done.seconds / len(units)
-        for k, unit in enumerate(units):
+        for k, unit in enumerate(units if ctx.observers else ()):
             notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
         if done.error is not None:
             kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID

@@ -61,6 +61,7 @@ class Span:
     nbytes: int
     members: list[Member]
     units: list[int]  # the members' units, in order
+    dtype: torch.dtype | None  # every member's dtype when they share one (None: mixed)
 
 
 class SpanTable:
@@ -108,10 +109,12 @@ class SpanTable:
             ):
                 span.members.append(m)
                 span.units.append(m.unit)
+                if m.dtype != span.dtype:
+                    span.dtype = None
                 end = m.src + m.nbytes
                 span.nbytes = end - lo
                 continue
-            span = Span(m.src, m.dst, m.nbytes, [m], [m.unit])
+            span = Span(m.src, m.dst, m.nbytes, [m], [m.unit], m.dtype)
             spans.append(span)
             lo, end, shift = m.src, m.src + m.nbytes, m.dst - m.src
         return spans, rest
@@ -123,6 +126,8 @@ _ORDER = operator.attrgetter("src", "unit")
 def _float_runs(span: Span) -> list[tuple[torch.dtype, int, int]]:
     """Maximal runs of consecutive floating, non-empty members of one dtype: ``(dtype, lo, hi)``
     byte ranges relative to the span (padding between them included)."""
+    if span.dtype is not None:  # the usual span: one run, whatever zero-byte members it holds
+        return [(span.dtype, 0, span.nbytes)] if span.dtype.is_floating_point and span.nbytes else []
     runs: list[tuple[torch.dtype, int, int]] = []
     base = span.src
     for m in span.members:
