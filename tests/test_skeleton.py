@@ -67,7 +67,9 @@ def test_the_same_begins_take_the_skeleton_over_with_arrivals_of_their_own():
     assert second.tracker is not first.tracker
     assert not second.tracker.tensor_complete("t.0.weight")  # nothing arrived in this step yet
     assert second.tracker.incomplete(1)  # every piece of rank 1 still missing
+    assert second.tracker.complete() == []
     assert receive_all(second) == [f"t.{i}.weight" for i in range(N)]
+    assert second.tracker.complete() == [f"t.{i}.weight" for i in range(N)]
     assert second.bytes_in == first.bytes_in == N * 8 * 4 * 2
     with pytest.raises(RefitError, match="already arrived") as err:
         second.piece_received(0, second.piece_ids(0)[0])  # said twice: refused as ever

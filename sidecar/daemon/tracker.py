@@ -402,6 +402,10 @@ class CoverageTracker:
         """
         return self._pending.get(name) == 0
 
+    def complete(self) -> list[str]:
+        """The tensors whose every declared piece holds all its elements, in declaration order."""
+        return [name for name, left in self._pending.items() if not left]
+
     def incomplete(self, rank: int | None = None) -> list[str]:
         """One line per declared piece still missing elements (of ``rank``, or of every rank), by rank,
         e.g. for a stall report."""

@@ -266,7 +266,7 @@ class Trainers:
         state.ready_sent = True
         if ring is not None:
             self.pipeline.start_ring(state, ring)
-        zero = [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]
+        zero = state.tracker.complete()  # before any data: nothing, unless a tensor needs none
         if zero:
             self.pipeline.tensors_complete(zero)  # zero-byte tensors complete at once
 
