@@ -222,8 +222,9 @@ def test_batches_keep_a_span_job_alone():
 
 def test_a_local_step_of_many_small_tensors_publishes_byte_exact_and_names_a_nan(daemons):
     """A local rank pushes 1,500 small tensors of mixed dtypes (three PIECE_DONE batches: spans of
-    several hundred units each): the generation holds every byte. A NaN in one of them fails the
-    step naming it; the next step publishes again."""
+    several hundred units each) and a large one: the generation holds every byte. A NaN in one of
+    the small ones fails the step naming it (the span runs on the serve loop; the large tensor's
+    unit, due after it, is then never submitted); the next step publishes again."""
     from adapters.base import RefitReader
     from sidecar.client import RefitClient
     from sidecar.errors import ErrorKind, RefitError
@@ -238,6 +239,8 @@ def test_a_local_step_of_many_small_tensors_publishes_byte_exact_and_names_a_nan
             dtype, shape = dtypes[i % 4], (1 + i % 7, 3 + i % 5)
             t = torch.randn(shape, generator=gen) * (step + 1)
             out[f"small.{i}.weight"] = t.to(dtype) if dtype.is_floating_point else (t * 100).to(dtype)
+        # over SPAN_UNIT_BYTES: a unit of its own, submitted after the spans of its PIECE_DONE batch
+        out["big.weight"] = torch.randn(spans_mod.SPAN_UNIT_BYTES, generator=gen).bfloat16()
         return out
 
     with RefitClient(d.endpoint, 0, 1, timeout=60) as client, RefitReader(d.endpoint, name="t") as reader:

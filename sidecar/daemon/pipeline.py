@@ -84,10 +84,13 @@ class Pipeline:
         """Submit ``units`` (their target generation is claimed): small passthroughs as spans when
         the whole step is staged (not a ring), the rest one by one."""
         ctx = self.ctx
+        state = ctx.step
         if ctx.arenas.ring is None and len(units) > 1:
             spans, units = self._span_table().spans(units)
             if spans:
                 self._submit_spans(spans)
+                if ctx.step is not state:  # a span run on the loop failed the step: nothing more of it
+                    return
         for unit in units:
             self.submit(unit)
 
