@@ -36,6 +36,7 @@ from adapters.reference import ReferenceEngine
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.cli.keygen import client_curve, write_keypair
 from sidecar.client.client import DaemonRestarted, RefitClient, Shard
+from sidecar.daemon.step import begin_rows
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.run import convert
@@ -330,7 +331,8 @@ class ScriptedDaemon:
                 welcome = dict(local=False, heartbeat_interval_s=0.2, rank_timeout_s=30, credit_frames=64)
                 self.send(identity, Kind.WELCOME, welcome)
             elif msg.kind is Kind.BEGIN:
-                self.send(identity, Kind.READY, {"step": step, "pieces": list(range(len(msg.get("pieces"))))})
+                rows = begin_rows(0, msg.get("pieces"))  # packed by the client
+                self.send(identity, Kind.READY, {"step": step, "pieces": list(range(len(rows)))})
                 self.send(identity, Kind.CREDIT, {"step": step, "frames": 64})
             elif msg.kind is Kind.SHARD and not refused:
                 refused, self.instance = True, self.second

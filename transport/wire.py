@@ -31,7 +31,7 @@ import msgpack
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BEGIN's pieces may be msgpack bytes of the rows (sidecar.daemon.step)
 
 
 class Kind(enum.IntEnum):

@@ -45,7 +45,7 @@ import zmq
 
 from sidecar.cli.keygen import curve_hint, set_client
 from sidecar.client.local import StagingWriter
-from sidecar.client.pieces import Link, Piece, Shard, StepResult, host_copy, pieces
+from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows
 from sidecar.client.remote import RemoteSender
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
@@ -99,6 +99,7 @@ class RefitClient:
         self._closed = False
         self.mover = mover
         self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
+        self._step_pieces = StepPieces()  # the last step's pieces and BEGIN rows, while unchanged
         # the two data paths, given a narrow view of this connection (worker thread only)
         link = Link(send=self._send, keepalive=self._keepalive, poll=self._poll, heartbeat=self._heartbeat)
         self._local = StagingWriter(link)
@@ -172,14 +173,14 @@ class RefitClient:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        rows = pieces(named_tensors)
+        rows, packed = self._step_pieces.of(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         # on the caller's thread: its current streams hold the work that wrote the tensors
         ready = [
             torch.cuda.current_stream(d).record_event()
             for d in {p.tensor.device for p in rows if p.tensor.is_cuda}
         ]
-        return self._executor.submit(self._push, step, rows, deadline, committed, loaded, ready)
+        return self._executor.submit(self._push, step, rows, deadline, committed, loaded, ready, packed)
 
     def _close_on_worker(self) -> None:
         self._remote.close()
@@ -252,12 +253,17 @@ class RefitClient:
         committed: threading.Event,
         loaded: bool = False,
         ready: list | None = None,
+        packed: bytes | None = None,
     ) -> StepResult:
         try:
             self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
             self._hello(step, deadline)
-            with gc_paused():
-                begin = {"step": step, "rank": self.rank, "pieces": [p.wire() for p in pieces]}
+            # the rows packed once (StepPieces): the daemon compares them with the last step's
+            begin = {
+                "step": step,
+                "rank": self.rank,
+                "pieces": packed_rows(pieces) if packed is None else packed,
+            }
             srcs, reg, why = None, None, ""
             if not self._welcome.get("local"):
                 for event in self._local.ready_events:  # the trainer's writes land before reading to host

@@ -17,19 +17,68 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sidecar.client import pieces as P
-from sidecar.client.pieces import Link, Piece, copy_all
+from sidecar.client.pieces import Link, Piece
 from sidecar.ops.gcpause import gc_paused
 from transport.cuda_ipc import open_any_arena
-from transport.wire import Kind
+from transport.wire import Kind, ProtocolError
 
 #: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
 #: one torch call each
 FOREACH_COPY_BYTES = 256 << 10
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The copies before one PIECE_DONE: small ones in one foreach copy, the others one by one."""
+
+    ids: list[int] = field(default_factory=list)
+    regions: list[torch.Tensor] = field(default_factory=list)  # small: torch._foreach_copy_
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    big: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (region, src)
+    last: torch.Tensor | None = None  # the last region written (on a GPU: synchronized first)
+    nbytes: int = 0
+    small_at: list[int] = field(default_factory=list)  # the pieces of ``srcs``, by position
+    big_at: list[int] = field(default_factory=list)  # the pieces of ``big``, by position
+
+    def with_sources(self, pieces: list[Piece]) -> _Batch:
+        """The same copies from ``pieces`` (in the places of the pieces this batch was planned
+        for: :func:`_same_places`)."""
+        return _Batch(
+            self.ids,
+            self.regions,
+            [pieces[i].tensor for i in self.small_at],
+            [(region, pieces[i].tensor) for (region, _), i in zip(self.big, self.big_at)],
+            self.last,
+            self.nbytes,
+            self.small_at,
+            self.big_at,
+        )
+
+
+def _same_places(old: list[Piece], new: list[Piece]) -> bool:
+    """Whether ``new`` pieces go exactly where ``old`` ones went, copied the same way: the same
+    names, offsets, global shapes, and tensors of the same shapes, dtypes and devices."""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new):
+        ta, tb = a.tensor, b.tensor
+        if (
+            a.name != b.name
+            or a.whole != b.whole
+            or a.offsets != b.offsets
+            or a.global_shape != b.global_shape
+            or ta.shape != tb.shape
+            or ta.dtype != tb.dtype
+            or ta.get_device() != tb.get_device()
+        ):
+            return False
+    return True
 
 
 class StagingWriter:
@@ -45,21 +94,39 @@ class StagingWriter:
         #: CUDA events recorded on the trainer's streams at push_step: the tensors are written once they fire
         self.ready_events: list = []
         self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
+        #: whole-step staging: (pieces, arena views, ids, batches) of the last step, reused by a
+        #: step of the same pieces list with the same ids into the same views
+        self._planned: dict[str | None, tuple[list[Piece], Any, list[int], list[_Batch], Any]] = {}
+        self._layout_id: str | None = None  # the mapped arena's layout (READY's layout_id)
 
     def open(self, handle: dict) -> None:
-        """Map the arena READY names (again only when it is another one)."""
-        if self.arena is None or self.arena.name != handle.get("name"):
-            self.close()
-            self.arena = open_any_arena(handle, writable=True)
+        """Map the arena READY names (again only when it is another one, or carved another way:
+        its ``layout_id`` differs). A READY names an arena this client mapped by name and layout
+        id alone, without its layout."""
+        layout_id = handle.get("layout_id")
+        if self.arena is not None and self.arena.name == handle.get("name") and layout_id == self._layout_id:
+            return
+        if "layout" not in handle:
+            raise ProtocolError(
+                f"READY names staging arena {handle.get('name')!r} (layout {layout_id!r}) without its "
+                "layout, but this client has not mapped it: the daemon and the client disagree on the "
+                "protocol; run the same refitd version on both"
+            )
+        self.close()
+        self.arena = open_any_arena(handle, writable=True)
+        self._layout_id = layout_id
 
     def close(self) -> None:
         """Unmap the arenas (a restarted daemon's segments are never written again); idempotent."""
+        self._planned = {}  # their views are of these arenas
+        self._layout_id = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
         self._close_generations()
 
     def _close_generations(self) -> None:
+        self._planned = {}  # their views are of these arenas
         self._direct_views.clear()
         for arena in self.generations.values():
             arena.close()
@@ -97,17 +164,46 @@ class StagingWriter:
         daemon publishes unchanged goes straight into the generation instead."""
         self.open(handle)
         views = self.arena.tensors()  # device-to-device copies through the mapped handle on GPUs
+        # the copies of the same pieces into the same places: one plan per direct generation (a
+        # step alternates between the daemon's two), reused while pieces, ids and places hold
+        key = None if direct is None else direct[0].get("name")
+        planned = self._planned.get(key)
+        offsets = None if direct is None else direct[1]
+        if (
+            planned is None
+            or planned[0] is not pieces
+            or planned[1] is not views
+            or planned[2] != ids
+            or planned[4] != offsets
+        ):
+            with gc_paused():  # many small objects (views, lists): no collections meanwhile
+                if (
+                    planned is not None
+                    and planned[1] is views
+                    and planned[2] == ids
+                    and planned[4] == offsets
+                    and _same_places(planned[0], pieces)
+                ):  # other tensor objects in the same places (a fresh state_dict()): new sources only
+                    batches = [batch.with_sources(pieces) for batch in planned[3]]
+                else:
+                    batches = self._plan(self._dests(pieces, ids, views, direct))
+            planned = (pieces, views, list(ids), batches, offsets)
+            self._planned[key] = planned
+        with gc_paused(), self._copy_stream():
+            self._run(step, planned[3], deadline)
+
+    def _dests(self, pieces: list[Piece], ids: list[int], views: Any, direct: Any) -> Iterator:
+        """``(piece, id, its global tensor)``: in staging, or in the generation for a piece the
+        daemon publishes unchanged (READY's ``direct``)."""
         if direct is None:
-            dests = ((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
-        else:
-            gen, offsets = self._generation(direct[0]), direct[1]
+            return ((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
+        gen, offsets = self._generation(direct[0]), direct[1]
 
-            def dest(p: Piece, pid: int) -> torch.Tensor:
-                offset = offsets.get(pid, -1)
-                return views[p.name] if offset < 0 else self._direct_view(gen, offset, p)
+        def dest(p: Piece, pid: int) -> torch.Tensor:
+            offset = offsets.get(pid, -1)
+            return views[p.name] if offset < 0 else self._direct_view(gen, offset, p)
 
-            dests = ((p, pid, dest(p, pid)) for p, pid in zip(pieces, ids))
-        self._copy_in(step, dests, deadline)
+        return ((p, pid, dest(p, pid)) for p, pid in zip(pieces, ids))
 
     def write_group(
         self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float
@@ -145,41 +241,62 @@ class StagingWriter:
     def _copy_pieces(
         self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float
     ) -> None:
-        batch, batch_bytes, region = [], 0, None
-        next_poll = 0.0
-        regions: list[torch.Tensor] = []  # small copies wait for one foreach copy before PIECE_DONE
-        srcs: list[torch.Tensor] = []
-        for piece, pid, full in dests:
+        self._run(step, self._plan(dests), deadline)
+
+    def _plan(self, dests: Iterable[tuple[Piece, int, torch.Tensor]]) -> list[_Batch]:
+        """The copies of ``dests`` in PIECE_DONE batches (every DONE_BATCH_BYTES or
+        DONE_BATCH_PIECES): small pieces of one dtype and device go in one foreach copy."""
+        batches, batch = [], _Batch()
+        device = getattr(self.arena, "device", -1)  # shm: the CPU, which get_device() calls -1
+        if not isinstance(device, int):
+            device = -1
+        for at, (piece, pid, full) in enumerate(dests):
             src = piece.tensor
+            nbytes = src.nbytes
             if piece.whole and full.shape == src.shape:
                 region = full
+                # the usual case, checked cheaply: get_device() is -1 on the CPU, the index on a GPU
+                same = full.dtype == src.dtype and src.get_device() == device == full.get_device()
             else:
                 region = full[tuple(slice(o, o + s) for o, s in zip(piece.offsets, src.shape))]
-            nbytes = src.numel() * src.element_size()
-            if (
-                nbytes <= FOREACH_COPY_BYTES
-                and region.shape == src.shape
-                and region.dtype == src.dtype
-                and region.device == src.device
-            ):
-                regions.append(region)
-                srcs.append(src)
+                same = region.shape == src.shape and region.dtype == src.dtype and region.device == src.device
+            if same and nbytes <= FOREACH_COPY_BYTES:
+                batch.regions.append(region)
+                batch.srcs.append(src)
+                batch.small_at.append(at)
             else:
+                batch.big.append((region, src))
+                batch.big_at.append(at)
+            batch.ids.append(pid)
+            batch.last = region
+            batch.nbytes += nbytes
+            if batch.nbytes >= P.DONE_BATCH_BYTES or len(batch.ids) >= P.DONE_BATCH_PIECES:
+                batches.append(batch)
+                batch = _Batch()
+        if batch.ids:
+            batches.append(batch)
+        return batches
+
+    def _run(self, step: int, batches: list[_Batch], deadline: float) -> None:
+        """Each batch's copies, then its PIECE_DONE (only pieces that landed are named); what the
+        daemon sent meanwhile is taken in every POLL_INTERVAL_S."""
+        next_poll = 0.0
+        for batch in batches:
+            for region, src in batch.big:
                 region.copy_(src)
-            batch.append(pid)
-            batch_bytes += nbytes
-            if batch_bytes >= P.DONE_BATCH_BYTES or len(batch) >= P.DONE_BATCH_PIECES:
-                copy_all(regions, srcs)
-                self._pieces_done(step, batch, region)
-                batch, batch_bytes = [], 0
-            now = time.monotonic()
-            if now >= next_poll:
-                self.link.poll(step, 0.0)
-                self.link.keepalive(step, deadline, "writing its shards")
-                next_poll = now + P.POLL_INTERVAL_S
-        if batch:
-            copy_all(regions, srcs)
-            self._pieces_done(step, batch, region)
+                next_poll = self._keepalive(step, deadline, next_poll)
+            if batch.regions:
+                torch._foreach_copy_(batch.regions, batch.srcs)
+            self._pieces_done(step, batch.ids, batch.last)
+            next_poll = self._keepalive(step, deadline, next_poll)
+
+    def _keepalive(self, step: int, deadline: float, next_poll: float) -> float:
+        now = time.monotonic()
+        if now < next_poll:
+            return next_poll
+        self.link.poll(step, 0.0)
+        self.link.keepalive(step, deadline, "writing its shards")
+        return now + P.POLL_INTERVAL_S
 
     def _pieces_done(self, step: int, batch: list[int], last: torch.Tensor | None) -> None:
         if last is not None and last.is_cuda:  # copies are asynchronous: they land before the daemon reads

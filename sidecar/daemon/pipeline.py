@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sidecar.config.settings import ArenaKind
+from sidecar.daemon.spans import Span, SpanTable
+from sidecar.daemon.worker import Done, run_spans
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.ops.observers import notify
-from sidecar.plan.build import Unit
+from sidecar.plan.build import RefitPlan, Unit
 from transport.wire import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +35,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("refitd.daemon")
 
+#: spans of at most this many bytes in all (in shared memory) are checked and copied on the serve
+#: loop itself: handing them to the worker (a queue, GIL hand-offs with this busy thread, a wake-up,
+#: a drain) costs more than the copy, and kept the step's tail waiting on the worker
+INLINE_SPAN_BYTES = 1 << 20
+
 
 class Pipeline:
     """Units to the worker, results back, the step claimed its generation and published."""
@@ -39,21 +47,101 @@ class Pipeline:
     def __init__(self, ctx: LoopContext, forwarding: Forwarding | None = None):
         self.ctx = ctx
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
+        self._spans: dict[bool, SpanTable] = {}  # per plan and layouts: staged or direct steps
+        self._sole: tuple[RefitPlan, dict[str, Unit]] | None = None  # see _sole_units
+        self._bytes_out: tuple[RefitPlan, int] | None = None  # the plan's, summed once
+        self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
 
     # ---- inputs complete: units run
 
     def tensor_complete(self, name: str) -> None:
+        self.tensors_complete((name,))
+
+    def tensors_complete(self, names: Iterable[str]) -> None:
+        """Inputs ``names`` just completed (a PIECE_DONE batch, say): submit the units they make
+        ready. Small passthroughs go to the worker as byte spans (sidecar.daemon.spans)."""
         ctx = self.ctx
-        if ctx.arenas.ring is not None:
-            ctx.arenas.ring.tensor_complete(name)
+        state, ring, plan = ctx.step, ctx.arenas.ring, ctx.plan
+        units = []
+        sole, submitted = self._sole_units(plan), state.units_submitted
+        for name in names:
+            if ring is not None:
+                ring.tensor_complete(name)
+            unit = sole.get(name)
+            if unit is None:
+                units += state.ready_units(plan, name)
+            elif unit.index not in submitted:  # its only input just completed: it is ready
+                submitted.add(unit.index)
+                units.append(unit)
+        if not units:
+            return
+        if state.target is None:
+            state.deferred += units
+            return
+        if state.direct and not state.staged <= state.committed:  # see _after_local_commit
+            later = [u for u in units if self._after_local_commit(u)]
+            if later:
+                state.after_local += later
+                units = [u for u in units if not self._after_local_commit(u)]
+        self.submit_all(units)
+
+    def submit_all(self, units: list[Unit]) -> None:
+        """Submit ``units`` (their target generation is claimed): small passthroughs as spans when
+        the whole step is staged (not a ring), the rest one by one."""
+        ctx = self.ctx
         state = ctx.step
-        for unit in state.ready_units(ctx.plan, name):
-            if state.target is None:
-                state.deferred.append(unit)
-            elif self._after_local_commit(unit):
-                state.after_local.append(unit)
-            else:
-                self.submit(unit)
+        if ctx.arenas.ring is None and len(units) > 1:
+            spans, units = self._span_table().spans(units)
+            if spans:
+                self._submit_spans(spans)
+                if ctx.step is not state:  # a span run on the loop failed the step: nothing more of it
+                    return
+        for unit in units:
+            self.submit(unit)
+
+    def _sole_units(self, plan: RefitPlan) -> dict[str, Unit]:
+        """Inputs read by one unit that reads nothing else (every passthrough): ready the moment
+        that input completes, without asking StepState.ready_units. Made once per plan."""
+        if self._sole is None or self._sole[0] is not plan:
+            sole = {}
+            for inp in plan.inputs:
+                units = plan.units_for_input(inp.name)
+                if len(units) == 1 and units[0].inputs == (inp.name,):
+                    sole[inp.name] = units[0]
+            self._sole = (plan, sole)
+        return self._sole[1]
+
+    def _span_table(self) -> SpanTable:
+        """This step's span table: its inputs in staging, or, those written straight into the
+        generation (a direct step), there. One per kind of step, made once per plan."""
+        ctx = self.ctx
+        staging, outputs = ctx.arenas.staging.layout, ctx.step.target.arena.layout
+        direct = ctx.arenas.direct if ctx.step.direct else None
+        table = self._spans.get(direct is not None)
+        if table is None or not table.fits(ctx.plan, staging, outputs, direct):
+            table = self._spans[direct is not None] = SpanTable(ctx.plan, staging, outputs, direct)
+        return table
+
+    def _submit_spans(self, spans: list[Span]) -> None:
+        state = self.ctx.step
+        if not state.phases.quant_start:
+            state.phases.quant_start = time.monotonic()
+        staging, dst = self._bytes_of(self.ctx.arenas.staging), self._bytes_of(state.target.arena)
+        views = [
+            (s, (dst if s.direct else staging)[s.src : s.src + s.nbytes], dst[s.dst : s.dst + s.nbytes])
+            for s in spans
+        ]
+        if self.ctx.arenas.kind is ArenaKind.SHM and sum(s.nbytes for s in spans) <= INLINE_SPAN_BYTES:
+            self._unit_done(run_spans(state.step, views))  # no worker round trip for a few KiB
+        else:
+            self.ctx.worker.submit_spans(state.step, views)
+
+    def _bytes_of(self, arena: Any) -> torch.Tensor:
+        """All of ``arena`` as one uint8 tensor, made once per arena (spans are slices of it)."""
+        held = self._flat.get(id(arena))
+        if held is None or held[0] is not arena:
+            held = self._flat[id(arena)] = (arena, arena.view(0, torch.uint8, (arena.size,)))
+        return held[1]
 
     def _after_local_commit(self, unit: Unit) -> bool:
         """Whether a passthrough of inputs written straight into the generation waits for the local
@@ -72,8 +160,7 @@ class Pipeline:
         if state is None or not state.after_local or not state.staged <= state.committed:
             return
         waiting, state.after_local = state.after_local, []
-        for unit in waiting:
-            self.submit(unit)
+        self.submit_all(waiting)
 
     def submit(self, unit: Unit) -> None:
         ctx = self.ctx
@@ -150,29 +237,38 @@ class Pipeline:
             except queue.Empty:
                 break
             worker.inflight -= 1
-            state = ctx.step
-            if state is None or done.step != state.step or done.skipped:
-                continue  # a unit of a step that already failed
-            state.phases.quant_busy += done.seconds
-            notify(ctx.observers, "on_unit_done", ctx, done.step, done.unit, done.start, done.seconds)
-            if done.error is not None:
-                kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
-                if not isinstance(done.error, ValueError):
-                    kind = ErrorKind.INTERNAL
-                ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
-                continue
-            state.units_done.add(done.unit)
-            if ctx.arenas.ring is not None:
-                try:
-                    self.grant(ctx.arenas.ring.unit_done(done.unit))
-                except ValueError as exc:
-                    ctx.fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
-                    continue
-            if len(state.units_done) == len(ctx.plan.units):
-                state.phases.quant_end = time.monotonic()
-            self.maybe_publish()
+            self._unit_done(done)
         if ctx.step is None and worker.inflight == 0:
             ctx.start_pending()
+
+    def _unit_done(self, done: Done) -> None:
+        """A result of the worker (or of spans run on the loop): record it, fail the step on its
+        error, publish once the step is sealed."""
+        ctx = self.ctx
+        state = ctx.step
+        if state is None or done.step != state.step or done.skipped:
+            return  # a unit of a step that already failed
+        state.phases.quant_busy += done.seconds
+        units = done.units or (done.unit,)
+        share = done.seconds / len(units)
+        for k, unit in enumerate(units if ctx.observers else ()):
+            notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
+        if done.error is not None:
+            kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
+            if not isinstance(done.error, ValueError):
+                kind = ErrorKind.INTERNAL
+            ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
+            return
+        state.units_done.update(units)
+        if ctx.arenas.ring is not None:
+            try:
+                self.grant(ctx.arenas.ring.unit_done(done.unit))
+            except ValueError as exc:
+                ctx.fail_step(RefitError(str(exc), kind=ErrorKind.INTERNAL, step=done.step))
+                return
+        if len(state.units_done) == len(ctx.plan.units):
+            state.phases.quant_end = time.monotonic()
+        self.maybe_publish()
 
     def maybe_publish(self) -> None:
         ctx = self.ctx
@@ -181,11 +277,14 @@ class Pipeline:
             return
         state.phases.published = time.monotonic()
         phases = state.phases.seconds()
+        if self._bytes_out is None or self._bytes_out[0] is not plan:  # a sum over every output
+            self._bytes_out = (plan, plan.bytes_out)
+        bytes_out = self._bytes_out[1]
         record: dict[str, Any] = {
             "step": state.step,
             "generation": state.target.index,
             "bytes_in": state.bytes_in,
-            "bytes_out": plan.bytes_out,
+            "bytes_out": bytes_out,
             "seconds": {k: round(v, 6) for k, v in phases.items()},
         }
         if self.forwarding is not None:  # what each inference node held as this step went live
@@ -202,7 +301,7 @@ class Pipeline:
             phases["publish"],
             phases["total"],
             state.bytes_in,
-            plan.bytes_out,
+            bytes_out,
             extra={"step": state.step, "phase": "publish", "record": record},
         )
         ctx.publish(state.target, record, state, list(state.peers.values()))
@@ -223,8 +322,7 @@ class Pipeline:
         state = self.ctx.step
         if state is not None and state.target is not None:
             deferred, state.deferred = state.deferred, []
-            for unit in deferred:
-                self.submit(unit)
+            self.submit_all(deferred)
 
     def claim_target(self, now: float) -> None:
         """Claim the generation the step in progress writes, if no reader holds it.

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from sidecar.daemon.coverage import CoverageError, Piece
 from sidecar.daemon.tracker import CoverageTracker, FrameError
 from sidecar.errors import ErrorKind, RefitError
@@ -94,6 +96,55 @@ def _row_error(rank: int, row: Any, index: int) -> ProtocolError:
     )
 
 
+def begin_rows(rank: int, pieces: Any) -> list[Any]:
+    """A BEGIN's rows: ``pieces`` itself when it is a list, or the list packed in it when it is
+    bytes (msgpack of the same list: what the client sends, so that the daemon can tell a step that
+    declares exactly what the previous one did by comparing bytes, without decoding them)."""
+    if type(pieces) is list:
+        return pieces
+    if type(pieces) is not bytes:
+        raise ProtocolError(
+            f"rank {rank}: BEGIN pieces is a {wire_type(pieces)}, expected a list of "
+            "[name, dtype, global_shape, offsets, shape] rows, or msgpack bytes of one"
+        )
+    try:
+        rows = msgpack.unpackb(pieces, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(
+            f"rank {rank}: BEGIN pieces holds {len(pieces)} bytes that are not msgpack "
+            f"({type(exc).__name__}): pack the list of rows with msgpack"
+        ) from None
+    if type(rows) is not list:
+        raise ProtocolError(
+            f"rank {rank}: BEGIN pieces packs a {wire_type(rows)}, expected a list of "
+            "[name, dtype, global_shape, offsets, shape] rows"
+        )
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Skeleton:
+    """What the ranks of a step declared, once checked against ``plan``.
+
+    RL steps of one model declare the very same pieces every time. A later step whose ranks begin
+    with exactly the same ``pieces`` (compared as sent: bytes, or lists), in the same order, takes
+    this over instead of parsing, declaring and checking every row again: for a step of 10,000
+    tensors that was most of the time from BEGIN to READY. Everything here is read-only; the
+    tracker is a template (``CoverageTracker.fresh`` gives each step its own arrivals)."""
+
+    plan: RefitPlan
+    keys: tuple[tuple[int, Any], ...]  # (rank, its BEGIN's pieces as sent), in BEGIN order
+    declared: dict[int, list[int]]
+    pieces: list[tuple[int, str, int]]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    tracker: CoverageTracker
+    skipped: frozenset[int]
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
 def wire_type(value: Any) -> str:
     """A wire value's type for a message (never its repr: it may be huge or nested deep)."""
     if isinstance(value, list):
@@ -170,10 +221,19 @@ class StepState:
     direct: bool = False
     #: passthrough units of such inputs, waiting for the local ranks' COMMIT (Pipeline.tensor_complete)
     after_local: list[Unit] = field(default_factory=list)
+    #: the last checked step's declarations (:class:`Skeleton`): ranks that begin with the same
+    #: pieces in the same order are only compared with it, and the step takes it over at
+    #: :meth:`settle`; the first rank that differs has every rank declared for real
+    skeleton: Skeleton | None = None
+    keys: list[tuple[int, Any]] = field(default_factory=list)  # (rank, pieces as sent), BEGIN order
+    followed: int = 0  # leading ``keys`` matched to the skeleton and not declared (yet)
+    settled: bool = False  # took the skeleton over: its declarations were checked against the plan
 
     # ---- BEGIN
 
-    def begin(self, rank: int, rows: list[Any]) -> None:
+    def begin(self, rank: int, pieces: list[Any] | bytes) -> None:
+        """Rank ``rank`` declares its pieces: BEGIN's ``pieces``, a list of rows or msgpack bytes
+        of one (:func:`begin_rows`). A refused BEGIN declares nothing."""
         if rank in self.declared:
             raise RefitError(
                 f"rank {rank} began step {self.step} twice",
@@ -191,7 +251,67 @@ class StepState:
         if not self.declared:
             self.phases.first_begin = time.monotonic()
         with gc_paused():  # a BEGIN of many pieces makes many small objects: no collections meanwhile
-            self._declare(rank, rows)
+            if not self._follow(rank, pieces):
+                self._declare(rank, begin_rows(rank, pieces))
+        self.keys.append((rank, pieces))
+
+    def _follow(self, rank: int, pieces: Any) -> bool:
+        """Whether ``rank``'s BEGIN is the next one of the skeleton, as sent (then it is only noted:
+        :meth:`settle` takes the skeleton over). The first BEGIN that is not ends following: the
+        ranks followed so far are declared for real first."""
+        sk, k = self.skeleton, len(self.keys)
+        if sk is None or self.followed != k:
+            return False
+        if (
+            k < len(sk.keys)
+            and sk.keys[k][0] == rank
+            and _same(sk.keys[k][1], pieces)
+            and len(sk.pieces) <= self.max_pieces
+        ):
+            self.declared[rank] = sk.declared[rank]
+            self.followed += 1
+            return True
+        self._unfollow()
+        return False
+
+    def _unfollow(self) -> None:
+        """Declare the ranks that followed the skeleton (a later BEGIN differs from it, or the plan
+        changed): a prefix of declarations that were checked together, so they declare cleanly."""
+        followed, self.followed = self.keys[: self.followed], 0
+        for rank, _ in followed:
+            del self.declared[rank]
+        for rank, pieces in followed:
+            self._declare(rank, begin_rows(rank, pieces))
+
+    def settle(self, plan: RefitPlan | None) -> None:
+        """Every rank began. If each followed the skeleton and ``plan`` is the one it was checked
+        against, take its declarations over (:meth:`validate_against` then has nothing to check);
+        otherwise declare the followed ranks now."""
+        sk = self.skeleton
+        if sk is None or not self.followed or self.followed != len(self.keys):
+            return
+        with gc_paused():
+            if plan is sk.plan and len(self.keys) == len(sk.keys):
+                self.pieces, self.tensors = sk.pieces, dict(sk.tensors)
+                self.tracker, self.skipped = sk.tracker.fresh(), set(sk.skipped)
+                self.settled = True
+            else:
+                self._unfollow()
+
+    def skeleton_for(self, plan: RefitPlan) -> Skeleton:
+        """This step's declarations, checked against ``plan`` (after :meth:`validate_against`), for
+        the next step to follow."""
+        if self.settled and self.skeleton is not None:
+            return self.skeleton
+        return Skeleton(
+            plan,
+            tuple(self.keys),
+            dict(self.declared),
+            self.pieces,
+            dict(self.tensors),
+            self.tracker.fresh(),
+            frozenset(self.skipped),
+        )
 
     def _declare(self, rank: int, rows: list[Any]) -> None:
         """Parse and check every row first, then declare them all: a refused BEGIN declares nothing."""
@@ -246,6 +366,8 @@ class StepState:
 
         Tensors the plan drops (outside this node's share) are set aside first: neither checked nor
         staged, their pieces skipped (:meth:`skipped_ids`)."""
+        if self.settled and self.skeleton is not None and plan is self.skeleton.plan:
+            return  # the skeleton's declarations, checked against this very plan
         self._set_aside(plan.dropped)
         problems = []
         expected = {i.name: i for i in plan.inputs}
@@ -309,6 +431,40 @@ class StepState:
                 self.phases.all_received = time.monotonic()
             return name
         return None
+
+    def pieces_done(self, rank: int, ids: list[Any]) -> list[str]:
+        """PIECE_DONE: ``rank`` wrote each piece of ``ids`` whole into staging. Returns the tensors
+        that just completed. :meth:`piece_received` for each, in one pass (a batch names hundreds
+        of small pieces); the first refused id raises as it would there, after the ones before it."""
+        pieces, skipped = self.pieces, self.skipped
+        n, rows = len(pieces), []
+        bad = None
+        for pid in ids:
+            if type(pid) is not int or not 0 <= pid < n or pid in skipped:
+                bad = pid  # refused below, once the ids before it are recorded
+                break
+            row = pieces[pid]
+            if row[0] != rank:
+                bad = pid
+                break
+            rows.append(row)
+        try:
+            nbytes, names = self.tracker.received_whole(rows)
+        except FrameError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=rank, step=self.step) from None
+        except CoverageError as exc:
+            raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
+        self.bytes_in += nbytes
+        complete, done = self.complete, []
+        for name in names:
+            if name not in complete:
+                complete.add(name)
+                done.append(name)
+        if done and len(complete) == len(self.tensors):
+            self.phases.all_received = time.monotonic()
+        if bad is not None:
+            self.piece(rank, bad)  # raises, naming what is wrong with it
+        return done
 
     def piece(self, rank: int, piece_id: int) -> tuple[str, int]:
         """(tensor name, tracker piece id) of wire piece ``piece_id``, which ``rank`` must own."""

@@ -75,14 +75,13 @@ class _Ranges:
 
 @dataclass(slots=True)
 class _Tensor:
-    """What the tracker knows about one tensor: its shape, element size and declared pieces."""
+    """What the tracker knows about one tensor: its shape, element size and declared pieces (the
+    declaration only: what arrived is the tracker's, so a later step's tracker can share these)."""
 
     global_shape: tuple[int, ...]
     itemsize: int
     first_rank: int
     pieces: list[Piece] = field(default_factory=list)
-    arrived: list[_Ranges] = field(default_factory=list)  # elements received per piece, by position
-    pending: int = 0  # pieces not yet complete
 
 
 class CoverageTracker:
@@ -104,6 +103,22 @@ class CoverageTracker:
 
     def __init__(self) -> None:
         self._tensors: dict[str, _Tensor] = {}
+        self._count: dict[str, int] = {}  # pieces declared per tensor
+        # what arrived: pieces not yet complete per tensor; pieces that arrived whole (PIECE_DONE);
+        # the ranges of pieces that arrive in blocks (made at a piece's first block)
+        self._pending: dict[str, int] = {}
+        self._whole: set[tuple[str, int]] = set()
+        self._blocks: dict[tuple[str, int], _Ranges] = {}
+        self._shared = False  # declarations shared with another tracker: no more may be added
+
+    def fresh(self) -> CoverageTracker:
+        """A tracker with this one's declarations and nothing arrived, for a later step whose ranks
+        declared exactly the same pieces (its declarations are shared: none may be added to it)."""
+        other = CoverageTracker()
+        other._tensors, other._count = dict(self._tensors), self._count
+        other._pending = dict(self._count)
+        other._shared = self._shared = True
+        return other
 
     def declare(self, name: str, global_shape: Sequence[int], piece: Piece, itemsize: int) -> int:
         """Record that ``piece.rank`` will send ``piece`` of tensor ``name``; return its piece id.
@@ -117,6 +132,8 @@ class CoverageTracker:
         """:meth:`declare` for many pieces, all or nothing: every piece is validated (against the
         tensors declared so far and against each other) before any is recorded, so a refused
         announcement leaves the tracker as it was. Returns the piece ids in order."""
+        if self._shared:
+            raise RuntimeError("this tracker shares its declarations (fresh()): declare into a new one")
         new: dict[str, _Tensor] = {}
         checked = []
         tensors = self._tensors
@@ -157,19 +174,23 @@ class CoverageTracker:
             checked.append((name, piece))
         self._tensors.update(new)
         ids = []
+        tensors, count, pending = self._tensors, self._count, self._pending
         for name, piece in checked:
-            t = self._tensors[name]
+            t = tensors[name]
             t.pieces.append(piece)
-            t.arrived.append(_Ranges())
-            t.pending += 1
-            ids.append(len(t.pieces) - 1)
+            ids.append(count.get(name, 0))
+            count[name] = len(t.pieces)
+            pending[name] = pending.get(name, 0) + 1
         return ids
 
     def forget(self, names: Iterable[str]) -> None:
         """Stop tracking tensors ``names`` (declared, but not wanted this step: outside a node's
         share). They are then neither checked by :meth:`check_declared` nor listed as incomplete."""
-        for name in names:
+        gone = set(names)
+        for name in gone:
             self._tensors.pop(name, None)
+            self._pending.pop(name, None)
+        self._count = {n: c for n, c in self._count.items() if n not in gone}  # may be shared: a copy
 
     def __len__(self) -> int:
         """Pieces declared so far, over every tensor."""
@@ -283,14 +304,26 @@ class CoverageTracker:
         """Record that block ``offsets``/``shape`` of a piece arrived (the whole piece when None);
         True once the piece holds every element. A block overlapping one already received raises
         :class:`FrameError` and records nothing."""
-        t, piece = self._piece(name, piece_id)
-        ranges = t.arrived[piece_id]
+        _, piece = self._piece(name, piece_id)
+        key = (name, piece_id)
         whole = offsets is None or shape is None
         if whole:
             lo, hi = 0, piece.numel
+            ranges = self._blocks.get(key)
+            if key in self._whole:
+                clash = (0, piece.numel)
+            elif ranges is not None and ranges.held:
+                clash = (ranges.los[0], ranges.his[0])
+            else:  # the usual case: a piece written into staging, said once
+                self._whole.add(key)
+                self._pending[name] -= 1
+                return True
         else:
             lo, hi = self.block_range(name, piece_id, offsets, shape)
-        clash = ranges.add(lo, hi)
+            ranges = self._blocks.get(key)
+            if ranges is None:
+                ranges = self._blocks[key] = _Ranges()
+            clash = (0, piece.numel) if key in self._whole else ranges.add(lo, hi)
         if clash is not None:  # the message is built only now: a step of many pieces pays nothing for it
             if whole:
                 what = f"tensor {name!r}: rank {piece.rank} reported all of {piece.describe()} written"
@@ -305,9 +338,44 @@ class CoverageTracker:
                 "a duplicated or overlapping frame means the sender's split is wrong"
             )
         if ranges.held == piece.numel:
-            t.pending -= 1
+            self._pending[name] -= 1
             return True
         return False
+
+    def received_whole(self, rows: Iterable[tuple[Any, str, int]]) -> tuple[int, list[str]]:
+        """:meth:`received` of each whole piece of ``rows``, in order, in one pass (a PIECE_DONE
+        names hundreds of small pieces); a row's last two fields are the tensor's name and the
+        piece id (``StepState.pieces`` rows: ``(rank, name, piece id)``). Returns the bytes they
+        hold and the tensors they completed; the first refused one raises as :meth:`received`
+        does, after the ones before it were recorded."""
+        tensors, whole, blocks, pending = self._tensors, self._whole, self._blocks, self._pending
+        nbytes, done = 0, []
+        for _, name, pid in rows:
+            key = (name, pid)
+            t = tensors.get(name)
+            if (
+                t is None
+                or key in whole
+                or key in blocks
+                or type(pid) is not int
+                or not 0 <= pid < len(t.pieces)
+            ):
+                self.received(name, pid)  # raises naming the problem, or records it the long way
+                t = tensors[name]
+            else:
+                whole.add(key)
+                pending[name] -= 1
+            nbytes += t.pieces[pid].numel * t.itemsize
+            if not pending[name]:
+                done.append(name)
+        return nbytes, done
+
+    def _held(self, name: str, piece_id: int, piece: Piece) -> int:
+        """Elements of a piece that arrived."""
+        if (name, piece_id) in self._whole:
+            return piece.numel
+        ranges = self._blocks.get((name, piece_id))
+        return 0 if ranges is None else ranges.held
 
     def piece_nbytes(self, name: str, piece_id: int) -> int:
         """Bytes piece ``piece_id`` of ``name`` holds."""
@@ -332,19 +400,25 @@ class CoverageTracker:
 
         Completeness only: whether the pieces tile the tensor is :meth:`check_declared`'s job.
         """
-        t = self._tensors.get(name)
-        return t is not None and t.pending == 0
+        return self._pending.get(name) == 0
+
+    def complete(self) -> list[str]:
+        """The tensors whose every declared piece holds all its elements, in declaration order."""
+        return [name for name, left in self._pending.items() if not left]
 
     def incomplete(self, rank: int | None = None) -> list[str]:
         """One line per declared piece still missing elements (of ``rank``, or of every rank), by rank,
         e.g. for a stall report."""
         rows = []
+        if not any(self._pending.values()):  # the usual question at COMMIT: every piece is in
+            return []
         for name, t in self._tensors.items():
-            if not t.pending:
+            if not self._pending.get(name):
                 continue
-            for piece, ranges in zip(t.pieces, t.arrived):
-                if ranges.held < piece.numel and (rank is None or piece.rank == rank):
-                    rows.append((piece.rank, name, piece, ranges.held * t.itemsize, piece.numel * t.itemsize))
+            for pid, piece in enumerate(t.pieces):
+                held = self._held(name, pid, piece)
+                if held < piece.numel and (rank is None or piece.rank == rank):
+                    rows.append((piece.rank, name, piece, held * t.itemsize, piece.numel * t.itemsize))
         rows.sort(key=lambda r: (r[0], r[1]))
         return [
             f"rank {rank}: {name!r} {piece.describe()} ({have} of {want} bytes)"

@@ -12,17 +12,19 @@ over NIXL from a remote rank's registered memory (sidecar.daemon.pull). With a s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 
 from sidecar.config.settings import NodeRole
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
-from sidecar.daemon.step import StepState, wire_type
+from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitPlan
@@ -40,6 +42,15 @@ log = logging.getLogger("refitd.daemon")
 MAX_REMEMBERED_FAILURES = 8
 
 
+def staging_for(peer: Peer, handle: dict[str, Any]) -> dict[str, Any]:
+    """READY's ``staging`` for a local rank: the whole handle, or only its name and layout id
+    when a READY on this connection already gave the rank that very arena and layout (a step of
+    10,000 tensors otherwise packs, sends and decodes 10,000 layout rows every step)."""
+    if peer.staging == (handle["name"], handle["layout_id"]):
+        return {"kind": handle["kind"], "name": handle["name"], "layout_id": handle["layout_id"]}
+    return handle
+
+
 class Trainers:
     """Trainer requests (the loop routes them here), and the step's set-up up to READY."""
 
@@ -49,6 +60,10 @@ class Trainers:
         # step -> (error, ranks told, event number of the failure)
         self.failures: dict[int, tuple[RefitError, set[int], int]] = {}
         self.credits: dict[bytes, int] = {}  # frames taken this turn, per remote client
+        #: the last step's declarations, checked against the plan: a step whose ranks declare the
+        #: same pieces takes them over (sidecar.daemon.step.Skeleton)
+        self.skeleton: Skeleton | None = None
+        self._layout: tuple[Any, str] | None = None  # (the staging layout, its layout_id)
 
     def _peer(self, identity: bytes) -> Peer:
         return self.ctx.peers[identity]  # the loop checked it is a trainer rank
@@ -99,6 +114,7 @@ class Trainers:
                 f"(got {wire_type(host)}), local a bool (got {wire_type(asked_local)}): send them with those types"
             )
         local = asked_local and self.ctx.config.listen.startswith("ipc://")
+        known = self.ctx.peers.get(identity)  # every push says HELLO: the same connection
         self.ctx.peers[identity] = Peer(
             identity,
             PeerRole.TRAINER,
@@ -108,6 +124,7 @@ class Trainers:
             host=host,
             local=local,
             hello_seq=self.ctx.next_event(),
+            staging=known.staging if known is not None and known.local == local else None,
         )
         self.ctx.send(
             identity,
@@ -128,7 +145,7 @@ class Trainers:
     def handle_begin(self, identity: bytes, msg: Message) -> None:
         peer = self._peer(identity)
         step = msg.require("step", int)
-        rows = msg.require("pieces", list)
+        rows = msg.require("pieces", (list, bytes))  # rows, or msgpack of them (step.begin_rows)
         failed = self.failures.get(step)
         if failed is not None:
             err, told, failed_at = failed
@@ -168,6 +185,7 @@ class Trainers:
                     self.ctx.config.world_size,
                     time.monotonic() + self.ctx.config.step_timeout_s,
                     max_pieces=self.ctx.config.max_step_pieces,
+                    skeleton=self.skeleton,
                 )
             )
             self.failures.pop(step, None)
@@ -193,7 +211,7 @@ class Trainers:
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
-            state.nixl_offers[peer.rank] = (offer, rows)
+            state.nixl_offers[peer.rank] = (offer, begin_rows(peer.rank, rows))
         if state.all_begun:
             self._all_begun()
 
@@ -210,14 +228,16 @@ class Trainers:
     def _all_begun(self) -> None:
         state = self.ctx.step
         state.phases.all_begun = time.monotonic()
+        state.settle(self.ctx.plan)
         if self.ctx.plan is None:
             self._plan_from_declarations(state)
         t0 = time.monotonic()
         state.validate_against(self.ctx.plan)
+        self.skeleton = state.skeleton_for(self.ctx.plan)
         state.phases.validate = time.monotonic() - t0
         state.target = self.ctx.arenas.claim_target(time.monotonic(), self.ctx.config.reader_timeout_s)
         arenas = self.ctx.arenas
-        staging = arenas.staging.handle()
+        staging = self._staging_handle()
         ring = arenas.ring
         # passthrough inputs land in the generation itself, not staging (sidecar.daemon.memory.direct),
         # when it is claimed now and no rank is pulled over NIXL (that READ lands in staging)
@@ -232,7 +252,7 @@ class Trainers:
             if skip := state.skipped_ids(rank):
                 fields["skip"] = skip  # pieces outside this node's share: the rank does not send them
             if peer is not None and peer.local:
-                fields["staging"] = staging
+                fields["staging"] = staging_for(peer, staging)
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
                 if state.direct:
                     fields["direct"] = self._direct_fields(state, fields["pieces"])
@@ -247,12 +267,23 @@ class Trainers:
                     for pid in fields["pieces"]
                     if pid not in state.skipped
                 ]
-            self.ctx.send(identity, Kind.READY, fields)
+            if self.ctx.send(identity, Kind.READY, fields) and "layout" in fields.get("staging", ()):
+                peer.staging = (staging["name"], staging["layout_id"])  # it maps this one now
         state.ready_sent = True
         if ring is not None:
             self.pipeline.start_ring(state, ring)
-        for name in [i.name for i in self.ctx.plan.inputs if state.tracker.tensor_complete(i.name)]:
-            self.pipeline.tensor_complete(name)  # zero-byte tensors complete at once
+        zero = state.tracker.complete()  # before any data: nothing, unless a tensor needs none
+        if zero:
+            self.pipeline.tensors_complete(zero)  # zero-byte tensors complete at once
+
+    def _staging_handle(self) -> dict[str, Any]:
+        """The staging arena's handle with a ``layout_id`` (a digest of its layout, made once per
+        layout): a READY names an arena the rank already mapped by it (:func:`staging_for`)."""
+        arena = self.ctx.arenas.staging
+        if self._layout is None or self._layout[0] is not arena.layout:
+            rows = msgpack.packb(arena.layout.to_wire(), use_bin_type=True)
+            self._layout = (arena.layout, hashlib.blake2b(rows, digest_size=8).hexdigest())
+        return {**arena.handle(), "layout_id": self._layout[1]}
 
     def _direct_fields(self, state: StepState, ids: list[int]) -> dict[str, Any]:
         """READY's ``direct`` for a local rank: the target generation's segment, and for each of its
@@ -319,14 +350,12 @@ class Trainers:
                 rank=peer.rank,
                 step=state.step,
             )
-        ring = self.ctx.arenas.ring
-        for pid in ids:
-            name, _ = state.piece(peer.rank, pid)
-            if ring is not None:
-                self.pipeline.check_granted(peer.rank, name, state)
-            done = state.piece_received(peer.rank, pid)
-            if done:
-                self.pipeline.tensor_complete(done)
+        if self.ctx.arenas.ring is not None:
+            for pid in ids:
+                self.pipeline.check_granted(peer.rank, state.piece(peer.rank, pid)[0], state)
+        complete = state.pieces_done(peer.rank, ids)  # submitted together: small passthroughs as spans
+        if complete:
+            self.pipeline.tensors_complete(complete)
 
     def handle_shard(self, identity: bytes, msg: Message) -> None:
         peer, state = self._peer(identity), self._current(msg)

@@ -11,6 +11,7 @@ to synchronize anyway), before any of those units is reported done.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from sidecar.daemon.spans import Span, run_span
 from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import Unit
@@ -45,6 +47,18 @@ class Done:
     error: Exception | None
     skipped: bool = False  # cancelled before it ran: its outputs were never written
     start: float = 0.0  # time.monotonic() when it started
+    #: a span job's result covers all of these units (``unit`` is the first); empty for one unit
+    units: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class SpanJob:
+    """Small passthrough units that became ready together, as byte spans (sidecar.daemon.spans):
+    each ``(span, its staging bytes, its generation bytes)``, uint8 views the serve loop made."""
+
+    step: int
+    spans: list[tuple[Span, torch.Tensor, torch.Tensor]]
+    units: tuple[int, ...]
 
 
 def check_finite(unit: Unit, tensors: dict) -> None:
@@ -72,8 +86,11 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack(norms).isfinite().all())
 
 
-def batchable(job: tuple) -> bool:
-    """A small passthrough without a GPU sync: it may run in a batch with its neighbours."""
+def batchable(job: tuple | SpanJob) -> bool:
+    """A small passthrough without a GPU sync: it may run in a batch with its neighbours (a span
+    job is a batch already)."""
+    if isinstance(job, SpanJob):
+        return False
     _step, unit, _inputs, _outputs, sync = job
     return unit.fmt is None and not sync and unit.bytes_in <= BATCH_UNIT_BYTES
 
@@ -97,7 +114,7 @@ def batches(jobs: list) -> list[list]:
             run_bytes += job[1].bytes_in
         else:
             runs.append([job])
-            run_bytes = job[1].bytes_in
+            run_bytes = 0 if isinstance(job, SpanJob) else job[1].bytes_in
     return runs
 
 
@@ -140,6 +157,14 @@ class QuantWorker:
         self.inflight += 1
         self._jobs.put((step, unit, inputs, outputs, sync))
 
+    def submit_spans(self, step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]]) -> None:
+        """Queue the units of ``spans`` (each ``(span, staging bytes, generation bytes)``, views the
+        serve loop made) as one job: one result (``Done.units``) reports them all."""
+        units = tuple(itertools.chain.from_iterable(span.units for span, _, _ in spans))
+        if units:
+            self.inflight += 1
+            self._jobs.put(SpanJob(step, spans, units))
+
     def cancel(self, step: int) -> None:
         """Skip whatever of ``step`` has not started (a failed step); running units finish."""
         with self._lock:
@@ -174,7 +199,9 @@ class QuantWorker:
                     if len(run) == 1 or not self._run_batch(run):
                         for job in run:
                             self._run_one(job)
-                            if job[4]:  # synchronized already: reading its flags waits for nothing
+                            if (
+                                not isinstance(job, SpanJob) and job[4]
+                            ):  # synchronized already: reading its flags waits for nothing
                                 self._report(wake)
                     if not len(self._flags):  # no kernel flag to read: reporting costs no sync
                         self._report(wake)
@@ -205,7 +232,18 @@ class QuantWorker:
         with self._lock:
             return step in self._cancelled
 
-    def _run_one(self, job: tuple) -> None:
+    def _run_spans(self, job: SpanJob) -> None:
+        """Check and copy every span of ``job``; one result for all its units."""
+        if self._skipped(job.step):
+            now = time.monotonic()
+            self._unreported.append(Done(job.step, job.units[0], 0.0, None, True, now, units=job.units))
+        else:
+            self._unreported.append(run_spans(job.step, job.spans, job.units))
+
+    def _run_one(self, job: tuple | SpanJob) -> None:
+        if isinstance(job, SpanJob):
+            self._run_spans(job)
+            return
         step, unit, inputs, outputs, sync = job
         skip = self._skipped(step)
         t0 = time.monotonic()
@@ -254,6 +292,27 @@ class QuantWorker:
         for k, unit in enumerate(units):
             self._unreported.append(Done(step, unit.index, share, None, False, t0 + k * share))
         return True
+
+
+def run_spans(
+    step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]], units: tuple[int, ...] | None = None
+) -> Done:
+    """Check and copy every ``(span, staging bytes, generation bytes)``: one result for all their
+    units (the first error fails them all: the step fails on it anyway). The worker runs span jobs
+    with it, and the serve loop small ones itself."""
+    if units is None:
+        units = tuple(itertools.chain.from_iterable(span.units for span, _, _ in spans))
+    t0 = time.monotonic()
+    error = None
+    try:
+        with torch.no_grad():  # not inference_mode: see QuantWorker._run_one
+            for span, src, dst in spans:
+                run_span(span, src, dst)
+    except Exception as exc:  # reported to the serve loop, which fails the step
+        error = exc
+        if not isinstance(exc, (ValueError, NonFiniteError)):
+            log.exception("a span of %d units of step %d failed", len(units), step)
+    return Done(step, units[0], time.monotonic() - t0, error, False, t0, units=units)
 
 
 def _inputs_of(unit: Unit, tensors: dict) -> list[torch.Tensor]:
