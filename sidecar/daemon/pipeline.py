@@ -27,6 +27,7 @@ from transport.wire import Kind
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
     from sidecar.daemon.memory.staging import RingStaging
+    from sidecar.daemon.pull import Pulls
     from sidecar.daemon.step import StepState
     from sidecar.forward.sender import Forwarding
 
@@ -39,6 +40,7 @@ class Pipeline:
     def __init__(self, ctx: LoopContext, forwarding: Forwarding | None = None):
         self.ctx = ctx
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
+        self.pulls: Pulls | None = None  # NIXL: READs each granted ring group's remote pieces
 
     # ---- inputs complete: units run
 
@@ -100,6 +102,8 @@ class Pipeline:
                 self.ctx.send(
                     state.peers[rank], Kind.SLOT, {"step": state.step, "group": gi, "offset": slot.offset}
                 )
+            if self.pulls is not None and gi in state.ring_pulls:
+                self.pulls.granted(state, gi, ring)
             ring.preload(gi, state.complete)
             for unit in state.parked.pop(gi, ()):
                 self.submit(unit)
