@@ -32,7 +32,7 @@ from sidecar.config.settings import (
 from sidecar.daemon.loop import Daemon
 from sidecar.daemon.memory.ring import RingError, SlotState, StagingRing
 from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
-from sidecar.daemon.pull import PullSide
+from sidecar.daemon.pull import Pull, PullSide
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.run import convert
@@ -465,6 +465,51 @@ def test_a_ring_group_whose_read_fails_goes_as_frames_and_the_step_publishes(run
         assert r1.mover == "nixl+zmq" and "injected" in r1.mover_reason, (r1.mover, r1.mover_reason)
         assert_published(d.endpoint, 0, sd)
     assert d.status()["staging"]["ring"]["held"] == []
+
+
+class NoPull(RefitClient):
+    """Ignores READY's ``pull``: sends every piece as frames, each group after its SLOT."""
+
+    def _write_ring(self, step, pieces, ids, ready, deadline, srcs=None, **kw):
+        return super()._write_ring(step, pieces, ids, ready, deadline, srcs, reg=None)
+
+
+class Stalled:
+    """A READ that never finishes (a slow network): polls PROC until released."""
+
+    def poll(self):
+        return "PROC"
+
+    def release(self):
+        pass
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_frames_for_a_piece_the_daemon_is_reading_fail_the_step_and_the_daemon_serves_on(
+    running, monkeypatch
+):
+    """A remote rank offers NIXL, then sends frames for the pieces READY said the daemon READs
+    while those READs are still in flight. Taking them would complete the group, free its region
+    and grant it to the next group under the READ still writing it: the daemon refuses the first
+    such frame (PROTOCOL) and the next step, with the READs working, publishes."""
+    d = running(staging_regions=2, world_size=1)
+    real = PullSide.start
+
+    def stalled(side, arena, rank, identity, offer, targets, notif):
+        pull = Pull(rank, identity, [t[0] for t in targets], Stalled())
+        side.inflight.append(pull)
+        return pull
+
+    monkeypatch.setattr(PullSide, "start", stalled)
+    sd = weights(40)
+    with NoPull(d.endpoint, 0, 1, local=False, timeout=60) as hostile, pytest.raises(RefitError) as err:
+        hostile.push_step(0, rank_items(sd, 0, 1))
+    assert err.value.kind is ErrorKind.PROTOCOL and "listed under pull" in str(err.value)
+    monkeypatch.setattr(PullSide, "start", real)
+    with RefitClient(d.endpoint, 0, 1, local=False, timeout=60) as client:
+        assert client.push_step(1, rank_items(sd, 0, 1)).mover == "nixl"
+    assert_published(d.endpoint, 1, sd)
 
 
 class Eager(RefitClient):

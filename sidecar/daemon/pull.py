@@ -233,6 +233,7 @@ class Pulls:
             why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
             log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
             return self.frames(rank, why)
+        state.pulling.update(pull.pieces)
         streamed = len(ids) - len(pull.pieces) - len(state.skipped_ids(rank))
         why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
         mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
@@ -270,6 +271,7 @@ class Pulls:
         for group, pieces in planned.items():
             state.ring_pulls.setdefault(group, {})[rank] = pieces
         pulled = [pid for pieces in planned.values() for pid, _ in pieces]
+        state.pulling.update(pulled)
         streamed = len(ids) - len(pulled) - len(state.skipped_ids(rank))
         why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
         mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
@@ -292,6 +294,7 @@ class Pulls:
                 )
 
     def _failed(self, state: StepState, rank: int, identity: bytes, pieces: list[int], why: str) -> None:
+        state.pulling.difference_update(pieces)  # the rank sends them as frames now
         why = f"NIXL READ failed: {why}"
         log.warning("rank %d step %d: %s; the client sends frames instead", rank, state.step, why)
         self.movers[str(rank)] = {"mover": Mover.ZMQ.value, "reason": why}
@@ -312,6 +315,7 @@ class Pulls:
             if failed is not None:
                 self._failed(state, pull.rank, pull.identity, pull.pieces, failed)
                 continue
+            state.pulling.difference_update(pull.pieces)
             try:
                 for pid in pull.pieces:
                     done = state.piece_received(pull.rank, pid)

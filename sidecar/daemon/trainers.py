@@ -324,6 +324,16 @@ class Trainers:
                 rank=peer.rank,
                 step=state.step,
             )
+        if pid in state.pulling:
+            # its READ may still be writing: taking frames for it could let its group's region go
+            # to another group under that READ
+            raise RefitError(
+                f"rank {peer.rank} sent a SHARD of {name!r}, a piece READY listed under pull: the daemon "
+                "READs it over NIXL; send frames only for pieces not pulled, or whose PULLED said failed",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
         self.pipeline.check_granted(peer.rank, name, state)
         dest_full = self.pipeline.staged(name)
         for field_name, v in (("offsets", offsets), ("shape", shape)):
