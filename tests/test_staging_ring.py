@@ -528,7 +528,8 @@ class Eager(RefitClient):
 def test_writing_a_group_before_its_slot_is_a_protocol_error_and_the_daemon_serves_on(running, local):
     d = running(staging_regions=1, world_size=1)
     sd = weights(4)
-    with Eager(d.endpoint, 0, 1, local=local, timeout=60) as eager, pytest.raises(RefitError) as err:
+    eager = Eager(d.endpoint, 0, 1, local=local, timeout=60, mover="zmq")  # frames, not pulls
+    with eager, pytest.raises(RefitError) as err:
         eager.push_step(0, rank_items(sd, 0, 1))
     assert err.value.kind is ErrorKind.PROTOCOL
     assert "before the daemon granted that group a staging region (SLOT)" in str(err.value)

@@ -324,6 +324,7 @@ class Trainers:
                 rank=peer.rank,
                 step=state.step,
             )
+        self.pipeline.check_granted(peer.rank, name, state)
         if pid in state.pulling:
             # its READ may still be writing: taking frames for it could let its group's region go
             # to another group under that READ
@@ -334,7 +335,6 @@ class Trainers:
                 rank=peer.rank,
                 step=state.step,
             )
-        self.pipeline.check_granted(peer.rank, name, state)
         dest_full = self.pipeline.staged(name)
         for field_name, v in (("offsets", offsets), ("shape", shape)):
             if len(v) != dest_full.dim() or any(type(d) is not int or d < 0 for d in v):
