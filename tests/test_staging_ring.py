@@ -429,9 +429,15 @@ def test_a_remote_rank_is_read_over_nixl_a_group_at_a_time_into_its_granted_regi
 ):
     """Staging is a ring and the remote rank offers NIXL: the daemon READs each layer group's
     pieces of it into the region that group was just granted (never one being quantized), one READ
-    per group, and the rank sends no frame. Byte-exact, two steps (the ring starts over)."""
+    per group, and the rank sends no frame; the rank's metadata is loaded once per step, not per
+    READ. Byte-exact, two steps (the ring starts over)."""
     d = running(staging_regions=regions)
     reads = watch_ring_reads(d, monkeypatch)
+    loaded = []
+    add_peer = nixl.NixlEndpoint.add_peer
+    monkeypatch.setattr(
+        nixl.NixlEndpoint, "add_peer", lambda ep, md, **kw: loaded.append(md) or add_peer(ep, md, **kw)
+    )
     groups = d.daemon.arenas.ring.groups
     with (
         RefitClient(d.endpoint, 0, 2, timeout=60) as c0,
@@ -444,6 +450,7 @@ def test_a_remote_rank_is_read_over_nixl_a_group_at_a_time_into_its_granted_regi
             assert_published(d.endpoint, step, sd)
             assert [g for g, _ in reads] == [g.index for g in groups]  # plan order, each once
             assert {r for _, r in reads} == set(range(regions))
+            assert len(loaded) == step + 1  # each step registers (and offers) its own host copies
             reads.clear()
     status = d.status()
     assert status["pull"]["ranks"]["1"]["mover"] == "nixl" and status["staging"]["ring"]["held"] == []

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("refitd.pull")
 
 #: offers (clients' metadata, one per rank and step) whose peers are kept loaded; more start over
-MAX_KNOWN_OFFERS = 64
+MAX_KNOWN_OFFERS = 16
 
 
 def support(staging: Any) -> tuple[bool, str]:
@@ -77,7 +77,8 @@ class PullSide:
         self._ep: nixl.NixlEndpoint | None = None
         self._region: tuple[int, int] | None = None
         self._reg: nixl.Registration | None = None
-        self._peers: dict[bytes, str] = {}  # an offer's metadata -> its peer's name (loaded)
+        # an offer's metadata -> (its peer's name, the offer's regions, those as ints), loaded
+        self._peers: dict[bytes, tuple[str, Any, list[list[int]]]] = {}
         self.inflight: list[Pull] = []
 
     def endpoint(self, staging: Any) -> nixl.NixlEndpoint:
@@ -104,8 +105,7 @@ class PullSide:
     ) -> Pull:
         """Post one READ: ``targets`` are ``(piece id, contiguous staging view, index in the offer)``."""
         ep = self.endpoint(staging)
-        regions = [[int(a), int(n)] for a, n in offer["regions"]]
-        peer = self._peer(ep, offer, regions)
+        peer, regions = self._peer(ep, offer)
         local, remote = [], []
         for _pid, view, index in targets:
             addr, n = regions[index]
@@ -120,15 +120,24 @@ class PullSide:
         self.inflight.append(pull)
         return pull
 
-    def _peer(self, ep: nixl.NixlEndpoint, offer: dict[str, Any], regions: list[list[int]]) -> str:
-        """The offer's peer, its metadata loaded once per offer: a staging ring READs a rank's
-        pieces a group at a time, all under the one offer of its BEGIN."""
+    def _peer(self, ep: nixl.NixlEndpoint, offer: dict[str, Any]) -> tuple[str, list[list[int]]]:
+        """The offer's peer and its regions as ints, loaded once per offer: through a staging ring
+        a rank's pieces are READ a group at a time, all under the one offer of its BEGIN."""
         md = bytes(offer["md"])
-        if md not in self._peers:
+        known = self._peers.get(md)
+        if known is not None and known[1] is offer["regions"]:
+            return known[0], known[2]
+        regions = [[int(a), int(n)] for a, n in offer["regions"]]
+        live = [r for r in regions if r[1]]
+        if known is None:
             if len(self._peers) >= MAX_KNOWN_OFFERS:
                 self._peers.clear()
-            self._peers[md] = ep.add_peer(md, regions=[r for r in regions if r[1]])
-        return self._peers[md]
+            name = ep.add_peer(md, regions=live)
+        else:  # the same registrations, another table of pieces in them
+            name = known[0]
+            ep.set_peer_regions(name, live)
+        self._peers[md] = (name, offer["regions"], regions)
+        return name, regions
 
     def poll(self) -> list[tuple[Pull, str | None]]:
         """Finished pulls: ``(pull, None)`` when done, ``(pull, why)`` when failed."""
