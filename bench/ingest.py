@@ -492,6 +492,7 @@ def interleaved_steps(
             return
         rows[key]["committed_s"].append(to_commit)
         rows[key]["published_s"].append(to_publish)
+        rows[key]["movers"] = sorted({*rows[key].get("movers", ()), result.mover})
         phases[key].append(result.seconds)
 
     with contextlib.ExitStack() as stack:
@@ -584,6 +585,7 @@ def ring_table(ring: dict, nbytes: int) -> str:
     head = (
         f"{'staging':<26}{'median ms':>10}{'GB/s':>7}{'vs whole':>9}{'best ms':>9}{'vs whole':>9}"
         f"{'staging MiB':>12}{'vs whole':>9}{'groups':>7}  daemon medians ms: receive/quantize/tail/publish"
+        "  (how the bytes moved)"
     )
     lines = [
         f"staging ring: one {nbytes / MiB:.1f} MiB BF16 step, push_step to published; median and best "
@@ -620,9 +622,10 @@ def ring_table(ring: dict, nbytes: int) -> str:
             phases = "/".join(
                 f"{ph.get(k, 0) * 1e3:.0f}" for k in ("receive", "quantize", "quantize_tail", "publish")
             )
+            movers = "+".join(r.get("movers", ()))
             lines.append(
                 f"{label:<26}{s * 1e3:>10.1f}{gbps(nbytes, s):>7.2f}{t_ratio:>9}{best * 1e3:>9.1f}{best_ratio:>9}"
-                f"{smib:>12}{b_ratio:>9}{groups!s:>7}  {phases}"
+                f"{smib:>12}{b_ratio:>9}{groups!s:>7}  {phases}" + (f"  ({movers})" if movers else "")
             )
     return "\n".join(lines)
 

@@ -52,7 +52,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs POS
 
 @pytest.fixture
 def nodes(tmp_path):
-    """Node 0: ipc (local staging, whole step); node 1: loopback TCP (frames) through a staging ring."""
+    """Node 0: ipc (local staging, whole step); node 1: loopback TCP (NIXL READs where NIXL works,
+    else frames) through a staging ring."""
     started = []
     try:
         for node, extra in enumerate(

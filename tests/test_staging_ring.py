@@ -32,16 +32,20 @@ from sidecar.config.settings import (
 from sidecar.daemon.loop import Daemon
 from sidecar.daemon.memory.ring import RingError, SlotState, StagingRing
 from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
+from sidecar.daemon.pull import Pull, PullSide
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.run import convert
-from transport.shm import ALIGN, ShmSegment
+from transport import nixl
+from transport.shm import ALIGN, ShmSegment, shm_region
 from transport.wire import Kind
 
 DATA = Path(__file__).parent / "data"
 MODEL = dict(num_layers=3, num_experts=4, unaligned=True)
 CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
 SPEC = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
+NIXL_OK, NIXL_WHY = nixl.available()
+needs_nixl = pytest.mark.skipif(not NIXL_OK, reason=f"NIXL is unavailable: {NIXL_WHY}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,25 +340,30 @@ def assert_published(endpoint: str, step: int, sd, fmt: str = "block_fp8") -> No
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("regions", "fmt"), [(1, "block_fp8"), (3, "mxfp8"), (2, "fp8_per_tensor")])
-def test_local_and_remote_ranks_stream_steps_through_the_ring_byte_exact(running, regions, fmt):
-    """Rank 0 writes into the ring's regions, rank 1 streams frames into them; with one region the
-    step goes through strictly one group at a time. Staging is smaller than the step."""
+@pytest.mark.parametrize(
+    ("regions", "fmt", "mover"),
+    [(1, "block_fp8", "zmq"), (3, "mxfp8", "auto"), (2, "fp8_per_tensor", "auto")],
+)
+def test_local_and_remote_ranks_stream_steps_through_the_ring_byte_exact(running, regions, fmt, mover):
+    """Rank 0 writes into the ring's regions, rank 1's pieces go into them as frames (mover=zmq, or
+    no NIXL here) or are READ over NIXL a group at a time; with one region the step goes through
+    strictly one group at a time. Staging is smaller than the step."""
     d = running(staging_regions=regions, format=fmt)
     status = d.status()
     ring = status["staging"]["ring"]
     assert (ring["regions"], ring["groups"]) == (regions, len(d.daemon.arenas.ring.groups))
     assert status["staging"]["bytes"] == regions * ring["region_bytes"] < status["plan"]["bytes_in"]
-    assert status["pull"]["nixl"] is False and "ring" in status["pull"]["reason"]
+    assert status["pull"]["nixl"] is NIXL_OK
+    pulled = mover == "auto" and NIXL_OK
     with (
         RefitClient(d.endpoint, 0, 2, timeout=60) as c0,
-        RefitClient(d.endpoint, 1, 2, local=False, timeout=60) as c1,
+        RefitClient(d.endpoint, 1, 2, local=False, timeout=60, mover=mover) as c1,
     ):
         for step in range(2):
             sd = weights(10 + step)
             r0, r1 = push_all([c0, c1], step, sd)
             assert (r0.step, r1.step, r0.generation) == (step, step, r1.generation)
-            assert (r0.mover, r1.mover) == ("staging", "zmq") and "ring" in r1.mover_reason
+            assert (r0.mover, r1.mover) == ("staging", "nixl" if pulled else "zmq"), r1.mover_reason
             assert r0.bytes_in == status["plan"]["bytes_in"]
             assert_published(d.endpoint, step, sd, fmt)
     assert d.status()["staging"]["ring"]["held"] == []
@@ -386,10 +395,134 @@ def test_nan_mid_stream_fails_every_rank_and_the_next_step_publishes(running):
         assert_published(d.endpoint, 3, again)
 
 
+def watch_ring_reads(d, monkeypatch, fail=lambda group: False) -> list[tuple[int, int]]:
+    """Check every NIXL READ the daemon posts: each piece lands inside the region its group holds
+    right now, granted and not yet being quantized. Returns ``(group, region)`` per READ, in order;
+    ``fail(group)`` True makes that group's READ fail to post (its rank then sends frames)."""
+    real, reads = PullSide.start, []
+    ring, staging = d.daemon.arenas.ring, d.daemon.arenas.staging
+
+    def start(side, arena, rank, identity, offer, targets, notif):
+        base = shm_region(staging)[0]
+        groups = {ring.group_of[d.daemon.step.pieces[pid][1]] for pid, _, _ in targets}
+        assert len(groups) == 1, groups  # one READ per rank and group
+        group = groups.pop()
+        slot = ring.ring.slots[ring.grants[group].slot.index]
+        assert slot.owner == group and slot.state is SlotState.CLAIMED, (group, slot)
+        for _, view, _ in targets:
+            lo = view.data_ptr() - base
+            assert slot.offset <= lo and lo + view.numel() * view.element_size() <= slot.offset + slot.nbytes
+        reads.append((group, slot.index))
+        if fail(group):
+            raise nixl.NixlError("injected")
+        return real(side, arena, rank, identity, offer, targets, notif)
+
+    monkeypatch.setattr(PullSide, "start", start)
+    return reads
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("regions", [1, 2])
+def test_a_remote_rank_is_read_over_nixl_a_group_at_a_time_into_its_granted_region(
+    running, monkeypatch, regions
+):
+    """Staging is a ring and the remote rank offers NIXL: the daemon READs each layer group's
+    pieces of it into the region that group was just granted (never one being quantized), one READ
+    per group, and the rank sends no frame; the rank's metadata is loaded once per step, not per
+    READ. Byte-exact, two steps (the ring starts over)."""
+    d = running(staging_regions=regions)
+    reads = watch_ring_reads(d, monkeypatch)
+    loaded = []
+    add_peer = nixl.NixlEndpoint.add_peer
+    monkeypatch.setattr(
+        nixl.NixlEndpoint, "add_peer", lambda ep, md, **kw: loaded.append(md) or add_peer(ep, md, **kw)
+    )
+    groups = d.daemon.arenas.ring.groups
+    with (
+        RefitClient(d.endpoint, 0, 2, timeout=60) as c0,
+        RefitClient(d.endpoint, 1, 2, local=False, timeout=60) as c1,
+    ):
+        for step in range(2):
+            sd = weights(20 + step)
+            r0, r1 = push_all([c0, c1], step, sd)
+            assert (r0.mover, r1.mover, r1.mover_reason) == ("staging", "nixl", "")
+            assert_published(d.endpoint, step, sd)
+            assert [g for g, _ in reads] == [g.index for g in groups]  # plan order, each once
+            assert {r for _, r in reads} == set(range(regions))
+            assert len(loaded) == step + 1  # each step registers (and offers) its own host copies
+            reads.clear()
+    status = d.status()
+    assert status["pull"]["ranks"]["1"]["mover"] == "nixl" and status["staging"]["ring"]["held"] == []
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_a_ring_group_whose_read_fails_goes_as_frames_and_the_step_publishes(running, monkeypatch):
+    """The READ of every other group cannot be posted: the daemon says PULLED failed for those
+    pieces and the rank sends them as frames into the region the group still holds."""
+    d = running(staging_regions=2)
+    watch_ring_reads(d, monkeypatch, fail=lambda group: group % 2 == 1)
+    with (
+        RefitClient(d.endpoint, 0, 2, timeout=60) as c0,
+        RefitClient(d.endpoint, 1, 2, local=False, timeout=60) as c1,
+    ):
+        sd = weights(30)
+        _, r1 = push_all([c0, c1], 0, sd)
+        assert r1.mover == "nixl+zmq" and "injected" in r1.mover_reason, (r1.mover, r1.mover_reason)
+        assert_published(d.endpoint, 0, sd)
+    assert d.status()["staging"]["ring"]["held"] == []
+
+
+class NoPull(RefitClient):
+    """Ignores READY's ``pull``: sends every piece as frames, each group after its SLOT."""
+
+    def _write_ring(self, step, pieces, ids, ready, deadline, srcs=None, **kw):
+        return super()._write_ring(step, pieces, ids, ready, deadline, srcs, reg=None)
+
+
+class Stalled:
+    """A READ that never finishes (a slow network): polls PROC until released."""
+
+    def poll(self):
+        return "PROC"
+
+    def release(self):
+        pass
+
+
+@needs_nixl
+@pytest.mark.timeout(120)
+def test_frames_for_a_piece_the_daemon_is_reading_fail_the_step_and_the_daemon_serves_on(
+    running, monkeypatch
+):
+    """A remote rank offers NIXL, then sends frames for the pieces READY said the daemon READs
+    while those READs are still in flight. Taking them would complete the group, free its region
+    and grant it to the next group under the READ still writing it: the daemon refuses the first
+    such frame (PROTOCOL) and the next step, with the READs working, publishes."""
+    d = running(staging_regions=2, world_size=1)
+    real = PullSide.start
+
+    def stalled(side, arena, rank, identity, offer, targets, notif):
+        pull = Pull(rank, identity, [t[0] for t in targets], Stalled())
+        side.inflight.append(pull)
+        return pull
+
+    monkeypatch.setattr(PullSide, "start", stalled)
+    sd = weights(40)
+    with NoPull(d.endpoint, 0, 1, local=False, timeout=60) as hostile, pytest.raises(RefitError) as err:
+        hostile.push_step(0, rank_items(sd, 0, 1))
+    assert err.value.kind is ErrorKind.PROTOCOL and "listed under pull" in str(err.value)
+    monkeypatch.setattr(PullSide, "start", real)
+    with RefitClient(d.endpoint, 0, 1, local=False, timeout=60) as client:
+        assert client.push_step(1, rank_items(sd, 0, 1)).mover == "nixl"
+    assert_published(d.endpoint, 1, sd)
+
+
 class Eager(RefitClient):
     """Writes (claims) every group at once, without waiting for the daemon's SLOTs."""
 
-    def _write_ring(self, step, pieces, ids, ready, deadline, srcs=None):
+    def _write_ring(self, step, pieces, ids, ready, deadline, srcs=None, **kw):
         if "staging" in ready:
             self._send(Kind.PIECE_DONE, {"step": step, "pieces": list(ids)})
             return "staging", ""
@@ -402,7 +535,8 @@ class Eager(RefitClient):
 def test_writing_a_group_before_its_slot_is_a_protocol_error_and_the_daemon_serves_on(running, local):
     d = running(staging_regions=1, world_size=1)
     sd = weights(4)
-    with Eager(d.endpoint, 0, 1, local=local, timeout=60) as eager, pytest.raises(RefitError) as err:
+    eager = Eager(d.endpoint, 0, 1, local=local, timeout=60, mover="zmq")  # frames, not pulls
+    with eager, pytest.raises(RefitError) as err:
         eager.push_step(0, rank_items(sd, 0, 1))
     assert err.value.kind is ErrorKind.PROTOCOL
     assert "before the daemon granted that group a staging region (SLOT)" in str(err.value)

@@ -283,7 +283,7 @@ class RefitClient:
                     pieces, ids, srcs = _without_skipped(ready["skip"], pieces, ids, srcs)
                 self._remote.credits = int(ready.get("credit_frames", 1))
                 if "ring" in ready:
-                    mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs)
+                    mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs, reg=reg)
                 elif "staging" in ready:
                     direct = _direct_of(ready)
                     self._local.write_step(step, pieces, ids, ready["staging"], deadline, direct)
@@ -441,7 +441,7 @@ class RefitClient:
             return True
         if msg.kind is Kind.PULLED:
             if msg.get("step") == step:
-                self._remote.pulled = msg.fields
+                self._remote.pulled.append(msg.fields)
             return True
         if msg.kind is Kind.ERROR:
             err = RefitError.from_wire(msg.fields)
@@ -484,10 +484,15 @@ class RefitClient:
 
     # ---- data
 
-    def _write_ring(self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None) -> tuple[str, str]:
+    def _write_ring(
+        self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None, *, reg: Any = None
+    ) -> tuple[str, str]:
         """Staging ring: write each of this rank's layer groups once the daemon grants it a region
         (SLOT), in whatever order the grants come; the daemon quantizes a group, then reuses its
-        region for a later one. Same node: straight into the region; else ZeroMQ frames."""
+        region for a later one. Same node: straight into the region; else ZeroMQ frames, except the
+        pieces READY says the daemon READs over NIXL (``reg``: this step's registration), each
+        group's as it is granted: this rank waits for their PULLEDs, and sends frames for any
+        whose READ failed."""
         placement = ready.get("placement")
         if not isinstance(placement, list) or len(placement) != len(pieces):
             raise ProtocolError(
@@ -496,15 +501,30 @@ class RefitClient:
         local = "staging" in ready
         if local:
             self._local.open(ready["staging"])
+        pull = set(ready.get("pull") or ()) if reg is not None and not local else set()
         groups: dict[int, list[tuple[Piece, int, int, Any]]] = {}
+        by_id: dict[int, tuple[Piece, Any]] = {}  # pulled pieces: sent as frames only if their READ fails
         for i, (piece, pid, (group, rel)) in enumerate(zip(pieces, ids, placement)):
             src = srcs[i] if srcs is not None else None  # remote: the host copy made for the step
-            groups.setdefault(int(group), []).append((piece, pid, int(rel), src))
-        while groups:
+            if pid in pull:
+                by_id[pid] = (piece, src)
+            else:
+                groups.setdefault(int(group), []).append((piece, pid, int(rel), src))
+        waiting, why = set(by_id), str(ready.get("mover_reason") or "")
+        self._remote.pulled, self._remote.pulling = [], bool(waiting)
+        framed = sum(len(rows) for rows in groups.values())
+        while groups or waiting:
+            failed, failed_why = self._remote.take_pulled(waiting)
+            if failed:  # their group is granted (its READ was posted): frames go at once
+                why, framed = failed_why, framed + len(failed)
+                ps, hs = [by_id[p][0] for p in failed], [by_id[p][1] for p in failed]
+                self._remote.stream(step, ps, failed, deadline, self._frame_limit(), hs)
             granted = [g for g in groups if g in self._slots]
             if not granted:
-                self._keepalive(step, deadline, "waiting for a staging region (SLOT)")
-                self._poll(step, self._heartbeat())
+                if groups or waiting:
+                    what = "a staging region (SLOT)" if groups else "the daemon to pull its shards (PULLED)"
+                    self._keepalive(step, deadline, f"waiting for {what}")
+                    self._poll(step, 0.001 if self._remote.pulling else self._heartbeat())
                 continue
             for g in granted:
                 rows, offset = groups.pop(g), self._slots.pop(g)
@@ -514,9 +534,12 @@ class RefitClient:
                     host = [r[3] for r in rows] if srcs is not None else None
                     rps, rids = [r[0] for r in rows], [r[1] for r in rows]
                     self._remote.stream(step, rps, rids, deadline, self._frame_limit(), host)
+        self._remote.pulling = False
         if local:
             return "staging", ""
-        return "zmq", str(ready.get("mover_reason") or "")
+        if not by_id or framed == len(pieces):
+            return "zmq", why
+        return ("nixl+zmq" if framed else "nixl"), why
 
 
 def _without_skipped(skip: Any, pieces: list[Piece], ids: list[Any], srcs: list | None) -> tuple:

@@ -6,6 +6,9 @@ not bytes). ``StepResult.mover`` says which: "nixl", "zmq" or "nixl+zmq" (some p
     offer, reg, why = sender.offer(host_copies, welcome)        # BEGIN's ``nixl`` field, or why not
     mover, why = sender.send(step, pieces, host_copies, ids, ready, reg, why, deadline, frame_limit)
     sender.finish(reg)                                          # deregister this step's copies
+
+Through a staging ring the client streams each group's frames after its SLOT and takes the PULLEDs
+of the groups the daemon READs (``take_pulled``) as they come.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class RemoteSender:
     def __init__(self, link: Link, *, rank: int, mover: str) -> None:
         self.link, self.rank, self.mover = link, rank, mover
         self.credits = 0  # frames the daemon will take now (READY's credit_frames, then CREDIT)
-        self.pulled: dict[str, Any] | None = None  # the step's PULLED, whenever it arrives
+        self.pulled: list[dict[str, Any]] = []  # the step's PULLEDs not yet taken, as they arrived
         self.pulling = False  # the daemon may be READing: progress the endpoint while waiting
         self._ep: nixl.NixlEndpoint | None = None  # made on first use
         self._broken = ""  # why NIXL set-up failed here: frames from then on
@@ -86,17 +89,17 @@ class RemoteSender:
         for any whose READ failed). Returns the mover and why NIXL was not (wholly) used."""
         pull = set(ready.get("pull") or ()) if reg is not None else set()
         why = why or str(ready.get("mover_reason") or "")
-        self.pulling, self.pulled = bool(pull), None
+        self.pulling, self.pulled = bool(pull), []
         rest = [i for i, pid in enumerate(ids) if pid not in pull]
         self.stream(
             step, [pieces[i] for i in rest], [ids[i] for i in rest], deadline, limit, [srcs[i] for i in rest]
         )
         if not pull:
             return "zmq", why
-        while self.pulled is None:  # it may have arrived already, while frames were streamed
+        while not self.pulled:  # it may have arrived already, while frames were streamed
             self.link.keepalive(step, deadline, "waiting for the daemon to pull its shards (PULLED)")
             self.link.poll(step, 0.001)
-        pulled, self.pulled, self.pulling = self.pulled, None, False
+        pulled, self.pulled, self.pulling = self.pulled[0], [], False
         failed = set(pulled.get("failed") or ())
         if failed:
             why = str(pulled.get("reason") or "the NIXL READ failed")
@@ -111,6 +114,23 @@ class RemoteSender:
             )
             return "zmq", why
         return ("nixl+zmq" if rest else "nixl"), why
+
+    def take_pulled(self, waiting: set[int]) -> tuple[list[int], str]:
+        """Staging ring: the PULLEDs received so far (one per group READ). Drops the pieces the
+        daemon READ from ``waiting``; returns those whose READ failed (send them as frames: their
+        group holds its region until they arrive) and why it failed."""
+        failed: list[int] = []
+        why = ""
+        for msg in self.pulled:
+            waiting.difference_update(msg.get("pieces") or ())
+            bad = [pid for pid in msg.get("failed") or () if pid in waiting]
+            if bad:
+                waiting.difference_update(bad)
+                failed += bad
+                why = str(msg.get("reason") or "the NIXL READ failed")
+        self.pulled = []
+        self.pulling = bool(waiting)
+        return failed, why
 
     def finish(self, reg: Any) -> None:
         """The step's data is sent (or failed): stop progressing, deregister its host copies."""

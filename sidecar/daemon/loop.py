@@ -123,6 +123,7 @@ class Daemon:
         # the components, each given this loop as its narrow context (sidecar.daemon.context)
         self.pipeline = Pipeline(self)
         self.pulls = Pulls(self)
+        self.pipeline.pulls = self.pulls  # a granted ring group's remote pieces are READ at once
         self.engine_side = Engines(self)
         self.engines = self.engine_side.engines  # attached engine workers (observers read it)
         self.trainers = Trainers(self, self.pipeline, self.pulls, self.engine_side)

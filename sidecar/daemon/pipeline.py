@@ -30,6 +30,7 @@ from transport.wire import Kind
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
     from sidecar.daemon.memory.staging import RingStaging
+    from sidecar.daemon.pull import Pulls
     from sidecar.daemon.step import StepState
     from sidecar.forward.sender import Forwarding
 
@@ -51,6 +52,7 @@ class Pipeline:
         self._sole: tuple[RefitPlan, dict[str, Unit]] | None = None  # see _sole_units
         self._bytes_out: tuple[RefitPlan, int] | None = None  # the plan's, summed once
         self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
+        self.pulls: Pulls | None = None  # NIXL: READs each granted ring group's remote pieces
 
     # ---- inputs complete: units run
 
@@ -213,6 +215,8 @@ class Pipeline:
                 self.ctx.send(
                     state.peers[rank], Kind.SLOT, {"step": state.step, "group": gi, "offset": slot.offset}
                 )
+            if self.pulls is not None and gi in state.ring_pulls:
+                self.pulls.granted(state, gi, ring)
             ring.preload(gi, state.complete)
             for unit in state.parked.pop(gi, ()):
                 self.submit(unit)

@@ -11,6 +11,12 @@ When the READ of a rank's pieces completes the daemon accounts them as PIECE_DON
 ``PULLED {step, pieces}``; if it fails it sends ``PULLED {step, pieces: [], failed: [...], reason}``
 and the client streams those pieces as frames instead. The client COMMITs after PULLED.
 
+Through a staging ring (sidecar.daemon.memory.staging) READY still lists the pulled pieces, but no
+READ is posted then: each layer group's pieces are READ into its region when the group is granted
+one (a READ per rank and group, so one ``PULLED`` each), and the region is reused only after the
+group's units ran, which needs every byte of it, so a READ never lands in a region another group
+holds. A remote rank then sends frames only for what is not pulled, each group after its SLOT.
+
 Threads: the daemon's endpoint lives on its serve loop, progressed every tick while a READ is in
 flight (the progress thread is off: transport.nixl); the client's on its worker thread.
 """
@@ -18,6 +24,7 @@ flight (the progress thread is off: transport.nixl); the client's on its worker 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +38,13 @@ from transport.wire import Kind
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
+    from sidecar.daemon.memory.staging import RingStaging
     from sidecar.daemon.step import StepState
 
 log = logging.getLogger("refitd.pull")
+
+#: offers (clients' metadata, one per rank and step) whose peers are kept loaded; more start over
+MAX_KNOWN_OFFERS = 16
 
 
 def support(staging: Any) -> tuple[bool, str]:
@@ -66,6 +77,8 @@ class PullSide:
         self._ep: nixl.NixlEndpoint | None = None
         self._region: tuple[int, int] | None = None
         self._reg: nixl.Registration | None = None
+        # an offer's metadata -> (its peer's name, the offer's regions, those as ints), loaded
+        self._peers: dict[bytes, tuple[str, Any, list[list[int]]]] = {}
         self.inflight: list[Pull] = []
 
     def endpoint(self, staging: Any) -> nixl.NixlEndpoint:
@@ -92,8 +105,7 @@ class PullSide:
     ) -> Pull:
         """Post one READ: ``targets`` are ``(piece id, contiguous staging view, index in the offer)``."""
         ep = self.endpoint(staging)
-        regions = [[int(a), int(n)] for a, n in offer["regions"]]
-        peer = ep.add_peer(bytes(offer["md"]), regions=[r for r in regions if r[1]])
+        peer, regions = self._peer(ep, offer)
         local, remote = [], []
         for _pid, view, index in targets:
             addr, n = regions[index]
@@ -107,6 +119,25 @@ class PullSide:
         pull = Pull(rank, identity, [t[0] for t in targets], transfer, sum(n for _, n in local))
         self.inflight.append(pull)
         return pull
+
+    def _peer(self, ep: nixl.NixlEndpoint, offer: dict[str, Any]) -> tuple[str, list[list[int]]]:
+        """The offer's peer and its regions as ints, loaded once per offer: through a staging ring
+        a rank's pieces are READ a group at a time, all under the one offer of its BEGIN."""
+        md = bytes(offer["md"])
+        known = self._peers.get(md)
+        if known is not None and known[1] is offer["regions"]:
+            return known[0], known[2]
+        regions = [[int(a), int(n)] for a, n in offer["regions"]]
+        live = [r for r in regions if r[1]]
+        if known is None:
+            if len(self._peers) >= MAX_KNOWN_OFFERS:
+                self._peers.clear()
+            name = ep.add_peer(md, regions=live)
+        else:  # the same registrations, another table of pieces in them
+            name = known[0]
+            ep.set_peer_regions(name, live)
+        self._peers[md] = (name, offer["regions"], regions)
+        return name, regions
 
     def poll(self) -> list[tuple[Pull, str | None]]:
         """Finished pulls: ``(pull, None)`` when done, ``(pull, why)`` when failed."""
@@ -136,6 +167,22 @@ class PullSide:
         if self._ep is not None:
             self._ep.close()
             self._ep, self._reg, self._region = None, None, None
+        self._peers.clear()
+
+
+def contiguous_block(full: list[int] | tuple[int, ...], shape: list[int]) -> bool:
+    """Whether the block ``shape`` of a C-contiguous tensor of shape ``full`` is one byte range:
+    every dim after its first one longer than 1 is whole (where the block starts does not matter)."""
+    first = next((d for d, s in enumerate(shape) if s != 1), len(shape))
+    return all(shape[d] == full[d] for d in range(first + 1, len(full)))
+
+
+def _dest(view: torch.Tensor, row: list[Any]) -> torch.Tensor:
+    """A piece's place in its tensor's staging ``view`` (BEGIN's row: name, ..., offsets, shape)."""
+    offsets, shape = row[3], row[4]
+    if any(offsets) or list(view.shape) != list(shape):
+        view = view[tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
+    return view
 
 
 class Pulls:
@@ -149,16 +196,9 @@ class Pulls:
         self.movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
 
     def probe(self, staging: Any, staging_regions: int) -> None:
-        """At start: can remote shards be pulled over NIXL here, and if not, why."""
+        """At start: can remote shards be pulled over NIXL here, and if not, why. A staging ring
+        (``staging_regions``) is READ a layer group at a time (:meth:`ring`, :meth:`granted`)."""
         self.ok, self.reason = support(staging)
-        if self.ok and staging_regions:
-            self.ok, self.reason = (
-                False,
-                (
-                    f"staging is a ring of {staging_regions} regions (staging_regions): remote shards "
-                    "travel as ZeroMQ frames, a layer group at a time"
-                ),
-            )
         if not self.ok:
             log.info("remote trainer shards travel as ZeroMQ frames: %s", self.reason)
 
@@ -202,11 +242,74 @@ class Pulls:
             why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
             log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
             return self.frames(rank, why)
+        state.pulling.update(pull.pieces)
         streamed = len(ids) - len(pull.pieces) - len(state.skipped_ids(rank))
         why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
         mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
         self.movers[str(rank)] = {"mover": mover.value, "reason": why}
         return {"pull": pull.pieces, "mover_reason": why}
+
+    def ring(self, state: StepState, rank: int, ids: list[int], ring: RingStaging) -> dict[str, Any]:
+        """READY's ``pull`` fields for a remote rank when staging is a ring: the pieces READ into
+        their group's region once it is granted (:meth:`granted`), noted in ``state.ring_pulls``.
+        Nothing is posted yet; pieces without a contiguous destination travel as frames."""
+        offer, rows = state.nixl_offers.get(rank, (None, None))
+        if offer is None:
+            return self.frames(rank, self.reason if not self.ok else "the client did not offer NIXL")
+        planned: dict[int, list[tuple[int, int]]] = {}
+        try:
+            regions = offer["regions"]
+            if len(regions) != len(ids) or len(rows) != len(ids):
+                raise ValueError(f"{len(regions)} regions for {len(ids)} pieces")
+            for index, (pid, row) in enumerate(zip(ids, rows)):
+                if pid in state.skipped:
+                    continue  # outside this node's share: not sent at all
+                name, shape = row[0], [int(s) for s in row[4]]
+                full = state.tensors[name][1]
+                if int(regions[index][1]) and math.prod(shape) and contiguous_block(full, shape):
+                    planned.setdefault(ring.group_of[name], []).append((pid, index))
+            if not planned:
+                raise ValueError("no piece has a contiguous staging destination")
+            if self.side is None:
+                self.side = PullSide(f"refitd-{self.ctx.instance}-pull")
+            self.side.endpoint(self.ctx.arenas.staging)  # the staging arena registered now, once
+        except Exception as exc:  # NixlError, a malformed offer: frames instead
+            why = f"NIXL pull set-up failed: {type(exc).__name__}: {exc}"
+            log.warning("rank %d step %d: %s; ZeroMQ frames", rank, state.step, why)
+            return self.frames(rank, why)
+        for group, pieces in planned.items():
+            state.ring_pulls.setdefault(group, {})[rank] = pieces
+        pulled = [pid for pieces in planned.values() for pid, _ in pieces]
+        state.pulling.update(pulled)
+        streamed = len(ids) - len(pulled) - len(state.skipped_ids(rank))
+        why = f"{streamed} piece(s) without a contiguous staging destination go as frames" if streamed else ""
+        mover = Mover.NIXL_ZMQ if streamed else Mover.NIXL
+        self.movers[str(rank)] = {"mover": mover.value, "reason": why}
+        return {"pull": pulled, "mover_reason": why}
+
+    def granted(self, state: StepState, group: int, ring: RingStaging) -> None:
+        """Ring group ``group`` was granted a region: post the READ of each rank's pulled pieces of
+        it into the region. A READ that cannot be posted is a failed one (the rank sends frames)."""
+        staging = self.ctx.arenas.staging
+        for rank, pieces in sorted(state.ring_pulls.get(group, {}).items()):
+            identity = state.peers[rank]
+            offer, rows = state.nixl_offers[rank]
+            try:
+                targets = [(pid, _dest(ring.view(staging, rows[i][0]), rows[i]), i) for pid, i in pieces]
+                self.side.start(staging, rank, identity, offer, targets, b"")
+            except Exception as exc:  # NixlError, a malformed offer: this group's pieces go as frames
+                self._failed(
+                    state, rank, identity, [pid for pid, _ in pieces], f"{type(exc).__name__}: {exc}"
+                )
+
+    def _failed(self, state: StepState, rank: int, identity: bytes, pieces: list[int], why: str) -> None:
+        state.pulling.difference_update(pieces)  # the rank sends them as frames now
+        why = f"NIXL READ failed: {why}"
+        log.warning("rank %d step %d: %s; the client sends frames instead", rank, state.step, why)
+        self.movers[str(rank)] = {"mover": Mover.ZMQ.value, "reason": why}
+        self.ctx.send(
+            identity, Kind.PULLED, {"step": state.step, "pieces": [], "failed": pieces, "reason": why}
+        )
 
     def progress(self) -> None:
         """Each turn while a READ is in flight: account the pieces of finished READs (PULLED), or
@@ -219,17 +322,9 @@ class Pulls:
             if state is None:
                 continue
             if failed is not None:
-                why = f"NIXL READ failed: {failed}"
-                log.warning(
-                    "rank %d step %d: %s; the client sends frames instead", pull.rank, state.step, why
-                )
-                self.movers[str(pull.rank)] = {"mover": Mover.ZMQ.value, "reason": why}
-                ctx.send(
-                    pull.identity,
-                    Kind.PULLED,
-                    {"step": state.step, "pieces": [], "failed": pull.pieces, "reason": why},
-                )
+                self._failed(state, pull.rank, pull.identity, pull.pieces, failed)
                 continue
+            state.pulling.difference_update(pull.pieces)
             try:
                 for pid in pull.pieces:
                     done = state.piece_received(pull.rank, pid)

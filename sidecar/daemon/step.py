@@ -213,6 +213,9 @@ class StepState:
     deferred: list[Unit] = field(default_factory=list)  # units ready before the target was free
     parked: dict[int, list[Unit]] = field(default_factory=dict)  # ring: ready units whose group has no region
     ring_ranks: dict[int, set[int]] = field(default_factory=dict)  # ring: group -> ranks holding part of it
+    #: ring: group -> {rank: [(wire piece id, index in the rank's NIXL offer)]} READ at its grant
+    ring_pulls: dict[int, dict[int, list[tuple[int, int]]]] = field(default_factory=dict)
+    pulling: set[int] = field(default_factory=set)  # wire ids the daemon READs (or will): no frames for them
     blocked: dict[str, Any] | None = None  # the target generation, held by readers (status, timeout text)
     #: wire ids of pieces outside this node's share (``RefitPlan.dropped``): READY tells their
     #: ranks to skip them, and data for one is refused

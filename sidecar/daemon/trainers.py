@@ -6,8 +6,8 @@ step on the trainer side: BEGINs kept for a later step, recent failures (told to
 them), the frames taken this turn per remote rank (CREDIT). Data arrives three ways: written by
 local ranks straight into staging (PIECE_DONE), as ZeroMQ frames from remote ranks (SHARD), or READ
 over NIXL from a remote rank's registered memory (sidecar.daemon.pull). With a staging ring
-(sidecar.daemon.memory.staging) each layer group is written only once the daemon grants it a region
-(SLOT); data for a group without one is a protocol error.
+(sidecar.daemon.memory.staging) each layer group is written (or READ) only once the daemon grants it
+a region (SLOT); data for a group without one is a protocol error.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class Trainers:
             elif peer is not None and ring is None:
                 fields.update(self.pulls.start(state, rank, identity, fields["pieces"]))
             elif peer is not None:
-                fields.update(self.pulls.frames(rank, self.pulls.reason))
+                fields.update(self.pulls.ring(state, rank, fields["pieces"], ring))
             if ring is not None:
                 fields["ring"] = ring.wire()
                 fields["placement"] = [
@@ -370,6 +370,16 @@ class Trainers:
                 step=state.step,
             )
         self.pipeline.check_granted(peer.rank, name, state)
+        if pid in state.pulling:
+            # its READ may still be writing: taking frames for it could let its group's region go
+            # to another group under that READ
+            raise RefitError(
+                f"rank {peer.rank} sent a SHARD of {name!r}, a piece READY listed under pull: the daemon "
+                "READs it over NIXL; send frames only for pieces not pulled, or whose PULLED said failed",
+                kind=ErrorKind.PROTOCOL,
+                rank=peer.rank,
+                step=state.step,
+            )
         dest_full = self.pipeline.staged(name)
         for field_name, v in (("offsets", offsets), ("shape", shape)):
             if len(v) != dest_full.dim() or any(type(d) is not int or d < 0 for d in v):
