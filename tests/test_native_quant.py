@@ -396,3 +396,24 @@ def test_build_cache_key_and_atomic_build(fresh_native, tmp_path: Path):
     assert native.build() == path and os.stat(path).st_mtime_ns == mtime
     lib = ctypes.CDLL(str(path))
     assert lib.refitd_native_abi() == native.ABI
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plan_units_run_on_the_native_kernels(fmt: Format, monkeypatch: pytest.MonkeyPatch):
+    """sidecar.plan.run (what the daemon calls per unit) quantizes a bf16 state dict's expert slabs
+    through the native kernels, and every output is the reference's on its source slice."""
+    import test_plan
+
+    from sidecar.plan.build import RefitSpec
+    from sidecar.plan.run import convert
+
+    calls: list[int] = []
+    real = cpu._POOL.run
+    monkeypatch.setattr(
+        cpu._POOL, "run", lambda fn, units, elems: calls.append(units) or real(fn, units, elems)
+    )
+    state = test_plan.make_state_dict("qwen3_5_moe", unaligned=True, seed=3)
+    assert any(t.dtype == torch.bfloat16 and ".experts." in n for n, t in state.items())
+    got = convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
+    test_plan.assert_outputs_equal(got, test_plan.expected_outputs(state, fmt))
+    assert calls
