@@ -417,3 +417,15 @@ def test_plan_units_run_on_the_native_kernels(fmt: Format, monkeypatch: pytest.M
     got = convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
     test_plan.assert_outputs_equal(got, test_plan.expected_outputs(state, fmt))
     assert calls
+
+
+def test_native_variables_are_not_daemon_settings():
+    """REFITD_NATIVE / REFITD_CC / REFITD_NATIVE_DIR in a daemon's environment are not refused as
+    unknown settings (every other unknown REFITD_* variable is)."""
+    from sidecar.config.sources import env_to_values
+    from sidecar.config.values import ConfigError
+
+    env = {"REFITD_NATIVE": "0", "REFITD_CC": "/bin/false", "REFITD_NATIVE_DIR": "/tmp/x"}
+    assert env_to_values(env) == {}
+    with pytest.raises(ConfigError, match="REFITD_NATIV"):
+        env_to_values({"REFITD_NATIV": "0"})
