@@ -70,7 +70,6 @@ NON_SETTING_ENV = frozenset(
     {CONFIG_ENV, "REFITD_ENDPOINT", "REFITD_ENDPOINTS", "REFITD_ENDPOINTS_FILE"}
     | {"REFITD_NATIVE", "REFITD_CC", "REFITD_NATIVE_DIR"}
 )
-)
 #: staging regions when ``arena = "cuda"`` and ``staging_regions`` is unset: a whole step of BF16
 #: (67 GB for Qwen3.5-35B-A3B) does not belong on a GPU the engines share; four layer groups do.
 DEFAULT_GPU_REGIONS = 4
