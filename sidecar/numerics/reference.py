@@ -1,7 +1,8 @@
 """FP8 quantizers: the pure-torch reference of ../shared/SPEC.md §1, exact to the byte.
 
-This is the oracle every other implementation (the Triton kernels included) is checked against, and
-the CPU path of the daemon. It runs on CPU and CUDA tensors alike.
+This is the oracle every other implementation (the Triton and native C kernels included) is checked
+against, and the daemon's quantizer wherever those do not run (``sidecar.numerics.cpu`` dispatches).
+It runs on CPU and CUDA tensors alike.
 
 How it stays fast without giving up exactness:
 
