@@ -12,9 +12,11 @@ import ctypes
 import logging
 import os
 import shutil
+import signal
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -429,3 +431,38 @@ def test_native_variables_are_not_daemon_settings():
     assert env_to_values(env) == {}
     with pytest.raises(ConfigError, match="REFITD_NATIV"):
         env_to_values({"REFITD_NATIV": "0"})
+
+
+def test_a_forked_child_gets_its_own_threads():
+    """A child forked after the pool started (its threads are not inherited) still splits a call
+    across threads and finishes; the parent waits for it with a deadline. (The child compares with
+    numpy: torch's OpenMP regions are not safe after a fork.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = (torch.randn(4, 512, 1024, generator=torch.Generator().manual_seed(8)) * 0.02).bfloat16()
+        want = cpu.quantize(w, Format.BLOCK_FP8)[0].view(torch.uint8).numpy()  # the parent's pool runs
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            ok = False
+            try:
+                ok = bool(
+                    np.array_equal(cpu.quantize(w, Format.BLOCK_FP8)[0].view(torch.uint8).numpy(), want)
+                )
+            finally:
+                os._exit(0 if ok else 1)
+        status: list[int] = []
+        reaped = threading.Event()
+
+        def reap() -> None:
+            status.append(os.waitpid(pid, 0)[1])
+            reaped.set()
+
+        threading.Thread(target=reap, daemon=True).start()
+        if not reaped.wait(30):
+            os.kill(pid, signal.SIGKILL)
+            reaped.wait(10)
+            pytest.fail("the forked child hung on the parent's thread pool")
+        assert os.waitstatus_to_exitcode(status[0]) == 0
+    finally:
+        torch.set_num_threads(before)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -120,19 +121,23 @@ def native_applies(w: torch.Tensor, fmt: Format | str) -> bool:
 class _Pool:
     """Runs a call's shares: all but the first on persistent worker threads, the first on the caller.
 
-    Sized by ``torch.get_num_threads()`` at each call (the pool is rebuilt when that changes).
+    Sized by ``torch.get_num_threads()`` at each call (the pool is rebuilt when that changes, and
+    in a forked child, which inherits the pool but not its threads).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._workers = 0
+        self._pid = os.getpid()
 
     def threads(self) -> int:
         return max(1, torch.get_num_threads())
 
     def _get(self, workers: int) -> ThreadPoolExecutor:
         with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's worker threads do not exist here
+                self._executor, self._pid = None, os.getpid()
             if self._executor is None or self._workers != workers:
                 if self._executor is not None:
                     self._executor.shutdown(wait=False)
