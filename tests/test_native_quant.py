@@ -466,3 +466,18 @@ def test_a_forked_child_gets_its_own_threads():
         assert os.waitstatus_to_exitcode(status[0]) == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_ahead_of_time_build_command(fresh_native, tmp_path: Path, capsys):
+    """``python -m sidecar.numerics.native`` builds into the cache and prints the path (exit 0), or
+    says what failed and that the torch reference will run instead (exit 1)."""
+    from sidecar.numerics.native.__main__ import main
+
+    fresh_native.setenv("REFITD_NATIVE_DIR", str(tmp_path / "cache"))
+    assert main() == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.parent == tmp_path / "cache" and path.exists()
+    fresh_native.setenv("REFITD_CC", "/bin/false")
+    assert main() == 1
+    err = capsys.readouterr().err
+    assert "/bin/false" in err and "torch reference" in err
