@@ -34,7 +34,7 @@ import torch
 
 from sidecar.numerics import native
 from sidecar.numerics import reference as ref
-from sidecar.numerics.formats import BLOCK, MX_BLOCK, Format
+from sidecar.numerics.formats import BLOCK, FLT_MIN, MX_BLOCK, Format
 from sidecar.numerics.kernels import WarmUp
 
 __all__ = [
@@ -55,6 +55,7 @@ log = logging.getLogger("sidecar.numerics.native")
 MIN_SPLIT_ELEMS = 1 << 17
 #: sign-cleared bfloat16 bits at or above this are Inf or NaN
 _BF16_NONFINITE = 0x7F80
+_FLT_MAX = float.fromhex("0x1.fffffep127")  # largest finite float32
 
 # --------------------------------------------------------------------------------------------------
 # strided views as [batch, rows, cols]
@@ -270,6 +271,9 @@ def quantize_fp8_per_tensor(
         if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(f"{ref._label(name)}: a shared scale= must be one float32 value")
         value = float(scale.reshape(()))
+        if not FLT_MIN <= value <= _FLT_MAX:  # 0, negative, subnormal, Inf or NaN: 1 / value is not
+            # a finite positive multiplier, and the reference's NaN-producing arithmetic is the answer
+            return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
     batch, n, k, xbs, xrs = xv
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], value, int(clamp))
     seen = _POOL.run(lambda b, e: lib.refitd_fp8_per_tensor(*args, b, e), batch * n, k)
