@@ -8,7 +8,8 @@ Implementations, measured in the same run on the same bytes (outputs into existi
 and the baselines:
   copy   a plain ``dst.copy_(src)`` of the bf16 slab into an existing buffer (the memory floor);
   naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once.
-Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy").
+Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
+reference and the native columns are timed round-robin, per format, so they share the same moments.
 
     python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH]
 
@@ -106,6 +107,20 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
+def timed_together(fns: list, repeat: int) -> list[float]:
+    """Median seconds of each of ``fns``, timed round-robin (one of each per round), so a load that
+    comes and goes on a shared machine lands on all of them alike rather than on one column."""
+    for fn in fns:
+        fn()  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(x) for x in samples]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=32, help="experts of the 256-expert layer to use")
@@ -157,17 +172,18 @@ def main() -> None:
     if done.impl != "native":
         print(f"warning: {done.reason}; the native columns time the torch reference")
 
-    t_copy = timed(lambda: [copies[k].copy_(t) for k, t in slabs.items()], args.repeat)
     rows = []
     for fmt in ours:
         t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
-        t_ours = timed(
-            lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat
+        t_copy, t_ours, t_native, t_proj = timed_together(
+            [
+                lambda: [copies[k].copy_(t) for k, t in slabs.items()],
+                lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+                lambda fmt=fmt: [native[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+                lambda fmt=fmt: [call() for call in proj_calls[fmt]],
+            ],
+            args.repeat,
         )
-        t_native = timed(
-            lambda fmt=fmt: [native[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat
-        )
-        t_proj = timed(lambda fmt=fmt: [call() for call in proj_calls[fmt]], args.repeat)
         rows.append(
             {
                 "format": fmt,
