@@ -10,7 +10,7 @@ tensors run on the calling thread alone.
 
 Errors are the reference's: input and ``out=`` checks are its own functions, and when the kernel sees
 NaN or Inf the reference is run on that tensor to raise its NonFiniteError, naming the first bad block
-in the same words.
+in the same words (``out=`` buffers may then be partly written, as the reference's may).
 
 Usage::
 
