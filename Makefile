@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[dev,nixl,ray]"
+	$(PY) -m sidecar.numerics.native || true  # native CPU quantizers, built now (the torch path if not)
 	touch $(STAMP)
 
 demo: venv

@@ -1,9 +1,15 @@
 """CPU throughput of each quantizer on (a slice of) a Qwen3.5-35B-A3B layer's routed-expert slabs.
 
-Baselines, measured in the same run on the same bytes:
+Implementations, measured in the same run on the same bytes (outputs into existing buffers):
+  reference    sidecar.numerics.reference, the pure-torch oracle, one call per slab;
+  native       sidecar.numerics.cpu (the daemon's CPU path: native/quant.c), one call per slab;
+  native/proj  the same, one call per expert projection (gate, up, down views), as the daemon's
+               plan units make them;
+and the baselines:
   copy   a plain ``dst.copy_(src)`` of the bf16 slab into an existing buffer (the memory floor);
   naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once.
-Printed as GB/s of bf16 input and as ratios against both baselines.
+Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
+reference and the native columns are timed round-robin, per format, so they share the same moments.
 
     python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH]
 
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sidecar.numerics import cpu
 from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_MAX
 
@@ -56,6 +63,40 @@ def naive_per_tensor(w: torch.Tensor):
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def per_projection_calls(fmt: str, slabs: dict[str, torch.Tensor]) -> list:
+    """One ``cpu.quantize`` call per expert projection (gate and up views of gate_up, down), into
+    per-projection output buffers, as the daemon's plan units call it; per-tensor shares one scale
+    over each expert's gate and up."""
+    calls = []
+    for key, slab in slabs.items():
+        parts = (slice(0, INTER), slice(INTER, 2 * INTER)) if key == "gate_up" else (slice(None),)
+        for e in range(slab.shape[0]):
+            views = [slab[e, p] for p in parts]
+            outs = []
+            for v in views:
+                q = torch.empty(v.shape, dtype=FP8_DTYPE)
+                if fmt == "block_fp8":
+                    s = torch.empty(-(-v.shape[0] // 128), -(-v.shape[1] // 128))
+                elif fmt == "mxfp8":
+                    s = torch.empty(v.shape[0], v.shape[1] // 32, dtype=torch.uint8)
+                else:
+                    s = torch.empty(())
+                outs.append((q, s))
+            if fmt == "fp8_per_tensor":
+
+                def group(views=views, outs=outs):
+                    scale = cpu.fp8_per_tensor_scale(*views)
+                    for v, o in zip(views, outs):
+                        cpu.quantize_fp8_per_tensor(v, scale=scale, out=o)
+
+                calls.append(group)
+            else:
+                calls.extend(
+                    (lambda v=v, o=o: cpu.quantize(v, fmt, out=o)) for v, o in zip(views, outs, strict=True)
+                )
+    return calls
+
+
 def timed(fn, repeat: int) -> float:
     fn()  # warm-up: page faults, allocator
     samples = []
@@ -64,6 +105,20 @@ def timed(fn, repeat: int) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def timed_together(fns: list, repeat: int) -> list[float]:
+    """Median seconds of each of ``fns``, timed round-robin (one of each per round), so a load that
+    comes and goes on a shared machine lands on all of them alike rather than on one column."""
+    for fn in fns:
+        fn()  # warm-up
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(x) for x in samples]
 
 
 def main() -> None:
@@ -106,34 +161,58 @@ def main() -> None:
         "mxfp8": quant.quantize_mxfp8,
         "fp8_per_tensor": quant.quantize_fp8_per_tensor,
     }
+    native = {
+        "block_fp8": cpu.quantize_block_fp8,
+        "mxfp8": cpu.quantize_mxfp8,
+        "fp8_per_tensor": cpu.quantize_fp8_per_tensor,
+    }
     naive = {"block_fp8": naive_block_fp8, "mxfp8": naive_mxfp8, "fp8_per_tensor": naive_per_tensor}
+    proj_calls = {fmt: per_projection_calls(fmt, slabs) for fmt in ours}
+    done = cpu.warm_up()  # build + load before timing
+    if done.impl != "native":
+        print(f"warning: {done.reason}; the native columns time the torch reference")
 
-    t_copy = timed(lambda: [copies[k].copy_(t) for k, t in slabs.items()], args.repeat)
     rows = []
     for fmt in ours:
         t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
-        t_ours = timed(
-            lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()], args.repeat
+        t_copy, t_ours, t_native, t_proj = timed_together(
+            [
+                lambda: [copies[k].copy_(t) for k, t in slabs.items()],
+                lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+                lambda fmt=fmt: [native[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+                lambda fmt=fmt: [call() for call in proj_calls[fmt]],
+            ],
+            args.repeat,
         )
         rows.append(
             {
                 "format": fmt,
                 "ours_gbps": nbytes / t_ours / 1e9,
+                "native_gbps": nbytes / t_native / 1e9,
+                "native_proj_gbps": nbytes / t_proj / 1e9,
                 "naive_gbps": nbytes / t_naive / 1e9,
                 "copy_gbps": nbytes / t_copy / 1e9,
                 "vs_naive": t_naive / t_ours,
                 "vs_copy": t_copy / t_ours,
+                "native_vs_copy": t_copy / t_native,
+                "native_proj_vs_copy": t_copy / t_proj,
+                "native_vs_reference": t_ours / t_native,
             }
         )
     print(
         f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU path: {done.impl}"
     )
-    print(f"{'format':<16}{'ours GB/s':>10}{'naive GB/s':>12}{'copy GB/s':>11}{'x naive':>9}{'of copy':>9}")
+    print(
+        f"{'format':<16}{'reference':>10}{'native':>8}{'n/proj':>8}{'naive':>8}{'copy':>8}   GB/s"
+        f" |{'ref':>6}{'native':>8}{'n/proj':>8}  of copy |{'native x ref':>13}"
+    )
     for r in rows:
         print(
-            f"{r['format']:<16}{r['ours_gbps']:>10.2f}{r['naive_gbps']:>12.2f}{r['copy_gbps']:>11.2f}"
-            f"{r['vs_naive']:>8.1f}x{r['vs_copy'] * 100:>8.0f}%"
+            f"{r['format']:<16}{r['ours_gbps']:>10.2f}{r['native_gbps']:>8.2f}{r['native_proj_gbps']:>8.2f}"
+            f"{r['naive_gbps']:>8.2f}{r['copy_gbps']:>8.2f}        |{r['vs_copy'] * 100:>5.0f}%"
+            f"{r['native_vs_copy'] * 100:>7.0f}%{r['native_proj_vs_copy'] * 100:>7.0f}%          |"
+            f"{r['native_vs_reference']:>12.1f}x"
         )
     if args.json:
         meta = {"bytes_in": nbytes, "threads": torch.get_num_threads(), "torch": torch.__version__}

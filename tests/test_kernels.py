@@ -1037,8 +1037,8 @@ def test_amax_kernel_runs_where_the_interpreter_cannot_index_a_tensor(monkeypatc
 
 
 def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
-    """A daemon on host arenas warms up nothing and says it quantizes with the torch reference, and
-    why; the metrics show the same as a labelled gauge."""
+    """A daemon on host arenas says it quantizes with the native CPU kernels (loaded before READY),
+    or with the torch reference and why; the metrics show the same as a labelled gauge."""
     from types import SimpleNamespace
 
     from support.daemons import RunningDaemon
@@ -1053,7 +1053,19 @@ def test_daemon_status_and_metrics_name_the_quantizer(tmp_path):
     finally:
         d.close()
     q = status["quantizer"]
-    assert q["impl"] == "torch" and q["device"] == "cpu" and "CUDA tensors only" in q["reason"]
+    from sidecar.numerics import native
+
+    if native.load() is not None:  # host arenas: the native CPU kernels, loaded before READY
+        assert (q["impl"], q["device"], q["reason"]) == ("native", "cpu", None)
+        assert "quantizer: native kernels on cpu (loaded in" in render_status(status)
+    else:
+        assert (
+            q["impl"] == "torch"
+            and q["device"] == "cpu"
+            and "native CPU quantizers unavailable" in q["reason"]
+        )
+        assert "quantizer: torch reference on cpu (native CPU quantizers unavailable" in render_status(status)
+    status["quantizer"] = kernels.WarmUp("cpu", "torch", "the kernels run on CUDA tensors only").to_dict()
     assert "quantizer: torch reference on cpu (the kernels run on CUDA tensors only" in render_status(status)
     status["quantizer"] = kernels.WarmUp("cuda:1", "triton", None, 4, 2.0).to_dict()
     assert "quantizer: triton kernels on cuda:1 (4 specialisations compiled in 2.0 s)" in render_status(

@@ -254,6 +254,8 @@ def render_status(s: dict) -> str:
         how = (
             f"triton kernels on {q['device']} ({q['compiled']} specialisations compiled in {q['seconds']:.1f} s)"
             if q["impl"] == "triton"
+            else f"native kernels on {q['device']} (loaded in {q['seconds']:.1f} s)"
+            if q["impl"] == "native"
             else f"torch reference on {q['device']} ({q['reason']})"
         )
         lines.append(f"quantizer: {how}")

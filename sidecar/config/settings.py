@@ -65,7 +65,11 @@ ENV_PREFIX = "REFITD_"
 CONFIG_ENV = "REFITD_CONFIG"
 #: ``REFITD_*`` variables that are not daemon settings; any other unknown one is an error.
 #: (the Slurm launcher hands trainers and engines their endpoints in REFITD_ENDPOINT*)
-NON_SETTING_ENV = frozenset({CONFIG_ENV, "REFITD_ENDPOINT", "REFITD_ENDPOINTS", "REFITD_ENDPOINTS_FILE"})
+#: (REFITD_NATIVE, REFITD_CC, REFITD_NATIVE_DIR steer the native CPU quantizers' build: numerics/native)
+NON_SETTING_ENV = frozenset(
+    {CONFIG_ENV, "REFITD_ENDPOINT", "REFITD_ENDPOINTS", "REFITD_ENDPOINTS_FILE"}
+    | {"REFITD_NATIVE", "REFITD_CC", "REFITD_NATIVE_DIR"}
+)
 #: staging regions when ``arena = "cuda"`` and ``staging_regions`` is unset: a whole step of BF16
 #: (67 GB for Qwen3.5-35B-A3B) does not belong on a GPU the engines share; four layer groups do.
 DEFAULT_GPU_REGIONS = 4

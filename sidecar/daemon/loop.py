@@ -58,7 +58,7 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.receiver import Receiver
 from sidecar.forward.sender import Forwarding
 from sidecar.forward.types import FORWARD_KINDS, curve_user_id
-from sidecar.numerics import kernels
+from sidecar.numerics import cpu, kernels
 from sidecar.ops.gcpause import StepHold, freeze_long_lived
 from sidecar.ops.observers import Observer, notify
 from sidecar.plan import launch
@@ -559,10 +559,12 @@ class Daemon:
 
     def _warm_up(self) -> kernels.WarmUp:
         """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
-        READY; on host arenas (or when the probe fails) the torch reference quantizes."""
+        READY; on host arenas the native CPU kernels (else the torch reference, as when the probe fails)."""
         on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA_IPC
         device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
         done = launch.warm_up(self.plan, device)
+        if device.type == "cpu":  # build + load the native CPU kernels now, never on a step
+            done = cpu.warm_up()
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
         return done
 

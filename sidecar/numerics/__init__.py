@@ -1,1 +1,2 @@
-"""Formats, the torch reference quantizers and the GPU kernels; imports nothing else of sidecar."""
+"""Formats, the torch reference quantizers, the GPU kernels and the native CPU kernels; imports
+nothing else of sidecar."""

@@ -143,6 +143,11 @@ CASES: list[Case] = [
     Case("tensor/random", Format.FP8_PER_TENSOR, _randn(3, 77, 33, seed=10)),
     Case("tensor/tiny", Format.FP8_PER_TENSOR, _full((7,), 1e-42, dtype=F32), scales=(2.0**-126,)),
     Case("tensor/non-contiguous", Format.FP8_PER_TENSOR, lambda: _randn(40, 30, seed=11)().t()),
+    # rows of a batch that cannot be flattened into one matrix (a slab's up halves): each input row
+    # must land in its own output row
+    Case(
+        "tensor/non-contiguous-batched", Format.FP8_PER_TENSOR, lambda: _randn(3, 40, 64, seed=12)()[:, 8:32]
+    ),
     Case(
         "tensor/nan", Format.FP8_PER_TENSOR, _with(_randn(10, 10), (9, 9), float("nan")), error="NaN or Inf"
     ),

@@ -1,7 +1,8 @@
 """FP8 quantizers: the pure-torch reference of ../shared/SPEC.md §1, exact to the byte.
 
-This is the oracle every other implementation (the Triton kernels included) is checked against, and
-the CPU path of the daemon. It runs on CPU and CUDA tensors alike.
+This is the oracle every other implementation (the Triton and native C kernels included) is checked
+against, and the daemon's quantizer wherever those do not run (``sidecar.numerics.cpu`` dispatches).
+It runs on CPU and CUDA tensors alike.
 
 How it stays fast without giving up exactness:
 
@@ -392,15 +393,27 @@ def _mxfp8_2d(x, q, s, k, chunk_elems, name, lead, base) -> None:
 # FP8 per-tensor (SPEC §1.3)
 
 
-def _row_chunks(t: torch.Tensor, chunk_elems: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Yield slices of ``t`` holding about ``chunk_elems`` elements, viewing it as [rows, last dim]."""
-    flat = t.reshape(1, 1) if t.dim() == 0 else _flatten_lead(t, 1)
-    pieces = [flat] if flat is not None else [t[idx] for idx in itertools.product(*map(range, t.shape[:-1]))]
+def _row_chunks(*ts: torch.Tensor, chunk_elems: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Yield slices of the same rows of each of ``ts`` (tensors of one shape: an input and its output)
+    holding about ``chunk_elems`` elements each, viewing them as [rows, last dim].
+
+    When the leading dims of any of them cannot be flattened into one (a strided view), all of them
+    go one leading index at a time, so the i-th slices always hold the same elements.
+    """
+    t = ts[0]
+    if t.dim() == 0:
+        yield tuple(x.reshape(1, 1) for x in ts)
+        return
+    flats = [_flatten_lead(x, 1) for x in ts]
+    if all(f is not None for f in flats):
+        pieces = [tuple(flats)]
+    else:
+        pieces = [tuple(x[idx] for x in ts) for idx in itertools.product(*map(range, t.shape[:-1]))]
     for piece in pieces:
-        piece = piece.reshape(1, -1) if piece.dim() == 1 else piece
-        rows = max(1, chunk_elems // max(1, piece.shape[-1]))
-        for r0 in range(0, piece.shape[0], rows):
-            yield piece[r0 : r0 + rows]
+        piece = tuple(p.reshape(1, -1) if p.dim() == 1 else p for p in piece)
+        rows = max(1, chunk_elems // max(1, piece[0].shape[-1]))
+        for r0 in range(0, piece[0].shape[0], rows):
+            yield tuple(p[r0 : r0 + rows] for p in piece)
 
 
 def fp8_per_tensor_scale(
@@ -416,7 +429,7 @@ def fp8_per_tensor_scale(
         if t.device != device:
             raise ValueError(f"{_label(name)}: tensors sharing one scale must be on one device")
         mag_dtype = _magnitude_bits_dtype(t.dtype)
-        for chunk in _row_chunks(t, chunk_elems):
+        for (chunk,) in _row_chunks(t, chunk_elems=chunk_elems):
             if not chunk.numel():
                 continue
             if mag_dtype is None:
@@ -455,14 +468,14 @@ def quantize_fp8_per_tensor(
             raise ValueError(f"{_label(name)}: a shared scale= must be one float32 value")
         scale = scale.reshape(()).to(w.device)
         # a shared scale must still see every value: refuse NaN/Inf here too
-        for chunk in _row_chunks(w, chunk_elems):
+        for (chunk,) in _row_chunks(w, chunk_elems=chunk_elems):
             if chunk.numel() and not bool(torch.isfinite(_absmax(chunk, tuple(range(chunk.dim()))))):
                 _raise_non_finite(name, "somewhere in the tensor")
     s.copy_(scale)
     recip = torch.reciprocal(scale)
     row = w.shape[-1] if w.dim() else 1
     buf = torch.empty(min(w.numel(), max(chunk_elems, row)), dtype=torch.float32, device=w.device)
-    for src, dst in zip(_row_chunks(w, chunk_elems), _row_chunks(q, chunk_elems)):
+    for src, dst in _row_chunks(w, q, chunk_elems=chunk_elems):
         chunk = buf[: src.numel()].view(src.shape)
         chunk.copy_(src)
         chunk.mul_(recip)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics import reference as quant
+from sidecar.numerics import cpu
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 from sidecar.plan.launch import try_run_unit
@@ -28,22 +28,23 @@ def _quantize_group(
     views = [w.source_view(inputs[w.source]) for w in group]
     if fmt is Format.FP8_PER_TENSOR and len(group) > 1:
         # the shared scale reads every member, so an error names them all
-        scale = quant.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))
+        scale = cpu.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))
         for w, view in zip(group, views, strict=True):
             out = (outputs[w.name], outputs[w.scale_name])
-            quant.quantize_fp8_per_tensor(view, scale=scale, out=out, name=w.name)
+            cpu.quantize_fp8_per_tensor(view, scale=scale, out=out, name=w.name)
         return
     for w, view in zip(group, views, strict=True):
-        quant.quantize(view, fmt, out=(outputs[w.name], outputs[w.scale_name]), name=w.name)
+        cpu.quantize(view, fmt, out=(outputs[w.name], outputs[w.scale_name]), name=w.name)
 
 
 def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
     """Compute ``unit`` into the caller's ``outputs`` (a buffer for each of the unit's outputs).
 
     This is how the daemon writes straight into shared memory. Slab experts are views of the slab,
-    never copies; each projection goes through ``sidecar.numerics.reference`` with ``out=`` and ``name=`` set to
-    its checkpoint name. A passthrough is copied bit for bit (nothing is done if the output buffer
-    already is the input's memory: an input written straight into the generation).
+    never copies; each projection goes through ``sidecar.numerics.cpu`` (the native CPU kernels,
+    else the torch reference) with ``out=`` and ``name=`` set to its checkpoint name. A passthrough
+    is copied bit for bit (nothing is done if the output buffer already is the input's memory: an
+    input written straight into the generation).
     """
     lacking = [n for n in unit.inputs if n not in inputs]
     lacking += [o.name for o in unit.outputs if o.name not in outputs]

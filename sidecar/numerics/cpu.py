@@ -1,0 +1,332 @@
+"""The daemon's CPU quantizers: the native kernels (``native/quant.c``) where they apply, the torch
+reference everywhere else, with the reference's signatures, errors and bytes.
+
+The native kernels take bfloat16 CPU tensors whose last dim is contiguous, with any strides above it
+that fold into ``[batch, rows, cols]`` (a slab's per-expert views do), writing into the caller's
+buffers under the same rule. Anything else (float16 / float32 input, odd strides, a CUDA tensor, no C
+compiler) goes to :mod:`sidecar.numerics.reference` unchanged. A call's work is split across
+``torch.get_num_threads()`` threads, each running its share in C with the GIL released; small
+tensors run on the calling thread alone.
+
+Errors are the reference's: input and ``out=`` checks are its own functions, and when the kernel sees
+NaN or Inf the reference is run on that tensor to raise its NonFiniteError, naming the first bad block
+in the same words (``out=`` buffers may then be partly written, as the reference's may).
+
+Usage::
+
+    from sidecar.numerics import cpu
+
+    done = cpu.warm_up()                                      # build + load now, not on a step
+    q, s = cpu.quantize(w, Format.BLOCK_FP8, out=(q_buf, s_buf), name="...weight")
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from sidecar.numerics import native
+from sidecar.numerics import reference as ref
+from sidecar.numerics.formats import BLOCK, FLT_MIN, MX_BLOCK, Format
+from sidecar.numerics.kernels import WarmUp
+
+__all__ = [
+    "MIN_SPLIT_ELEMS",
+    "fp8_per_tensor_scale",
+    "native_applies",
+    "quantize",
+    "quantize_block_fp8",
+    "quantize_fp8_per_tensor",
+    "quantize_mxfp8",
+    "warm_up",
+]
+
+log = logging.getLogger("sidecar.numerics.native")
+
+#: elements of work per thread below which a call is not split (a thread hand-off costs ~20 us,
+#: about what the kernel needs for 64 Ki elements)
+MIN_SPLIT_ELEMS = 1 << 17
+#: sign-cleared bfloat16 bits at or above this are Inf or NaN
+_BF16_NONFINITE = 0x7F80
+_FLT_MAX = float.fromhex("0x1.fffffep127")  # largest finite float32
+
+# --------------------------------------------------------------------------------------------------
+# strided views as [batch, rows, cols]
+
+
+def _fold(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
+    """(count, stride) of dims folded into one, or None when their strides do not allow it."""
+    dims = [(n, st) for n, st in zip(shape, strides) if n != 1]
+    if not dims:
+        return 1, 0
+    count, stride = dims[-1]
+    for n, st in reversed(dims[:-1]):
+        if st != stride * count:
+            return None
+        count *= n
+    return count, stride
+
+
+def _view3(t: torch.Tensor, split: int) -> tuple[int, int, int, int, int] | None:
+    """``t`` as (batch, rows, cols, batch stride, row stride) in elements: dims ``[:split]`` fold
+    into batch, ``[split:-1]`` into rows; None unless the last dim is contiguous and both fold."""
+    shape, strides = tuple(t.shape), t.stride()
+    if not shape or (shape[-1] != 1 and strides[-1] != 1):
+        return None
+    batch = _fold(shape[:split], strides[:split])
+    rows = _fold(shape[split:-1], strides[split:-1])
+    if batch is None or rows is None:
+        return None
+    return batch[0], rows[0], shape[-1], batch[1], rows[1]
+
+
+def _row_split(t: torch.Tensor) -> int:
+    """Where ``t``'s leading dims split into (batch, rows) for a rows format: all in rows if they fold."""
+    lead = t.dim() - 1
+    return 0 if _fold(t.shape[:lead], t.stride()[:lead]) is not None else max(0, lead - 1)
+
+
+def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
+    if (
+        not isinstance(w, torch.Tensor)
+        or w.device.type != "cpu"
+        or w.dtype != torch.bfloat16
+        or w.numel() == 0
+    ):
+        return None
+    return native.load()
+
+
+def native_applies(w: torch.Tensor, fmt: Format | str) -> bool:
+    """Whether ``w`` would be quantized by the native kernels (with outputs allocated here)."""
+    fmt = Format.parse(fmt)
+    if _lib_for(w) is None or (fmt is Format.BLOCK_FP8 and w.dim() < 2):
+        return False
+    if fmt is Format.MXFP8 and (w.dim() < 1 or w.shape[-1] % MX_BLOCK):
+        return False
+    split = w.dim() - 2 if fmt is Format.BLOCK_FP8 else _row_split(w)
+    return w.dim() > 0 and _view3(w, split) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# threads
+
+
+class _Pool:
+    """Runs a call's shares: all but the first on persistent worker threads, the first on the caller.
+
+    Sized by ``torch.get_num_threads()`` at each call (the pool is rebuilt when that changes, and
+    in a forked child, which inherits the pool but not its threads).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._workers = 0
+        self._pid = os.getpid()
+
+    def threads(self) -> int:
+        return max(1, torch.get_num_threads())
+
+    def _get(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's worker threads do not exist here
+                self._executor, self._pid = None, os.getpid()
+            if self._executor is None or self._workers != workers:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False)
+                self._executor = ThreadPoolExecutor(workers, thread_name_prefix="refitd-quant")
+                self._workers = workers
+            return self._executor
+
+    def run(self, fn: Callable[[int, int], int], units: int, elems_per_unit: int) -> list[int]:
+        """``fn(begin, end)`` over ``[0, units)`` in up to threads() even shares; their results."""
+        parts = min(self.threads(), units, max(1, units * elems_per_unit // MIN_SPLIT_ELEMS))
+        if parts <= 1:
+            return [fn(0, units)]
+        bounds = [units * i // parts for i in range(parts + 1)]
+        pool = self._get(self.threads() - 1)
+        futures: list[Future[int]] = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+        first = fn(bounds[0], bounds[1])
+        return [first, *(f.result() for f in futures)]
+
+
+_POOL = _Pool()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+# --------------------------------------------------------------------------------------------------
+# block-FP8
+
+
+def quantize_block_fp8(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.reference.quantize_block_fp8`, natively where it applies."""
+    lib = _lib_for(w)
+    if lib is None or w.dim() < 2:
+        return ref.quantize_block_fp8(w, out=out, name=name)
+    ref._check_input(w, name, Format.BLOCK_FP8)
+    q, s = ref._check_out(out, w, Format.BLOCK_FP8.scale_shape(tuple(w.shape)), torch.float32, name)
+    split = w.dim() - 2
+    xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
+    if xv is None or qv is None or sv is None:
+        return ref.quantize_block_fp8(w, out=(q, s), name=name)
+    batch, n, k, xbs, xrs = xv
+    units = batch * -(-n // BLOCK)
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
+    bad = _POOL.run(lambda b, e: lib.refitd_block_fp8(*args, b, e), units, BLOCK * k)
+    if any(r >= 0 for r in bad):
+        _raise_like_reference(lambda: ref.quantize_block_fp8(w, name=name), name)
+    return q, s
+
+
+# --------------------------------------------------------------------------------------------------
+# MXFP8
+
+
+def quantize_mxfp8(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.reference.quantize_mxfp8`, natively where it applies."""
+    lib = _lib_for(w)
+    if lib is None or w.dim() < 1 or w.shape[-1] % MX_BLOCK:
+        return ref.quantize_mxfp8(w, out=out, name=name)
+    ref._check_input(w, name, Format.MXFP8)
+    q, s = ref._check_out(out, w, Format.MXFP8.scale_shape(tuple(w.shape)), torch.uint8, name)
+    split = _row_split(w)
+    xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
+    if xv is None or qv is None or sv is None:
+        return ref.quantize_mxfp8(w, out=(q, s), name=name)
+    batch, n, k, xbs, xrs = xv
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
+    bad = _POOL.run(lambda b, e: lib.refitd_mxfp8(*args, b, e), batch * n, k)
+    if any(r >= 0 for r in bad):
+        _raise_like_reference(lambda: ref.quantize_mxfp8(w, name=name), name)
+    return q, s
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 per-tensor
+
+
+def _amax_bits(lib: ctypes.CDLL, t: torch.Tensor, view: tuple[int, int, int, int, int]) -> int:
+    batch, n, k, xbs, xrs = view
+    args = (_ptr(t), n, k, xbs, xrs)
+    return max(_POOL.run(lambda b, e: lib.refitd_amax_bits(*args, b, e), batch * n, k))
+
+
+def fp8_per_tensor_scale(*tensors: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """:func:`sidecar.numerics.reference.fp8_per_tensor_scale`, natively when every tensor qualifies."""
+    views = []
+    for t in tensors:
+        lib = _lib_for(t)
+        view = None if lib is None or t.dim() == 0 else _view3(t, _row_split(t))
+        if view is None:
+            return ref.fp8_per_tensor_scale(*tensors, name=name)
+        views.append((lib, t, view))
+    if not views:
+        return ref.fp8_per_tensor_scale(*tensors, name=name)
+    lib = views[0][0]
+    amax = max(_amax_bits(lib, t, view) for _, t, view in views)
+    if amax >= _BF16_NONFINITE:
+        _raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=name), name)
+    return torch.tensor(lib.refitd_scale_from_amax_bits(amax), dtype=torch.float32)
+
+
+def quantize_fp8_per_tensor(
+    w: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.reference.quantize_fp8_per_tensor`, natively where it applies."""
+    lib = _lib_for(w)
+    if lib is None or w.dim() == 0:
+        return ref.quantize_fp8_per_tensor(w, scale=scale, out=out, name=name)
+    ref._check_input(w, name, Format.FP8_PER_TENSOR)
+    q, s = ref._check_out(out, w, (), torch.float32, name)
+    split = _row_split(w)
+    xv, qv = _view3(w, split), _view3(q, split)
+    if xv is None or qv is None:
+        return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
+    clamp = scale is not None
+    if scale is None:
+        amax = _amax_bits(lib, w, xv)
+        if amax >= _BF16_NONFINITE:
+            _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, name=name), name)
+        value = lib.refitd_scale_from_amax_bits(amax)
+    else:
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{ref._label(name)}: a shared scale= must be one float32 value")
+        value = float(scale.reshape(()))
+        if not FLT_MIN <= value <= _FLT_MAX:  # 0, negative, subnormal, Inf or NaN: 1 / value is not
+            # a finite positive multiplier, and the reference's NaN-producing arithmetic is the answer
+            return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
+    batch, n, k, xbs, xrs = xv
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], value, int(clamp))
+    seen = _POOL.run(lambda b, e: lib.refitd_fp8_per_tensor(*args, b, e), batch * n, k)
+    if max(seen) >= _BF16_NONFINITE:  # only a shared scale's pass looks (a computed one already did)
+        _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, scale=scale, name=name), name)
+    s.fill_(value)
+    return q, s
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch, errors, warm-up
+
+
+def quantize(
+    w: torch.Tensor,
+    fmt: Format | str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.reference.quantize`, natively where it applies."""
+    fmt = Format.parse(fmt)
+    if fmt is Format.BLOCK_FP8:
+        return quantize_block_fp8(w, out=out, name=name)
+    if fmt is Format.MXFP8:
+        return quantize_mxfp8(w, out=out, name=name)
+    if fmt is Format.FP8_PER_TENSOR:
+        return quantize_fp8_per_tensor(w, out=out, name=name)
+    return ref.quantize(w, fmt, out=out, name=name)  # its error for a format with nothing to quantize
+
+
+def _raise_like_reference(run_reference: Callable[[], object], name: str | None) -> None:
+    """The kernel saw NaN or Inf: the reference, run on the same input, raises its own error (a
+    NonFiniteError naming the first bad block)."""
+    run_reference()
+    raise RuntimeError(
+        f"{ref._label(name)}: the native quantizer saw NaN or Inf that the torch reference did not; "
+        "this is a bug in sidecar/numerics/native/quant.c: report it, and set REFITD_NATIVE=0 meanwhile"
+    )
+
+
+def warm_up() -> WarmUp:
+    """Build (if needed) and load the native kernels and start the threads, before a step needs them.
+
+    Returns what the CPU path will use: impl ``"native"``, or ``"torch"`` with the reason.
+    """
+    t0 = time.monotonic()
+    lib = native.load()
+    seconds = time.monotonic() - t0
+    if lib is None:
+        return WarmUp("cpu", "torch", f"native CPU quantizers unavailable: {native.unavailable_reason()}")
+    threads = _POOL.threads()
+    if threads > 1:
+        _POOL._get(threads - 1)
+    log.info("native CPU quantizers loaded in %.2f s, %d threads", seconds, threads)
+    return WarmUp("cpu", "native", None, 1, seconds)

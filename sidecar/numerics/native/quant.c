@@ -1,0 +1,289 @@
+/*
+ * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, byte-exact with
+ * sidecar/numerics/reference.py (../shared/SPEC.md section 1).
+ *
+ * Plain C99, no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
+ * call), so several Python threads can each run a share of one tensor. Built at run time by
+ * sidecar/numerics/native/__init__.py with
+ *     -O3 -march=native -ffp-contract=off -fno-fast-math
+ * -ffp-contract=off is required: an FMA would round x * recip differently from torch.
+ *
+ * Every entry point takes a 3-d strided view [batch, n, k] of bfloat16 bits whose last dim is
+ * contiguous (strides counted in elements), and a [begin, end) share of its work units, so that
+ * threads can split one call. Outputs are the caller's buffers (row strides given, last dim
+ * contiguous). A return value >= 0 from a quantizer says "NaN or Inf seen"; the caller then lets the
+ * reference raise its own error (same message).
+ *
+ * The float32 -> e4m3fn conversion is c10's fp8e4m3fn_from_fp32_value (torch/headeronly/util/
+ * Float8_e4m3fn.h) written without branches so gcc vectorizes it. The quantizers only ever convert
+ * values within [-448 * (1 + 2^-22), 448 * (1 + 2^-22)] (or clamped ones), where every branch of c10's
+ * function agrees with SPEC's RNE_e4m3.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define REFITD_NATIVE_ABI 1
+
+#define BLOCK 128          /* block-FP8 tile edge */
+#define MX_BLOCK 32        /* MXFP8 block length */
+#define GROUP_BLOCKS 16    /* block-FP8 column blocks per pass: 128 x 2048 bf16 = 512 KiB, in L2 */
+#define MX_PIECE 32        /* MXFP8 blocks per piece of a row (1024 elements: its scratch stays in L1) */
+#define FP8_MAX 448.0f
+#define FLT_MIN_BITS 0x00800000u /* 2^-126 */
+#define MAG_MASK 0x7FFFu
+#define BF16_NONFINITE 0x7F80u   /* sign-cleared bf16 bits >= this are Inf or NaN */
+
+typedef int64_t i64;
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* c10::detail::fp8e4m3fn_from_fp32_value, branch-free: the full function, for any float32. */
+static inline uint8_t e4m3_from_f32(float f) {
+    const uint32_t fp8_max = UINT32_C(1087) << 20;    /* 480.0f: first value past e4m3fn's range */
+    const uint32_t denorm_mask = UINT32_C(141) << 23; /* ((127 - 7) + (23 - 3) + 1) */
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & UINT32_C(0x80000000);
+    bits ^= sign;
+    /* below 2^-6 (e4m3fn's smallest normal): round by a float add of 2^14, as c10 does */
+    const uint32_t denorm = f32_bits(f32_from_bits(bits) + f32_from_bits(denorm_mask)) - denorm_mask;
+    /* normal: rebias the exponent and round to nearest even on the bits */
+    const uint32_t mant_odd = (bits >> 20) & 1u;
+    const uint32_t normal = (bits + ((uint32_t)(7 - 127) << 23) + UINT32_C(0x7FFFF) + mant_odd) >> 20;
+    uint32_t r = bits < (UINT32_C(121) << 23) ? (denorm & 0xFFu) : (normal & 0xFFu);
+    r = r == 0x7Fu ? 0x7Eu : r; /* rounding carried into the NaN pattern: saturate */
+    const uint32_t big = bits > UINT32_C(0x7F800000) ? 0x7Fu : 0x7Eu;
+    r = bits >= fp8_max ? big : r;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* The same function for |f| < 464, all the quantizers ever convert (every scaled value is at most
+   448 * (1 + 2^-22), or clamped to 448). There c10's overflow and NaN branches never apply, and
+   rounding cannot carry into 0x7F (that needs |f| >= 464), so two of its selects go: gcc's vector
+   code is about twice as fast. tests/test_native_quant.py checks it against torch's cast. */
+static inline uint8_t e4m3_from_f32_in_range(float f) {
+    const uint32_t denorm_mask = UINT32_C(141) << 23;
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & UINT32_C(0x80000000);
+    bits ^= sign;
+    const uint32_t denorm = f32_bits(f32_from_bits(bits) + f32_from_bits(denorm_mask)) - denorm_mask;
+    const uint32_t mant_odd = (bits >> 20) & 1u;
+    const uint32_t normal = (bits + ((uint32_t)(7 - 127) << 23) + UINT32_C(0x7FFFF) + mant_odd) >> 20;
+    const uint32_t r = bits < (UINT32_C(121) << 23) ? denorm : normal;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* SPEC 1.1 / 1.3: 1.0 if amax == 0, else max(amax / 448, FLT_MIN), from sign-cleared bf16 bits. */
+static inline float scale_from_amax_bits(uint32_t amax_bits) {
+    if (amax_bits == 0) return 1.0f;
+    const float scale = bf16_to_f32((uint16_t)amax_bits) / FP8_MAX;
+    const float floor = f32_from_bits(FLT_MIN_BITS);
+    return scale < floor ? floor : scale;
+}
+
+/* SPEC 1.2: clamp(ceil(log2(amax / 448)) + 127, 1, 254) from the quotient's bits (reference._e8m0_bytes). */
+static inline uint32_t e8m0_byte(uint32_t amax_bits) {
+    const uint32_t bits = f32_bits(bf16_to_f32((uint16_t)amax_bits) / FP8_MAX);
+    uint32_t biased = ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0);
+    biased = biased < 1 ? 1 : biased;
+    return biased > 254 ? 254 : biased;
+}
+
+/* exact float32 2^(127 - byte) for byte in [1, 254]; 2^-127 is a subnormal */
+static inline float e8m0_multiplier(uint32_t byte) {
+    const int32_t exponent = 127 - (int32_t)byte;
+    return exponent == -127 ? f32_from_bits(UINT32_C(1) << 22) : f32_from_bits((uint32_t)(exponent + 127) << 23);
+}
+
+static void convert_row(const uint16_t *restrict x, uint8_t *restrict q, i64 len, float mult) {
+    for (i64 t = 0; t < len; t++) q[t] = e4m3_from_f32_in_range(bf16_to_f32(x[t]) * mult);
+}
+
+/* the same with |x * mult| clamped to 448 first: an integer min on the magnitude's bits (one
+   instruction; exact for every finite value, and NaN is refused before this runs) */
+static void convert_row_clamped(const uint16_t *restrict x, uint8_t *restrict q, i64 len, float mult) {
+    const uint32_t fp8_max_bits = UINT32_C(0x43E00000); /* 448.0f */
+    for (i64 t = 0; t < len; t++) {
+        const uint32_t bits = f32_bits(bf16_to_f32(x[t]) * mult);
+        const uint32_t sign = bits & UINT32_C(0x80000000);
+        uint32_t mag = bits ^ sign;
+        mag = mag < fp8_max_bits ? mag : fp8_max_bits;
+        q[t] = e4m3_from_f32_in_range(f32_from_bits(mag | sign));
+    }
+}
+
+/* out[i] = max(in[2i] & mask, in[2i + 1] & mask): one level of a tree of maxima */
+static void pair_max(const uint16_t *restrict in, uint16_t *restrict out, i64 n_out, uint16_t mask) {
+    for (i64 i = 0; i < n_out; i++) {
+        const uint16_t a = in[2 * i] & mask, b = in[2 * i + 1] & mask;
+        out[i] = a > b ? a : b;
+    }
+}
+
+static uint32_t row_amax_bits(const uint16_t *restrict x, i64 len) {
+    uint16_t m = 0;
+    for (i64 t = 0; t < len; t++) {
+        const uint16_t v = x[t] & MAG_MASK;
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+int refitd_native_abi(void) { return REFITD_NATIVE_ABI; }
+
+/* --------------------------------------------------------------------------------------------- */
+/* block-FP8: work units are 128-row bands, numbered b * ceil(n / 128) + band.                    */
+/* Returns -1, or the first band (within [begin, end)) holding NaN/Inf.                          */
+
+i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                     i64 q_bstride, i64 q_rstride, float *s, i64 s_bstride, i64 s_rstride, i64 begin,
+                     i64 end) {
+    const i64 nb = (n + BLOCK - 1) / BLOCK, kb = (k + BLOCK - 1) / BLOCK;
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / nb, band = unit % nb;
+        const i64 r0 = band * BLOCK, rows = n - r0 < BLOCK ? n - r0 : BLOCK;
+        const uint16_t *xb = x + b * x_bstride + r0 * x_rstride;
+        uint8_t *qb = q + b * q_bstride + r0 * q_rstride;
+        float *sb = s + b * s_bstride + band * s_rstride;
+        for (i64 j0 = 0; j0 < kb; j0 += GROUP_BLOCKS) {
+            const i64 j1 = j0 + GROUP_BLOCKS < kb ? j0 + GROUP_BLOCKS : kb;
+            uint16_t acc[GROUP_BLOCKS][BLOCK];
+            memset(acc, 0, sizeof acc);
+            /* amax: an element-wise max over the band's rows, reduced once per tile */
+            for (i64 r = 0; r < rows; r++) {
+                const uint16_t *xr = xb + r * x_rstride;
+                for (i64 j = j0; j < j1; j++) {
+                    const i64 c0 = j * BLOCK, w = k - c0 < BLOCK ? k - c0 : BLOCK;
+                    uint16_t *restrict a = acc[j - j0];
+                    const uint16_t *restrict xs = xr + c0;
+                    for (i64 t = 0; t < w; t++) {
+                        const uint16_t v = xs[t] & MAG_MASK;
+                        a[t] = v > a[t] ? v : a[t];
+                    }
+                }
+            }
+            float mult[GROUP_BLOCKS];
+            int bad = 0;
+            for (i64 j = j0; j < j1; j++) {
+                const uint32_t amax = row_amax_bits(acc[j - j0], BLOCK);
+                bad |= amax >= BF16_NONFINITE;
+                const float scale_inv = scale_from_amax_bits(amax);
+                sb[j] = scale_inv;
+                mult[j - j0] = 1.0f / scale_inv;
+            }
+            if (bad) return unit;
+            /* No clamp: every |x| * RN(1 / scale_inv) <= 448 * (1 + 2^-22), which rounds to 448
+               exactly as the clamped value would (reference._block_fp8_3d). */
+            for (i64 r = 0; r < rows; r++) {
+                const uint16_t *xr = xb + r * x_rstride;
+                uint8_t *qr = qb + r * q_rstride;
+                for (i64 j = j0; j < j1; j++) {
+                    const i64 c0 = j * BLOCK, w = k - c0 < BLOCK ? k - c0 : BLOCK;
+                    convert_row(xr + c0, qr + c0, w, mult[j - j0]);
+                }
+            }
+        }
+    }
+    return -1;
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* MXFP8: work units are rows, numbered b * n + row. Returns -1, or the first row holding NaN/Inf. */
+
+i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
+    const i64 blocks = k / MX_BLOCK;
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = q + b * q_bstride + row * q_rstride;
+        uint8_t *sr = s + b * s_bstride + row * s_rstride;
+        /* a row in pieces of MX_PIECE blocks: the amax of each block by a tree of pairwise maxima,
+           their bytes and multipliers (one vectorized loop: the division is the costly part), each
+           multiplier repeated over its block, then the conversion of the whole piece in one loop.
+           (Converting block by block makes gcc use half-width vectors: about twice as slow.) */
+        for (i64 j0 = 0; j0 < blocks; j0 += MX_PIECE) {
+            const i64 m = blocks - j0 < MX_PIECE ? blocks - j0 : MX_PIECE;
+            const uint16_t *xp = xr + j0 * MX_BLOCK;
+            uint16_t tree[MX_PIECE * MX_BLOCK / 2], twig[MX_PIECE * MX_BLOCK / 4];
+            uint32_t bytes[MX_PIECE];
+            float mult[MX_PIECE], spread[MX_PIECE * MX_BLOCK];
+            pair_max(xp, tree, m * MX_BLOCK / 2, MAG_MASK); /* 16 per block */
+            pair_max(tree, twig, m * MX_BLOCK / 4, 0xFFFFu); /* 8 */
+            pair_max(twig, tree, m * MX_BLOCK / 8, 0xFFFFu); /* 4 */
+            pair_max(tree, twig, m * MX_BLOCK / 16, 0xFFFFu); /* 2 */
+            pair_max(twig, tree, m, 0xFFFFu);                 /* 1: tree[j] is block j's amax bits */
+            uint32_t worst = 0;
+            for (i64 j = 0; j < m; j++) worst = tree[j] > worst ? tree[j] : worst;
+            if (worst >= BF16_NONFINITE) return unit;
+            for (i64 j = 0; j < m; j++) {
+                bytes[j] = e8m0_byte(tree[j]);
+                mult[j] = e8m0_multiplier(bytes[j]);
+            }
+            for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)bytes[j];
+            for (i64 j = 0; j < m; j++)
+                for (i64 t = 0; t < MX_BLOCK; t++) spread[j * MX_BLOCK + t] = mult[j];
+            /* No clamp: 2^e >= RN(amax / 448), so every |x| * 2^-e <= 448 * (1 + 2^-23). */
+            uint8_t *restrict qp = qr + j0 * MX_BLOCK;
+            for (i64 t = 0; t < m * MX_BLOCK; t++) qp[t] = e4m3_from_f32_in_range(bf16_to_f32(xp[t]) * spread[t]);
+        }
+    }
+    return -1;
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* FP8 per-tensor: work units are rows, numbered b * n + row.                                    */
+
+/* max of the sign-cleared bits over rows [begin, end); >= 0x7F80 means NaN or Inf was seen */
+i64 refitd_amax_bits(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, i64 begin, i64 end) {
+    uint32_t m = 0;
+    for (i64 unit = begin; unit < end; unit++) {
+        const uint32_t r = row_amax_bits(x + (unit / n) * x_bstride + (unit % n) * x_rstride, k);
+        m = r > m ? r : m;
+    }
+    return (i64)m;
+}
+
+/* the per-tensor scale of an amax given as sign-cleared bf16 bits (finite) */
+float refitd_scale_from_amax_bits(i64 amax_bits) { return scale_from_amax_bits((uint32_t)amax_bits); }
+
+/* q = RNE_e4m3(x * (1 / scale)), clamped to [-448, 448] when ``clamp`` (a caller's shared scale).
+   Returns the max sign-cleared bits of the rows read (the caller refuses NaN/Inf from it). */
+i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                          i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
+    const float mult = 1.0f / scale;
+    uint32_t m = 0;
+    for (i64 unit = begin; unit < end; unit++) {
+        const uint16_t *xr = x + (unit / n) * x_bstride + (unit % n) * x_rstride;
+        uint8_t *qr = q + (unit / n) * q_bstride + (unit % n) * q_rstride;
+        if (clamp) {
+            const uint32_t r = row_amax_bits(xr, k);
+            m = r > m ? r : m;
+            convert_row_clamped(xr, qr, k, mult);
+        } else {
+            convert_row(xr, qr, k, mult);
+        }
+    }
+    return (i64)m;
+}
+
+/* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
+void refitd_e4m3_from_f32(const float *x, uint8_t *q, i64 len) {
+    for (i64 t = 0; t < len; t++) q[t] = e4m3_from_f32(x[t]);
+}
+
+void refitd_e4m3_from_f32_in_range(const float *x, uint8_t *q, i64 len) {
+    for (i64 t = 0; t < len; t++) q[t] = e4m3_from_f32_in_range(x[t]);
+}
