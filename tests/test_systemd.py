@@ -375,6 +375,18 @@ def test_unit_declares_notify_watchdog_restart_policy_and_runtime_dir():
     assert "WatchdogSec" in s and "TimeoutStopSec" in s
 
 
+def test_unit_gives_every_jit_cache_a_writable_directory():
+    """``ProtectHome=read-only`` makes the home caches read-only: Triton's kernels, the CUDA PTX
+    cache and the native CPU quantizers (sidecar.numerics.native, built at start-up) each get a
+    directory under the unit's ``CacheDirectory=`` (%C/refitd), or the CPU path would fall back to
+    the slower torch quantizers."""
+    s = unit_settings(UNIT.read_text())
+    assert s.get("ProtectHome") == ["read-only"] and s.get("CacheDirectory") == ["refitd"]
+    env = dict(item.split("=", 1) for line in s.get("Environment", []) for item in line.split())
+    for var in ("TRITON_CACHE_DIR", "CUDA_CACHE_PATH", "REFITD_NATIVE_DIR"):
+        assert env.get(var, "").startswith("%C/refitd/"), (var, env.get(var))
+
+
 @pytest.mark.parametrize(
     "option",
     [
