@@ -779,6 +779,51 @@ class BeginRows(Probe):
 begin_rows_probes = mutated_rows().map(lambda vr: BeginRows(*vr))
 
 
+class PackedBegin(BeginRows):
+    """:class:`BeginRows` with the rows sent as the client sends them (msgpack bytes in
+    ``pieces``, protocol 2): the honest rank's rows packed, the victim's packed too, or replaced by
+    a hostile blob (not msgpack, truncated, a huge length with nothing behind it, too deep)."""
+
+    def __init__(self, victim: int, rows: list[Any], blob: bytes | None = None):
+        super().__init__(victim, rows)
+        self.blob = blob
+        if blob is not None:
+            self.label = f"rank {victim}'s packed rows: blob {blob[:60]!r} ({len(blob)} bytes)"
+
+    def run(self, s: Session) -> None:
+        for r in range(WORLD):
+            s.send(r, hello(r))
+            s.until(r, {Kind.WELCOME}, "WELCOME")
+        for r in range(WORLD):
+            packed = self.blob if (r == self.victim and self.blob is not None) else pack(self.rows[r])
+            s.send_msg(r, Kind.BEGIN, {"step": Current(), "rank": r, "pieces": packed})
+            s.barrier(r)
+
+
+packed_rows_probes = mutated_rows().map(lambda vr: PackedBegin(*vr))
+
+
+def _packed_blobs() -> list[Probe]:
+    """Blobs a hostile rank may put where its packed rows go, each refused as PROTOCOL/INVALID."""
+    honest = [[r.wire() for r in ROWS[k]] for k in range(WORLD)]
+    whole = pack(honest[0])
+    blobs = [
+        b"",
+        b"\xc1",  # never used by msgpack
+        whole[: len(whole) // 2],  # truncated
+        whole + b"\x00",  # trailing data
+        b"\xdd\xff\xff\xff\xff",  # array32 of 2^32-1 elements, none sent
+        b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB, none sent
+        deep(3000, "list").packed,
+        deep(1000, "list").packed,
+        msgpack.packb(7),
+        msgpack.packb({"rows": honest[0]}),
+        pack([honest[0][0]] * 2),  # one piece twice
+        pack(honest[1]),  # the other rank's pieces
+    ]
+    return [PackedBegin(0, honest, blob) for blob in blobs]
+
+
 class BeginRetry(Probe):
     """Rank 0's BEGIN is refused for one malformed row; both ranks say HELLO again and BEGIN with the
     right rows: the step must start (READY on both), not fail over rows of the refused BEGIN."""
@@ -1025,6 +1070,7 @@ FAMILIES: dict[str, Callable[[], st.SearchStrategy]] = {
     "fields": fields_probes,
     "deep_nesting": lambda: fields_probes(deep_values),
     "begin_rows": lambda: begin_rows_probes,
+    "begin_packed": lambda: packed_rows_probes,
     "begin_retry": begin_retry_probes,
     "begin_lone": lone_begin_probes,
     "sequence": lambda: sequence_probes,
@@ -1087,6 +1133,7 @@ EXPLICIT: dict[str, Callable[[], list[Probe]]] = {
         for container in ("list", "map")
     ],
     "begin_rows": _begin_rows_explicit,
+    "begin_packed": _packed_blobs,
     "begin_retry": lambda: [
         BeginRetry([*(r.wire() for r in ROWS[0][:1]), None, *(r.wire() for r in ROWS[0][2:])], 1)
     ],
