@@ -81,10 +81,10 @@ class Pipeline:
             state.deferred += units
             return
         if state.direct and not state.staged <= state.committed:  # see _after_local_commit
-            later = [u for u in units if self._after_local_commit(u)]
-            if later:
-                state.after_local += later
-                units = [u for u in units if not self._after_local_commit(u)]
+            now = []
+            for unit in units:
+                (state.after_local if self._after_local_commit(unit) else now).append(unit)
+            units = now
         self.submit_all(units)
 
     def submit_all(self, units: list[Unit]) -> None:
