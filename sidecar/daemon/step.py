@@ -142,7 +142,15 @@ class Skeleton:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
+    """``a`` and ``b`` are the same rows as sent, type for type: ``==`` alone says ``0.0 == 0`` and
+    ``True == 1``, so rows that a first step refuses ("expected a list of ints") would be taken over
+    unchecked by a following one. ``a`` is the skeleton's (checked, shallow) rows: the walk ends
+    at its depth, whatever ``b`` nests."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 def wire_type(value: Any) -> str:
