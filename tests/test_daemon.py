@@ -551,7 +551,11 @@ def test_a_frozen_rank_that_resumes_cannot_change_a_published_generation(cluster
     cluster.hold(3, seed=63)
     _resume(frozen)
     cluster.assert_intact(daemon, 3, seed=63)
-    assert daemon.status()["last_step"] == 3
+    status = daemon.status()
+    assert status["last_step"] == 3
+    staging = status["staging"]["segment"]  # retired after step 2: a new one, recorded for crash clean-up
+    assert staging not in daemon.segments
+    assert staging in json.loads((daemon.runtime_dir / "segments.json").read_text())["segments"]
     cluster.publish(4, seed=64)
 
 

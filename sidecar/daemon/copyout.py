@@ -6,9 +6,10 @@ and then copying it would publish whatever landed in between, so the daemon copi
 checks the bytes it copied: what is published is what was checked, and no trainer process can
 reach it (it maps no generation).
 
-The two passes are fused chunk by chunk for large tensors: a cache-sized chunk is copied, then
-scanned while it is still in cache, so the check costs little more than the copy's own write
-(``COPY_CHUNK_BYTES``; one ``aminmax`` per chunk, their results reduced once at the end).
+The two passes are fused chunk by chunk on the CPU: the native library (``refitd_copy_check`` in
+``sidecar/numerics/native/quant.c``) copies a 64 KiB chunk and scans it while it is still in cache,
+on the quantizers' threads, so the check costs little beyond the copy. Elsewhere (a GPU, no C
+compiler, another dtype) one ``copy_`` and one ``aminmax`` of the destination do the same.
 
     copy_checked(dst, src, name)      # NonFiniteError naming ``name`` if the copy holds NaN or Inf
     check_copied(unit, outputs)       # a unit's outputs, already copied
@@ -20,12 +21,15 @@ from collections.abc import Mapping
 
 import torch
 
+from sidecar.numerics import native
+from sidecar.numerics.cpu import _POOL as cpu_threads
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import Unit
 
-#: a chunk of this many bytes is copied and then scanned while it is in cache (L2 of the CPUs
-#: measured here is 1-2 MiB; larger chunks fell out of it, smaller ones paid torch's per-call cost)
-COPY_CHUNK_BYTES = 1 << 20
+#: exponent masks of the dtypes the native copy checks: all bits set means Inf or NaN
+_EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F800000}
+#: bytes per thread's share at least (below it one thread copies the lot)
+_SPLIT_BYTES = 1 << 20
 
 
 def _refuse(name: str) -> NonFiniteError:
@@ -40,39 +44,45 @@ def finite(t: torch.Tensor) -> bool:
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    """Copy ``src`` into ``dst`` (same dtype and shape), then refuse NaN/Inf found in ``dst``.
-
-    Contiguous CPU tensors larger than a chunk go chunk by chunk: copy, then scan the chunk just
-    written. Anything else: one copy, one scan of the destination."""
-    if dst.data_ptr() != src.data_ptr():
-        if (
-            dst.device.type == "cpu"
-            and src.device.type == "cpu"
-            and dst.is_contiguous()
-            and src.is_contiguous()
-            and dst.nbytes > 2 * COPY_CHUNK_BYTES
-            and dst.is_floating_point()
-        ):
-            _copy_checked_chunks(dst.view(-1), src.view(-1), name)
+    """Copy ``src`` into ``dst`` (same dtype and shape), then refuse NaN/Inf found in ``dst``:
+    fused in the native library where it applies, else a copy and a scan of ``dst``."""
+    if dst.data_ptr() != src.data_ptr():  # else the daemon wrote a remote rank's frames there: check only
+        seen = _native_copy_check(dst, src)
+        if seen is not None:
+            if seen:
+                raise _refuse(name)
             return
         dst.copy_(src)
     if dst.is_floating_point() and dst.numel() and not finite(dst):
         raise _refuse(name)
 
 
-def _copy_checked_chunks(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    step = max(1, COPY_CHUNK_BYTES // dst.element_size())
-    n = dst.numel()
-    lows, highs = [], []
-    for at in range(0, n, step):
-        d = dst[at : at + step]
-        d.copy_(src[at : at + step])
-        lo, hi = torch.aminmax(d)
-        lows.append(lo)
-        highs.append(hi)
-    ends = torch.stack(lows + highs)
-    if not bool(torch.isfinite(ends).all()):
-        raise _refuse(name)
+def _native_copy_check(dst: torch.Tensor, src: torch.Tensor) -> bool | None:
+    """Copy and check with ``refitd_copy_check`` (True: NaN or Inf seen), split over the
+    quantizers' threads; None, having done nothing, where it does not apply."""
+    expo = _EXPONENT.get(dst.dtype)
+    if (
+        expo is None
+        or src.dtype != dst.dtype
+        or dst.device.type != "cpu"
+        or src.device.type != "cpu"
+        or not dst.is_contiguous()
+        or not src.is_contiguous()
+        or not dst.numel()
+    ):
+        return None
+    lib = native.load()
+    if lib is None:
+        return None
+    d, s_, width, nbytes = dst.data_ptr(), src.data_ptr(), dst.element_size(), dst.nbytes
+    units = -(-nbytes // _SPLIT_BYTES)  # shares of _SPLIT_BYTES (the last one shorter)
+
+    def share(begin: int, end: int) -> int:
+        return lib.refitd_copy_check(
+            d, s_, begin * _SPLIT_BYTES, min(end * _SPLIT_BYTES, nbytes), width, expo
+        )
+
+    return any(cpu_threads.run(share, units, _SPLIT_BYTES // width))
 
 
 def check_copied(unit: Unit, outputs: Mapping[str, torch.Tensor]) -> None:

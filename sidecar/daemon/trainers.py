@@ -24,6 +24,7 @@ import torch
 from sidecar.config.settings import NodeRole
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
+from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest
@@ -182,6 +183,7 @@ class Trainers:
                 return
             if self.ctx.arenas.staging_tainted:  # nothing runs from staging now: no step, no unit
                 self.ctx.arenas.retire_staging()
+                record_segments(self.ctx.config, self.ctx.arenas.segment_names())  # crash clean-up
             self.ctx.begin_step(
                 StepState(
                     step,
