@@ -571,6 +571,11 @@ def test_staging_of_a_failed_step_is_retired_on_gpu_arenas_and_late_writes_land_
         daemon_view = old.tensor("t.1.weight")  # a view the daemon still held when the step failed
 
         arenas.staging_tainted = True  # what fail_step sets when ranks were handed staging
+        node.free = 0  # the GPU is full: no fresh arena now, and no step may start on the old one
+        with pytest.raises(InsufficientGpuMemory):
+            arenas.retire_staging()
+        assert arenas.staging_tainted and arenas.retired_staging == 0
+        node.free = 80 * GIB  # the next BEGIN tries again
         arenas.retire_staging()
         fresh = arenas.staging
         assert not arenas.staging_tainted and arenas.retired_staging == 1

@@ -1,7 +1,9 @@
 """Daemon-owned POSIX shared memory: segments, the layouts that carve them into tensors, arenas.
 
 The daemon creates every segment (``/dev/shm/<name>``, mode 0600, ``O_EXCL``) and unlinks it on
-shutdown; trainer clients and engine readers only attach. Segments are opened with ``os.open`` +
+shutdown; trainer clients and engine readers only attach. A segment no other process may write (a
+published generation) is made 0400 once the daemon mapped it (``read_only_on_disk``): opening it by
+name for writing then fails with EACCES for every process of the user but root. Segments are opened with ``os.open`` +
 ``mmap`` rather than ``multiprocessing.shared_memory``, so no resource tracker is involved: on
 Python 3.11 an attaching process's tracker would otherwise unlink the segment when that process
 exits, pulling it from under everyone else.

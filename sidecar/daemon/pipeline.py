@@ -144,6 +144,11 @@ class Pipeline:
         else:
             self.ctx.worker.submit_spans(state.step, views)
 
+    def forget(self, arena: Any) -> None:
+        """Drop every view of ``arena`` this component keeps (a staging arena being retired: its
+        memory goes once no view of it is left)."""
+        self._flat.pop(id(arena), None)
+
     def _bytes_of(self, arena: Any) -> torch.Tensor:
         """All of ``arena`` as one uint8 tensor, made once per arena (spans are slices of it)."""
         held = self._flat.get(id(arena))

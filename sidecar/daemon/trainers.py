@@ -181,9 +181,8 @@ class Trainers:
             if not self._can_start_step():
                 self._park_begin(identity, msg)
                 return
-            if self.ctx.arenas.staging_tainted:  # nothing runs from staging now: no step, no unit
-                self.ctx.arenas.retire_staging()
-                record_segments(self.ctx.config, self.ctx.arenas.segment_names())  # crash clean-up
+            if self.ctx.arenas.staging_tainted:
+                self._retire_staging(step)
             self.ctx.begin_step(
                 StepState(
                     step,
@@ -219,6 +218,22 @@ class Trainers:
             state.nixl_offers[peer.rank] = (offer, begin_rows(peer.rank, rows))
         if state.all_begun:
             self._all_begun()
+
+    def _retire_staging(self, step: int) -> None:
+        """The last step failed after its local ranks were handed staging: replace the arena before
+        this one starts (nothing runs from staging now: no step, no unit in flight)."""
+        self.pipeline.forget(self.ctx.arenas.staging)
+        try:
+            self.ctx.arenas.retire_staging()
+        except Exception as exc:  # a full GPU or /dev/shm: the next BEGIN tries again
+            log.exception("could not make a fresh staging arena")
+            raise RefitError(
+                f"the daemon retired its staging arena after a failed step and could not make a new one "
+                f"({type(exc).__name__}: {exc}); free GPU or /dev/shm memory, then push again",
+                kind=ErrorKind.CAPACITY,
+                step=step,
+            ) from None
+        record_segments(self.ctx.config, self.ctx.arenas.segment_names())  # crash clean-up lists it
 
     def _park_begin(self, identity: bytes, msg: Message) -> None:
         """Keep a BEGIN of a later step until the step in progress ends: the latest one per peer (a

@@ -72,6 +72,7 @@ class Arenas:
         #: replaced (:meth:`retire_staging`) before the next step reads anything from staging
         self.staging_tainted = False
         self.retired_staging = 0  # staging arenas retired so far (status, tests)
+        self._staging_retired = False  # closed and unlinked, its successor not made yet
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
         #: called with (reader identity, generation, step it held) for each hold dropped by a claim
@@ -99,15 +100,23 @@ class Arenas:
         return ShmArena.create(name, Layout([]), size=size, read_only_on_disk=sealed)
 
     def retire_staging(self) -> None:
-        """Replace the staging arena with a fresh one of the same size and layout, and unlink (shm)
-        or drop (GPU: freed once no view of it is alive) the old one.
+        """Replace the staging arena with a fresh one of the same size and layout, after unlinking
+        (shm) or dropping (GPU: freed once no view of it is alive) the old one.
 
         Called before a step starts when the last one failed (:attr:`staging_tainted`): a rank the
         daemon stopped trusting (declared dead while frozen, timed out, or part of a failed step)
         may still hold the old arena mapped writable and write into it later; those writes now land
         in memory nobody reads. READY then names the new arena (another name), and clients remap
-        and close the old one. Nothing runs from staging at that point (no step, no unit in flight)."""
+        and close the old one. Nothing may run from staging meanwhile (no step, no unit in flight).
+        The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
+        first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
+        stays set: the next call tries again, and no step starts before one succeeds."""
         old = self.staging
+        if not self._staging_retired:
+            old.close()
+            old.unlink()
+            self._staging_retired = True
+            log.info("staging arena %s retired after a failed step", old.name)
         fresh = self._create("staging", old.size)
         try:
             fresh.relayout(old.layout)
@@ -116,11 +125,10 @@ class Arenas:
             fresh.unlink()
             raise
         self.staging = fresh
-        old.close()
-        old.unlink()
+        self._staging_retired = False
         self.staging_tainted = False
         self.retired_staging += 1
-        log.info("staging arena %s retired after a failed step; staging is now %s", old.name, fresh.name)
+        log.info("staging is now %s", fresh.name)
 
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
