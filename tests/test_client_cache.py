@@ -128,7 +128,7 @@ def test_the_staging_writer_reuses_its_plan_and_copies_current_values(monkeypatc
     pieces, _ = StepPieces().of(w)
     ids = list(range(10, 10 + len(pieces)))
     writer.write_step(0, pieces, ids, {}, float("inf"))
-    plan = writer._planned[None]
+    plan = writer._planned
     assert sent == [[10, 11], [12, 13], [14, 15]]
     assert all(torch.equal(staged[n], t) for n, t in w.items())
 
@@ -136,32 +136,32 @@ def test_the_staging_writer_reuses_its_plan_and_copies_current_values(monkeypatc
         if t.numel():
             t.add_(1)
     writer.write_step(1, pieces, list(ids), {}, float("inf"))
-    assert writer._planned[None] is plan
+    assert writer._planned is plan
     assert all(torch.equal(staged[n], t) for n, t in w.items())
 
     fresh = {n: t.clone() for n, t in w.items()}  # other tensor objects, the same places
     fresh["a"].add_(5)
     fresh_pieces, _ = StepPieces().of(fresh)
     writer.write_step(1, fresh_pieces, list(ids), {}, float("inf"))
-    assert writer._planned[None] is not plan and writer._planned[None][3][0].regions is plan[3][0].regions
+    assert writer._planned is not plan and writer._planned[3][0].regions is plan[3][0].regions
     assert all(torch.equal(staged[n], t) for n, t in fresh.items())
-    plan = writer._planned[None]
+    plan = writer._planned
     moved = dict(fresh)
     moved["b"] = torch.randn(7).bfloat16()  # another dtype: planned again
     writer.write_step(1, StepPieces().of(moved)[0], list(ids), {}, float("inf"))
-    assert writer._planned[None][3][0].regions is not plan[3][0].regions
+    assert writer._planned[3][0].regions is not plan[3][0].regions
     writer.write_step(1, pieces, list(ids), {}, float("inf"))
-    plan = writer._planned[None]
+    plan = writer._planned
 
     writer.write_step(2, pieces, ids[::-1], {}, float("inf"))
-    assert writer._planned[None] is not plan and sent[-3:] == [[15, 14], [13, 12], [11, 10]]
-    plan = writer._planned[None]
+    assert writer._planned is not plan and sent[-3:] == [[15, 14], [13, 12], [11, 10]]
+    plan = writer._planned
     writer.arena = FakeStaging({n: torch.zeros_like(t) for n, t in w.items()})  # another mapping
     writer.write_step(3, pieces, ids[::-1], {}, float("inf"))
-    assert writer._planned[None] is not plan
+    assert writer._planned is not plan
     assert all(torch.equal(writer.arena.tensors()[n], t) for n, t in w.items())
     writer.close()
-    assert writer._planned == {}
+    assert writer._planned is None
 
 
 # ---- READY names a staging arena the rank mapped by its layout id

@@ -550,6 +550,54 @@ def test_gpu_chosen_by_index_uuid_or_current_device(node, nvml_off):
         CudaIpcArena.create("refitd-x", LAYOUT, gpu=5, driver=driver, nvml=nvml_off)
 
 
+def test_staging_of_a_failed_step_is_retired_on_gpu_arenas_and_late_writes_land_nowhere(node, monkeypatch):
+    """Issue 21 on CUDA arenas: a rank the daemon stopped trusting keeps the staging arena mapped
+    writable (an IPC mapping). Once its step failed, the daemon replaces the arena with a fresh
+    allocation before the next step: the next READY names another arena (name and IPC handle), a
+    write through the old mapping lands in memory no step reads, and the old allocation is freed
+    once the daemon holds no view of it."""
+    from sidecar.daemon.memory.generations import Arenas
+    from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
+    from transport import cuda_ipc
+
+    daemon = HostDriver(node)
+    monkeypatch.setattr(cuda_ipc, "default_driver", lambda: daemon)
+    specs = [TensorSpec(f"t.{i}.weight", torch.bfloat16, (8, 4)) for i in range(3)]
+    plan = RefitPlan.build(specs, RefitSpec(model_type="qwen3_moe", fmt="bf16"))
+    arenas = Arenas.for_plan("refitd-test", plan, kind=ArenaKind.CUDA_IPC, gpu=0)
+    try:
+        old = arenas.staging
+        handed = old.handle()  # what READY gave the ranks of the step that fails
+        frozen = CudaIpcArena.open(handed, writable=True, driver=HostDriver(node))  # the rank's mapping
+        daemon_view = old.tensor("t.1.weight")  # a view the daemon still held when the step failed
+
+        arenas.staging_tainted = True  # what fail_step sets when ranks were handed staging
+        node.free = 0  # the GPU is full: no fresh arena now, and no step may start on the old one
+        with pytest.raises(InsufficientGpuMemory):
+            arenas.retire_staging()
+        assert arenas.staging_tainted and arenas.retired_staging == 0
+        node.free = 80 * GIB  # the next BEGIN tries again
+        arenas.retire_staging()
+        fresh = arenas.staging
+        assert not arenas.staging_tainted and arenas.retired_staging == 1
+        assert fresh is not old and fresh.kind is ArenaKind.CUDA_IPC
+        assert fresh.layout is old.layout and fresh.size == old.size
+        new_handle = fresh.handle()
+        assert new_handle["name"] != handed["name"] and new_handle["ipc_handle"] != handed["ipc_handle"]
+        assert daemon.calls["malloc"] == 4  # staging, two generations, the new staging
+
+        frozen.tensor("t.1.weight").fill_(7.0)  # the rank resumes: its late copy
+        assert torch.equal(daemon_view, torch.full((8, 4), 7.0, dtype=torch.bfloat16))  # the old memory
+        for name in ("t.0.weight", "t.1.weight", "t.2.weight"):
+            assert not fresh.tensor(name).view(torch.uint8).any(), f"{name}: a late write reached staging"
+        frees = daemon.calls["free"]
+        del daemon_view
+        assert daemon.calls["free"] == frees + 1 and old.released  # freed once the daemon let go
+        frozen.close()
+    finally:
+        arenas.close()
+
+
 def test_a_freed_arena_cannot_be_opened(node, nvml_off):
     arena = CudaIpcArena.create("refitd-gen0", LAYOUT, driver=HostDriver(node), nvml=nvml_off)
     handle = arena.handle()

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from support import procs
+from support.waiting import wait_until
 
 from adapters.base import RefitReader
 from sidecar.errors import RefitError
@@ -235,9 +236,14 @@ class Cluster:
         daemon.wait_ready()
         return daemon
 
-    def connect(self, daemon: DaemonProc, ranks: list[int] | None = None, reader: bool = True) -> None:
+    def connect(
+        self, daemon: DaemonProc, ranks: list[int] | None = None, reader: bool = True, mover: str = "auto"
+    ) -> None:
+        """``mover="zmq"``: remote ranks stream frames even where NIXL works (no rank pulled)."""
         for r in range(procs.WORLD) if ranks is None else ranks:
-            self.ranks[r].call("connect", endpoint=daemon.endpoint, local=LOCAL[r], timeout=PUSH_TIMEOUT_S)
+            self.ranks[r].call(
+                "connect", endpoint=daemon.endpoint, local=LOCAL[r], timeout=PUSH_TIMEOUT_S, mover=mover
+            )
         if reader:
             self.reader.call("open", endpoint=daemon.endpoint, name="test-reader")
 
@@ -470,6 +476,115 @@ def test_nan_in_one_expert_is_refused_naming_the_checkpoint_tensor(cluster):
     assert_all_failed(replies, "non_finite", 2, f"{LAYER0}.mlp.experts.5.gate_proj.weight", "NaN")
     cluster.assert_intact(daemon, 1, seed=41)
     cluster.publish(3, seed=43)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): state ``T`` in ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _freeze_rank_0(cluster: Cluster, step: int, seed: int) -> Child:
+    """Rank 0 (local) stops itself with SIGSTOP after READY, its staging mapped and its copies
+    planned; the daemon declares it dead (no PING for rank_timeout_s) and fails ``step`` on the
+    other ranks; a new rank 0 process connects in its place. Returns the frozen child."""
+    cluster.send_push(step, seed=seed, fault={"kind": "stop_after_ready", "rank": 0}, ranks=[0, 1, 2, 3])
+    stopping = cluster.ranks[0].reply(PUSH_TIMEOUT_S)
+    assert stopping["kind"] == "stopping", stopping
+    frozen = cluster.ranks[0]
+    wait_until("rank 0 to be stopped", lambda: _stopped(frozen.proc.pid))
+    assert_all_failed(cluster.collect([1, 2, 3]), "rank_died", step, "rank 0")
+    cluster.pool.ranks[0] = Child("rank 0 (replacement)", procs.rank_main, 0, procs.WORLD)
+    cluster.connect(cluster.daemons[-1], ranks=[0], reader=False)
+    return frozen
+
+
+def _resume(frozen: Child) -> None:
+    """SIGCONT the frozen rank and wait until its push gave up: every copy it had planned was
+    written (through whatever it still maps) before it read the daemon's answer."""
+    os.kill(frozen.proc.pid, signal.SIGCONT)
+    late = frozen.reply(PUSH_TIMEOUT_S + REPLY_MARGIN_S)
+    assert not late["ok"], late
+    frozen.stop()
+
+
+@pytest.mark.timeout(120)
+def test_no_trainer_process_maps_a_generation_and_generations_are_read_only_on_disk(cluster):
+    """Issue 21, case 2: a rank keeps no writable mapping of a published generation, so a write
+    through a mapping kept after RESULT has nowhere to go: after two steps (one into each
+    generation) no trainer process maps either generation at all, local ranks map only staging,
+    and the reader maps the generations read-only. Defence in depth: the generation segments (and
+    the epoch page) are 0400 on disk, so opening one by name for writing is refused."""
+    daemon = cluster.start_daemon("bf16")  # every input a passthrough
+    cluster.connect(daemon, mover="zmq")
+    cluster.publish(1, seed=81)
+    cluster.publish(2, seed=82)
+    gens = [n for n in daemon.segments if "-gen" in n]
+    assert len(gens) == 2
+    for r in range(procs.WORLD):
+        maps = cluster.ranks[r].call("maps")["maps"]
+        mapped = [(name, perms) for name, perms in maps if name.split()[0] in gens]
+        assert not mapped, f"rank {r} maps a generation: {mapped}"
+        if LOCAL[r]:
+            assert any("-staging-" in name and perms.startswith("rw") for name, perms in maps), maps
+    for name in [*gens, next(n for n in daemon.segments if "-epochs-" in n)]:
+        path = Path("/dev/shm") / name
+        assert path.stat().st_mode & 0o777 == 0o400, f"{name}: {oct(path.stat().st_mode)}"
+        if os.geteuid() != 0:  # root opens anything: the mode is what stops every other process
+            with pytest.raises(PermissionError):
+                os.open(path, os.O_RDWR)
+    cluster.publish(3, seed=83)
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_rank_that_resumes_cannot_change_a_published_generation(cluster):
+    """Issue 21, case 1: rank 0 freezes after READY of step 2 (SIGSTOP) and is declared dead; a
+    replacement rank 0 and the others publish step 3, into the very generation step 2 was going
+    to; the reader holds it. Then the frozen rank resumes (SIGCONT) and writes all its step-2
+    copies through whatever it still maps. The live generation still is exactly convert() of
+    step 3, the bytes the reader holds did not change, and a fresh read hands out the same."""
+    daemon = cluster.start_daemon("bf16")  # every input a passthrough: all published as sent
+    cluster.connect(daemon, mover="zmq")  # remote ranks' frames (a NIXL READ goes to staging)
+    cluster.publish(1, seed=61)
+    frozen = _freeze_rank_0(cluster, 2, seed=62)
+    cluster.publish(3, seed=63)
+    cluster.hold(3, seed=63)
+    _resume(frozen)
+    cluster.assert_intact(daemon, 3, seed=63)
+    status = daemon.status()
+    assert status["last_step"] == 3
+    staging = status["staging"]["segment"]  # retired after step 2: a new one, recorded for crash clean-up
+    assert staging not in daemon.segments
+    assert staging in json.loads((daemon.runtime_dir / "segments.json").read_text())["segments"]
+    cluster.publish(4, seed=64)
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_rank_that_resumes_cannot_change_a_later_steps_inputs(cluster):
+    """Issue 21, case 1 (staging): as above, but the frozen rank resumes while step 3 is in flight:
+    the replacement rank 0 and the remote ranks have written and committed, and rank 1 holds back
+    its part (the expert slabs span every rank, so no slab of step 3 was quantized yet). The frozen
+    rank's late step-2 copies must not become inputs of step 3: it publishes exactly convert() of
+    its own weights."""
+    daemon = cluster.start_daemon("block_fp8")
+    cluster.connect(daemon, mover="zmq")
+    cluster.publish(1, seed=71)
+    frozen = _freeze_rank_0(cluster, 2, seed=72)
+    cluster.reader.send("wait", min_step=3, seed=73, fmt=cluster.fmt, timeout=PUSH_TIMEOUT_S)
+    cluster.send_push(3, seed=73, fault={"kind": "hold_write", "rank": 1}, ranks=[0, 1, 2, 3])
+    assert cluster.ranks[1].reply(PUSH_TIMEOUT_S)["kind"] == "holding"
+
+    def committed() -> bool:
+        step = daemon.status()["step_in_progress"]
+        return step is not None and step["committed"] == [0, 2, 3]
+
+    wait_until("ranks 0, 2 and 3 to commit step 3", committed)
+    _resume(frozen)  # its copies land now, before rank 1 writes
+    cluster.ranks[1].signal()
+    for r, reply in cluster.collect([0, 1, 2, 3]).items():
+        assert reply["ok"] and reply["step"] == 3, f"rank {r}: {reply}"
+    seen = cluster.reader.reply(PUSH_TIMEOUT_S + REPLY_MARGIN_S)
+    assert (seen["step"], seen["problems"]) == (3, []), seen["problems"][:20]
 
 
 @pytest.mark.timeout(90)

@@ -1,10 +1,14 @@
-"""Passthrough inputs written straight into the generation (sidecar.daemon.memory.direct).
+"""Passthrough inputs: remote frames written straight into the generation by the daemon
+(sidecar.daemon.memory.direct), local ranks' copies always through staging.
 
-A tensor the daemon publishes unchanged lands in the generation being written, from a local rank's
-copy or from a remote rank's frames, instead of in staging and then again in the generation. These
-tests check which inputs qualify, that the data really skips staging, that the published bytes are
-exact, that a NaN in such a tensor is still refused with the last good generation kept, and that a
-step whose generation was still held when READY went out stages everything as before.
+A tensor the daemon publishes unchanged lands in the generation being written from a remote rank's
+frames (the daemon writes them) instead of in staging and then again in the generation. A local
+rank never maps a generation (README, Guarantees): its pieces go to staging, and the daemon copies
+them out after the local ranks committed, checking the copy, never staging. These tests check which
+inputs qualify, where the data goes, that the published bytes are exact, that a NaN in such a
+tensor is still refused with the last good generation kept, that a NaN a local rank writes into
+what it maps after its COMMIT is never published, and that a step whose generation was still held
+when READY went out stages everything as before.
 
 The daemon runs its real serve loop in a thread of the test process (so the test can look into its
 staging arena); trainers and readers are the real ``RefitClient`` and ``RefitReader``.
@@ -109,10 +113,11 @@ def staged(d, name: str) -> torch.Tensor:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("local", [True, False], ids=["local", "remote"])
 @pytest.mark.parametrize("fmt", ["bf16", "block_fp8"])
-def test_passthroughs_skip_staging_and_publish_exact(start, fmt, local):
-    """Every passthrough input reaches the generation without a byte in staging (it stays zero),
-    from a local rank's copy and from a remote rank's frames alike; quantized inputs still go
-    through staging; what is published is exact, step after step in both generations."""
+def test_remote_passthroughs_skip_staging_and_local_ones_do_not(start, fmt, local):
+    """A remote rank's frames of a passthrough input reach the generation without a byte in
+    staging (it stays zero); a local rank's copies all go to staging (no trainer process maps a
+    generation), and so do quantized inputs; what is published is exact, step after step in both
+    generations."""
     d = start(format=fmt)
     plan_direct = None
     for step in (1, 2, 3):
@@ -129,10 +134,10 @@ def test_passthroughs_skip_staging_and_publish_exact(start, fmt, local):
     sd = weights(3)
     for name, t in sd.items():
         s = staged(d, name)
-        if name in plan_direct:
+        if name in plan_direct and not local:
             assert not bool(s.view(torch.uint8).any()), f"{name} was written into staging"
         elif t.numel():
-            assert torch.equal(_bytes(s), _bytes(t)), f"{name} (quantized) is not in staging"
+            assert torch.equal(_bytes(s), _bytes(t)), f"{name} is not in staging"
     if fmt == "block_fp8":
         assert len(plan_direct) < len(sd)
 
@@ -204,3 +209,96 @@ def test_a_step_whose_generation_is_held_at_ready_stages_everything(start):
         reader.release(gen)
     sd = weights(3)
     assert all(torch.equal(_bytes(staged(d, n)), _bytes(t)) for n, t in sd.items() if t.numel())
+
+
+def _nan_through_every_writable_mapping(writer, name: str, arenas) -> int:
+    """What a local rank could still do after its ACK: write NaN into tensor ``name`` through every
+    arena its StagingWriter maps writable (staging; and whatever else it keeps mapped). Returns
+    how many mappings it wrote through."""
+    wrote = 0
+    mapped = [writer.arena, *getattr(writer, "generations", {}).values()]  # generations: issue 21, case 2
+    for arena in mapped:
+        if arena is None:
+            continue
+        if name in arena.layout.slots:
+            arena.tensor(name).fill_(float("nan"))
+        else:  # a generation mapped without its layout: the tensor at its offset there
+            t = arena.view(arenas.direct[name], torch.bfloat16, tuple(weights(0)[name].shape))
+            t.fill_(float("nan"))
+        wrote += 1
+    return wrote
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_a_local_rank_writes_after_its_commit_is_never_published(tmp_path):
+    """Issue 21, case 3: the last local rank commits (ACK), then writes a NaN into a norm weight
+    through what it maps, before the remote rank commits. Whatever the timing, the NaN is never
+    published: the step either fails NON_FINITE (the daemon's copy caught it) with the last good
+    generation live, or publishes exactly the weights the rank sent."""
+    factory = daemon_factory(
+        tmp_path, hf_config=CONFIG, world_size=2, step_timeout_s=60.0, rank_timeout_s=60.0
+    )
+    d = next(factory)(format="bf16")
+    try:
+        sd = weights(2)
+        norm = next(n for n in sd if "norm" in n and sd[n].is_floating_point())
+        last = list(sd)[-1]
+        assert last != norm
+        parts = {
+            k: [{n: t for n, t in w.items() if n != last}, {last: w[last]}]
+            for k, w in ((1, weights(1)), (2, sd))
+        }
+        out: dict = {}
+
+        def run(rank: int, step: int, go: threading.Event | None = None) -> None:
+            with RefitClient(d.endpoint, rank, 2, local=(rank == 0), timeout=REPLY_S, mover="zmq") as c:
+                clients[rank] = c
+                if go is not None:
+                    send = c._remote.send
+
+                    def held(*args, **kwargs):
+                        go.wait(REPLY_S)
+                        return send(*args, **kwargs)
+
+                    c._remote.send = held
+                try:
+                    out[rank] = c.push_step(step, parts[step][rank])
+                except RefitError as exc:
+                    out[rank] = exc
+                done[rank].set()
+
+        for step in (1, 2):
+            clients: dict = {}
+            done = {0: threading.Event(), 1: threading.Event()}
+            go = threading.Event() if step == 2 else None
+            threads = [threading.Thread(target=run, args=(r, step, go), daemon=True) for r in (0, 1)]
+            for t in threads:
+                t.start()
+            if step == 2:
+
+                def committed():
+                    s = d.status()["step_in_progress"]
+                    return s is not None and s["committed"] == [0]
+
+                wait_until("rank 0 to commit step 2", committed)
+                assert _nan_through_every_writable_mapping(clients[0]._local, norm, d.daemon.arenas) >= 1
+                go.set()
+            for r in (0, 1):
+                assert done[r].wait(REPLY_S), f"rank {r} did not finish step {step}"
+        with RefitReader(d.endpoint, name="check", timeout=REPLY_S) as reader:
+            gen = reader.wait()
+            try:
+                if isinstance(out[0], RefitError):
+                    assert out[0].kind is ErrorKind.NON_FINITE and norm in str(out[0]), out[0]
+                    assert gen.step == 1
+                else:
+                    assert gen.step == 2
+                assert not any(
+                    bool(t.isnan().any()) for t in gen.tensors.values() if t.is_floating_point()
+                ), "a NaN was published"
+                expected = convert(weights(gen.step), RefitSpec(model_type="qwen3_5_moe", fmt="bf16"))
+                assert all(torch.equal(_bytes(gen.tensors[n]), _bytes(expected[n])) for n in expected)
+            finally:
+                reader.release(gen)
+    finally:
+        next(factory, None)

@@ -1206,6 +1206,31 @@ def test_the_harness_notices_an_internal_error(fuzz):
         fuzz.run(Internal())
 
 
+@pytest.mark.parametrize("container", ["list", "map"])
+def test_a_nesting_bomb_attach_name_is_a_protocol_error(fuzz, container):
+    """An ATTACH whose name is nested 1,020 deep (msgpack decodes it; ``str()`` of it recurses past
+    Python's limit) is refused as PROTOCOL, naming the field and the type expected, not through the
+    INTERNAL catch-all; the daemon keeps serving the same generation."""
+
+    class Bomb(Probe):
+        label = f"ATTACH name: a {container} nested 1020 deep"
+        must_refuse = (0,)
+
+        def run(self, s: Session) -> None:
+            s.send(0, [header(int(Kind.ATTACH), {"name": deep(1020, container), "pid": 1}, 0)])
+
+    bomb = Bomb()
+    fuzz.run(bomb)
+    s = Session(fuzz, fuzz.take_step())
+    try:
+        bomb.run(s)
+        err = s.until(0, {Kind.ERROR}, "ERROR")
+    finally:
+        s.close()
+    assert err.get("kind") == "protocol", err.fields
+    assert "ATTACH: name must be a str" in err.get("message"), err.get("message")
+
+
 # --------------------------------------------------------------------------------------------------
 # an inference node of a disaggregated layout: only its trainer node's forwarder may publish there
 

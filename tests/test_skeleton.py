@@ -88,6 +88,30 @@ def test_rows_sent_as_lists_follow_too_but_never_match_bytes():
     assert not mixed.settled and receive_all(mixed)  # declared and checked for real
 
 
+@pytest.mark.parametrize(
+    "swap, message",
+    [
+        (lambda v: float(v), "offsets is a list of 2, expected a list of ints"),  # 0 -> 0.0: 0.0 == 0
+        (lambda v: bool(v), "offsets is a list of 2, expected a list of ints"),  # 0 -> False, 1 -> True
+    ],
+    ids=["float-offset", "bool-offset"],
+)
+def test_list_rows_equal_by_value_but_not_by_type_are_checked_for_real(swap, message):
+    """Rows sent as lists follow the skeleton only when they are the same type for type: an offset
+    of ``0.0`` (or ``False``) equals ``0`` by ``==``, and a first step refuses it; a following step
+    must refuse it too (issue 21, case 4)."""
+    plan = plan_of()
+    first = run_step(1, [(0, rows_of(0)), (1, rows_of(1))], plan)
+    skeleton = first.skeleton_for(plan)
+    bad = rows_of(0)
+    bad[0][3] = [swap(v) for v in bad[0][3]]  # rank 0's offsets are [0, 0]
+    assert bad == rows_of(0)  # equal by value: what the skeleton compared
+    with pytest.raises(ProtocolError, match=message):
+        run_step(2, [(0, bad), (1, rows_of(1))], plan, skeleton)
+    with pytest.raises(ProtocolError, match=message):  # as on a first step
+        run_step(2, [(0, bad), (1, rows_of(1))], plan)
+
+
 def test_a_later_rank_that_differs_declares_the_followed_ones_for_real():
     plan = plan_of()
     skeleton = run_step(1, [(0, packed(rows_of(0))), (1, packed(rows_of(1)))], plan).skeleton_for(plan)

@@ -563,7 +563,7 @@ def test_a_configured_staging_too_small_for_a_layer_group_stops_the_daemon_namin
     monkeypatch.setattr(
         ShmSegment,
         "create",
-        classmethod(lambda cls, name, size: made.append(name) or real_create(name, size)),
+        classmethod(lambda cls, name, size, **kw: made.append(name) or real_create(name, size, **kw)),
     )
     with pytest.raises(ValueError, match=r"the staging arena holds 65536 bytes: 4 regions of 16384 bytes"):
         Daemon(config)

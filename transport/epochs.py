@@ -86,7 +86,7 @@ class EpochPage(_Page):
     def create(cls, name: str, count: int) -> EpochPage:
         if count <= 0:
             raise ValueError(f"epoch page {name!r}: {count} generations; it needs at least one")
-        page = cls(ShmSegment.create(name, count * EPOCH_BYTES), count)
+        page = cls(ShmSegment.create(name, count * EPOCH_BYTES, read_only_on_disk=True), count)
         page._epochs[:] = FIRST_EPOCH
         return page
 

@@ -1,7 +1,9 @@
 """Daemon-owned POSIX shared memory: segments, the layouts that carve them into tensors, arenas.
 
 The daemon creates every segment (``/dev/shm/<name>``, mode 0600, ``O_EXCL``) and unlinks it on
-shutdown; trainer clients and engine readers only attach. Segments are opened with ``os.open`` +
+shutdown; trainer clients and engine readers only attach. A segment no other process may write (a
+published generation) is made 0400 once the daemon mapped it (``read_only_on_disk``): opening it by
+name for writing then fails with EACCES for every process of the user but root. Segments are opened with ``os.open`` +
 ``mmap`` rather than ``multiprocessing.shared_memory``, so no resource tracker is involved: on
 Python 3.11 an attaching process's tracker would otherwise unlink the segment when that process
 exits, pulling it from under everyone else.
@@ -49,8 +51,12 @@ class ShmSegment:
         self._bytes = np.frombuffer(mm, dtype=np.uint8, count=size) if size else np.empty(0, np.uint8)
 
     @classmethod
-    def create(cls, name: str, size: int) -> ShmSegment:
-        """Create ``/dev/shm/<name>`` of ``size`` bytes, mode 0600; fails if it exists."""
+    def create(cls, name: str, size: int, *, read_only_on_disk: bool = False) -> ShmSegment:
+        """Create ``/dev/shm/<name>`` of ``size`` bytes, mode 0600; fails if it exists.
+
+        ``read_only_on_disk``: once mapped here (read-write), the segment's mode becomes 0400, so
+        no process can open it by name for writing any more (EACCES; root aside): what the daemon
+        does to the generations it publishes. Readers open it read-only, as ever."""
         if size < 0:
             raise ValueError(f"segment {name!r}: size {size} is negative")
         path = SHM_DIR / name
@@ -58,6 +64,8 @@ class ShmSegment:
         try:
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if read_only_on_disk:
+                os.fchmod(fd, 0o400)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -177,11 +185,13 @@ class ShmArena(CarvedArena):
         self._views: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def create(cls, name: str, layout: Layout, *, size: int | None = None) -> ShmArena:
+    def create(
+        cls, name: str, layout: Layout, *, size: int | None = None, read_only_on_disk: bool = False
+    ) -> ShmArena:
         capacity = layout.size if size is None else size
         if capacity < layout.size:
             raise ValueError(f"arena {name!r}: {capacity} bytes cannot hold a layout of {layout.size} bytes")
-        return cls(ShmSegment.create(name, capacity), layout)
+        return cls(ShmSegment.create(name, capacity, read_only_on_disk=read_only_on_disk), layout)
 
     @property
     def name(self) -> str:

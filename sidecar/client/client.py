@@ -285,8 +285,7 @@ class RefitClient:
                 if "ring" in ready:
                     mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs, reg=reg)
                 elif "staging" in ready:
-                    direct = _direct_of(ready)
-                    self._local.write_step(step, pieces, ids, ready["staging"], deadline, direct)
+                    self._local.write_step(step, pieces, ids, ready["staging"], deadline)
                     mover = "staging"
                 else:
                     limit = self._frame_limit()
@@ -560,25 +559,3 @@ def _without_skipped(skip: Any, pieces: list[Piece], ids: list[Any], srcs: list 
         [ids[i] for i in keep],
         None if srcs is None else [srcs[i] for i in keep],
     )
-
-
-def _direct_of(ready: dict[str, Any]) -> tuple[dict, dict[int, int]] | None:
-    """READY's ``direct``, checked: (the generation's handle, piece id -> byte offset of the piece's
-    tensor there, -1 for a piece that goes to staging), or None when READY has none."""
-    direct = ready.get("direct")
-    if direct is None:
-        return None
-    ids = ready.get("pieces", [])
-    handle = direct.get("generation") if isinstance(direct, dict) else None
-    offsets = direct.get("offsets") if isinstance(direct, dict) else None
-    if (
-        not isinstance(handle, dict)
-        or not isinstance(offsets, list)
-        or len(offsets) != len(ids)
-        or any(type(o) is not int for o in offsets)
-    ):
-        raise ProtocolError(
-            "READY's direct must be {generation: handle, offsets: one int per piece READY lists}: the "
-            "daemon and the client disagree on the protocol; run the same refitd version on both"
-        )
-    return handle, dict(zip(ids, offsets))

@@ -2,9 +2,9 @@
 
 The daemon hands the rank a handle to its staging arena (POSIX shm, or a CUDA-IPC handle to its GPU
 arena) in READY; :class:`StagingWriter` maps it once and copies each piece into its tensor's place:
-the whole step at once, or, with a staging ring, one granted layer-group region at a time. A piece
-the daemon publishes unchanged (READY's ``direct``) goes straight into the generation being written. Every
-``DONE_BATCH_BYTES`` / ``DONE_BATCH_PIECES`` it tells the daemon which pieces landed (PIECE_DONE), so
+the whole step at once, or, with a staging ring, one granted layer-group region at a time. A rank
+never maps a generation: the daemon copies staging out into it once the step's local ranks
+committed, and checks the copy (README, Guarantees). Every ``DONE_BATCH_BYTES`` / ``DONE_BATCH_PIECES`` it tells the daemon which pieces landed (PIECE_DONE), so
 the daemon quantizes layers while later ones are still being written.
 
     writer = StagingWriter(link)
@@ -87,22 +87,19 @@ class StagingWriter:
     def __init__(self, link: Link) -> None:
         self.link = link
         self.arena: Any = None  # the mapped staging arena (ShmArena or a CUDA-IPC arena), or None
-        #: the daemon's generations this rank wrote directly (READY's ``direct``), by segment name, and
-        #: the tensor views made in each (the same offsets come back every step)
-        self.generations: dict[str, Any] = {}
-        self._direct_views: dict[tuple[str, int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         #: CUDA events recorded on the trainer's streams at push_step: the tensors are written once they fire
         self.ready_events: list = []
         self._streams: dict[int, torch.cuda.Stream] = {}  # GPU staging: the copy stream per device
         #: whole-step staging: (pieces, arena views, ids, batches) of the last step, reused by a
         #: step of the same pieces list with the same ids into the same views
-        self._planned: dict[str | None, tuple[list[Piece], Any, list[int], list[_Batch], Any]] = {}
+        self._planned: tuple[list[Piece], Any, list[int], list[_Batch]] | None = None
         self._layout_id: str | None = None  # the mapped arena's layout (READY's layout_id)
 
     def open(self, handle: dict) -> None:
         """Map the arena READY names (again only when it is another one, or carved another way:
-        its ``layout_id`` differs). A READY names an arena this client mapped by name and layout
-        id alone, without its layout."""
+        its ``layout_id`` differs), closing the one mapped before: a daemon that retired its
+        staging after a failed step names a new one. A READY names an arena this client mapped by
+        name and layout id alone, without its layout."""
         layout_id = handle.get("layout_id")
         if self.arena is not None and self.arena.name == handle.get("name") and layout_id == self._layout_id:
             return
@@ -117,93 +114,36 @@ class StagingWriter:
         self._layout_id = layout_id
 
     def close(self) -> None:
-        """Unmap the arenas (a restarted daemon's segments are never written again); idempotent."""
-        self._planned = {}  # their views are of these arenas
+        """Unmap the arena (a restarted daemon's segments are never written again); idempotent."""
+        self._planned = None  # its views are of this arena
         self._layout_id = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        self._close_generations()
-
-    def _close_generations(self) -> None:
-        self._planned = {}  # their views are of these arenas
-        self._direct_views.clear()
-        for arena in self.generations.values():
-            arena.close()
-        self.generations.clear()
-
-    def _generation(self, handle: dict) -> Any:
-        """The generation READY's ``direct`` names, mapped once (a daemon has two; another name
-        means another daemon instance: the old mappings go)."""
-        name = handle.get("name")
-        arena = self.generations.get(name)
-        if arena is None:
-            if len(self.generations) >= 2:
-                self._close_generations()
-            arena = self.generations[name] = open_any_arena(handle, writable=True)
-        return arena
-
-    def _direct_view(self, arena: Any, offset: int, piece: Piece) -> torch.Tensor:
-        key = (arena.name, offset, piece.tensor.dtype, piece.global_shape)
-        view = self._direct_views.get(key)
-        if view is None:
-            view = self._direct_views[key] = arena.view(offset, piece.tensor.dtype, piece.global_shape)
-        return view
 
     def write_step(
-        self,
-        step: int,
-        pieces: list[Piece],
-        ids: list[int],
-        handle: dict,
-        deadline: float,
-        direct: tuple[dict, dict[int, int]] | None = None,
+        self, step: int, pieces: list[Piece], ids: list[int], handle: dict, deadline: float
     ) -> None:
-        """Whole-step staging: every piece into its tensor's slot of the arena; with ``direct``
-        (the generation's handle, and piece id -> byte offset of its tensor there), a piece the
-        daemon publishes unchanged goes straight into the generation instead."""
+        """Whole-step staging: every piece into its tensor's slot of the arena."""
         self.open(handle)
         views = self.arena.tensors()  # device-to-device copies through the mapped handle on GPUs
-        # the copies of the same pieces into the same places: one plan per direct generation (a
-        # step alternates between the daemon's two), reused while pieces, ids and places hold
-        key = None if direct is None else direct[0].get("name")
-        planned = self._planned.get(key)
-        offsets = None if direct is None else direct[1]
-        if (
-            planned is None
-            or planned[0] is not pieces
-            or planned[1] is not views
-            or planned[2] != ids
-            or planned[4] != offsets
-        ):
+        # the copies of the same pieces into the same places, reused while pieces, ids and places hold
+        planned = self._planned
+        if planned is None or planned[0] is not pieces or planned[1] is not views or planned[2] != ids:
             with gc_paused():  # many small objects (views, lists): no collections meanwhile
                 if (
                     planned is not None
                     and planned[1] is views
                     and planned[2] == ids
-                    and planned[4] == offsets
                     and _same_places(planned[0], pieces)
                 ):  # other tensor objects in the same places (a fresh state_dict()): new sources only
                     batches = [batch.with_sources(pieces) for batch in planned[3]]
                 else:
-                    batches = self._plan(self._dests(pieces, ids, views, direct))
-            planned = (pieces, views, list(ids), batches, offsets)
-            self._planned[key] = planned
+                    batches = self._plan((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
+            planned = (pieces, views, list(ids), batches)
+            self._planned = planned
         with gc_paused(), self._copy_stream():
             self._run(step, planned[3], deadline)
-
-    def _dests(self, pieces: list[Piece], ids: list[int], views: Any, direct: Any) -> Iterator:
-        """``(piece, id, its global tensor)``: in staging, or in the generation for a piece the
-        daemon publishes unchanged (READY's ``direct``)."""
-        if direct is None:
-            return ((p, pid, views[p.name]) for p, pid in zip(pieces, ids))
-        gen, offsets = self._generation(direct[0]), direct[1]
-
-        def dest(p: Piece, pid: int) -> torch.Tensor:
-            offset = offsets.get(pid, -1)
-            return views[p.name] if offset < 0 else self._direct_view(gen, offset, p)
-
-        return ((p, pid, dest(p, pid)) for p, pid in zip(pieces, ids))
 
     def write_group(
         self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float

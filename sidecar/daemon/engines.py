@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from sidecar.daemon.load_rounds import EngineState, LoadRound, new_round
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
+from sidecar.daemon.step import wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.observers import notify
 from sidecar.plan.attach import check_manifest, engine_bf16_modules
@@ -51,7 +52,12 @@ class Engines:
         }
 
     def handle_attach(self, identity: bytes, msg: Message) -> None:
-        name = str(msg.get("name", ""))
+        name, pid = msg.get("name", ""), msg.get("pid")
+        if type(name) is not str or not (pid is None or type(pid) is int):
+            raise ProtocolError(
+                f"ATTACH: name must be a str (got {wire_type(name)}) and pid an int or absent (got "
+                f"{wire_type(pid)}): send the engine worker's name as a str and its process id as an int"
+            )
         warnings: list[str] = []
         if msg.get("manifest") is not None:
             try:
@@ -59,9 +65,7 @@ class Engines:
             except ValueError as exc:
                 raise RefitError(f"engine worker {name!r}: {exc}", kind=ErrorKind.ENGINE) from None
             warnings = self._attach_engine(identity, name, manifest)
-        self.ctx.peers[identity] = Peer(
-            identity, PeerRole.READER, time.monotonic(), pid=msg.get("pid"), name=name
-        )
+        self.ctx.peers[identity] = Peer(identity, PeerRole.READER, time.monotonic(), pid=pid, name=name)
         live = self.ctx.arenas.live_generation()
         self.ctx.send(
             identity,

@@ -508,6 +508,10 @@ class Daemon:
         self.pulls.cancel()
         if state.target is not None:
             state.target.step = None  # half-written: never hand it out
+        if state.staged:
+            # ranks of this step hold staging mapped writable, and one the daemon gave up on (frozen,
+            # timed out) may write into it later: it is replaced before the next step (Trainers)
+            self.arenas.staging_tainted = True
         if self.arenas.ring is not None:
             self.arenas.ring.reset()
         self.end_step()

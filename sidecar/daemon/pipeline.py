@@ -80,11 +80,6 @@ class Pipeline:
         if state.target is None:
             state.deferred += units
             return
-        if state.direct and not state.staged <= state.committed:  # see _after_local_commit
-            now = []
-            for unit in units:
-                (state.after_local if self._after_local_commit(unit) else now).append(unit)
-            units = now
         self.submit_all(units)
 
     def submit_all(self, units: list[Unit]) -> None:
@@ -92,7 +87,18 @@ class Pipeline:
         the whole step is staged (not a ring), the rest one by one."""
         ctx = self.ctx
         state = ctx.step
-        if ctx.arenas.ring is None and len(units) > 1:
+        ring = ctx.arenas.ring
+        if state.staged and ring is None and not state.staged <= state.committed:
+            # A passthrough's work is a copy out of staging and a finiteness check of the copy: one
+            # read and one write of bytes local ranks are still copying in. Run meanwhile it only
+            # takes memory bandwidth from their copies (measured: the local ingest of a 255 MiB
+            # BF16 step 44 -> 60 ms), and a trainer waits for COMMIT, not for the generation; after
+            # it, the copy runs at full speed. (A ring must free regions to let the ranks go on.)
+            now = []
+            for unit in units:
+                (now if unit.fmt is not None else state.after_local).append(unit)
+            units = now
+        if ring is None and len(units) > 1:
             spans, units = self._span_table().spans(units)
             if spans:
                 self._submit_spans(spans)
@@ -114,11 +120,11 @@ class Pipeline:
         return self._sole[1]
 
     def _span_table(self) -> SpanTable:
-        """This step's span table: its inputs in staging, or, those written straight into the
-        generation (a direct step), there. One per kind of step, made once per plan."""
+        """This step's span table: its inputs in staging, or, those the daemon wrote straight into
+        the generation (remote frames of a direct step), there. Made once per plan and kind of step."""
         ctx = self.ctx
         staging, outputs = ctx.arenas.staging.layout, ctx.step.target.arena.layout
-        direct = ctx.arenas.direct if ctx.step.direct else None
+        direct = ctx.step.direct or None
         table = self._spans.get(direct is not None)
         if table is None or not table.fits(ctx.plan, staging, outputs, direct):
             table = self._spans[direct is not None] = SpanTable(ctx.plan, staging, outputs, direct)
@@ -138,23 +144,17 @@ class Pipeline:
         else:
             self.ctx.worker.submit_spans(state.step, views)
 
+    def forget(self, arena: Any) -> None:
+        """Drop every view of ``arena`` this component keeps (a staging arena being retired: its
+        memory goes once no view of it is left)."""
+        self._flat.pop(id(arena), None)
+
     def _bytes_of(self, arena: Any) -> torch.Tensor:
         """All of ``arena`` as one uint8 tensor, made once per arena (spans are slices of it)."""
         held = self._flat.get(id(arena))
         if held is None or held[0] is not arena:
             held = self._flat[id(arena)] = (arena, arena.view(0, torch.uint8, (arena.size,)))
         return held[1]
-
-    def _after_local_commit(self, unit: Unit) -> bool:
-        """Whether a passthrough of inputs written straight into the generation waits for the local
-        ranks' COMMIT. Its work is a finiteness check: one read of bytes those ranks are still
-        copying in. Run meanwhile it only takes memory bandwidth from their copies (measured: the
-        local ingest of a 255 MiB BF16 step 44 -> 60 ms), and a trainer waits for COMMIT, not for the
-        generation; after it, the check reads at full speed."""
-        state, direct = self.ctx.step, self.ctx.arenas.direct
-        if not state.direct or unit.fmt is not None or state.staged <= state.committed:
-            return False
-        return all(name in direct for name in unit.inputs)
 
     def local_committed(self) -> None:
         """A rank committed: once every local rank has, run the passthroughs that waited for them."""
@@ -191,7 +191,7 @@ class Pipeline:
         arenas = self.ctx.arenas
         ring = arenas.ring
         state = self.ctx.step
-        if state is not None and state.direct and name in arenas.direct:
+        if state is not None and name in state.direct:  # a remote rank's frames, the daemon's own writes
             return arenas.direct_view(state.target, name)
         return arenas.staging.tensor(name) if ring is None else ring.view(arenas.staging, name)
 

@@ -6,8 +6,9 @@ order, the generation's in output order, and a passthrough's one output sits whe
 does in that order), so consecutive passthrough units lie at the same relative offsets on both
 sides, separated only by alignment padding. :class:`SpanTable` (made once per plan and layouts)
 knows each passthrough unit's two offsets; :meth:`SpanTable.spans` merges the units that became
-ready together into runs; the worker checks each run for NaN/Inf with one ``aminmax`` per dtype
-and copies it with one ``copy_`` (:func:`run_span`).
+ready together into runs; the worker copies each run with one ``copy_`` and then checks the copy
+(never staging, which a local rank may still write) for NaN/Inf with one ``aminmax`` per dtype
+(:func:`run_span`).
 
 The padding between tensors is copied too (never read by anyone), and it takes part in the
 finiteness check: a run that looks non-finite is checked again tensor by tensor, so only a tensor
@@ -165,7 +166,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 def check_span(span: Span, src: torch.Tensor) -> None:
     """NonFiniteError naming the first member of ``span`` that holds NaN or Inf (``src``: the
-    span's bytes in staging, uint8). One ``aminmax`` per run of one float dtype; a run that looks
+    span's bytes, uint8: its copy in the generation). One ``aminmax`` per run of one float dtype; a run that looks
     non-finite (a tensor, or the padding between two) is checked tensor by tensor."""
     for dtype, lo, hi in _float_runs(span):
         if _finite(src[lo:hi].view(dtype)):
@@ -178,18 +179,19 @@ def check_span(span: Span, src: torch.Tensor) -> None:
 
 
 def run_span(span: Span, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Check ``span`` (:func:`check_span`), then copy its bytes: ``src`` and ``dst`` are uint8
-    tensors of ``span.nbytes`` bytes, in staging and in the target generation."""
+    """Copy ``span``'s bytes, then check the copy (:func:`check_span`): ``src`` and ``dst`` are
+    uint8 tensors of ``span.nbytes`` bytes, in staging and in the target generation."""
     sizes = (src.numel(), dst.numel())
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or sizes != (span.nbytes, span.nbytes):
         raise ValueError(
             f"span of {span.nbytes} bytes got buffers of {src.numel()} ({src.dtype}) and "
             f"{dst.numel()} ({dst.dtype}) bytes: give uint8 views of exactly the span"
         )
-    check_span(span, src)
-    if src.data_ptr() == dst.data_ptr():
-        return  # written straight into the generation (a direct span): nothing to copy
-    wide = next(
-        d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if not span.nbytes % d.itemsize
-    )
-    dst.view(wide).copy_(src.view(wide))  # the same bytes, in fewer elements
+    if src.data_ptr() != dst.data_ptr():  # else a direct span: the daemon wrote its frames there
+        wide = next(
+            d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if not span.nbytes % d.itemsize
+        )
+        dst.view(wide).copy_(src.view(wide))  # the same bytes, in fewer elements
+    # the copy is checked, never staging: a local rank may still write there (a span is at most
+    # SPAN_MAX_BYTES: it is still in cache)
+    check_span(span, dst)

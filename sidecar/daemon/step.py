@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,7 +142,15 @@ class Skeleton:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
+    """``a`` and ``b`` are the same rows as sent, type for type: ``==`` alone says ``0.0 == 0`` and
+    ``True == 1``, so rows that a first step refuses ("expected a list of ints") would be taken over
+    unchecked by a following one. ``a`` is the skeleton's (checked, shallow) rows: the walk ends
+    at its depth, whatever ``b`` nests."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
 
 
 def wire_type(value: Any) -> str:
@@ -220,9 +228,12 @@ class StepState:
     #: wire ids of pieces outside this node's share (``RefitPlan.dropped``): READY tells their
     #: ranks to skip them, and data for one is refused
     skipped: set[int] = field(default_factory=set)
-    #: passthrough inputs are written straight into ``target`` (``Arenas.direct``), not staging
-    direct: bool = False
-    #: passthrough units of such inputs, waiting for the local ranks' COMMIT (Pipeline.tensor_complete)
+    #: passthrough inputs whose remote frames the daemon writes straight into ``target`` (name ->
+    #: byte offset there, a subset of ``Arenas.direct``: no local rank holds a piece of them, since
+    #: no trainer process ever maps a generation); empty: every input goes through staging
+    direct: Mapping[str, int] = field(default_factory=dict)
+    #: passthrough units waiting for the local ranks' COMMIT (Pipeline.tensors_complete): their copy
+    #: out of staging then takes no memory bandwidth from those ranks' copies in
     after_local: list[Unit] = field(default_factory=list)
     #: the last checked step's declarations (:class:`Skeleton`): ranks that begin with the same
     #: pieces in the same order are only compared with it, and the step takes it over at

@@ -24,6 +24,7 @@ import torch
 from sidecar.config.settings import NodeRole
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
+from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest
@@ -64,6 +65,7 @@ class Trainers:
         #: same pieces takes them over (sidecar.daemon.step.Skeleton)
         self.skeleton: Skeleton | None = None
         self._layout: tuple[Any, str] | None = None  # (the staging layout, its layout_id)
+        self._direct: tuple[tuple, dict[str, int]] | None = None  # see _direct_inputs
 
     def _peer(self, identity: bytes) -> Peer:
         return self.ctx.peers[identity]  # the loop checked it is a trainer rank
@@ -179,6 +181,8 @@ class Trainers:
             if not self._can_start_step():
                 self._park_begin(identity, msg)
                 return
+            if self.ctx.arenas.staging_tainted:
+                self._retire_staging(step)
             self.ctx.begin_step(
                 StepState(
                     step,
@@ -215,6 +219,22 @@ class Trainers:
         if state.all_begun:
             self._all_begun()
 
+    def _retire_staging(self, step: int) -> None:
+        """The last step failed after its local ranks were handed staging: replace the arena before
+        this one starts (nothing runs from staging now: no step, no unit in flight)."""
+        self.pipeline.forget(self.ctx.arenas.staging)
+        try:
+            self.ctx.arenas.retire_staging()
+        except Exception as exc:  # a full GPU or /dev/shm: the next BEGIN tries again
+            log.exception("could not make a fresh staging arena")
+            raise RefitError(
+                f"the daemon retired its staging arena after a failed step and could not make a new one "
+                f"({type(exc).__name__}: {exc}); free GPU or /dev/shm memory, then push again",
+                kind=ErrorKind.CAPACITY,
+                step=step,
+            ) from None
+        record_segments(self.ctx.config, self.ctx.arenas.segment_names())  # crash clean-up lists it
+
     def _park_begin(self, identity: bytes, msg: Message) -> None:
         """Keep a BEGIN of a later step until the step in progress ends: the latest one per peer (a
         rank waits for each step before it begins the next, so an earlier one is superseded), so
@@ -239,9 +259,11 @@ class Trainers:
         arenas = self.ctx.arenas
         staging = self._staging_handle()
         ring = arenas.ring
-        # passthrough inputs land in the generation itself, not staging (sidecar.daemon.memory.direct),
-        # when it is claimed now and no rank is pulled over NIXL (that READ lands in staging)
-        state.direct = bool(state.target is not None and arenas.direct and not state.nixl_offers)
+        # remote frames of passthrough inputs land in the generation itself, not staging
+        # (sidecar.daemon.memory.direct), when it is claimed now and no rank is pulled over NIXL
+        # (that READ lands in staging); never an input a local rank writes: it goes to staging
+        if state.target is not None and arenas.direct and not state.nixl_offers:
+            state.direct = self._direct_inputs(state)
         for rank, identity in state.peers.items():
             peer = self.ctx.peers.get(identity)
             fields = {
@@ -254,8 +276,6 @@ class Trainers:
             if peer is not None and peer.local:
                 fields["staging"] = staging_for(peer, staging)
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
-                if state.direct:
-                    fields["direct"] = self._direct_fields(state, fields["pieces"])
             elif peer is not None and ring is None:
                 fields.update(self.pulls.start(state, rank, identity, fields["pieces"]))
             elif peer is not None:
@@ -285,15 +305,32 @@ class Trainers:
             self._layout = (arena.layout, hashlib.blake2b(rows, digest_size=8).hexdigest())
         return {**arena.handle(), "layout_id": self._layout[1]}
 
-    def _direct_fields(self, state: StepState, ids: list[int]) -> dict[str, Any]:
-        """READY's ``direct`` for a local rank: the target generation's segment, and for each of its
-        pieces (READY's ``pieces`` order) the byte offset there of the piece's whole tensor, or -1
-        for a piece that goes to staging (an input that is quantized)."""
-        offsets = self.ctx.arenas.direct
-        return {
-            "generation": self.ctx.arenas.direct_handle(state.target),
-            "offsets": [offsets.get(state.pieces[pid][1], -1) for pid in ids],
-        }
+    def _direct_inputs(self, state: StepState) -> dict[str, int]:
+        """The passthrough inputs whose frames this step writes straight into its generation:
+        those of ``Arenas.direct`` no local rank holds a piece of (a local rank writes staging,
+        and the daemon copies it out). The same dict object while the pieces, the local ranks and
+        the arenas' offsets stay (the span table is made once per such dict)."""
+        local = frozenset(
+            rank
+            for rank, identity in state.peers.items()
+            if (peer := self.ctx.peers.get(identity)) is not None and peer.local
+        )
+        key = (state.pieces if state.settled else None, local, self.ctx.arenas.direct)
+        held = self._direct
+        if (
+            held is not None
+            and key[0] is not None
+            and held[0][0] is key[0]
+            and held[0][1] == key[1]
+            and held[0][2] is key[2]
+        ):
+            return held[1]
+        direct = self.ctx.arenas.direct
+        if local:
+            staged = {name for rank, name, _ in state.pieces if rank in local}
+            direct = {name: at for name, at in direct.items() if name not in staged}
+        self._direct = (key, direct)
+        return direct
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}

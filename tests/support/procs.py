@@ -18,7 +18,11 @@ Faults (``fault={"kind": ..., "rank": r, ...}``) are applied by the rank they na
 ``omit`` (leave out this rank's slice of ``tensor``), ``overlap`` (take one expert of the next rank's
 slice of ``tensor`` too), ``nan`` (a NaN in expert ``expert`` of ``tensor``), ``dtype`` (send this
 rank's tensor-parallel slice of ``tensor`` as float32), ``die_after_ready`` (SIGKILL itself once the
-daemon said READY, before sending any data), ``hold_begin`` (stop before BEGIN until told ``go``).
+daemon said READY, before sending any data), ``hold_begin`` (stop before BEGIN until told ``go``),
+``stop_after_ready`` (a local rank: SIGSTOP itself once its staging is mapped and its copies are
+planned, just before the first byte is written; on SIGCONT it writes them all, as a rank frozen by
+the scheduler or a debugger would), ``hold_write`` (a local rank: stop just before writing until
+told ``go``).
 """
 
 from __future__ import annotations
@@ -95,6 +99,18 @@ def rank_pieces(
     return out
 
 
+def shm_mappings() -> list[tuple[str, str]]:
+    """``(segment name, permissions)`` of every POSIX shared-memory mapping of this process
+    (``/proc/self/maps``; an unlinked segment still mapped shows ``(deleted)`` after its name)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                out.append((fields[5].strip()[len("/dev/shm/") :], fields[1]))
+    return out
+
+
 class Link:
     """The child's end of the pipe. Commands come as ``(name, kwargs, seq)``; every reply carries the
     seq of the command it answers, so the test can drop a reply it stopped waiting for."""
@@ -148,13 +164,22 @@ def rank_main(conn, rank: int, world: int) -> None:
             if cmd == "connect":
                 if client is not None:
                     client.close()
-                client = RefitClient(kw["endpoint"], rank, world, local=kw["local"], timeout=kw["timeout"])
+                client = RefitClient(
+                    kw["endpoint"],
+                    rank,
+                    world,
+                    local=kw["local"],
+                    timeout=kw["timeout"],
+                    mover=kw.get("mover", "auto"),
+                )
                 conn.send({"ok": True})
             elif cmd == "close":
                 if client is not None:
                     client.close()
                 client = None
                 conn.send({"ok": True})
+            elif cmd == "maps":
+                conn.send({"ok": True, "maps": shm_mappings()})
             elif cmd == "push":
                 seed, fault = kw["seed"], kw.get("fault")
                 if seed not in cache:
@@ -165,6 +190,10 @@ def rank_main(conn, rank: int, world: int) -> None:
                     _die_after_ready(client, conn)
                 if fault is not None and fault.get("rank") == rank and fault["kind"] == "hold_begin":
                     _hold_begin(client, conn)
+                if fault is not None and fault.get("rank") == rank and fault["kind"] == "stop_after_ready":
+                    _before_writing(client, lambda *_: _stop(conn))
+                if fault is not None and fault.get("rank") == rank and fault["kind"] == "hold_write":
+                    _before_writing(client, lambda *at: _hold(conn, *at))
                 try:
                     result = client.push_step(kw["step"], pieces, timeout=kw.get("timeout"))
                 finally:
@@ -188,6 +217,34 @@ def _die_after_ready(client, conn) -> None:
     client._local.write_step = die  # whole-step staging
     client._write_ring = die  # a staging ring
     client._remote.stream = die  # frames (a NIXL pull starts after READY too, but streams first)
+
+
+def _before_writing(client, then) -> None:
+    """Run ``then(writer, step, deadline)`` once, when ``client`` (a local rank) is about to copy its first
+    piece: its staging arena is mapped and its copies are planned (the writer's batches run next)."""
+    writer = client._local
+    own = writer._run
+
+    def run(step, batches, deadline):
+        del writer._run  # once: the instance attribute goes, the class method is back
+        then(writer, step, deadline)
+        return own(step, batches, deadline)
+
+    writer._run = run
+
+
+def _stop(conn) -> None:
+    conn.send({"ok": False, "kind": "stopping", "at": time.monotonic(), "pid": os.getpid()})
+    os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: no PING, no copy, until SIGCONT
+
+
+def _hold(conn, writer, step: int, deadline: float) -> None:
+    """Say ``holding`` and wait for the test's ``go``, pinging the daemon meanwhile (a rank silent
+    for rank_timeout_s mid-step is declared dead)."""
+    conn.send({"ok": False, "kind": "holding", "at": time.monotonic()})
+    while not conn.conn.poll(0.05):
+        writer._keepalive(step, deadline, 0.0)
+    conn.recv_signal()
 
 
 _HOOKED: dict[int, Any] = {}  # id(client) -> its own _send, while a hook replaces it
@@ -214,6 +271,9 @@ def _hold_begin(client, conn) -> None:
 def _unhook(client) -> None:
     if _HOOKED.pop(id(client), None) is not None:
         del client._send
+    local = getattr(client, "_local", None)
+    if local is not None:
+        vars(local).pop("_run", None)  # a _before_writing hook the step never reached
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,17 +1,21 @@
-"""Inputs whose bytes the generation holds unchanged, written there directly: no staging copy.
+"""Inputs whose bytes the generation holds unchanged, which a remote rank's frames may fill directly.
 
 A passthrough (an attention weight, a norm, a routed expert kept in BF16) is published bit for bit.
 When the generation's layout holds an input's bytes in one contiguous run, in the input's own order
 (a whole tensor under its own name, or a BF16 expert slab whose per-expert ``gate_proj``/``up_proj``
-/ ``down_proj`` outputs lie back to back), the step's data can land there straight away, from a
-local rank's copy or a remote rank's frames, instead of in staging and then copied again by the
-worker. That copy was a second pass over every passthrough byte, run while the ranks were still
-writing and contending with them for memory bandwidth (bench/ingest.py, "local ingest").
+/ ``down_proj`` outputs lie back to back), the daemon copies a remote rank's ZeroMQ frames of it
+straight there instead of into staging and then again into the generation: the daemon is the only
+writer of those bytes, and it checks them for NaN/Inf once the input is complete.
+
+Local ranks never write a generation (README, Guarantees: memory readers are handed is never
+writable by a trainer process). Their pieces go to staging, which they map; the daemon copies them
+out once they committed and checks the copy, never staging, which a rank may still change.
 
 This module only finds those inputs, from names and shapes: :func:`direct_offsets`. The serve loop
-decides per step whether to use them (the target generation is claimed before READY, the arenas are
-host shared memory, staging is not a ring, no rank is pulled over NIXL); the worker's passthrough
-then finds its output already is its input and copies nothing (``sidecar.plan.run``).
+decides per step which to use (the target generation is claimed before READY, the arenas are host
+shared memory, staging is not a ring, no rank is pulled over NIXL, and no local rank holds a piece
+of the input); the worker's passthrough then finds its output already is its input and copies
+nothing (``sidecar.plan.run``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ the daemon reuses a generation only when nobody holds it, or after ``reader_time
 since it first needed it, dropping the holds of readers that vanished or hung (and saying so).
 Claiming a generation bumps its epoch (transport.epochs) before any byte goes into it, so a reader
 whose hold was dropped while it still copied finds out its copy may be torn.
+
+No trainer process ever maps a generation: only the daemon writes one (local ranks write staging,
+which the daemon copies out and checks; remote ranks' frames are written by the daemon itself). A
+generation's segment is made read-only on disk (0400) once the daemon mapped it, so a process of
+the same user that opens it by name for writing gets EACCES. Staging handed to ranks of a step that
+failed (a rank that died, timed out or misbehaved may still be writing through its mapping) is
+retired before the next step: :meth:`Arenas.retire_staging` replaces it with a fresh segment (or
+allocation, on a GPU) and the old one is never read again.
 """
 
 from __future__ import annotations
@@ -55,11 +63,17 @@ class Arenas:
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.staging_regions = staging_regions
         self.ring: RingStaging | None = None
-        #: inputs a step may write straight into its generation (sidecar.daemon.memory.direct): byte
-        #: offsets there; empty on GPU arenas and with a staging ring, where every input is staged
+        #: inputs whose remote frames the daemon may write straight into the step's generation
+        #: (sidecar.daemon.memory.direct): byte offsets there; empty on GPU arenas and with a
+        #: staging ring, where every input is staged
         self.direct: dict[str, int] = {}
         self._direct_views: dict[tuple[int, str], object] = {}
         self._direct_specs: dict[str, tuple] = {}
+        #: a failed step handed this staging arena to ranks the daemon no longer trusts: it is
+        #: replaced (:meth:`retire_staging`) before the next step reads anything from staging
+        self.staging_tainted = False
+        self.retired_staging = 0  # staging arenas retired so far (status, tests)
+        self._staging_retired = False  # closed and unlinked, its successor not made yet
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
         #: called with (reader identity, generation, step it held) for each hold dropped by a claim
@@ -69,20 +83,53 @@ class Arenas:
         try:
             self.epochs = EpochPage.create(segment_name(prefix, "epochs"), N_GENERATIONS)
             for i in range(N_GENERATIONS):
-                self.generations.append(Generation(i, self._create(f"gen{i}", publish_bytes)))
+                self.generations.append(Generation(i, self._create(f"gen{i}", publish_bytes, sealed=True)))
         except BaseException:
             self.close()
             raise
         self.live: int | None = None
 
-    def _create(self, role: str, size: int) -> Arena:
+    def _create(self, role: str, size: int, *, sealed: bool = False) -> Arena:
+        """A fresh arena; ``sealed``: its shm segment is read-only on disk once mapped here (a
+        generation: no other process may open it for writing)."""
         name = segment_name(self.prefix, role)
         if self.kind is ArenaKind.CUDA_IPC:
             from transport.cuda_ipc import CudaIpcArena  # cuda-bindings only where GPU arenas are asked for
 
             gpu = int(self.gpu) if isinstance(self.gpu, str) and self.gpu.isdigit() else self.gpu
             return CudaIpcArena.create(name, Layout([]), size=size, gpu=gpu)
-        return ShmArena.create(name, Layout([]), size=size)
+        return ShmArena.create(name, Layout([]), size=size, read_only_on_disk=sealed)
+
+    def retire_staging(self) -> None:
+        """Replace the staging arena with a fresh one of the same size and layout, after unlinking
+        (shm) or dropping (GPU: freed once no view of it is alive) the old one.
+
+        Called before a step starts when the last one failed (:attr:`staging_tainted`): a rank the
+        daemon stopped trusting (declared dead while frozen, timed out, or part of a failed step)
+        may still hold the old arena mapped writable and write into it later; those writes now land
+        in memory nobody reads. READY then names the new arena (another name), and clients remap
+        and close the old one. Nothing may run from staging meanwhile (no step, no unit in flight).
+        The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
+        first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
+        stays set: the next call tries again, and no step starts before one succeeds."""
+        old = self.staging
+        if not self._staging_retired:
+            old.close()
+            old.unlink()
+            self._staging_retired = True
+            log.info("staging arena %s retired after a failed step", old.name)
+        fresh = self._create("staging", old.size)
+        try:
+            fresh.relayout(old.layout)
+        except BaseException:
+            fresh.close()
+            fresh.unlink()
+            raise
+        self.staging = fresh
+        self._staging_retired = False
+        self.staging_tainted = False
+        self.retired_staging += 1
+        log.info("staging is now %s", fresh.name)
 
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
@@ -135,11 +182,6 @@ class Arenas:
             dtype, shape = self._direct_specs[name]
             view = self._direct_views[key] = gen.arena.view(self.direct[name], dtype, shape)
         return view
-
-    def direct_handle(self, gen: Generation) -> dict:
-        """``gen``'s arena handle without its layout: a local rank writing directly needs only the
-        segment, and READY stays small (the offsets travel with the pieces)."""
-        return {**gen.arena.handle(), "layout": []}
 
     def invalidate(self) -> None:
         """Forget every published generation (the layout changed): nothing is live until the next step."""

@@ -77,6 +77,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "refitd_fp8_per_tensor": (_i64, [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _f32, _int, _i64, _i64]),
     "refitd_e4m3_from_f32": (None, [_ptr, _ptr, _i64]),
     "refitd_e4m3_from_f32_in_range": (None, [_ptr, _ptr, _i64]),
+    # dst, src, begin, end (bytes), width, exponent mask: a passthrough copied, then checked
+    "refitd_copy_check": (_i64, [_ptr, _ptr, _i64, _i64, _i64, _i64]),
 }
 
 

@@ -287,3 +287,28 @@ void refitd_e4m3_from_f32(const float *x, uint8_t *q, i64 len) {
 void refitd_e4m3_from_f32_in_range(const float *x, uint8_t *q, i64 len) {
     for (i64 t = 0; t < len; t++) q[t] = e4m3_from_f32_in_range(x[t]);
 }
+
+/* --------------------------------------------------------------------------------------------- */
+/* A passthrough copied out of staging, then checked (sidecar/daemon/copyout.py; issue 21): bytes  */
+/* [begin, end) of src go to dst a chunk at a time, each chunk scanned in dst, where it is still   */
+/* in cache, never in src (a trainer may still write staging). An element of ``width`` bytes (2 or */
+/* 4) is Inf or NaN when all the bits of ``expo`` (its exponent mask) are set. Returns 1 if one was */
+/* seen, else 0. begin and end are multiples of width.                                            */
+
+#define COPY_CHUNK 65536
+
+i64 refitd_copy_check(uint8_t *dst, const uint8_t *src, i64 begin, i64 end, i64 width, i64 expo) {
+    int bad = 0;
+    for (i64 at = begin; at < end; at += COPY_CHUNK) {
+        const i64 len = end - at < COPY_CHUNK ? end - at : COPY_CHUNK;
+        memcpy(dst + at, src + at, (size_t)len);
+        if (width == 2) {
+            const uint16_t *d = (const uint16_t *)(dst + at), e = (uint16_t)expo;
+            for (i64 t = 0; t < len / 2; t++) bad |= (d[t] & e) == e;
+        } else {
+            const uint32_t *d = (const uint32_t *)(dst + at), e = (uint32_t)expo;
+            for (i64 t = 0; t < len / 4; t++) bad |= (d[t] & e) == e;
+        }
+    }
+    return bad;
+}
