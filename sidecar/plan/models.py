@@ -32,8 +32,10 @@ __all__ = [
     "SLAB_RE",
     "ModelSpec",
     "Param",
+    "checkpoint_dtype",
     "get_model",
     "model_type_of",
+    "normalize_hf_config",
 ]
 
 #: SPEC §2.1, verbatim: group 1 is a decoder layer index, group 2 an MTP layer index.
@@ -71,6 +73,95 @@ def _int(cfg: Mapping[str, Any], key: str, default: int | None = None, *, model:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{model} config {key!r} = {value!r}: expected a non-negative integer")
     return value
+
+
+# --------------------------------------------------------------------------------------------------
+# config field names: transformers writes some fields under other names than the ones refitd reads
+
+#: the field refitd reads -> the other names a ``config.json`` may carry it under. transformers 5.x
+#: renames through each config class's ``attribute_map``: ``Qwen3MoeConfig`` maps ``num_experts`` to
+#: ``num_local_experts`` (and ``save_pretrained`` writes the latter); ``DeepseekV3Config`` and
+#: ``Glm4MoeConfig`` map ``num_local_experts`` to ``n_routed_experts`` and ``num_mtp_layers`` to
+#: ``num_nextn_predict_layers``; every 5.x config writes ``dtype`` where 4.x wrote ``torch_dtype``.
+CONFIG_ALIASES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "qwen3_moe": (("num_experts", ("num_local_experts",)),),
+    "qwen3_5_moe": (("num_experts", ("num_local_experts",)), ("mtp_num_hidden_layers", ("num_mtp_layers",))),
+    "deepseek_v3": (
+        ("n_routed_experts", ("num_local_experts", "num_experts")),
+        ("num_nextn_predict_layers", ("num_mtp_layers",)),
+    ),
+    "glm4_moe": (
+        ("n_routed_experts", ("num_local_experts", "num_experts")),
+        ("num_nextn_predict_layers", ("num_mtp_layers",)),
+    ),
+}
+#: every family: the checkpoint's dtype (read as ``dtype``; 4.x configs say ``torch_dtype``)
+DTYPE_ALIASES: tuple[str, tuple[str, ...]] = ("dtype", ("torch_dtype",))
+#: nested configs that carry the text model's fields (Qwen3.5, Kimi-K2.5)
+NESTED_CONFIG_KEYS = ("text_config",)
+
+
+def normalize_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` dict, transformers 4.x or 5.x) with the field names refitd reads.
+
+    A field refitd reads (``num_experts``, ``n_routed_experts``, ``num_nextn_predict_layers``,
+    ``dtype``) that the config holds only under one of its aliases (:data:`CONFIG_ALIASES`:
+    ``num_local_experts``, ``num_mtp_layers``, ``torch_dtype``) is copied to refitd's name, at the
+    top level and inside ``text_config``; nothing else changes, and the input is not modified. Two
+    names that disagree raise ValueError naming both. Idempotent: every reader of a config calls
+    it (the registry's listers, the daemon's plan, the engine adapters' manifests), so a config as
+    transformers 5.x ``save_pretrained`` writes it reads the same as a 4.x one.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a Hugging Face config must be a dict (config.json), got {type(config).__name__}")
+    out = dict(config)
+    model_type = config.get("model_type")
+    for key in NESTED_CONFIG_KEYS:
+        nested = out.get(key)
+        if isinstance(nested, Mapping):
+            out[key] = _normalized_fields(nested, nested.get("model_type") or model_type, f"{key}.")
+    return _normalized_fields(out, model_type, "")
+
+
+def _normalized_fields(cfg: Mapping[str, Any], model_type: Any, where: str) -> dict[str, Any]:
+    out = dict(cfg)
+    family = None
+    if isinstance(model_type, str):
+        family = next((s for s in MODELS.values() if model_type in (s.model_type, *s.aliases)), None)
+    pairs = (*CONFIG_ALIASES.get(family.model_type, ()), DTYPE_ALIASES) if family else (DTYPE_ALIASES,)
+    for name, aliases in pairs:
+        for alias in aliases:
+            if out.get(alias) is None:
+                continue
+            if out.get(name) is None:
+                out[name] = out[alias]
+            elif out[name] != out[alias]:
+                raise ValueError(
+                    f"config {where}{name} = {out[name]!r} but {where}{alias} = {out[alias]!r}: they name the "
+                    "same setting; keep one (or make them agree)"
+                )
+    return out
+
+
+#: ``dtype`` strings a config may give -> torch dtypes
+_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def checkpoint_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype the checkpoint stores its parameters in (``dtype``/``torch_dtype``, top level, else
+    ``text_config``'s), or None when the config names none. ValueError for one refitd cannot hold."""
+    cfg = normalize_hf_config(config)
+    value = cfg.get("dtype")
+    if value is None and isinstance(cfg.get("text_config"), Mapping):
+        value = cfg["text_config"].get("dtype")
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in _CONFIG_DTYPES:
+        raise ValueError(
+            f"config dtype {value!r}: refitd publishes checkpoints in {sorted(_CONFIG_DTYPES)}; fix the config"
+        )
+    return _CONFIG_DTYPES[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -448,7 +539,9 @@ class ModelSpec:
     lister: ParamLister
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The text model's settings: ``config[text_config_key]`` if present, else ``config``."""
+        """The text model's settings (:func:`normalize_hf_config`'s names): ``config[text_config_key]``
+        if present, else ``config``."""
+        config = normalize_hf_config(config)
         if self.text_config_key and isinstance(config.get(self.text_config_key), Mapping):
             return config[self.text_config_key]
         return config
@@ -466,8 +559,15 @@ class ModelSpec:
     def parameters(
         self, config: Mapping[str, Any], *, include_mtp: bool = True, include_vision: bool = False
     ) -> list[Param]:
-        """Every checkpoint parameter as ``(name, shape, dtype)``, in module order."""
-        return self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
+        """Every checkpoint parameter as ``(name, shape, dtype)``, in module order, with the names
+        and dtypes the checkpoint holds: the config's ``dtype`` (BF16 when it names none), the
+        tensors a checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`) in FP32."""
+        config = normalize_hf_config(config)
+        params = self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
+        dtype = checkpoint_dtype(config)
+        if dtype is None or dtype == PARAM_DTYPE:
+            return params
+        return [(n, s, dtype if d == PARAM_DTYPE else d) for n, s, d in params]
 
 
 QWEN3_MOE = ModelSpec(
