@@ -231,6 +231,8 @@ class Trainers:
         state.settle(self.ctx.plan)
         if self.ctx.plan is None:
             self._plan_from_declarations(state)
+        elif not state.settled:
+            self._plan_in_trainer_form(state)
         t0 = time.monotonic()
         state.validate_against(self.ctx.plan)
         self.skeleton = state.skeleton_for(self.ctx.plan)
@@ -294,6 +296,26 @@ class Trainers:
             "generation": self.ctx.arenas.direct_handle(state.target),
             "offsets": [offsets.get(state.pieces[pid][1], -1) for pid in ids],
         }
+
+    def _plan_in_trainer_form(self, state: StepState) -> None:
+        """The plan for this step's inputs when they publish exactly the plan's outputs in another
+        form (``RefitPlan.rebuild_for``): fused expert slabs where the config lists per-expert
+        names, FP32 masters where it lists BF16. The generation's layout is unchanged (the live one
+        stays valid); staging is carved anew. Anything else is left to validate_against to name."""
+        plan = self.ctx.plan.rebuild_for(state.specs())
+        if plan is None or plan is self.ctx.plan:
+            return
+        try:
+            self.ctx.adopt_plan(plan)
+        except ArenaTooSmall as exc:
+            raise RefitError(
+                f"{exc} (this step's inputs take {plan.bytes_in} bytes of staging, the checkpoint's "
+                f"{self.ctx.plan.bytes_in}: FP32 masters take twice BF16's); set staging_bytes to at least "
+                f"{plan.bytes_in}, or push the checkpoint's dtype",
+                kind=ErrorKind.CAPACITY,
+                step=state.step,
+            ) from None
+        log.info("step %d: the plan follows the trainer's inputs (%d of them)", state.step, len(plan.inputs))
 
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}

@@ -18,6 +18,7 @@ heads, norms or the MTP ``eh_proj``.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,12 +31,14 @@ __all__ = [
     "MODELS",
     "PER_EXPERT_RE",
     "SLAB_RE",
+    "ExpertForm",
     "ModelSpec",
     "Param",
     "checkpoint_dtype",
     "get_model",
     "model_type_of",
     "normalize_hf_config",
+    "with_expert_form",
 ]
 
 #: SPEC §2.1, verbatim: group 1 is a decoder layer index, group 2 an MTP layer index.
@@ -188,11 +191,11 @@ def _attention(p: str, cfg: Mapping[str, Any], model: str, *, output_gate: bool)
     return out
 
 
-def _mlp(p: str, h: int, inter: int) -> list[Param]:
+def _mlp(p: str, h: int, inter: int, dtype: torch.dtype = PARAM_DTYPE) -> list[Param]:
     return [
-        (f"{p}.gate_proj.weight", (inter, h), PARAM_DTYPE),
-        (f"{p}.up_proj.weight", (inter, h), PARAM_DTYPE),
-        (f"{p}.down_proj.weight", (h, inter), PARAM_DTYPE),
+        (f"{p}.gate_proj.weight", (inter, h), dtype),
+        (f"{p}.up_proj.weight", (inter, h), dtype),
+        (f"{p}.down_proj.weight", (h, inter), dtype),
     ]
 
 
@@ -501,6 +504,9 @@ def _glm4_moe_params(config: Mapping[str, Any], *, include_mtp: bool, include_vi
     return _deepseek_family_params(config, include_mtp=include_mtp, attention=_glm4_attention, m="glm4_moe")
 
 
+#: what a DeepSeek-V3/GLM-4.5 checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`)
+ROUTER_BIAS_RE = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
+
 #: linear layers a block-FP8 DeepSeek-V3/GLM-4.5 checkpoint stores in FP8 besides the routed experts
 #: (``weight_scale_inv`` beside each); the router ``mlp.gate``, embeddings, heads, norms and the MTP
 #: ``eh_proj`` stay BF16 (vLLM builds those without a quant_config)
@@ -508,6 +514,62 @@ DEEPSEEK_LINEAR_RE = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|k_proj|v_proj"
     r"|o_proj)|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj|down_proj))\.weight$"
 )
+
+
+# --------------------------------------------------------------------------------------------------
+# the two forms of routed experts
+
+
+class ExpertForm(str, enum.Enum):
+    """How a state dict holds the routed experts of a layer (SPEC §2.1)."""
+
+    #: one tensor per expert and projection: ``{prefix}.{e}.{gate,up,down}_proj.weight`` (checkpoints,
+    #: ``save_pretrained``, transformers 4.x modules)
+    PER_EXPERT = "per_expert"
+    #: grouped slabs ``{prefix}.gate_up_proj [E, 2I, H]`` and ``{prefix}.down_proj [E, H, I]``
+    #: (transformers 5.x run-time modules; Qwen3.5 checkpoints)
+    FUSED = "fused"
+
+
+def with_expert_form(params: list[Param], form: ExpertForm | str) -> list[Param]:
+    """``params`` with every layer's routed experts in ``form``: each layer's group where its first
+    expert tensor was, everything else as it was. The same outputs publish from either form."""
+    form = ExpertForm(form)
+    out: list[Param] = []
+    done: set[str] = set()
+    by_prefix: dict[str, list[Param]] = {}
+    for p in params:
+        m = SLAB_RE.match(p[0]) or PER_EXPERT_RE.match(p[0])
+        if m:
+            by_prefix.setdefault(m.group("prefix"), []).append(p)
+    for name, shape, dtype in params:
+        m = SLAB_RE.match(name) or PER_EXPERT_RE.match(name)
+        if m is None:
+            out.append((name, shape, dtype))
+            continue
+        prefix = m.group("prefix")
+        if prefix in done:
+            continue
+        done.add(prefix)
+        out += _experts_in_form(prefix, by_prefix[prefix], form)
+    return out
+
+
+def _experts_in_form(prefix: str, group: list[Param], form: ExpertForm) -> list[Param]:
+    slabs = {SLAB_RE.match(n).group("proj"): (s, d) for n, s, d in group if SLAB_RE.match(n)}
+    if slabs:
+        (e, two_i, h), dtype = slabs["gate_up_proj"]
+        inter = two_i // 2
+    else:
+        experts = {int(PER_EXPERT_RE.match(n).group("expert")) for n, _, _ in group}
+        gate = next((s, d) for n, s, d in group if n.endswith(".gate_proj.weight"))
+        (inter, h), dtype, e = gate[0], gate[1], max(experts) + 1
+    if form is ExpertForm.FUSED:
+        return [
+            (f"{prefix}.gate_up_proj", (e, 2 * inter, h), dtype),
+            (f"{prefix}.down_proj", (e, h, inter), dtype),
+        ]
+    return [p for x in range(e) for p in _mlp(f"{prefix}.{x}", h, inter, dtype)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -535,6 +597,8 @@ class ModelSpec:
     mtp_in_layers: bool = False
     #: non-expert linear weights a block-FP8 checkpoint quantizes (``quantization_config``); None: none
     linear_re: re.Pattern[str] | None = None
+    #: tensors the checkpoint holds in FP32 whatever its dtype (published in FP32); None: none
+    fp32_re: re.Pattern[str] | None = None
     #: ``lister(config, *, include_mtp, include_vision) -> [(name, shape, dtype), ...]``
     lister: ParamLister
 
@@ -557,13 +621,21 @@ class ModelSpec:
         return None
 
     def parameters(
-        self, config: Mapping[str, Any], *, include_mtp: bool = True, include_vision: bool = False
+        self,
+        config: Mapping[str, Any],
+        *,
+        include_mtp: bool = True,
+        include_vision: bool = False,
+        experts: ExpertForm | str | None = None,
     ) -> list[Param]:
         """Every checkpoint parameter as ``(name, shape, dtype)``, in module order, with the names
         and dtypes the checkpoint holds: the config's ``dtype`` (BF16 when it names none), the
-        tensors a checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`) in FP32."""
+        tensors a checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`) in FP32. ``experts`` lists
+        the routed experts in that form instead of the checkpoint's (:func:`with_expert_form`)."""
         config = normalize_hf_config(config)
         params = self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
+        if experts is not None:  # the other form (a trainer's run-time modules): same outputs
+            params = with_expert_form(params, experts)
         dtype = checkpoint_dtype(config)
         if dtype is None or dtype == PARAM_DTYPE:
             return params
@@ -600,6 +672,7 @@ DEEPSEEK_V3 = ModelSpec(
     has_mtp=True,
     mtp_in_layers=True,
     linear_re=DEEPSEEK_LINEAR_RE,
+    fp32_re=ROUTER_BIAS_RE,
     lister=_deepseek_v3_params,
 )
 
@@ -612,6 +685,7 @@ GLM4_MOE = ModelSpec(
     has_mtp=True,
     mtp_in_layers=True,
     linear_re=DEEPSEEK_LINEAR_RE,
+    fp32_re=ROUTER_BIAS_RE,
     lister=_glm4_moe_params,
 )
 

@@ -1,0 +1,140 @@
+"""What a trainer's state dict looks like besides a checkpoint's: the routed experts fused as
+transformers 5.x modules hold them, FP32 masters, and the published dtypes (RefitSpec.published_dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.cli.demo.synthetic import make_hf_config
+from sidecar.plan.build import RefitSpec, Role, plan_from_hf_config
+from sidecar.plan.models import MODELS, ExpertForm, get_model
+from sidecar.plan.run import convert
+
+FAMILIES = sorted(MODELS)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def config_of(model: str) -> dict:
+    cfg = make_hf_config(model, num_layers=2, num_experts=4)
+    if "text_config" in cfg:
+        cfg["text_config"] = {**cfg["text_config"], "dtype": "bfloat16"}
+    return cfg
+
+
+def per_expert_state_dict(
+    model: str, cfg: dict, dtype: torch.dtype, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random values in the checkpoint's per-expert form; ``dtype`` for every float the checkpoint holds
+    in BF16 (the FP32 router bias stays FP32)."""
+    g = torch.Generator().manual_seed(seed)
+    params = get_model(model).parameters(cfg, experts=ExpertForm.PER_EXPERT)
+    return {
+        n: (torch.randn(s, generator=g) * 0.05).to(torch.float32 if d == torch.float32 else dtype)
+        for n, s, d in params
+    }
+
+
+def fused(model: str, cfg: dict, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with each layer's experts stacked as transformers 5.x holds them (gate rows, then up)."""
+    out = {}
+    for name, shape, _ in get_model(model).parameters(cfg, experts=ExpertForm.FUSED):
+        if name.endswith(".gate_up_proj"):
+            p = name.removesuffix(".gate_up_proj")
+            out[name] = torch.stack(
+                [
+                    torch.cat([sd[f"{p}.{e}.gate_proj.weight"], sd[f"{p}.{e}.up_proj.weight"]])
+                    for e in range(shape[0])
+                ]
+            )
+        elif name.endswith(".down_proj") and name.rsplit(".", 2)[-2] == "experts":
+            p = name.removesuffix(".down_proj")
+            out[name] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in range(shape[0])])
+        else:
+            out[name] = sd[name]
+    return out
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_per_tensor"])
+def test_both_expert_forms_publish_the_same_bytes(model, fmt):
+    cfg = config_of(model)
+    spec = plan_from_hf_config(cfg, RefitSpec(model_type=model, fmt=fmt)).spec
+    sd = per_expert_state_dict(model, cfg, torch.bfloat16)
+    a, b = convert(sd, spec), convert(fused(model, cfg, sd), spec)
+    assert list(a) == list(b) or sorted(a) == sorted(b)
+    bad = [n for n in a if not same_bytes(a[n], b[n])]
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_a_plan_from_the_config_takes_either_form_and_fp32_masters(model):
+    """The config lists the checkpoint's form and dtype; a trainer's fused FP32 state dict publishes the
+    very same outputs, in the same layout order, so the daemon's generation layout holds."""
+    cfg = config_of(model)
+    plan = plan_from_hf_config(cfg, RefitSpec(model_type=model, fmt="mxfp8"))
+    for form in ExpertForm:
+        for dtype in (torch.bfloat16, torch.float32):
+            params = get_model(model).parameters(cfg, experts=form)
+            specs = [(n, s, torch.float32 if dtype == torch.float32 else d) for n, s, d in params]
+            other = plan.rebuild_for(specs)
+            assert other is not None, (form, dtype)
+            assert [(o.name, o.dtype, o.shape) for o in other.outputs] == [
+                (o.name, o.dtype, o.shape) for o in plan.outputs
+            ]
+            same = {i.name for i in plan.inputs} == {i.name for i in other.inputs} and dtype == torch.bfloat16
+            assert (other is plan) == same
+    # a renamed tensor, or a shape that differs, publishes something else: the caller names it
+    params = get_model(model).parameters(cfg)
+    assert plan.rebuild_for([(n + "x" if i == 0 else n, s, d) for i, (n, s, d) in enumerate(params)]) is None
+    assert (
+        plan.rebuild_for([(n, (s[0] + 1, *s[1:]) if i == 0 else s, d) for i, (n, s, d) in enumerate(params)])
+        is None
+    )
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_fp32_masters_publish_the_checkpoint_dtype(model):
+    """SPEC's passthrough, in the checkpoint's dtype: an FP32 master's norms and embeddings arrive as
+    BF16 (round to nearest even, Tensor.to), the FP32 router bias stays FP32, and the quantized
+    outputs are computed from the FP32 input as it is."""
+    cfg = config_of(model)
+    spec = plan_from_hf_config(cfg, RefitSpec(model_type=model, fmt="mxfp8")).spec
+    assert spec.dtype == torch.bfloat16
+    master = fused(model, cfg, per_expert_state_dict(model, cfg, torch.float32))
+    out = convert(master, spec)
+    plan = plan_from_hf_config(cfg, spec).rebuild_for([(n, t) for n, t in master.items()])
+    roles = {o.name: o for o in plan.outputs}
+    for name, t in out.items():
+        o = roles[name]
+        if o.role is not Role.PASSTHROUGH:
+            continue
+        src = master[name]
+        if name.endswith("e_score_correction_bias"):
+            assert t.dtype == torch.float32 and same_bytes(t, src)
+        else:
+            assert t.dtype == torch.bfloat16 and same_bytes(t, src.to(torch.bfloat16))
+    # quantized from FP32 as it is: differs from quantizing the BF16 rounding somewhere
+    bf16 = convert(
+        {
+            n: t.to(torch.bfloat16) if t.dtype == torch.float32 and not n.endswith("bias") else t
+            for n, t in master.items()
+        },
+        spec,
+    )
+    weights = [n for n, o in roles.items() if o.role is Role.WEIGHT]
+    assert weights and any(not same_bytes(out[n], bf16[n]) for n in weights)
+    # without a checkpoint dtype every input keeps its own (the old behaviour)
+    plain = convert(master, RefitSpec(model_type=model, fmt="mxfp8", num_hidden_layers=2))
+    assert all(plain[n].dtype == torch.float32 for n, o in roles.items() if o.role is Role.PASSTHROUGH)
+
+
+def test_refit_spec_dtype_is_checked():
+    assert RefitSpec(model_type="qwen3_moe", fmt="mxfp8", dtype="bfloat16").dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="bfloat16, float16, float32"):
+        RefitSpec(model_type="qwen3_moe", fmt="mxfp8", dtype=torch.int8)
