@@ -1,0 +1,98 @@
+"""A real training loop pushing to refitd: tiny transformers 5.x MoE models (Qwen3-MoE, DeepSeek-V3)
+under FSDP2 over two gloo processes on CPU take AdamW steps and push ``model.state_dict()`` after each.
+
+What it holds the daemon and the client to (tests/support/fsdp_trainer.py runs the ranks):
+
+* the state dict goes in as it lies: FP32 DTensors (``Shard(0)``, uneven last shards), the routed
+  experts fused as transformers 5.x modules hold them, against a daemon planned from the
+  ``config.json`` transformers' ``save_pretrained`` writes (``num_local_experts``, ``dtype``);
+* no collective runs while ``push_step`` does (counted; the same counter sees ``full_tensor()``'s);
+* every published generation equals ``convert`` of the gathered full state dict, byte for byte;
+* the engine side (the same transformers class loading the dequantized generation) tracks the
+  trainer's logits: the KL per step and format is printed (``-s`` shows it) and bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", minversion="5.0", reason="the test extra: pip install -e '.[test]'")
+
+from support import fsdp_trainer
+
+SPAWN = mp.get_context("spawn")
+WORLD = 2
+STEPS = 3
+FORMATS = ("mxfp8", "block_fp8", "fp8_per_tensor")
+#: a generous bound: the engine's FP8 weights against the trainer's FP32 masters, tiny random model
+KL_BOUND = 1e-3
+RESULT_TIMEOUT_S = 240
+
+
+def save_config(model: str, folder: Path) -> Path:
+    """config.json as transformers' ``save_pretrained`` writes it (5.x field names)."""
+    fsdp_trainer.make_config(model).save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
+    path = save_config(model, tmp_path / "hf")
+    config = json.loads(path.read_text())
+    assert ("num_experts" not in config and "n_routed_experts" in config) or "num_local_experts" in config
+    started = {
+        fmt: daemons(
+            hf_config=config, world_size=WORLD, format=fmt, staging_bytes=8 << 20, runtime_dir=tmp_path / fmt
+        )
+        for fmt in FORMATS
+    }
+    job = {
+        "model": model,
+        "steps": STEPS,
+        "init_file": str(tmp_path / "gloo-init"),
+        "config_path": str(path),
+        "daemons": {fmt: d.endpoint for fmt, d in started.items()},
+    }
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=fsdp_trainer.run_rank, args=(r, WORLD, job, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    rows, done = [], 0
+    try:
+        while done < WORLD:
+            try:
+                row = results.get(timeout=RESULT_TIMEOUT_S)
+            except queue.Empty:
+                pytest.fail(f"the trainer ranks sent nothing for {RESULT_TIMEOUT_S} s; rows so far: {rows}")
+            assert "error" not in row, f"rank {row['rank']} failed:\n{row['error']}"
+            if row.get("done"):
+                done += 1
+            else:
+                rows.append(row)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert len(rows) == STEPS * len(FORMATS)
+    print(f"\n{model}: KL(trainer || engine) per step and format")
+    for row in rows:
+        print(f"  step {row['step']}  {row['fmt']:<15} KL {row['kl']:.3e}  loss {row['loss']:.4f}")
+    for row in rows:
+        where = f"{model} step {row['step']} {row['fmt']}"
+        assert row["gen_step"] == row["step"], where
+        assert not row["differ"] and not row["extra"], (
+            f"{where}: not convert's bytes: {row['differ']} {row['extra']}"
+        )
+        assert row["collectives"] == [], f"{where}: push_step ran collectives {row['collectives']}"
+        assert row["gather_collectives"] > 0, "the collective counter saw no full_tensor(): it cannot fail"
+        assert row["norm_dtypes"] == ["torch.bfloat16"], (
+            f"{where}: FP32 masters' norms published as {row['norm_dtypes']}"
+        )
+        assert 0 <= row["kl"] < KL_BOUND, f"{where}: KL {row['kl']}"
+        assert row["placements"] == ["S(0)"], row["placements"]  # FSDP2: dim-0 shards
