@@ -64,7 +64,7 @@ def dtensor_boxes(name: str, value: Any) -> list[tuple[torch.Tensor, tuple[int, 
     mesh, placements = value.device_mesh, tuple(value.placements)
     global_shape = tuple(int(d) for d in value.shape)
     for mesh_dim, p in enumerate(placements):
-        if not (p.is_shard() or isinstance(p, Replicate)):
+        if not (_is_shard(p) or isinstance(p, Replicate)):
             raise ValueError(
                 f"{name!r}: DTensor placement {p!r} on mesh dim {mesh_dim} cannot be sent as it lies (each "
                 "rank holds an addend, not the values); reduce it first (dt.redistribute(mesh, "
@@ -96,6 +96,11 @@ def dtensor_boxes(name: str, value: Any) -> list[tuple[torch.Tensor, tuple[int, 
                 view = view.narrow(d, local_start, length)
         boxes.append((view, global_shape, tuple(g for _, g, _ in combo)))
     return boxes
+
+
+def _is_shard(placement: Any) -> bool:
+    """``Shard(d)`` or ``_StridedShard(d, split_factor)`` (not a Shard subclass in every torch)."""
+    return placement.is_shard() or type(placement).__name__ == "_StridedShard"
 
 
 def _global_indices(
