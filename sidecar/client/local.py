@@ -192,6 +192,20 @@ class StagingWriter:
         with gc_paused(), self._copy_stream():
             self._run(step, planned[3], deadline)
 
+    def write_pieces(
+        self,
+        step: int,
+        pieces: list[Piece],
+        ids: list[int],
+        handle: dict,
+        deadline: float,
+        direct: Any = None,
+    ) -> None:
+        """A few pieces of a streamed step (``sidecar.client.stream``) into their places now, as
+        :meth:`write_step` would; nothing is kept for a later step (the next pieces are others)."""
+        self.open(handle)
+        self._copy_in(step, self._dests(pieces, ids, self.arena.tensors(), direct), deadline)
+
     def _dests(self, pieces: list[Piece], ids: list[int], views: Any, direct: Any) -> Iterator:
         """``(piece, id, its global tensor)``: in staging, or in the generation for a piece the
         daemon publishes unchanged (READY's ``direct``)."""
