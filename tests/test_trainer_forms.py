@@ -138,3 +138,46 @@ def test_refit_spec_dtype_is_checked():
     assert RefitSpec(model_type="qwen3_moe", fmt="mxfp8", dtype="bfloat16").dtype is torch.bfloat16
     with pytest.raises(ValueError, match="bfloat16, float16, float32"):
         RefitSpec(model_type="qwen3_moe", fmt="mxfp8", dtype=torch.int8)
+
+
+# ---- the daemon: a plan from the config takes what the trainer pushes
+
+
+def test_the_daemon_follows_the_trainers_form_and_refuses_too_little_staging(daemons, tmp_path):
+    """A daemon planned from a config (per-expert, BF16) takes the fused FP32 state dict a
+    transformers 5.x trainer holds, publishing convert's bytes; with staging sized for the checkpoint
+    alone the FP32 step fails with a CAPACITY error that says what to set, and nothing changes."""
+    from adapters.base import RefitReader
+    from sidecar.client import RefitClient
+    from sidecar.errors import ErrorKind, RefitError
+
+    model = "deepseek_v3"
+    cfg = config_of(model)
+    spec = plan_from_hf_config(cfg, RefitSpec(model_type=model, fmt="mxfp8")).spec
+    bf16 = per_expert_state_dict(model, cfg, torch.bfloat16, seed=1)
+    master = fused(model, cfg, per_expert_state_dict(model, cfg, torch.float32, seed=2))
+    small = daemons(hf_config=cfg, world_size=1, format="mxfp8", runtime_dir=tmp_path / "small")
+    with RefitClient(small.endpoint, rank=0, world_size=1) as client, RefitReader(small.endpoint) as reader:
+        client.push_step(0, fused(model, cfg, bf16))  # the fused form fits the checkpoint's staging
+        with pytest.raises(RefitError, match="staging_bytes") as err:
+            client.push_step(1, master)
+        assert err.value.kind is ErrorKind.CAPACITY
+        gen = reader.wait()
+        try:
+            expected = convert(bf16, spec)
+            assert gen.step == 0 and all(same_bytes(gen.tensors[n], t) for n, t in expected.items())
+        finally:
+            reader.release(gen)
+    big = daemons(
+        hf_config=cfg, world_size=1, format="mxfp8", staging_bytes=16 << 20, runtime_dir=tmp_path / "big"
+    )
+    with RefitClient(big.endpoint, rank=0, world_size=1) as client, RefitReader(big.endpoint) as reader:
+        for step, sd in enumerate([master, bf16, master]):  # the plan follows each step's form
+            client.push_step(step, sd)
+            gen = reader.wait(min_step=step)
+            try:
+                expected = convert(sd, spec)
+                bad = [n for n, t in expected.items() if not same_bytes(gen.tensors[n], t)]
+            finally:
+                reader.release(gen)
+            assert not bad, (step, bad[:5])
