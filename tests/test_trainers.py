@@ -96,3 +96,38 @@ def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
         )
         assert 0 <= row["kl"] < KL_BOUND, f"{where}: KL {row['kl']}"
         assert row["placements"] == ["S(0)"], row["placements"]  # FSDP2: dim-0 shards
+
+
+def test_refitd_serve_starts_on_the_config_save_pretrained_writes(tmp_path):
+    """``refitd serve --hf-config`` on transformers 5.x's own Qwen3-MoE config.json (``num_local_experts``
+    where refitd read ``num_experts``, ``dtype``) starts and answers STATUS."""
+    model = "qwen3_moe"
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from adapters.base import RefitReader
+    from sidecar.errors import RefitError
+
+    path = save_config(model, tmp_path / "hf")
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "sidecar.cli", "serve", "--hf-config", str(path), "--runtime-dir", str(run),
+            "--world-size", "2", "--format", "mxfp8"]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        with RefitReader(f"ipc://{run / 'control.sock'}", name="probe") as probe:
+            while True:
+                assert proc.poll() is None, f"refitd serve exited {proc.returncode}:\n{log.read_text()}"
+                try:
+                    status = probe.status(timeout=0.5)
+                    break
+                except RefitError:
+                    assert time.monotonic() < deadline, f"refitd serve not ready:\n{log.read_text()}"
+        assert status.get("instance")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
