@@ -40,8 +40,11 @@ def save_config(model: str, folder: Path) -> Path:
     return folder / "config.json"
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
-def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
+@pytest.mark.parametrize(
+    "model, parallel, formats",
+    [("qwen3_moe", "fsdp", FORMATS), ("deepseek_v3", "fsdp", FORMATS), ("qwen3_moe", "tp", FORMATS[:1])],
+)
+def test_training_loop_pushes_dtensor_shards(model, parallel, formats, tmp_path, daemons):
     path = save_config(model, tmp_path / "hf")
     config = json.loads(path.read_text())
     assert ("num_experts" not in config and "n_routed_experts" in config) or "num_local_experts" in config
@@ -49,10 +52,11 @@ def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
         fmt: daemons(
             hf_config=config, world_size=WORLD, format=fmt, staging_bytes=8 << 20, runtime_dir=tmp_path / fmt
         )
-        for fmt in FORMATS
+        for fmt in formats
     }
     job = {
         "model": model,
+        "parallel": parallel,
         "steps": STEPS,
         "init_file": str(tmp_path / "gloo-init"),
         "config_path": str(path),
@@ -79,8 +83,8 @@ def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
             p.join(30)
             if p.is_alive():
                 p.kill()
-    assert len(rows) == STEPS * len(FORMATS)
-    print(f"\n{model}: KL(trainer || engine) per step and format")
+    assert len(rows) == STEPS * len(formats)
+    print(f"\n{model} ({parallel}): KL(trainer || engine) per step and format")
     for row in rows:
         print(f"  step {row['step']}  {row['fmt']:<15} KL {row['kl']:.3e}  loss {row['loss']:.4f}")
     for row in rows:
@@ -95,7 +99,8 @@ def test_fsdp2_training_loop_pushes_dtensor_shards(model, tmp_path, daemons):
             f"{where}: FP32 masters' norms published as {row['norm_dtypes']}"
         )
         assert 0 <= row["kl"] < KL_BOUND, f"{where}: KL {row['kl']}"
-        assert row["placements"] == ["S(0)"], row["placements"]  # FSDP2: dim-0 shards
+        # FSDP2: dim-0 shards; TP: column-parallel q/k/v on dim 0, row-parallel o_proj on dim 1
+        assert row["placements"] == (["S(0)"] if parallel == "fsdp" else ["S(0)", "S(1)"]), row["placements"]
 
 
 def test_refitd_serve_starts_on_the_config_save_pretrained_writes(tmp_path):

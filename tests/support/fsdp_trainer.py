@@ -1,5 +1,5 @@
 """A real trainer rank for ``tests/test_trainers.py``: a tiny transformers 5.x MoE model under FSDP2
-(``fully_shard``, gloo, CPU) taking AdamW steps and pushing ``model.state_dict()`` (FP32 DTensors, the
+(``fully_shard``, gloo, CPU), or with tensor-parallel attention (``parallelize_module``), taking AdamW steps and pushing ``model.state_dict()`` (FP32 DTensors, the
 routed experts fused) to refitd daemons after each, as an RL trainer would.
 
 Started with the ``spawn`` context, one process per rank (:func:`run_rank`). Rank 0 also plays the
@@ -195,9 +195,16 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], results) -> None:
     torch.manual_seed(0)  # the same initial weights on every rank, as a trainer loading a checkpoint
     model = model_class(model_name)(config)
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if job.get("parallel", "fsdp") == "tp":  # tensor parallel attention: Shard(0) q/k/v, Shard(1) o_proj
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer.self_attn, mesh, {**plan, "o_proj": RowwiseParallel()})
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     hf_config = json.loads(Path(job["config_path"]).read_text())
     plans = {
@@ -220,7 +227,10 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], results) -> None:
                 for fmt, endpoint in job["daemons"].items()
             }
         for step in range(steps):
-            g = torch.Generator().manual_seed(1000 * step + rank)  # data parallel: each rank its own batch
+            # data parallel: each rank its own batch; tensor parallel: the same batch on every rank
+            g = torch.Generator().manual_seed(
+                1000 * step + (rank if job.get("parallel", "fsdp") == "fsdp" else 0)
+            )
             tokens = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=g)
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
