@@ -109,8 +109,9 @@ def check_manifest(
         ):
             check.errors.append(
                 f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes "
-                f"{_describe(o.dtype, o.shape)}; a passthrough keeps its input's dtype bit for bit, so send it "
-                f"as {str(t.dtype).removeprefix('torch.')} from the trainer"
+                f"{_describe(o.dtype, o.shape)}; a passthrough is published in the checkpoint's dtype (the "
+                "config's dtype, RefitSpec.dtype) or, with none, in its input's: give the daemon the model's "
+                f"config.json, or send it as {str(t.dtype).removeprefix('torch.')} from the trainer"
             )
         elif o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
             hint = ""
