@@ -115,3 +115,28 @@ def test_a_wrong_stream_fails_the_step_and_publishes_nothing(daemons):
                 reader.release(gen)
         # the daemon keeps serving: a good stream publishes after all that
         assert client.push_step(10, Export(sd)(), declare=declare).step == 10
+
+
+def test_one_rank_streams_while_another_sends_nothing(daemons):
+    """Megatron-style: the first rank of a TP group streams the bridge's gathered tensors, the other
+    pushes an empty step; the generation is convert's of the stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = make_hf_config(MODEL, **ARGS)
+    d = daemons(hf_config=config, world_size=2, format=FMT)
+    spec = plan_from_hf_config(config, RefitSpec(model_type=MODEL, fmt=FMT)).spec
+    sd = make_state_dict(MODEL, seed=5, **ARGS)
+    with (
+        RefitClient(d.endpoint, rank=0, world_size=2) as first,
+        RefitClient(d.endpoint, rank=1, world_size=2) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        empty = pool.submit(other.push_step, 0, {})
+        result = first.push_step(0, Export(sd)(), declare=meta_state_dict(config))
+        assert empty.result(timeout=60).generation == result.generation
+    with RefitReader(d.endpoint) as reader:
+        gen = reader.wait(min_step=0)
+        try:
+            assert all(same_bytes(gen.tensors[n], t) for n, t in convert(sd, spec).items())
+        finally:
+            reader.release(gen)
