@@ -86,7 +86,10 @@ def test_training_loop_pushes_dtensor_shards(model, parallel, formats, tmp_path,
     assert len(rows) == STEPS * len(formats)
     print(f"\n{model} ({parallel}): KL(trainer || engine) per step and format")
     for row in rows:
-        print(f"  step {row['step']}  {row['fmt']:<15} KL {row['kl']:.3e}  loss {row['loss']:.4f}")
+        print(
+            f"  step {row['step']}  {row['fmt']:<15} KL {row['kl']:.3e}  (BF16-rounded masters, same step: "
+            f"{row['kl_bf16']:.3e}, ratio {row['kl'] / max(row['kl_bf16'], 1e-30):.1f})  loss {row['loss']:.4f}"
+        )
     for row in rows:
         where = f"{model} step {row['step']} {row['fmt']}"
         assert row["gen_step"] == row["step"], where

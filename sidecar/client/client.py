@@ -304,7 +304,8 @@ class RefitClient:
                     pieces, ids, srcs = _without_skipped(ready["skip"], pieces, ids, srcs)
                 self._remote.credits = int(ready.get("credit_frames", 1))
                 if feed is not None:
-                    mover, why = write_stream(self, step, pieces, ids, ready, feed, deadline)
+                    direct = _direct_of(ready) if "staging" in ready else None
+                    mover, why = write_stream(self, step, pieces, ids, ready, feed, deadline, direct)
                 elif "ring" in ready:
                     mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs, reg=reg)
                 elif "staging" in ready:

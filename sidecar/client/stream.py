@@ -17,14 +17,14 @@ from __future__ import annotations
 import queue
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sidecar.client.pieces import Piece, pieces
 
-if TYPE_CHECKING:
-    from sidecar.client.client import RefitClient
+#: the client (sidecar.client.client.RefitClient), typed loosely: that module imports this one
+RefitClient = Any
 
 #: items handed over ahead of the worker: the trainer computes the next while one is written
 FEED_DEPTH = 2
@@ -90,9 +90,11 @@ def write_stream(
     ready: dict,
     feed: StreamFeed,
     deadline: float,
+    direct: Any = None,
 ) -> tuple[str, str]:
     """Write the stream's items as they come (on the client's worker thread); ``declared`` and
-    ``ids`` are the pieces READY asks for (those outside the node share left out)."""
+    ``ids`` are the pieces READY asks for (those outside the node share left out); ``direct`` is
+    READY's checked ``direct`` (whole-step staging on this node), or None."""
     local, ring = "staging" in ready, "ring" in ready
     placement = ready.get("placement") if ring else None
     if ring and (not isinstance(placement, list) or len(placement) != len(declared)):
@@ -105,7 +107,7 @@ def write_stream(
         by_name.setdefault(p.name, []).append(_key(p))
     if local:
         client._local.open(ready["staging"])
-    direct = _direct_of(ready) if local and not ring else None
+    direct = direct if local and not ring else None
     pending: dict[int, list[tuple[Piece, int, int]]] = {}
     got: set[Key] = set()
     skipped_names = {p.name for p in getattr(feed, "declared", ())} - set(by_name)
@@ -180,9 +182,3 @@ def _unexpected(p: Piece, keys: Iterable[Key]) -> str:
     return (
         f"{what} is not what declare= lists for it ({shown}); declare the dtype and shape the export yields"
     )
-
-
-def _direct_of(ready: dict) -> Any:
-    from sidecar.client.client import _direct_of as direct_of
-
-    return direct_of(ready)

@@ -247,6 +247,16 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], results) -> None:
                 trainer_logits = model(input_ids=eval_tokens).logits
             if rank != 0:
                 continue
+            # the baseline: the engine holding the masters as the checkpoint keeps them (BF16, the router
+            # bias FP32), nothing quantized
+            engine.load_state_dict(
+                {
+                    k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16).float()
+                    for k, v in full.items()
+                }
+            )
+            with torch.no_grad():
+                kl_bf16 = kl(trainer_logits, engine(input_ids=eval_tokens).logits)
             for fmt, reader in readers.items():
                 plan = plans[fmt]
                 expected = convert(full, plan.spec)
@@ -278,6 +288,7 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], results) -> None:
                         "outputs": len(expected),
                         "norm_dtypes": sorted(dtypes),
                         "kl": kl(trainer_logits, engine_logits),
+                        "kl_bf16": kl_bf16,
                     }
                 )
     results.put({"rank": rank, "done": True})
