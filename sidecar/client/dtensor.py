@@ -27,9 +27,13 @@ sent by the rank at coordinate 0 of the first DTensor's mesh only (:func:`replic
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+
+#: distinct (shape, mesh, coordinate, placements) layouts remembered; a model has a few hundred at most
+LAYOUT_CACHE = 4096
 
 __all__ = ["dtensor_boxes", "is_dtensor", "replica_sender"]
 
@@ -76,9 +80,10 @@ def dtensor_boxes(name: str, value: Any) -> list[tuple[torch.Tensor, tuple[int, 
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate) and coordinate[mesh_dim] != 0:
             return []  # another rank of this replica group sends it
-    local = value.to_local().detach()
-    index = _global_indices(global_shape, tuple(mesh.shape), coordinate, placements)
-    shape = tuple(len(ix) for ix in index)
+    # the local shard itself: to_local() is an autograd Function (tens of microseconds per tensor)
+    local = getattr(value, "_local_tensor", None)
+    local = (value.to_local() if local is None else local).detach()
+    shape, combos = _layout(global_shape, tuple(mesh.shape), tuple(coordinate), placements)
     if shape != tuple(local.shape):
         raise ValueError(
             f"{name!r}: the DTensor's local tensor is {list(local.shape)} but its placements {list(placements)} "
@@ -87,15 +92,24 @@ def dtensor_boxes(name: str, value: Any) -> list[tuple[torch.Tensor, tuple[int, 
         )
     if local.numel() == 0:
         return []
-    runs = [_runs(ix) for ix in index]
     boxes = []
-    for combo in _product(runs):
+    for combo in combos:
         view = local
         for d, (local_start, _, length) in enumerate(combo):
             if length != local.shape[d]:
                 view = view.narrow(d, local_start, length)
         boxes.append((view, global_shape, tuple(g for _, g, _ in combo)))
     return boxes
+
+
+@functools.lru_cache(maxsize=LAYOUT_CACHE)
+def _layout(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple
+) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:
+    """(this rank's local shape, its boxes as per-dim ``(local start, global start, length)`` runs),
+    made once per shape, mesh shape, coordinate and placements: a model's tensors share a few."""
+    index = _global_indices(global_shape, mesh_shape, list(coordinate), placements)
+    return tuple(len(ix) for ix in index), tuple(_product([_runs(ix) for ix in index]))
 
 
 def _is_shard(placement: Any) -> bool:
