@@ -185,3 +185,47 @@ def test_the_daemon_follows_the_trainers_form_and_refuses_too_little_staging(dae
             finally:
                 reader.release(gen)
             assert not bad, (step, bad[:5])
+
+
+def test_without_a_config_the_engines_manifest_gives_the_published_dtype(daemons):
+    """A daemon started without the model's config, an engine attached whose manifest holds BF16: an
+    FP32 master's passthroughs are published in BF16 (the router bias in FP32), as convert gives them
+    under the engine's dtype; a second engine attaching later is checked against that same plan."""
+    from adapters.base import RefitReader
+    from adapters.manifest import Manifest, ManifestTensor
+    from sidecar.client import RefitClient
+    from sidecar.plan.attach import with_engine_dtype
+    from sidecar.plan.build import RefitPlan
+    from sidecar.plan.constraints import EngineKind
+
+    model = "deepseek_v3"
+    cfg = config_of(model)
+    bare = RefitSpec(model_type=model, fmt="mxfp8")  # no config: no checkpoint dtype
+    checkpoint = RefitPlan.build(get_model(model).parameters(cfg), bare)  # BF16, router bias FP32
+    manifest = Manifest(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format=bare.format,
+        tensors=tuple(ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in checkpoint.outputs),
+    )
+    spec = with_engine_dtype(bare, manifest)
+    assert spec.dtype is torch.bfloat16
+    master = fused(model, cfg, per_expert_state_dict(model, cfg, torch.float32, seed=3))
+    d = daemons(model_type=model, world_size=1, format="mxfp8", staging_bytes=16 << 20, publish_bytes=8 << 20)
+    with (
+        RefitReader(d.endpoint, name="engine-0", manifest=manifest) as engine,
+        RefitClient(d.endpoint, rank=0, world_size=1) as client,
+    ):
+        engine.attach(timeout=30)
+        client.push_step(0, master)
+        gen = engine.wait(min_step=0)
+        try:
+            expected = convert(master, spec)
+            assert {n: t.dtype for n, t in expected.items()} == {o.name: o.dtype for o in checkpoint.outputs}
+            bad = [n for n, t in expected.items() if not same_bytes(gen.tensors[n], t)]
+        finally:
+            engine.release(gen)
+        assert not bad, bad[:5]
+        with RefitReader(d.endpoint, name="engine-1", manifest=manifest) as late:
+            late.attach(timeout=30)  # checked against the plan the first engine's dtype made

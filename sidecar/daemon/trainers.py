@@ -26,7 +26,7 @@ from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.attach import check_manifest
+from sidecar.plan.attach import check_manifest, with_engine_dtype
 from sidecar.plan.build import RefitPlan
 from sidecar.protocol.enums import PeerRole
 from transport.wire import Kind, Message, ProtocolError
@@ -326,15 +326,18 @@ class Trainers:
                 kind=ErrorKind.ENGINE,
                 step=state.step,
             )
-        for e in self.engines.engines.values():
-            check = check_manifest(state.specs(), self.ctx.spec, e.manifest, share=self.ctx.config.share)
+        # without the model's config, the first engine's manifest says the checkpoint's dtype
+        engines = list(self.engines.engines.values())
+        spec = with_engine_dtype(self.ctx.spec, engines[0].manifest) if engines else self.ctx.spec
+        for e in engines:
+            check = check_manifest(state.specs(), spec, e.manifest, share=self.ctx.config.share)
             if not check.ok:
                 raise RefitError(
                     check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
                 )
         try:
             plan = RefitPlan.build(
-                state.specs(), self.ctx.spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
+                state.specs(), spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
             )
             self.ctx.adopt_plan(plan)
         except ArenaTooSmall as exc:
