@@ -229,3 +229,31 @@ def test_without_a_config_the_engines_manifest_gives_the_published_dtype(daemons
         assert not bad, bad[:5]
         with RefitReader(d.endpoint, name="engine-1", manifest=manifest) as late:
             late.attach(timeout=30)  # checked against the plan the first engine's dtype made
+
+
+def test_a_trainer_without_the_configs_mtp_layers_is_told_what_to_do(daemons):
+    """transformers' DeepseekV3ForCausalLM builds no MTP layer; the config lists one: the step is refused
+    with the setting to change, and the daemon keeps serving."""
+    from sidecar.client import RefitClient
+    from sidecar.errors import RefitError
+
+    model = "deepseek_v3"
+    cfg = {**config_of(model), "num_nextn_predict_layers": 1}
+    g = torch.Generator().manual_seed(4)
+    sd = {
+        n: (torch.randn(s, generator=g) * 0.05).to(d)
+        for n, s, d in get_model(model).parameters(cfg, include_mtp=False, experts=ExpertForm.FUSED)
+    }
+    d = daemons(hf_config=cfg, world_size=1, format="mxfp8")
+    with RefitClient(d.endpoint, rank=0, world_size=1) as client:
+        with pytest.raises(RefitError, match="set num_nextn_predict_layers") as err:
+            client.push_step(0, sd)
+        assert "model.layers.2." in str(err.value)
+    d2 = daemons(
+        hf_config={**cfg, "num_nextn_predict_layers": 0},
+        world_size=1,
+        format="mxfp8",
+        runtime_dir=d.config.runtime_dir.parent / "run2",
+    )
+    with RefitClient(d2.endpoint, rank=0, world_size=1) as client:
+        assert client.push_step(0, sd).step == 0

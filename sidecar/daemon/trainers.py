@@ -27,7 +27,7 @@ from sidecar.daemon.peers import Peer
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest, with_engine_dtype
-from sidecar.plan.build import RefitPlan
+from sidecar.plan.build import RefitPlan, layer_of_name
 from sidecar.protocol.enums import PeerRole
 from transport.wire import Kind, Message, ProtocolError
 
@@ -303,6 +303,8 @@ class Trainers:
         names, FP32 masters where it lists BF16. The generation's layout is unchanged (the live one
         stays valid); staging is carved anew. Anything else is left to validate_against to name."""
         plan = self.ctx.plan.rebuild_for(state.specs())
+        if plan is None:
+            _refuse_without_mtp(self.ctx.plan, state)
         if plan is None or plan is self.ctx.plan:
             return
         try:
@@ -515,3 +517,27 @@ class Trainers:
         self.failures[state.step] = (err, told, self.ctx.next_event())
         while len(self.failures) > MAX_REMEMBERED_FAILURES:
             self.failures.pop(next(iter(self.failures)))
+
+
+def _refuse_without_mtp(plan: RefitPlan, state: StepState) -> None:
+    """A step with no tensor of the MTP layers the config lists (transformers' DeepseekV3ForCausalLM
+    and Glm4MoeForCausalLM build none, so a trainer on them has none to push): say so, and what to
+    do, instead of listing every MTP tensor as missing."""
+    mtp = [n for u in plan.units if isinstance(u.layer, tuple) for n in u.inputs]
+    if not mtp:
+        return
+    layers = plan.num_hidden_layers
+    sent = [
+        n
+        for n in state.tensors
+        if isinstance(lay := layer_of_name(n), tuple) or (isinstance(lay, int) and lay >= layers)
+    ]
+    if sent:
+        return
+    raise RefitError(
+        f"the config lists MTP layer(s) ({len(mtp)} tensors, e.g. {mtp[0]!r}) that no rank sent: a trainer "
+        "on transformers' model classes has none (they build no MTP layer); set num_nextn_predict_layers "
+        "(mtp_num_hidden_layers for Qwen3.5) to 0 in the config.json the daemon reads, or send the MTP weights",
+        kind=ErrorKind.INVALID,
+        step=state.step,
+    )
