@@ -192,11 +192,11 @@ def test_without_a_config_the_engines_manifest_gives_the_published_dtype(daemons
     FP32 master's passthroughs are published in BF16 (the router bias in FP32), as convert gives them
     under the engine's dtype; a second engine attaching later is checked against that same plan."""
     from adapters.base import RefitReader
-    from adapters.manifest import Manifest, ManifestTensor
     from sidecar.client import RefitClient
     from sidecar.plan.attach import with_engine_dtype
     from sidecar.plan.build import RefitPlan
     from sidecar.plan.constraints import EngineKind
+    from sidecar.protocol.manifest import Manifest, ManifestTensor
 
     model = "deepseek_v3"
     cfg = config_of(model)
