@@ -293,3 +293,53 @@ def test_glm4_5_names_shapes_and_dtypes():
     assert shapes["model.layers.3.mlp.experts.159.down_proj.weight"] == (5120, 1536)
     assert dtypes["model.layers.91.mlp.gate.e_score_correction_bias"] is torch.float32
     assert "model.layers.92.eh_proj.weight" in shapes and "model.layers.93.eh_proj.weight" not in shapes
+
+
+# ---- config field names (transformers 5.x attribute_map renames)
+
+
+def test_normalize_hf_config_reads_transformers_5_names():
+    """Qwen3MoeConfig.save_pretrained writes ``num_local_experts`` and ``dtype``; DeepSeek-V3 and
+    GLM-4.5 configs may say ``num_local_experts``/``num_mtp_layers``: each reads as refitd's name."""
+    from sidecar.plan.models import checkpoint_dtype, normalize_hf_config
+
+    qwen = {
+        k: v
+        for k, v in make_hf_config("qwen3_moe", num_layers=2, num_experts=4).items()
+        if k != "num_experts"
+    }
+    qwen5 = {**qwen, "num_local_experts": 4, "dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="num_experts"):
+        get_model("qwen3_moe").parameters(qwen)  # neither name: the error names refitd's
+    norm = normalize_hf_config(qwen5)
+    assert norm["num_experts"] == 4 and "num_experts" not in qwen5  # the input is left as it was
+    assert normalize_hf_config(norm) == norm  # idempotent
+    assert get_model("qwen3_moe").parameters(qwen5) == get_model("qwen3_moe").parameters(
+        {**qwen, "num_experts": 4}
+    )
+    ds = make_hf_config("deepseek_v3", num_layers=2, num_experts=4)
+    renamed = {k: v for k, v in ds.items() if k not in ("n_routed_experts", "num_nextn_predict_layers")}
+    renamed.update(
+        num_local_experts=ds["n_routed_experts"], num_mtp_layers=ds.get("num_nextn_predict_layers", 0)
+    )
+    assert get_model("deepseek_v3").parameters(renamed) == get_model("deepseek_v3").parameters(
+        {**ds, "num_nextn_predict_layers": renamed["num_mtp_layers"]}
+    )
+    nested = normalize_hf_config({"model_type": "qwen3_5_moe", "text_config": {"num_local_experts": 8}})
+    assert nested["text_config"]["num_experts"] == 8
+    with pytest.raises(ValueError, match="num_local_experts"):
+        normalize_hf_config({**qwen5, "num_experts": 5})
+    assert checkpoint_dtype(qwen5) is torch.bfloat16
+    assert checkpoint_dtype({"model_type": "qwen3_moe", "torch_dtype": "float32"}) is torch.float32
+    assert checkpoint_dtype({"model_type": "qwen3_moe"}) is None
+    with pytest.raises(ValueError, match="int8"):
+        checkpoint_dtype({"model_type": "qwen3_moe", "dtype": "int8"})
+
+
+def test_parameters_follow_the_checkpoint_dtype():
+    """A float16 checkpoint lists float16 parameters; the FP32 router bias stays FP32."""
+    cfg = {**make_hf_config("deepseek_v3", num_layers=2, num_experts=4), "torch_dtype": "float16"}
+    dtypes = {name: dtype for name, _, dtype in get_model("deepseek_v3").parameters(cfg)}
+    bias = [n for n in dtypes if n.endswith("e_score_correction_bias")]
+    assert bias and all(dtypes[n] is torch.float32 for n in bias)
+    assert {d for n, d in dtypes.items() if n not in bias} == {torch.float16}

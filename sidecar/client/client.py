@@ -44,8 +44,9 @@ import torch
 import zmq
 
 from sidecar.client.local import StagingWriter
-from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows
+from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
 from sidecar.client.remote import RemoteSender
+from sidecar.client.stream import StreamFeed, write_stream
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
 from transport.curve import curve_hint, set_client
@@ -115,8 +116,18 @@ class RefitClient:
         *,
         wait: str = "published",
         timeout: float | None = None,
+        declare: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
     ) -> StepResult | Future:
         """Push this rank's part of ``step``.
+
+        ``named_tensors``: a mapping or (name, value) pairs; a value is a tensor (this rank sends all
+        of it), a ``Shard`` or a list of them, or a DTensor (``sidecar.client.dtensor``: this rank's
+        local shard where it lies, never gathered). With ``declare`` (the same kind of mapping, of
+        meta tensors: ``sidecar.plan.build.meta_state_dict(config)``) ``named_tensors`` is a stream
+        (a Megatron-Bridge export): BEGIN declares ``declare``'s pieces, then the stream is read on
+        this thread one item at a time, each written to the daemon as it comes and never kept, so
+        the whole model is never held at once. Each item must be one of the declared pieces; a
+        missing, extra, repeated or mismatched one fails the step (nothing is published).
 
         ``wait="published"`` (default) returns the StepResult once every rank's data is quantized and
         published; ``wait="loaded"`` also waits until every engine worker attached at publication
@@ -128,7 +139,12 @@ class RefitClient:
         if wait not in ("published", "loaded", "committed"):
             raise ValueError(f"wait={wait!r}: choose 'published', 'loaded' or 'committed'")
         committed = threading.Event()
-        future = self._submit(step, named_tensors, timeout, committed, loaded=wait == "loaded")
+        if declare is not None:
+            feed = StreamFeed()
+            future = self._submit(step, declare, timeout, committed, loaded=wait == "loaded", feed=feed)
+            feed.pour(named_tensors, future)  # on this thread: the trainer's export runs here
+        else:
+            future = self._submit(step, named_tensors, timeout, committed, loaded=wait == "loaded")
         if wait in ("published", "loaded"):
             return future.result()
         while not committed.wait(0.05):
@@ -168,11 +184,15 @@ class RefitClient:
 
     # ------------------------------------------------------------------------------------------
 
-    def _submit(self, step, named_tensors, timeout, committed, *, loaded: bool = False) -> Future:
+    def _submit(self, step, named_tensors, timeout, committed, *, loaded: bool = False, feed=None) -> Future:
         if self._closed:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if feed is not None:  # a stream: BEGIN declares these pieces (meta tensors), the feed brings the data
+            rows = feed.declared = pieces(named_tensors)
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            return self._executor.submit(self._push, step, rows, deadline, committed, loaded, [], None, feed)
         rows, packed = self._step_pieces.of(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         # on the caller's thread: its current streams hold the work that wrote the tensors
@@ -254,6 +274,7 @@ class RefitClient:
         loaded: bool = False,
         ready: list | None = None,
         packed: bytes | None = None,
+        feed: StreamFeed | None = None,
     ) -> StepResult:
         try:
             self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
@@ -265,7 +286,7 @@ class RefitClient:
                 "pieces": packed_rows(pieces) if packed is None else packed,
             }
             srcs, reg, why = None, None, ""
-            if not self._welcome.get("local"):
+            if not self._welcome.get("local") and feed is None:
                 for event in self._local.ready_events:  # the trainer's writes land before reading to host
                     event.synchronize()
                 with gc_paused():
@@ -282,7 +303,9 @@ class RefitClient:
                 if "skip" in ready:  # outside the daemon's node share: those pieces are not sent
                     pieces, ids, srcs = _without_skipped(ready["skip"], pieces, ids, srcs)
                 self._remote.credits = int(ready.get("credit_frames", 1))
-                if "ring" in ready:
+                if feed is not None:
+                    mover, why = write_stream(self, step, pieces, ids, ready, feed, deadline)
+                elif "ring" in ready:
                     mover, why = self._write_ring(step, pieces, ids, ready, deadline, srcs, reg=reg)
                 elif "staging" in ready:
                     self._local.write_step(step, pieces, ids, ready["staging"], deadline)

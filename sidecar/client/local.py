@@ -145,6 +145,15 @@ class StagingWriter:
         with gc_paused(), self._copy_stream():
             self._run(step, planned[3], deadline)
 
+    def write_pieces(
+        self, step: int, pieces: list[Piece], ids: list[int], handle: dict, deadline: float
+    ) -> None:
+        """A few pieces of a streamed step (``sidecar.client.stream``) into their staging slots now,
+        as :meth:`write_step` would; nothing is kept for a later step (the next pieces are others)."""
+        self.open(handle)
+        views = self.arena.tensors()
+        self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
+
     def write_group(
         self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float
     ) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 import torch
 
+from sidecar.client.dtensor import dtensor_boxes, is_dtensor, replica_sender
 from sidecar.ops.gcpause import gc_paused
 from transport.wire import dtype_name
 
@@ -135,7 +136,12 @@ class StepPieces:
             if key is not None and len(key) == len(items) and _same_tensors(items, key):
                 return self._pieces, self._rows
         made = _pieces_of(items)
-        whole = len(made) == len(items) and all(p.whole for p in made)
+        # a DTensor's pieces are views of its local shard: made afresh each step, never cached
+        whole = (
+            len(made) == len(items)
+            and all(p.whole for p in made)
+            and not any(is_dtensor(v) for _, v in items)
+        )
         new = [(n, t, t.shape, t.dtype) for n, t in items] if whole else None
         # other tensor objects of the same names, shapes and dtypes (a fresh state_dict() each
         # step): the same rows, so the same bytes (the daemon compares them with the last step's)
@@ -164,17 +170,27 @@ def _same_tensors(items: list, key: list) -> bool:
 
 
 def pieces(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Piece]:
-    """Normalize user input (tensors, Shards, lists of Shards) into pieces, validating each."""
+    """Normalize user input (tensors, DTensors, Shards, lists of Shards) into pieces, validating each."""
     with gc_paused():  # many small objects at once: no collections meanwhile
         return _pieces_of(named_tensors)
 
 
 def _pieces_of(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Piece]:
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    # beside DTensors, a plain tensor is a replica (FSDP2 leaves buffers such as DeepSeek-V3's
+    # e_score_correction_bias unsharded: every rank's state_dict() holds it): one rank sends it
+    send_plain = replica_sender(next((v for _, v in items if is_dtensor(v)), None))
     pieces = []
     for name, value in items:
         for v in value if isinstance(value, (list, tuple)) else (value,):
+            if is_dtensor(v):  # this rank's local shard where it lies (sidecar.client.dtensor): no gather
+                for t, g, o in dtensor_boxes(name, v):
+                    whole = t.shape == g
+                    pieces.append(Piece(name, t, g, _ZEROS[len(g)] if whole else o, whole))
+                continue
             if isinstance(v, torch.Tensor):
+                if not send_plain:
+                    continue
                 shape = v.shape  # a torch.Size: a tuple already
                 pieces.append(Piece(name, v, shape, _ZEROS[len(shape)], True))
                 continue

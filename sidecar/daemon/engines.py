@@ -127,7 +127,8 @@ class Engines:
                 identity, name, manifest, engine_bf16_modules(manifest, self.ctx.spec.model_type)
             )
             return ["no plan yet: the manifest is checked when the first step fixes the plan"]
-        check = check_manifest(self.ctx.plan.source, self.ctx.spec, manifest, share=self.ctx.plan.share)
+        # the plan's own spec: its checkpoint dtype may have come from the first engine's manifest
+        check = check_manifest(self.ctx.plan.source, self.ctx.plan.spec, manifest, share=self.ctx.plan.share)
         if not check.ok:
             raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
         if check.plan.keep_bf16 != self.ctx.plan.keep_bf16:

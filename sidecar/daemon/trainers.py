@@ -27,8 +27,8 @@ from sidecar.daemon.peers import Peer
 from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.attach import check_manifest
-from sidecar.plan.build import RefitPlan
+from sidecar.plan.attach import check_manifest, with_engine_dtype
+from sidecar.plan.build import RefitPlan, layer_of_name
 from sidecar.protocol.enums import PeerRole
 from transport.wire import Kind, Message, ProtocolError
 
@@ -251,6 +251,8 @@ class Trainers:
         state.settle(self.ctx.plan)
         if self.ctx.plan is None:
             self._plan_from_declarations(state)
+        elif not state.settled:
+            self._plan_in_trainer_form(state)
         t0 = time.monotonic()
         state.validate_against(self.ctx.plan)
         self.skeleton = state.skeleton_for(self.ctx.plan)
@@ -332,6 +334,28 @@ class Trainers:
         self._direct = (key, direct)
         return direct
 
+    def _plan_in_trainer_form(self, state: StepState) -> None:
+        """The plan for this step's inputs when they publish exactly the plan's outputs in another
+        form (``RefitPlan.rebuild_for``): fused expert slabs where the config lists per-expert
+        names, FP32 masters where it lists BF16. The generation's layout is unchanged (the live one
+        stays valid); staging is carved anew. Anything else is left to validate_against to name."""
+        plan = self.ctx.plan.rebuild_for(state.specs())
+        if plan is None:
+            _refuse_without_mtp(self.ctx.plan, state)
+        if plan is None or plan is self.ctx.plan:
+            return
+        try:
+            self.ctx.adopt_plan(plan)
+        except ArenaTooSmall as exc:
+            raise RefitError(
+                f"{exc} (this step's inputs take {plan.bytes_in} bytes of staging, the checkpoint's "
+                f"{self.ctx.plan.bytes_in}: FP32 masters take twice BF16's); set staging_bytes to at least "
+                f"{plan.bytes_in}, or push the checkpoint's dtype",
+                kind=ErrorKind.CAPACITY,
+                step=state.step,
+            ) from None
+        log.info("step %d: the plan follows the trainer's inputs (%d of them)", state.step, len(plan.inputs))
+
     def _plan_from_declarations(self, state: StepState) -> None:
         keeps = {e.keep_bf16 for e in self.engines.engines.values()}
         if len(keeps) > 1:
@@ -341,15 +365,18 @@ class Trainers:
                 kind=ErrorKind.ENGINE,
                 step=state.step,
             )
-        for e in self.engines.engines.values():
-            check = check_manifest(state.specs(), self.ctx.spec, e.manifest, share=self.ctx.config.share)
+        # without the model's config, the first engine's manifest says the checkpoint's dtype
+        engines = list(self.engines.engines.values())
+        spec = with_engine_dtype(self.ctx.spec, engines[0].manifest) if engines else self.ctx.spec
+        for e in engines:
+            check = check_manifest(state.specs(), spec, e.manifest, share=self.ctx.config.share)
             if not check.ok:
                 raise RefitError(
                     check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
                 )
         try:
             plan = RefitPlan.build(
-                state.specs(), self.ctx.spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
+                state.specs(), spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
             )
             self.ctx.adopt_plan(plan)
         except ArenaTooSmall as exc:
@@ -527,3 +554,27 @@ class Trainers:
         self.failures[state.step] = (err, told, self.ctx.next_event())
         while len(self.failures) > MAX_REMEMBERED_FAILURES:
             self.failures.pop(next(iter(self.failures)))
+
+
+def _refuse_without_mtp(plan: RefitPlan, state: StepState) -> None:
+    """A step with no tensor of the MTP layers the config lists (transformers' DeepseekV3ForCausalLM
+    and Glm4MoeForCausalLM build none, so a trainer on them has none to push): say so, and what to
+    do, instead of listing every MTP tensor as missing."""
+    mtp = [n for u in plan.units if isinstance(u.layer, tuple) for n in u.inputs]
+    if not mtp:
+        return
+    layers = plan.num_hidden_layers
+    sent = [
+        n
+        for n in state.tensors
+        if isinstance(lay := layer_of_name(n), tuple) or (isinstance(lay, int) and lay >= layers)
+    ]
+    if sent:
+        return
+    raise RefitError(
+        f"the config lists MTP layer(s) ({len(mtp)} tensors, e.g. {mtp[0]!r}) that no rank sent: a trainer "
+        "on transformers' model classes has none (they build no MTP layer); set num_nextn_predict_layers "
+        "(mtp_num_hidden_layers for Qwen3.5) to 0 in the config.json the daemon reads, or send the MTP weights",
+        kind=ErrorKind.INVALID,
+        step=state.step,
+    )

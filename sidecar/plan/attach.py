@@ -14,6 +14,7 @@ vision tower) are reported as warnings: publishing them costs memory, not correc
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -69,6 +70,23 @@ def engine_bf16_modules(manifest: Manifest, model_type: str) -> frozenset[str]:
     return frozenset(keep)
 
 
+def with_engine_dtype(spec: RefitSpec, manifest: Manifest) -> RefitSpec:
+    """``spec`` with its checkpoint dtype (``RefitSpec.dtype``) taken from the engine's manifest when
+    it has none (a daemon started without the model's config): the dtype the engine holds most of its
+    unquantized tensors in, those the family keeps in FP32 (``ModelSpec.fp32_re``) not counted. So an
+    FP32 master's passthroughs are published as the engine holds them. ``spec`` as is otherwise."""
+    if spec.dtype is not None:
+        return spec
+    fp32 = spec.model.fp32_re
+    counts = Counter(
+        t.dtype
+        for t in manifest.tensors
+        if t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and not (fp32 is not None and fp32.search(t.name))
+    )
+    return replace(spec, dtype=counts.most_common(1)[0][0]) if counts else spec
+
+
 def check_manifest(
     inputs: Iterable[TensorSpec],
     spec: RefitSpec,
@@ -109,8 +127,9 @@ def check_manifest(
         ):
             check.errors.append(
                 f"{name}: the engine holds {_describe(t.dtype, t.shape)}, the plan publishes "
-                f"{_describe(o.dtype, o.shape)}; a passthrough keeps its input's dtype bit for bit, so send it "
-                f"as {str(t.dtype).removeprefix('torch.')} from the trainer"
+                f"{_describe(o.dtype, o.shape)}; a passthrough is published in the checkpoint's dtype (the "
+                "config's dtype, RefitSpec.dtype) or, with none, in its input's: give the daemon the model's "
+                f"config.json, or send it as {str(t.dtype).removeprefix('torch.')} from the trainer"
             )
         elif o.dtype != t.dtype or tuple(o.shape) != tuple(t.shape):
             hint = ""

@@ -46,7 +46,7 @@ from sidecar.plan.classify import (
     classify,
     raise_problems,
 )
-from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models import ExpertForm, checkpoint_dtype, get_model, model_type_of
 from sidecar.plan.spec import (
     _APPENDED_MTP_RE,
     WEIGHT_SUFFIX,
@@ -145,12 +145,15 @@ def _slab_outputs(
     return outputs, groups
 
 
-def _passthrough_unit(index: int, inp: TensorSpec, reason: KeepReason | None, layer: Layer) -> Unit:
+def _passthrough_unit(
+    index: int, inp: TensorSpec, reason: KeepReason | None, layer: Layer, dtype: torch.dtype
+) -> Unit:
+    """One input published as it is, in ``dtype`` (RefitSpec.published_dtype: the checkpoint's)."""
     out = OutputSpec(
         name=inp.name,
-        dtype=inp.dtype,
+        dtype=dtype,
         shape=inp.shape,
-        nbytes=inp.nbytes,
+        nbytes=inp.numel * dtype.itemsize,
         role=Role.PASSTHROUGH,
         source=inp.name,
     )
@@ -232,6 +235,7 @@ def _make_units(
     layers: Mapping[str, Layer],
     linears: Collection[str] = (),
     held: Mapping[str, range] | None = None,
+    spec: RefitSpec | None = None,
 ) -> list[Unit]:
     """Units in input order; a unit reading two inputs sits where the first of them is."""
     units: list[Unit] = []
@@ -244,7 +248,8 @@ def _make_units(
             units.append(_linear_unit(len(units), inp, fmt, layers[inp.name]))
             done.add(inp.name)
         elif r is None or reasons[inp.name] is not None:
-            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name), layers[inp.name]))
+            dtype = inp.dtype if spec is None else spec.published_dtype(inp.name, inp.dtype)
+            units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name), layers[inp.name], dtype))
             done.add(inp.name)
         elif r.expert is None:
             outs, groups = _slab_outputs(r, fmt, None if held is None else held[r.prefix])
@@ -376,7 +381,7 @@ class RefitPlan:
         if share is not None:
             held, dropped = _node_share(routed, *share)
             inputs = tuple(i for i in inputs if i.name not in dropped)
-        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held)
+        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held, spec)
         outputs = tuple(o for u in units for o in u.outputs)
         clashes = sorted(n for n, c in Counter(o.name for o in outputs).items() if c > 1)
         if clashes:
@@ -469,6 +474,33 @@ class RefitPlan:
             raise ValueError(f"no input named {name!r} in this plan")
         return units
 
+    def rebuild_for(self, specs: Iterable[TensorSpec | tuple[Any, ...]]) -> RefitPlan | None:
+        """This plan for other inputs that publish exactly its outputs, or None when they do not.
+
+        A plan made from a config lists the checkpoint's inputs: per-expert names (Qwen3, DeepSeek-V3,
+        GLM-4.5) in the checkpoint's dtype. A trainer may push the same model otherwise: transformers
+        5.x holds the routed experts fused (``mlp.experts.gate_up_proj [E, 2I, H]`` and
+        ``down_proj [E, H, I]``), an FP32 master holds FP32 tensors. When ``specs`` plan to the very
+        same outputs (names, dtypes, shapes), the plan for them is returned, its outputs in this
+        plan's order: a generation laid out for this plan holds it unchanged. ``self`` when ``specs``
+        are this plan's inputs; None when they publish anything else (or do not plan at all): the
+        caller reports what differs, against this plan.
+        """
+        specs = tuple(TensorSpec.coerce(s) for s in specs)
+        if set(specs) == set(self.source or self.inputs):
+            return self
+        try:
+            other = RefitPlan.build(specs, self.spec, keep_bf16=self.keep_bf16, share=self.share)
+        except ValueError:
+            return None
+        mine = {o.name: o for o in self.outputs}
+        theirs = {o.name: o for o in other.outputs}
+        if mine.keys() != theirs.keys() or any(
+            (o.dtype, o.shape) != (mine[n].dtype, mine[n].shape) for n, o in theirs.items()
+        ):
+            return None
+        return dataclasses.replace(other, outputs=tuple(theirs[o.name] for o in self.outputs))
+
     def allocate(self, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """An empty tensor for every output, in plan order (tests and the CPU path; the daemon
         allocates these in shared memory itself)."""
@@ -503,10 +535,13 @@ def quantize_linears_of(config: Mapping[str, Any]) -> tuple[bool, tuple[str, ...
 
 
 def with_checkpoint_scheme(spec: RefitSpec, config: Mapping[str, Any]) -> RefitSpec:
-    """``spec`` with ``quantize_linears`` resolved from the checkpoint's ``quantization_config`` when
-    it is unset (and its ``modules_to_not_convert`` added to the ignore patterns); as is otherwise.
-    The daemon resolves its spec with this once, so every plan it builds (from the config, from a
-    step's declarations, at attach) follows the same scheme."""
+    """``spec`` with what the checkpoint says filled in where it is unset: ``quantize_linears`` from
+    its ``quantization_config`` (and its ``modules_to_not_convert`` added to the ignore patterns),
+    ``dtype`` from its ``dtype``/``torch_dtype`` (passthroughs are published in it). The daemon
+    resolves its spec with this once, so every plan it builds (from the config, from a step's
+    declarations, at attach) follows the same scheme."""
+    if spec.dtype is None and (dtype := checkpoint_dtype(config)) is not None:
+        spec = dataclasses.replace(spec, dtype=dtype)
     if spec.quantize_linears is not None:
         return spec
     follow, skip = quantize_linears_of(config)
@@ -548,9 +583,14 @@ def plan_from_hf_config(
 
 
 def meta_state_dict(
-    config: Mapping[str, Any], *, include_mtp: bool = True, include_vision: bool = False
+    config: Mapping[str, Any],
+    *,
+    include_mtp: bool = True,
+    include_vision: bool = False,
+    experts: ExpertForm | str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every parameter of the model ``config`` describes as a meta tensor (shape and dtype, no data)."""
+    """Every parameter of the model ``config`` describes as a meta tensor (shape and dtype, no data);
+    ``experts="fused"`` lists the routed experts as transformers 5.x modules hold them."""
     model = get_model(model_type_of(config))
-    params = model.parameters(config, include_mtp=include_mtp, include_vision=include_vision)
+    params = model.parameters(config, include_mtp=include_mtp, include_vision=include_vision, experts=experts)
     return {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape, dtype in params}

@@ -18,6 +18,7 @@ heads, norms or the MTP ``eh_proj``.
 
 from __future__ import annotations
 
+import enum
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,10 +31,14 @@ __all__ = [
     "MODELS",
     "PER_EXPERT_RE",
     "SLAB_RE",
+    "ExpertForm",
     "ModelSpec",
     "Param",
+    "checkpoint_dtype",
     "get_model",
     "model_type_of",
+    "normalize_hf_config",
+    "with_expert_form",
 ]
 
 #: SPEC §2.1, verbatim: group 1 is a decoder layer index, group 2 an MTP layer index.
@@ -74,6 +79,95 @@ def _int(cfg: Mapping[str, Any], key: str, default: int | None = None, *, model:
 
 
 # --------------------------------------------------------------------------------------------------
+# config field names: transformers writes some fields under other names than the ones refitd reads
+
+#: the field refitd reads -> the other names a ``config.json`` may carry it under. transformers 5.x
+#: renames through each config class's ``attribute_map``: ``Qwen3MoeConfig`` maps ``num_experts`` to
+#: ``num_local_experts`` (and ``save_pretrained`` writes the latter); ``DeepseekV3Config`` and
+#: ``Glm4MoeConfig`` map ``num_local_experts`` to ``n_routed_experts`` and ``num_mtp_layers`` to
+#: ``num_nextn_predict_layers``; every 5.x config writes ``dtype`` where 4.x wrote ``torch_dtype``.
+CONFIG_ALIASES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "qwen3_moe": (("num_experts", ("num_local_experts",)),),
+    "qwen3_5_moe": (("num_experts", ("num_local_experts",)), ("mtp_num_hidden_layers", ("num_mtp_layers",))),
+    "deepseek_v3": (
+        ("n_routed_experts", ("num_local_experts", "num_experts")),
+        ("num_nextn_predict_layers", ("num_mtp_layers",)),
+    ),
+    "glm4_moe": (
+        ("n_routed_experts", ("num_local_experts", "num_experts")),
+        ("num_nextn_predict_layers", ("num_mtp_layers",)),
+    ),
+}
+#: every family: the checkpoint's dtype (read as ``dtype``; 4.x configs say ``torch_dtype``)
+DTYPE_ALIASES: tuple[str, tuple[str, ...]] = ("dtype", ("torch_dtype",))
+#: nested configs that carry the text model's fields (Qwen3.5, Kimi-K2.5)
+NESTED_CONFIG_KEYS = ("text_config",)
+
+
+def normalize_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` (a ``config.json`` dict, transformers 4.x or 5.x) with the field names refitd reads.
+
+    A field refitd reads (``num_experts``, ``n_routed_experts``, ``num_nextn_predict_layers``,
+    ``dtype``) that the config holds only under one of its aliases (:data:`CONFIG_ALIASES`:
+    ``num_local_experts``, ``num_mtp_layers``, ``torch_dtype``) is copied to refitd's name, at the
+    top level and inside ``text_config``; nothing else changes, and the input is not modified. Two
+    names that disagree raise ValueError naming both. Idempotent: every reader of a config calls
+    it (the registry's listers, the daemon's plan, the engine adapters' manifests), so a config as
+    transformers 5.x ``save_pretrained`` writes it reads the same as a 4.x one.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"a Hugging Face config must be a dict (config.json), got {type(config).__name__}")
+    out = dict(config)
+    model_type = config.get("model_type")
+    for key in NESTED_CONFIG_KEYS:
+        nested = out.get(key)
+        if isinstance(nested, Mapping):
+            out[key] = _normalized_fields(nested, nested.get("model_type") or model_type, f"{key}.")
+    return _normalized_fields(out, model_type, "")
+
+
+def _normalized_fields(cfg: Mapping[str, Any], model_type: Any, where: str) -> dict[str, Any]:
+    out = dict(cfg)
+    family = None
+    if isinstance(model_type, str):
+        family = next((s for s in MODELS.values() if model_type in (s.model_type, *s.aliases)), None)
+    pairs = (*CONFIG_ALIASES.get(family.model_type, ()), DTYPE_ALIASES) if family else (DTYPE_ALIASES,)
+    for name, aliases in pairs:
+        for alias in aliases:
+            if out.get(alias) is None:
+                continue
+            if out.get(name) is None:
+                out[name] = out[alias]
+            elif out[name] != out[alias]:
+                raise ValueError(
+                    f"config {where}{name} = {out[name]!r} but {where}{alias} = {out[alias]!r}: they name the "
+                    "same setting; keep one (or make them agree)"
+                )
+    return out
+
+
+#: ``dtype`` strings a config may give -> torch dtypes
+_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def checkpoint_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype the checkpoint stores its parameters in (``dtype``/``torch_dtype``, top level, else
+    ``text_config``'s), or None when the config names none. ValueError for one refitd cannot hold."""
+    cfg = normalize_hf_config(config)
+    value = cfg.get("dtype")
+    if value is None and isinstance(cfg.get("text_config"), Mapping):
+        value = cfg["text_config"].get("dtype")
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in _CONFIG_DTYPES:
+        raise ValueError(
+            f"config dtype {value!r}: refitd publishes checkpoints in {sorted(_CONFIG_DTYPES)}; fix the config"
+        )
+    return _CONFIG_DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------------
 # shared pieces of the Qwen listers
 
 
@@ -97,11 +191,11 @@ def _attention(p: str, cfg: Mapping[str, Any], model: str, *, output_gate: bool)
     return out
 
 
-def _mlp(p: str, h: int, inter: int) -> list[Param]:
+def _mlp(p: str, h: int, inter: int, dtype: torch.dtype = PARAM_DTYPE) -> list[Param]:
     return [
-        (f"{p}.gate_proj.weight", (inter, h), PARAM_DTYPE),
-        (f"{p}.up_proj.weight", (inter, h), PARAM_DTYPE),
-        (f"{p}.down_proj.weight", (h, inter), PARAM_DTYPE),
+        (f"{p}.gate_proj.weight", (inter, h), dtype),
+        (f"{p}.up_proj.weight", (inter, h), dtype),
+        (f"{p}.down_proj.weight", (h, inter), dtype),
     ]
 
 
@@ -410,6 +504,9 @@ def _glm4_moe_params(config: Mapping[str, Any], *, include_mtp: bool, include_vi
     return _deepseek_family_params(config, include_mtp=include_mtp, attention=_glm4_attention, m="glm4_moe")
 
 
+#: what a DeepSeek-V3/GLM-4.5 checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`)
+ROUTER_BIAS_RE = re.compile(r"\.mlp\.gate\.e_score_correction_bias$")
+
 #: linear layers a block-FP8 DeepSeek-V3/GLM-4.5 checkpoint stores in FP8 besides the routed experts
 #: (``weight_scale_inv`` beside each); the router ``mlp.gate``, embeddings, heads, norms and the MTP
 #: ``eh_proj`` stay BF16 (vLLM builds those without a quant_config)
@@ -417,6 +514,62 @@ DEEPSEEK_LINEAR_RE = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|k_proj|v_proj"
     r"|o_proj)|mlp\.(?:shared_experts\.)?(?:gate_proj|up_proj|down_proj))\.weight$"
 )
+
+
+# --------------------------------------------------------------------------------------------------
+# the two forms of routed experts
+
+
+class ExpertForm(str, enum.Enum):
+    """How a state dict holds the routed experts of a layer (SPEC §2.1)."""
+
+    #: one tensor per expert and projection: ``{prefix}.{e}.{gate,up,down}_proj.weight`` (checkpoints,
+    #: ``save_pretrained``, transformers 4.x modules)
+    PER_EXPERT = "per_expert"
+    #: grouped slabs ``{prefix}.gate_up_proj [E, 2I, H]`` and ``{prefix}.down_proj [E, H, I]``
+    #: (transformers 5.x run-time modules; Qwen3.5 checkpoints)
+    FUSED = "fused"
+
+
+def with_expert_form(params: list[Param], form: ExpertForm | str) -> list[Param]:
+    """``params`` with every layer's routed experts in ``form``: each layer's group where its first
+    expert tensor was, everything else as it was. The same outputs publish from either form."""
+    form = ExpertForm(form)
+    out: list[Param] = []
+    done: set[str] = set()
+    by_prefix: dict[str, list[Param]] = {}
+    for p in params:
+        m = SLAB_RE.match(p[0]) or PER_EXPERT_RE.match(p[0])
+        if m:
+            by_prefix.setdefault(m.group("prefix"), []).append(p)
+    for name, shape, dtype in params:
+        m = SLAB_RE.match(name) or PER_EXPERT_RE.match(name)
+        if m is None:
+            out.append((name, shape, dtype))
+            continue
+        prefix = m.group("prefix")
+        if prefix in done:
+            continue
+        done.add(prefix)
+        out += _experts_in_form(prefix, by_prefix[prefix], form)
+    return out
+
+
+def _experts_in_form(prefix: str, group: list[Param], form: ExpertForm) -> list[Param]:
+    slabs = {SLAB_RE.match(n).group("proj"): (s, d) for n, s, d in group if SLAB_RE.match(n)}
+    if slabs:
+        (e, two_i, h), dtype = slabs["gate_up_proj"]
+        inter = two_i // 2
+    else:
+        experts = {int(PER_EXPERT_RE.match(n).group("expert")) for n, _, _ in group}
+        gate = next((s, d) for n, s, d in group if n.endswith(".gate_proj.weight"))
+        (inter, h), dtype, e = gate[0], gate[1], max(experts) + 1
+    if form is ExpertForm.FUSED:
+        return [
+            (f"{prefix}.gate_up_proj", (e, 2 * inter, h), dtype),
+            (f"{prefix}.down_proj", (e, h, inter), dtype),
+        ]
+    return [p for x in range(e) for p in _mlp(f"{prefix}.{x}", h, inter, dtype)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,11 +597,15 @@ class ModelSpec:
     mtp_in_layers: bool = False
     #: non-expert linear weights a block-FP8 checkpoint quantizes (``quantization_config``); None: none
     linear_re: re.Pattern[str] | None = None
+    #: tensors the checkpoint holds in FP32 whatever its dtype (published in FP32); None: none
+    fp32_re: re.Pattern[str] | None = None
     #: ``lister(config, *, include_mtp, include_vision) -> [(name, shape, dtype), ...]``
     lister: ParamLister
 
     def text_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The text model's settings: ``config[text_config_key]`` if present, else ``config``."""
+        """The text model's settings (:func:`normalize_hf_config`'s names): ``config[text_config_key]``
+        if present, else ``config``."""
+        config = normalize_hf_config(config)
         if self.text_config_key and isinstance(config.get(self.text_config_key), Mapping):
             return config[self.text_config_key]
         return config
@@ -464,10 +621,25 @@ class ModelSpec:
         return None
 
     def parameters(
-        self, config: Mapping[str, Any], *, include_mtp: bool = True, include_vision: bool = False
+        self,
+        config: Mapping[str, Any],
+        *,
+        include_mtp: bool = True,
+        include_vision: bool = False,
+        experts: ExpertForm | str | None = None,
     ) -> list[Param]:
-        """Every checkpoint parameter as ``(name, shape, dtype)``, in module order."""
-        return self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
+        """Every checkpoint parameter as ``(name, shape, dtype)``, in module order, with the names
+        and dtypes the checkpoint holds: the config's ``dtype`` (BF16 when it names none), the
+        tensors a checkpoint keeps in FP32 (:data:`ROUTER_BIAS_DTYPE`) in FP32. ``experts`` lists
+        the routed experts in that form instead of the checkpoint's (:func:`with_expert_form`)."""
+        config = normalize_hf_config(config)
+        params = self.lister(config, include_mtp=include_mtp, include_vision=include_vision)
+        if experts is not None:  # the other form (a trainer's run-time modules): same outputs
+            params = with_expert_form(params, experts)
+        dtype = checkpoint_dtype(config)
+        if dtype is None or dtype == PARAM_DTYPE:
+            return params
+        return [(n, s, dtype if d == PARAM_DTYPE else d) for n, s, d in params]
 
 
 QWEN3_MOE = ModelSpec(
@@ -500,6 +672,7 @@ DEEPSEEK_V3 = ModelSpec(
     has_mtp=True,
     mtp_in_layers=True,
     linear_re=DEEPSEEK_LINEAR_RE,
+    fp32_re=ROUTER_BIAS_RE,
     lister=_deepseek_v3_params,
 )
 
@@ -512,6 +685,7 @@ GLM4_MOE = ModelSpec(
     has_mtp=True,
     mtp_in_layers=True,
     linear_re=DEEPSEEK_LINEAR_RE,
+    fp32_re=ROUTER_BIAS_RE,
     lister=_glm4_moe_params,
 )
 

@@ -55,13 +55,14 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
     if unit.fmt is None:
         for o in unit.outputs:
             src, dst = inputs[o.source], outputs[o.name]
-            if src.dtype != dst.dtype or tuple(src.shape) != tuple(dst.shape):
+            if dst.dtype != o.dtype or tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(
                     f"passthrough {o.name!r}: the input is {src.dtype} {tuple(src.shape)} but its output "
-                    f"buffer is {dst.dtype} {tuple(dst.shape)}; allocate outputs from the plan"
+                    f"buffer is {dst.dtype} {tuple(dst.shape)} (the plan publishes {o.dtype}); allocate "
+                    "outputs from the plan"
                 )
             if not _same_memory(src, dst):
-                dst.copy_(src)
+                dst.copy_(src)  # in the published dtype (RefitSpec.published_dtype): round to nearest even
         return
     weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
     for group in unit.scale_groups:
@@ -101,6 +102,7 @@ def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """``dst`` is ``src``'s very bytes (an input written straight into its output: nothing to copy)."""
     return dst is src or (
         dst.data_ptr() == src.data_ptr()
+        and dst.dtype == src.dtype
         and dst.device == src.device
         and dst.stride() == src.stride()
         and dst.shape == src.shape
@@ -109,8 +111,8 @@ def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
 
 def _run_allocating(unit: Unit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run ``unit`` into fresh tensors on its input's device; a passthrough returns its input."""
-    if unit.fmt is None:
-        return {o.name: tensors[o.source] for o in unit.outputs}
+    if unit.fmt is None:  # the input itself, or its cast to the published dtype
+        return {o.name: tensors[o.source].to(o.dtype) for o in unit.outputs}
     device = tensors[unit.inputs[0]].device
     out = {o.name: torch.empty(o.shape, dtype=o.dtype, device=device) for o in unit.outputs}
     run_unit(unit, tensors, out)

@@ -94,10 +94,15 @@ class RefitSpec:
     num_last_layers_in_bf16: int = 0
     ignore_patterns: tuple[str, ...] | Collection[str] = ()
     quantize_linears: bool | None = None
+    #: the checkpoint's dtype (``config.json``'s ``dtype``): passthrough outputs are published in it
+    #: (see :meth:`published_dtype`); None publishes each input in its own dtype
+    dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         get_model(self.model_type)  # raises, listing the known types
         object.__setattr__(self, "fmt", Format.parse(self.fmt))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", _checkpoint_dtype(self.dtype))
         patterns = self.ignore_patterns
         patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
         for p in patterns:
@@ -127,6 +132,22 @@ class RefitSpec:
     def model(self) -> ModelSpec:
         return get_model(self.model_type)
 
+    def published_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a passthrough of input ``name`` (of ``dtype``) is published in.
+
+        With :attr:`dtype` set (the checkpoint's), a floating-point input is published as the
+        checkpoint holds it: in :attr:`dtype`, except the tensors the model family keeps in FP32
+        whatever the checkpoint's dtype (``ModelSpec.fp32_re``: DeepSeek-V3's and GLM-4.5's
+        ``e_score_correction_bias``), which are FP32. So an FP32 master's norms and embeddings
+        arrive as BF16, the engine's dtype, rounded to nearest even (``Tensor.to``). Without it, or
+        for a non-float input, the input's own dtype. Quantized outputs never depend on this: they
+        are computed from the input as it arrives (FP32 in is more exact than BF16 in).
+        """
+        if self.dtype is None or dtype not in _PUBLISHED_FLOATS:
+            return dtype
+        fp32 = self.model.fp32_re
+        return torch.float32 if fp32 is not None and fp32.search(name) else self.dtype  # type: ignore[return-value]
+
     @property
     def format(self) -> Format:
         """``fmt``, typed as the Format it always is after construction."""
@@ -139,6 +160,21 @@ class RefitSpec:
                 f"num_first_layers_in_bf16 ({first}) + num_last_layers_in_bf16 ({last}) exceeds the "
                 f"model's {num_hidden_layers} layers; lower one of them (or use fmt='bf16')"
             )
+
+
+#: the dtypes a passthrough is published in when the checkpoint's dtype is known
+_PUBLISHED_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _checkpoint_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)  # type: ignore[assignment]
+    if value not in _PUBLISHED_FLOATS:
+        raise ValueError(
+            f"RefitSpec dtype = {value!r}: the checkpoint's dtype must be one of bfloat16, float16, float32 "
+            "(or None to publish every input in its own dtype)"
+        )
+    return value  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------------
