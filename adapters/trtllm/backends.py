@@ -4,7 +4,7 @@ refuses (one source of truth for the code and docs/engines.md's table).
 
 from __future__ import annotations
 
-from sidecar.numerics.formats import BLOCK, Format
+from sidecar.numerics.formats import BLOCK, FP8_FORMATS, Format
 
 #: what ``LLM(ray_worker_extension_cls=...)`` names
 EXTENSION_QUALNAME = "adapters.trtllm.RefitWorkerExtension"
@@ -179,7 +179,7 @@ def backend_table_markdown() -> str:
 
 
 def _unsupported_formats(moe_backend: str) -> list[str]:
-    quantized = [f.value for f in Format if f.quantized]
+    quantized = [f.value for f in FP8_FORMATS]
     supported = {
         MoeBackend.CUTLASS: quantized,
         MoeBackend.TRTLLM_GEN: [Format.BLOCK_FP8.value],
