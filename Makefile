@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q -e ".[dev,nixl,ray]"
+	$(PIP) install -q -e ".[dev,nixl,ray,test]"
 	$(PY) -m sidecar.numerics.native || true  # native CPU quantizers, built now (the torch path if not)
 	touch $(STAMP)
 
