@@ -318,10 +318,18 @@ def test_native_nvfp4_shared_global_scale_and_int4_f32_scales():
                 a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
                 b.view(torch.uint8) if b.dtype == FP8_DTYPE else b,
             )
-    for group, dtype in ((32, torch.float32), (128, torch.bfloat16)):
-        a = cpu.quantize_int4(up, group=group, scale_dtype=dtype)
-        b = fourbit.quantize_int4(up, group=group, scale_dtype=dtype)
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    wide = torch.randn(3, 6144, generator=g).bfloat16()
+    # powers of two up to the kernel's piece run in pieces, others (24) and wider ones (2048) group by group
+    for w, group, dtype in (
+        (up, 32, torch.float32),
+        (up, 128, torch.bfloat16),
+        (wide, 24, torch.bfloat16),
+        (wide, 2048, torch.float32),
+        (wide, 8, torch.bfloat16),
+    ):
+        a = cpu.quantize_int4(w, group=group, scale_dtype=dtype)
+        b = fourbit.quantize_int4(w, group=group, scale_dtype=dtype)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), group
 
 
 @pytest.mark.parametrize("fmt", list(FNS), ids=lambda f: f.value)

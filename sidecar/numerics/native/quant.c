@@ -298,11 +298,29 @@ static inline uint8_t e2m1_code(float v) {
     return (uint8_t)(c | ((v < 0.0f) << 3));
 }
 
-/* the value of a positive finite e4m3fn byte */
+/* the value of a positive finite e4m3fn byte (branch-free, so loops over blocks vectorize) */
 static inline float e4m3_value(uint32_t b) {
     const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
-    if (e == 0) return (float)m * f32_from_bits(UINT32_C(0x3B000000)); /* m * 2^-9 */
-    return f32_from_bits(((e + 120u) << 23) | (m << 20));
+    const float sub = (float)m * f32_from_bits(UINT32_C(0x3B000000)); /* m * 2^-9 */
+    const float normal = f32_from_bits(((e + 120u) << 23) | (m << 20));
+    return e == 0 ? sub : normal;
+}
+
+/* amax bits of each of m blocks of 2^log2b elements of xp (sign-cleared bf16), by a tree of pairwise
+   maxima (each level one vectorized loop), into out[0..m) */
+static void block_amax_bits(const uint16_t *restrict xp, i64 m, int log2b, uint16_t *restrict out) {
+    uint16_t a[FOUR_PIECE / 2], b[FOUR_PIECE / 4];
+    i64 len = m << (log2b - 1);
+    pair_max(xp, a, len, MAG_MASK);
+    uint16_t *src = a, *dst = b;
+    for (int level = 1; level < log2b; level++) {
+        len >>= 1;
+        pair_max(src, dst, len, 0xFFFFu);
+        uint16_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    for (i64 j = 0; j < m; j++) out[j] = src[j];
 }
 
 static void pack_codes(const uint8_t *restrict c, uint8_t *restrict q, i64 len) {
@@ -321,22 +339,24 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
         uint8_t *qr = q + b * q_bstride + row * q_rstride;
         uint8_t *sr = s + b * s_bstride + row * s_rstride;
         for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
-            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE;
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
             const uint16_t *xp = xr + p0;
             float denom[FOUR_PIECE / NVFP4_BLOCK], spread[FOUR_PIECE];
-            uint8_t codes[FOUR_PIECE];
+            uint16_t amax[FOUR_PIECE / NVFP4_BLOCK];
+            uint8_t codes[FOUR_PIECE], bytes[FOUR_PIECE / NVFP4_BLOCK];
+            block_amax_bits(xp, m, 4, amax);
             uint32_t worst = 0;
-            for (i64 j = 0; j < len / NVFP4_BLOCK; j++) {
-                const uint32_t amax = row_amax_bits(xp + j * NVFP4_BLOCK, NVFP4_BLOCK);
-                worst = amax > worst ? amax : worst;
-                float sf = amax == 0 ? 1.0f : bf16_to_f32((uint16_t)amax) / six_gs;
-                sf = sf < lo ? lo : (sf > FP8_MAX ? FP8_MAX : sf);
-                const uint8_t byte = e4m3_from_f32_in_range(sf);
-                sr[p0 / NVFP4_BLOCK + j] = byte;
-                denom[j] = e4m3_value(byte) * gs;
-            }
+            for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
             if (worst >= BF16_NONFINITE) return unit;
-            for (i64 j = 0; j < len / NVFP4_BLOCK; j++)
+            for (i64 j = 0; j < m; j++) {
+                float sf = bf16_to_f32(amax[j]) / six_gs;
+                sf = amax[j] == 0 ? 1.0f : sf;
+                sf = sf < lo ? lo : (sf > FP8_MAX ? FP8_MAX : sf);
+                bytes[j] = e4m3_from_f32_in_range(sf);
+                denom[j] = e4m3_value(bytes[j]) * gs;
+            }
+            memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
+            for (i64 j = 0; j < m; j++)
                 for (i64 t = 0; t < NVFP4_BLOCK; t++) spread[j * NVFP4_BLOCK + t] = denom[j];
             for (i64 t = 0; t < len; t++) codes[t] = e2m1_code(bf16_to_f32(xp[t]) / spread[t]);
             pack_codes(codes, qr + p0 / 2, len);
@@ -359,9 +379,11 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
             const uint16_t *xp = xr + p0;
             float spread[FOUR_PIECE];
             uint8_t codes[FOUR_PIECE];
+            uint16_t amaxes[FOUR_PIECE / MXFP4_BLOCK];
+            block_amax_bits(xp, len / MXFP4_BLOCK, 5, amaxes);
             uint32_t worst = 0;
             for (i64 j = 0; j < len / MXFP4_BLOCK; j++) {
-                const uint32_t amax = row_amax_bits(xp + j * MXFP4_BLOCK, MXFP4_BLOCK);
+                const uint32_t amax = amaxes[j];
                 worst = amax > worst ? amax : worst;
                 /* bf16 bits: exponent in bits 7..14, significand >= 1.75 iff the top two mantissa bits */
                 int32_t byte = (int32_t)(amax >> 7) + ((amax & 0x60u) == 0x60u) - 2;
@@ -395,6 +417,53 @@ i64 refitd_int4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, i
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         int32_t *qr = q + b * q_bstride + row * q_rstride;
+        int log2g = 0;
+        while (((i64)1 << log2g) < group) log2g++;
+        if (((i64)1 << log2g) == group && group >= 8 && group <= FOUR_PIECE) {
+            /* pieces of whole groups: group maxima by a tree, scales in one loop, then every element */
+            for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+                const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / group;
+                const uint16_t *xp = xr + p0;
+                uint16_t amax[FOUR_PIECE / 8];
+                float sfs[FOUR_PIECE / 8], spread[FOUR_PIECE];
+                uint8_t nib[FOUR_PIECE];
+                block_amax_bits(xp, m, log2g, amax);
+                uint32_t worst = 0;
+                for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
+                if (worst >= BF16_NONFINITE) return unit;
+                for (i64 j = 0; j < m; j++) {
+                    const float sf = bf16_to_f32(amax[j]) / 7.0f;
+                    sfs[j] = amax[j] == 0 ? 1.0f : sf;
+                }
+                const i64 at = b * s_bstride + row * s_rstride + p0 / group;
+                if (scale_f32) {
+                    memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
+                } else {
+                    uint16_t hs[FOUR_PIECE / 8];
+                    for (i64 j = 0; j < m; j++) {
+                        hs[j] = bf16_bits_rne(sfs[j]);
+                        sfs[j] = bf16_to_f32(hs[j]);
+                    }
+                    memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
+                }
+                for (i64 j = 0; j < m; j++)
+                    for (i64 t = 0; t < group; t++) spread[j * group + t] = sfs[j];
+                for (i64 t = 0; t < len; t++) {
+                    const float xf = bf16_to_f32(xp[t]);
+                    float v = __builtin_rintf(xf / spread[t]);
+                    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+                    v = xf == 0.0f ? 0.0f : v;
+                    nib[t] = (uint8_t)((int32_t)v + 8);
+                }
+                int32_t *qw = qr + p0 / 8;
+                for (i64 j = 0; j < len / 8; j++) {
+                    uint32_t word = 0;
+                    for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
+                    qw[j] = (int32_t)word;
+                }
+            }
+            continue;
+        }
         for (i64 g0 = 0; g0 < k; g0 += group) {
             const uint16_t *xg = xr + g0;
             const uint32_t amax = row_amax_bits(xg, group);
