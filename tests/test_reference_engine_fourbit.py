@@ -89,3 +89,21 @@ def test_first_and_last_layers_kept_bf16(fmt, state):
 def test_deepseek_engine_refuses_four_bit():
     with pytest.raises(ValueError, match="FP8 or BF16 experts, not nvfp4"):
         ReferenceEngine.from_config(make_hf_config("deepseek_v3"), expert_format="nvfp4")
+
+
+# --------------------------------------------------------------------------------------------------
+# engines with no verified 4-bit loader arguments yet refuse them, naming the format
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vllm_and_trtllm_adapters_refuse_four_bit_plainly(fmt):
+    from adapters.trtllm.args import trtllm_llm_args
+    from adapters.trtllm.backends import backend_refusal
+    from adapters.vllm.args import vllm_engine_args
+
+    spec = RefitSpec(model_type=MODEL, fmt=fmt)
+    with pytest.raises(ValueError, match=f"vLLM adapter has no verified engine arguments.*{fmt}"):
+        vllm_engine_args(spec, CONFIG)
+    with pytest.raises(ValueError, match=f"TensorRT-LLM adapter has no verified engine arguments.*{fmt}"):
+        trtllm_llm_args(spec, CONFIG)
+    assert "TensorRT-LLM adapter" in backend_refusal(fmt, "CutlassFusedMoE", 100)
