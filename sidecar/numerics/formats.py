@@ -61,10 +61,11 @@ class Format(str, enum.Enum):
     BLOCK_FP8 = "block_fp8"
     MXFP8 = "mxfp8"
     FP8_PER_TENSOR = "fp8_per_tensor"
+    BF16 = "bf16"
+    # the 4-bit formats (after BF16, so the FP8 formats' listing in messages stays as it was)
     NVFP4 = "nvfp4"
     MXFP4 = "mxfp4"
     INT4_W4A16 = "int4_w4a16"
-    BF16 = "bf16"
 
     @classmethod
     def parse(cls, value: Format | str) -> Format:

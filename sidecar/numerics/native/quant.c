@@ -294,8 +294,10 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
    set iff v < 0. NaN compares false everywhere: code 0 (fourbit.e2m1_codes does the same). */
 static inline uint8_t e2m1_code(float v) {
     const float a = fabsf_bits(v);
-    uint8_t c = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f));
-    return (uint8_t)(c | ((v < 0.0f) << 3));
+    /* 32-bit lanes throughout (the compares' width): measured faster than uint8 sums */
+    uint32_t c = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) + (uint32_t)(a >= 1.75f) +
+                 (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) + (uint32_t)(a > 5.0f);
+    return (uint8_t)(c | ((uint32_t)(v < 0.0f) << 3));
 }
 
 /* the value of a positive finite e4m3fn byte (branch-free, so loops over blocks vectorize) */
@@ -348,12 +350,20 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
             uint32_t worst = 0;
             for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
             if (worst >= BF16_NONFINITE) return unit;
+            /* three simple loops (each vectorizes; one loop doing it all does not) */
+            float sfs[FOUR_PIECE / NVFP4_BLOCK];
+            uint32_t codes32[FOUR_PIECE / NVFP4_BLOCK];
             for (i64 j = 0; j < m; j++) {
-                float sf = bf16_to_f32(amax[j]) / six_gs;
-                sf = amax[j] == 0 ? 1.0f : sf;
-                sf = sf < lo ? lo : (sf > FP8_MAX ? FP8_MAX : sf);
-                bytes[j] = e4m3_from_f32_in_range(sf);
-                denom[j] = e4m3_value(bytes[j]) * gs;
+                const uint32_t a = amax[j];
+                float sf = f32_from_bits(a << 16) / six_gs;
+                sf = a == 0 ? 1.0f : sf;
+                sf = sf < lo ? lo : sf;
+                sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
+            }
+            for (i64 j = 0; j < m; j++) codes32[j] = e4m3_from_f32_in_range(sfs[j]);
+            for (i64 j = 0; j < m; j++) {
+                bytes[j] = (uint8_t)codes32[j];
+                denom[j] = e4m3_value(codes32[j]) * gs;
             }
             memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
             for (i64 j = 0; j < m; j++)
