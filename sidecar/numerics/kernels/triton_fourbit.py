@@ -231,9 +231,8 @@ def quantize_nvfp4(
             NB=_NB,
         )
     g.copy_(gs)
-    return _finish((q, s), (q2, s2), flag, lambda: fourbit.quantize_nvfp4(w, global_scale=gs, name=name)) + (
-        g,
-    )
+    done = _finish((q, s), (q2, s2), flag, lambda: fourbit.quantize_nvfp4(w, global_scale=gs, name=name))
+    return (*done, g)
 
 
 def quantize_mxfp4(
@@ -306,4 +305,5 @@ def quantize_int4(
         )
     shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
     kw = {"group": group, "scale_dtype": scale_dtype, "name": name}
-    return _finish((packed, s), (p2, s2), flag, lambda: fourbit.quantize_int4(w, **kw)) + (shape,)
+    done = _finish((packed, s), (p2, s2), flag, lambda: fourbit.quantize_int4(w, **kw))
+    return (*done, shape)
