@@ -7,7 +7,9 @@ Implementations, measured in the same run on the same bytes (outputs into existi
                plan units make them;
 and the baselines:
   copy   a plain ``dst.copy_(src)`` of the bf16 slab into an existing buffer (the memory floor);
-  naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once.
+  naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once
+         (FP8 formats only; the 4-bit formats' reference is already that).
+The 4-bit formats (nvfp4, mxfp4, int4_w4a16) are measured the same way, against the same copy.
 Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
 reference and the native columns are timed round-robin, per format, so they share the same moments.
 
@@ -29,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sidecar.numerics import cpu
+from sidecar.numerics import cpu, fourbit
 from sidecar.numerics import reference as quant
-from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_MAX
+from sidecar.numerics.formats import FLT_MIN, FOUR_BIT_FORMATS, FP8_DTYPE, FP8_MAX, Format
 
 HIDDEN, INTER = 2048, 512  # Qwen3.5-35B-A3B
 
@@ -63,6 +65,17 @@ def naive_per_tensor(w: torch.Tensor):
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def four_bit_outs(fmt: Format, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Output buffers of a 4-bit format for an input of ``shape``."""
+    q = torch.empty(fmt.weight_shape(shape), dtype=fmt.weight_dtype)
+    s = torch.empty(fmt.scale_shape(shape), dtype=fmt.scale_dtype)
+    if fmt is Format.NVFP4:
+        return q, s, torch.empty(())
+    if fmt is Format.INT4_W4A16:
+        return q, s, torch.empty(2, dtype=torch.int64)
+    return q, s
+
+
 def per_projection_calls(fmt: str, slabs: dict[str, torch.Tensor]) -> list:
     """One ``cpu.quantize`` call per expert projection (gate and up views of gate_up, down), into
     per-projection output buffers, as the daemon's plan units call it; per-tensor shares one scale
@@ -72,6 +85,19 @@ def per_projection_calls(fmt: str, slabs: dict[str, torch.Tensor]) -> list:
         parts = (slice(0, INTER), slice(INTER, 2 * INTER)) if key == "gate_up" else (slice(None),)
         for e in range(slab.shape[0]):
             views = [slab[e, p] for p in parts]
+            if fmt in FOUR_BIT_FORMATS:
+                outs4 = [four_bit_outs(Format(fmt), tuple(v.shape)) for v in views]
+                if fmt == Format.NVFP4.value:  # gate and up share one global scale
+
+                    def group4(views=views, outs=outs4):
+                        gs = cpu.nvfp4_global_scale(*views)
+                        for v, o in zip(views, outs):
+                            cpu.quantize_nvfp4(v, global_scale=gs, out=o)
+
+                    calls.append(group4)
+                else:
+                    calls.extend((lambda v=v, o=o: cpu.quantize(v, fmt, out=o)) for v, o in zip(views, outs4))
+                continue
             outs = []
             for v in views:
                 q = torch.empty(v.shape, dtype=FP8_DTYPE)
@@ -127,6 +153,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--formats", default=None, help="comma-separated formats to time (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,15 +183,23 @@ def main() -> None:
             k: (torch.empty(t.shape, dtype=FP8_DTYPE), torch.empty(())) for k, t in slabs.items()
         },
     }
+    for fmt in FOUR_BIT_FORMATS:
+        outs[fmt.value] = {k: four_bit_outs(fmt, tuple(t.shape)) for k, t in slabs.items()}
     ours = {
         "block_fp8": quant.quantize_block_fp8,
         "mxfp8": quant.quantize_mxfp8,
         "fp8_per_tensor": quant.quantize_fp8_per_tensor,
+        "nvfp4": fourbit.quantize_nvfp4,
+        "mxfp4": fourbit.quantize_mxfp4,
+        "int4_w4a16": fourbit.quantize_int4,
     }
     native = {
         "block_fp8": cpu.quantize_block_fp8,
         "mxfp8": cpu.quantize_mxfp8,
         "fp8_per_tensor": cpu.quantize_fp8_per_tensor,
+        "nvfp4": cpu.quantize_nvfp4,
+        "mxfp4": cpu.quantize_mxfp4,
+        "int4_w4a16": cpu.quantize_int4,
     }
     naive = {"block_fp8": naive_block_fp8, "mxfp8": naive_mxfp8, "fp8_per_tensor": naive_per_tensor}
     proj_calls = {fmt: per_projection_calls(fmt, slabs) for fmt in ours}
@@ -173,8 +208,10 @@ def main() -> None:
         print(f"warning: {done.reason}; the native columns time the torch reference")
 
     rows = []
-    for fmt in ours:
-        t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
+    for fmt in ours if args.formats is None else [Format.parse(f).value for f in args.formats.split(",")]:
+        t_naive = float("nan")
+        if fmt in naive:
+            t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
         t_copy, t_ours, t_native, t_proj = timed_together(
             [
                 lambda: [copies[k].copy_(t) for k, t in slabs.items()],

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sidecar.numerics import reference as quant
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import FP8_FORMATS, Format
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
@@ -58,7 +58,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     checks = report["correctness"]
     assert checks and all(c["ok"] is not False for c in checks), [c for c in checks if c["ok"] is False][:3]
     ran = {(c["impl"], c["fmt"]) for c in checks if c["ok"]}
-    assert {("torch-slab", f.value) for f in Format if f.quantized} <= ran
+    assert {("torch-slab", f.value) for f in FP8_FORMATS} <= ran
     skipped = [c for c in checks if c["ok"] is None]
     assert skipped and all("CUDA tensors only" in c["status"] for c in skipped)
     timing = report["timing"]
@@ -85,7 +85,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert "of the floor" in proc.stdout
 
 
-@pytest.mark.parametrize("fmt", [f for f in Format if f.quantized], ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", [f for f in FP8_FORMATS], ids=lambda f: f.value)
 def test_engine_check_catches_a_flipped_byte(fmt):
     """The engine's check: the regenerated layer-0 inputs through sidecar.numerics.reference equal the daemon's
     conversion, and one flipped byte in a layer-0 expert (or a copy that differs) is named."""
@@ -161,7 +161,7 @@ def test_bytes_moved_for_a_qwen35_layer():
     assert gc.bytes_moved(shape, Format.BLOCK_FP8) == 3 * n + 4 * blocks
 
 
-@pytest.mark.parametrize("fmt", [f for f in Format if f.quantized], ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", [f for f in FP8_FORMATS], ids=lambda f: f.value)
 def test_compile_baseline_arithmetic_is_the_reference(fmt):
     """The whole-slab function handed to torch.compile equals the reference when run eagerly, so a
     mismatch reported on the GPU is the compiler's (e.g. a division it does not round correctly)."""

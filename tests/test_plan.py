@@ -11,7 +11,7 @@ import torch
 
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.numerics import reference as quant
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import FP8_DTYPE, FP8_FORMATS, Format
 from sidecar.plan.build import (
     KeepReason,
     RefitPlan,
@@ -26,7 +26,7 @@ from sidecar.plan.run import convert, iter_convert, run_unit
 from sidecar.plan.summary import summarize
 
 DATA = Path(__file__).parent / "data"
-FORMATS = [f.value for f in Format]
+FORMATS = [f.value for f in (*FP8_FORMATS, Format.BF16)]  # the 4-bit ones: test_plan_fourbit.py
 MODEL_TYPES = ["qwen3_5_moe", "qwen3_moe"]
 GIB = 2**30
 MIB = 2**20

@@ -17,7 +17,7 @@ import torch
 from adapters.reference import MOE_BACKEND, ReferenceEngine, next_token_kl, sample_inputs
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.numerics import reference as quant
-from sidecar.numerics.formats import BLOCK, FP8_DTYPE, Format
+from sidecar.numerics.formats import BLOCK, FP8_DTYPE, FP8_FORMATS, Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import SLAB_RE
 from sidecar.plan.run import convert
@@ -28,8 +28,8 @@ SIZES = {"num_layers": 4, "num_experts": 8, "unaligned": True}
 CONFIG = make_hf_config(MODEL, **SIZES)
 LAYERS = CONFIG["text_config"]["num_hidden_layers"]
 ROOT = "model.language_model"
-FORMATS = [f.value for f in Format]
-QUANTIZED = [f.value for f in Format if f.quantized]
+QUANTIZED = [f.value for f in FP8_FORMATS]  # the 4-bit formats: test_plan_fourbit.py
+FORMATS = [*QUANTIZED, Format.BF16.value]
 #: a loose ceiling on the mean next-token KL(BF16 ‖ FP8), seed 0. Measured: block_fp8 4.4e-5,
 #: mxfp8 2.3e-4, fp8_per_tensor 1.2e-4 (main head; the MTP head about half of that)
 KL_BOUND = 0.05

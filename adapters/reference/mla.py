@@ -125,6 +125,11 @@ class DeepseekReferenceEngine(ReferenceEngine):
         if get_model(model_type_of(config)).model_type != MODEL:
             raise ValueError(f"DeepseekReferenceEngine runs {MODEL} configs only")
         d = self.mla = _MlaDims.read(config)
+        if fmt.four_bit:
+            raise ValueError(
+                f"the DeepSeek (MLA) reference engine holds FP8 or BF16 experts, not {fmt.value}; "
+                "use the Qwen3.5 reference engine for the 4-bit formats"
+            )
         self.expert_format = fmt
         self.quantized_linears = _block_fp8_checkpoint(config) and fmt is not Format.BF16
         self.root = "model"

@@ -177,6 +177,8 @@ def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts
         b.slot(f"{prefix}.gate_up_proj", b.param(w13, (e, 2 * i, h)))
         b.slot(f"{prefix}.down_proj", b.param(w2, (e, h, i)))
         return _Experts(prefix, fmt, i)
+    if fmt.four_bit:
+        return _four_bit_experts(b, prefix, d, fmt)
     b.param(w13, (e, 2 * i, h), FP8_DTYPE)
     b.param(w2, (e, h, i), FP8_DTYPE)
     s13, s2 = f"{prefix}.w13_{fmt.scale_suffix}", f"{prefix}.w2_{fmt.scale_suffix}"
@@ -202,6 +204,47 @@ def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts
             name = f"{prefix}.{x}.{proj}"
             b.slot(f"{name}.weight", param, *((x,) if rows is None else (x, rows)))
             b.slot(f"{name}.{fmt.scale_suffix}", scale, *((x,) if scale_rows is None else (x, scale_rows)))
+    return _Experts(prefix, fmt, i)
+
+
+#: a 4-bit format's third tensor per projection (SPEC §2.3): leaf, dtype, shape of one
+FOUR_BIT_EXTRA = {
+    Format.NVFP4: ("weight_scale_2", torch.float32, ()),
+    Format.INT4_W4A16: ("weight_shape", torch.int64, (2,)),
+}
+
+
+def _four_bit_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts:
+    """``w13``/``w2`` held packed (SPEC §1.5-1.7), their ``weight_scale`` row for row, and NVFP4's
+    global scales ``w13_weight_scale_2 [E, 2]`` (gate, up) / ``w2_weight_scale_2 [E]`` or INT4's
+    ``weight_shape`` ``[E, 2, 2]`` / ``[E, 2]``. Checkpoint names are SPEC's: ``.weight`` (NVFP4) or
+    ``.weight_packed`` (MXFP4, INT4)."""
+    e, i, h = d.experts, d.inter, d.hidden
+    w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
+    b.param(w13, (e, *fmt.weight_shape((2 * i, h))), fmt.weight_dtype)
+    b.param(w2, (e, *fmt.weight_shape((h, i))), fmt.weight_dtype)
+    s13, s2 = f"{prefix}.w13_{fmt.scale_suffix}", f"{prefix}.w2_{fmt.scale_suffix}"
+    b.param(s13, (e, *fmt.scale_shape((2 * i, h))), fmt.scale_dtype)
+    b.param(s2, (e, *fmt.scale_shape((h, i))), fmt.scale_dtype)
+    extra = FOUR_BIT_EXTRA.get(fmt)
+    x13 = x2 = ""
+    if extra is not None:
+        leaf, dtype, shape = extra
+        x13, x2 = (
+            b.param(f"{prefix}.w13_{leaf}", (e, 2, *shape), dtype),
+            b.param(f"{prefix}.w2_{leaf}", (e, *shape), dtype),
+        )
+    for x in range(e):
+        for proj, param, scale, xparam, rows, part in (
+            ("gate_proj", w13, s13, x13, slice(0, i), 0),
+            ("up_proj", w13, s13, x13, slice(i, 2 * i), 1),
+            ("down_proj", w2, s2, x2, None, None),
+        ):
+            name, index = f"{prefix}.{x}.{proj}", ((x,) if rows is None else (x, rows))
+            b.slot(f"{name}.{fmt.weight_suffix}", param, *index)
+            b.slot(f"{name}.{fmt.scale_suffix}", scale, *index)
+            if extra is not None:
+                b.slot(f"{name}.{extra[0]}", xparam, *((x,) if part is None else (x, part)))
     return _Experts(prefix, fmt, i)
 
 
@@ -241,12 +284,24 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: floa
     return torch.cat([rot * cos + rotated * sin, rest], -1)
 
 
-def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, fmt: Format, rows: list[int]) -> torch.Tensor:
-    """Float32 ``[E, R, C]`` of fused FP8 weights ``q`` whose rows are ``rows`` projections stacked,
-    each under its own scales (block-FP8 block-rows / MXFP8 rows / one per-tensor scale each)."""
+def _dequantize_rows(
+    q: torch.Tensor, scale: torch.Tensor, fmt: Format, rows: list[int], extra: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 ``[E, R, C]`` of fused FP8 or 4-bit weights ``q`` whose rows are ``rows`` projections
+    stacked, each under its own scales (block-FP8 block-rows / MXFP8, NVFP4, MXFP4, INT4 rows / one
+    per-tensor scale each); ``extra`` holds NVFP4's global scales (``[E, parts]`` or ``[E]``)."""
     parts, start, block_start = [], 0, 0
     for j, n in enumerate(rows):
         qp = q[:, start : start + n]
+        if fmt.four_bit:
+            sp = scale[:, start : start + n]
+            if fmt is Format.NVFP4:
+                gs = (extra[:, j] if extra.dim() == 2 else extra)[:, None, None]
+                parts.append(dequantize(qp, sp, fmt, global_scale=gs))
+            else:
+                parts.append(dequantize(qp, sp, fmt))
+            start += n
+            continue
         if fmt is Format.BLOCK_FP8:
             sp = scale[:, block_start : block_start + _cdiv(n, BLOCK)]
             block_start += _cdiv(n, BLOCK)

@@ -118,10 +118,13 @@ class ReferenceEngine:
         self.expert_format = fmt
         self.layer_types = qwen3_5_layer_types(text)
         self.num_mtp_layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
-        if fmt is Format.MXFP8 and (d.hidden % MX_BLOCK or d.inter % MX_BLOCK):
+        multiple = {Format.MXFP8: MX_BLOCK, Format.NVFP4: 16, Format.MXFP4: 32, Format.INT4_W4A16: 32}.get(
+            fmt
+        )
+        if multiple is not None and (d.hidden % multiple or d.inter % multiple):
             raise ValueError(
-                f"mxfp8 experts need hidden ({d.hidden}) and moe_intermediate_size ({d.inter}) to be "
-                f"multiples of {MX_BLOCK}; use block_fp8 or bf16"
+                f"{fmt.value} experts need hidden ({d.hidden}) and moe_intermediate_size ({d.inter}) to be "
+                f"multiples of {multiple}; use block_fp8 or bf16"
             )
         self.layers = [f"{self.root}.layers.{n}" for n in range(len(self.layer_types))]
         self.mtp_layers = [f"mtp.layers.{n}" for n in range(self.num_mtp_layers)]
@@ -286,7 +289,8 @@ class ReferenceEngine:
         fmt = experts.fmt
         scale = self._params[f"{prefix}.{leaf.removesuffix('weight')}{fmt.scale_suffix}"]
         rows = [experts.inter, experts.inter] if leaf == "w13_weight" else [self.dims.hidden]
-        return _dequantize_rows(self._params[name], scale, fmt, rows)
+        extra = self._params.get(f"{name}_scale_2") if fmt is Format.NVFP4 else None
+        return _dequantize_rows(self._params[name], scale, fmt, rows, extra)
 
     # ---- forward
 

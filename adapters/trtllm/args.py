@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.trtllm.backends import EXTENSION_QUALNAME, SM100F, backend_refusal, resolve_moe_backend
-from sidecar.numerics.formats import BLOCK, Format
+from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
 from sidecar.plan.build import Layer, RefitSpec, UnitKind, plan_from_hf_config
 from sidecar.plan.models import get_model, model_type_of
 
@@ -90,6 +90,8 @@ def trtllm_llm_args(
     calibrated checkpoint instead (its static input scales are not published by refitd).
     """
     fmt = spec.format
+    if fmt.four_bit:
+        raise ValueError(FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="TensorRT-LLM"))
     if spec.model.model_type != get_model(model_type_of(hf_config)).model_type:
         raise ValueError(f"the spec is for {spec.model_type} but the config describes another model")
     if fmt is Format.FP8_PER_TENSOR and load_format == "dummy":

@@ -4,7 +4,7 @@ refuses (one source of truth for the code and docs/engines.md's table).
 
 from __future__ import annotations
 
-from sidecar.numerics.formats import BLOCK, Format
+from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, FP8_FORMATS, Format
 
 #: what ``LLM(ray_worker_extension_cls=...)`` names
 EXTENSION_QUALNAME = "adapters.trtllm.RefitWorkerExtension"
@@ -93,6 +93,8 @@ def backend_refusal(
     where = f"sm={sm}" if sm is not None else "this GPU"
     if not fmt.quantized:
         return None
+    if fmt.four_bit:
+        return FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="TensorRT-LLM")
     if fmt is Format.BLOCK_FP8:
         if quant_method == _DEEPGEMM_METHOD and (sm is None or sm in SM100F or sm >= 120):
             return (
@@ -179,7 +181,7 @@ def backend_table_markdown() -> str:
 
 
 def _unsupported_formats(moe_backend: str) -> list[str]:
-    quantized = [f.value for f in Format if f.quantized]
+    quantized = [f.value for f in FP8_FORMATS]
     supported = {
         MoeBackend.CUTLASS: quantized,
         MoeBackend.TRTLLM_GEN: [Format.BLOCK_FP8.value],

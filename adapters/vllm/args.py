@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.vllm.quant import WORKER_EXTENSION
-from sidecar.numerics.formats import BLOCK, Format
+from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.models import get_model, model_type_of
 
@@ -73,6 +73,8 @@ def vllm_engine_args(
         "worker_extension_cls": WORKER_EXTENSION,
     }
     fmt = spec.format
+    if fmt.four_bit:
+        raise ValueError(FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="vLLM"))
     if fmt is Format.BF16:
         return {**args, "quantization": None}
     if fmt is Format.MXFP8:

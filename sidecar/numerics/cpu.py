@@ -32,19 +32,32 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from sidecar.numerics import native
+from sidecar.numerics import fourbit, native
 from sidecar.numerics import reference as ref
-from sidecar.numerics.formats import BLOCK, FLT_MIN, MX_BLOCK, Format
+from sidecar.numerics.formats import (
+    BLOCK,
+    FLT_MIN,
+    INT4_GROUP,
+    MX_BLOCK,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    NVFP4_GLOBAL_DIVISOR,
+    Format,
+)
 from sidecar.numerics.kernels import WarmUp
 
 __all__ = [
     "MIN_SPLIT_ELEMS",
     "fp8_per_tensor_scale",
     "native_applies",
+    "nvfp4_global_scale",
     "quantize",
     "quantize_block_fp8",
     "quantize_fp8_per_tensor",
+    "quantize_int4",
+    "quantize_mxfp4",
     "quantize_mxfp8",
+    "quantize_nvfp4",
     "warm_up",
 ]
 
@@ -110,6 +123,11 @@ def native_applies(w: torch.Tensor, fmt: Format | str) -> bool:
     if _lib_for(w) is None or (fmt is Format.BLOCK_FP8 and w.dim() < 2):
         return False
     if fmt is Format.MXFP8 and (w.dim() < 1 or w.shape[-1] % MX_BLOCK):
+        return False
+    if fmt in (Format.NVFP4, Format.INT4_W4A16) and w.dim() < 2:
+        return False
+    multiple = {Format.NVFP4: NVFP4_BLOCK, Format.MXFP4: MXFP4_BLOCK, Format.INT4_W4A16: INT4_GROUP}.get(fmt)
+    if multiple is not None and (w.dim() < 1 or w.shape[-1] % multiple):
         return False
     split = w.dim() - 2 if fmt is Format.BLOCK_FP8 else _row_split(w)
     return w.dim() > 0 and _view3(w, split) is not None
@@ -268,9 +286,7 @@ def quantize_fp8_per_tensor(
             _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, name=name), name)
         value = lib.refitd_scale_from_amax_bits(amax)
     else:
-        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(f"{ref._label(name)}: a shared scale= must be one float32 value")
-        value = float(scale.reshape(()))
+        value = float(ref.check_shared_scale(scale, name))
         if not FLT_MIN <= value <= _FLT_MAX:  # 0, negative, subnormal, Inf or NaN: 1 / value is not
             # a finite positive multiplier, and the reference's NaN-producing arithmetic is the answer
             return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
@@ -284,6 +300,149 @@ def quantize_fp8_per_tensor(
 
 
 # --------------------------------------------------------------------------------------------------
+# 4-bit formats (SPEC §1.5-1.7): rows formats, split by rows like MXFP8
+
+
+def _rows_native(lib, w: torch.Tensor, outs: tuple[torch.Tensor, ...]):
+    """(lib, input view, output views) when ``w`` and every output fold to [batch, rows, cols] views
+    alike (the output strides then index the same rows), else None (the reference runs)."""
+    if lib is None or w.dim() < 1:
+        return None
+    split = _row_split(w)
+    views = [_view3(t, split) for t in (w, *outs)]
+    if any(v is None for v in views):
+        return None
+    return views
+
+
+def nvfp4_global_scale(*tensors: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """:func:`sidecar.numerics.fourbit.nvfp4_global_scale`, natively when every tensor qualifies."""
+    views = []
+    for t in tensors:
+        lib = _lib_for(t)
+        view = None if lib is None or t.dim() < 2 or t.shape[-1] % NVFP4_BLOCK else _view3(t, _row_split(t))
+        if view is None:
+            return fourbit.nvfp4_global_scale(*tensors, name=name)
+        views.append((lib, t, view))
+    if not views:
+        return fourbit.nvfp4_global_scale(*tensors, name=name)
+    amax = max(_amax_bits(lib, t, view) for lib, t, view in views)
+    if amax >= _BF16_NONFINITE:
+        _raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=name), name)
+    amax_t = (torch.tensor(amax, dtype=torch.int32) << 16).view(torch.float32)
+    gs = amax_t / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
+    return torch.where(amax_t == 0, torch.ones_like(gs), gs)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.fourbit.quantize_nvfp4`, natively where it applies."""
+    lib = _lib_for(w)
+    if lib is None or w.dim() < 2 or w.shape[-1] % NVFP4_BLOCK:
+        return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name)
+    ref._check_input(w, name, Format.NVFP4)
+    shape = tuple(w.shape)
+    q, s, g = ref._check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.NVFP4.weight_shape(shape), torch.uint8),
+            ("scales", Format.NVFP4.scale_shape(shape), torch.float8_e4m3fn),
+            ("global scale", (), torch.float32),
+        ),
+        name,
+    )
+    views = _rows_native(lib, w, (q, s))
+    if views is None:
+        return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=(q, s, g), name=name)
+    if global_scale is None:
+        gs = nvfp4_global_scale(w, name=name)
+    else:
+        gs = ref.check_shared_scale(global_scale, name, "global_scale")
+    value = float(gs)
+    (batch, n, k, xbs, xrs), qv, sv = views
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4], value)
+    bad = _POOL.run(lambda b, e: lib.refitd_nvfp4(*args, b, e), batch * n, k)
+    if any(r >= 0 for r in bad):
+        _raise_like_reference(lambda: fourbit.quantize_nvfp4(w, global_scale=gs, name=name), name)
+    g.fill_(value)
+    return q, s, g
+
+
+def quantize_mxfp4(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.fourbit.quantize_mxfp4`, natively where it applies."""
+    lib = _lib_for(w)
+    if lib is None or w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK:
+        return fourbit.quantize_mxfp4(w, out=out, name=name)
+    ref._check_input(w, name, Format.MXFP4)
+    shape = tuple(w.shape)
+    q, s = ref._check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.MXFP4.weight_shape(shape), torch.uint8),
+            ("scales", Format.MXFP4.scale_shape(shape), torch.uint8),
+        ),
+        name,
+    )
+    views = _rows_native(lib, w, (q, s))
+    if views is None:
+        return fourbit.quantize_mxfp4(w, out=(q, s), name=name)
+    (batch, n, k, xbs, xrs), qv, sv = views
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
+    bad = _POOL.run(lambda b, e: lib.refitd_mxfp4(*args, b, e), batch * n, k)
+    if any(r >= 0 for r in bad):
+        _raise_like_reference(lambda: fourbit.quantize_mxfp4(w, name=name), name)
+    return q, s
+
+
+def quantize_int4(
+    w: torch.Tensor,
+    *,
+    group: int = INT4_GROUP,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sidecar.numerics.fourbit.quantize_int4`, natively where it applies."""
+    lib = _lib_for(w)
+    kw = {"group": group, "scale_dtype": scale_dtype, "name": name}
+    if lib is None or w.dim() < 2:
+        return fourbit.quantize_int4(w, out=out, **kw)
+    ref._check_input(w, name, Format.INT4_W4A16)
+    fourbit._check_int4_args(w, group, scale_dtype, name)
+    *lead, k = w.shape
+    packed, s, shape = ref._check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.INT4_W4A16.weight_shape(tuple(w.shape)), torch.int32),
+            ("scales", (*lead, k // group), scale_dtype),
+            ("shape", (2,), torch.int64),
+        ),
+        name,
+    )
+    views = _rows_native(lib, w, (packed, s))
+    if views is None:
+        return fourbit.quantize_int4(w, out=(packed, s, shape), **kw)
+    (batch, n, k, xbs, xrs), qv, sv = views
+    f32 = int(scale_dtype == torch.float32)
+    args = (_ptr(w), n, k, xbs, xrs, _ptr(packed), qv[3], qv[4], _ptr(s), sv[3], sv[4], group, f32)
+    bad = _POOL.run(lambda b, e: lib.refitd_int4(*args, b, e), batch * n, k)
+    if any(r >= 0 for r in bad):
+        _raise_like_reference(lambda: fourbit.quantize_int4(w, **kw), name)
+    shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
+    return packed, s, shape
+
+
+# --------------------------------------------------------------------------------------------------
 # dispatch, errors, warm-up
 
 
@@ -291,9 +450,9 @@ def quantize(
     w: torch.Tensor,
     fmt: Format | str,
     *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
     name: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """:func:`sidecar.numerics.reference.quantize`, natively where it applies."""
     fmt = Format.parse(fmt)
     if fmt is Format.BLOCK_FP8:
@@ -302,6 +461,12 @@ def quantize(
         return quantize_mxfp8(w, out=out, name=name)
     if fmt is Format.FP8_PER_TENSOR:
         return quantize_fp8_per_tensor(w, out=out, name=name)
+    if fmt is Format.NVFP4:
+        return quantize_nvfp4(w, out=out, name=name)
+    if fmt is Format.MXFP4:
+        return quantize_mxfp4(w, out=out, name=name)
+    if fmt is Format.INT4_W4A16:
+        return quantize_int4(w, out=out, name=name)
     return ref.quantize(w, fmt, out=out, name=name)  # its error for a format with nothing to quantize
 
 

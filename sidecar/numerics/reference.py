@@ -90,15 +90,101 @@ def _check_input(w: torch.Tensor, name: str | None, fmt: Format) -> None:
         raise ValueError(
             f"{_label(name)} has shape {tuple(w.shape)}; block_fp8 needs at least 2 dims [..., N, K]"
         )
-    if fmt is Format.MXFP8:
+    if fmt in (Format.NVFP4, Format.INT4_W4A16) and w.dim() < 2:
+        raise ValueError(
+            f"{_label(name)} has shape {tuple(w.shape)}; {fmt.value} needs at least 2 dims [..., N, K]"
+        )
+    multiple = _LAST_DIM_MULTIPLE.get(fmt)
+    if multiple is not None:
         if w.dim() < 1:
-            raise ValueError(f"{_label(name)} is 0-d; mxfp8 needs at least 1 dim [..., K]")
-        if w.shape[-1] % MX_BLOCK:
+            raise ValueError(f"{_label(name)} is 0-d; {fmt.value} needs at least 1 dim [..., K]")
+        if w.shape[-1] % multiple:
             raise ValueError(
-                f"{_label(name)} has shape {tuple(w.shape)}: mxfp8 needs the last dim K to be a multiple "
-                f"of {MX_BLOCK}, and K={w.shape[-1]} is not; keep this tensor in bf16 (ignore_patterns) "
-                "or choose block_fp8"
+                f"{_label(name)} has shape {tuple(w.shape)}: {fmt.value} needs the last dim K to be a "
+                f"multiple of {multiple}, and K={w.shape[-1]} is not; keep this tensor in bf16 "
+                "(ignore_patterns) or choose block_fp8"
             )
+
+
+#: formats whose blocks run along the last dim: K must be a multiple of this (int4's group is
+#: checked by its quantizer, which knows the group)
+_LAST_DIM_MULTIPLE = {
+    Format.MXFP8: MX_BLOCK,
+    Format.NVFP4: 16,
+    Format.MXFP4: 32,
+    Format.INT4_W4A16: 8,
+}
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an ``expand``-ed or ``as_strided`` view).
+
+    Written into from several threads such a buffer is a data race, and what lands in it depends on
+    timing; torch's own ``copy_`` refuses the obvious cases only. Exact: a quick sufficient test on
+    the strides (each dim, by increasing stride, steps past everything the smaller ones reach), and
+    for layouts that fail it (rare, never the daemon's) a count of the distinct offsets.
+    """
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    reach = 0
+    for st, n in dims:
+        if st <= reach:
+            break
+        reach += (n - 1) * st
+    else:
+        return False
+    if any(st == 0 for st, _ in dims):
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets[..., None] + torch.arange(n, dtype=torch.int64) * st).flatten()
+    return int(torch.unique(offsets).numel()) != int(offsets.numel())
+
+
+def _check_out_buffers(
+    out: tuple[torch.Tensor, ...] | None,
+    w: torch.Tensor,
+    wanted: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
+    name: str | None,
+) -> tuple[torch.Tensor, ...]:
+    """The caller's ``out=`` buffers, checked against ``wanted`` ((what, shape, dtype) each), or new
+    ones. Refused with a ValueError on every path alike: a wrong count, shape, dtype or device, and a
+    buffer whose elements overlap (the native kernels would race on it)."""
+    if out is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=w.device) for _, shape, dtype in wanted)
+    names = ", ".join(what for what, _, _ in wanted)
+    if not (isinstance(out, (tuple, list)) and len(out) == len(wanted)):
+        raise ValueError(f"{_label(name)}: out= must be a tuple of {len(wanted)} tensors ({names})")
+    for (what, shape, dtype), t in zip(wanted, out):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{_label(name)}: out {what} buffer is a {type(t).__name__}, not a torch.Tensor")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != w.device:
+            raise ValueError(
+                f"{_label(name)}: out {what} buffer is {t.dtype} {tuple(t.shape)} on {t.device}, "
+                f"expected {dtype} {tuple(shape)} on {w.device}"
+            )
+        if _overlaps_itself(t):
+            raise ValueError(
+                f"{_label(name)}: out {what} buffer {tuple(t.shape)} with strides {t.stride()} has elements "
+                "that share memory (an expand()-ed or as_strided view); pass a buffer with one location "
+                "per element (.clone() it, or allocate it from the plan)"
+            )
+    return tuple(out)
+
+
+def check_shared_scale(scale: object, name: str | None, what: str = "scale") -> torch.Tensor:
+    """A caller's shared scale, as a 0-d float32 tensor; anything else (a Python float included) is
+    refused with the same ValueError on every path."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        got = (
+            type(scale).__name__
+            if not isinstance(scale, torch.Tensor)
+            else f"{scale.dtype} {tuple(scale.shape)}"
+        )
+        raise ValueError(
+            f"{_label(name)}: a shared {what}= must be one float32 value in a torch.Tensor "
+            f"(torch.tensor(x, dtype=torch.float32)), got {got}"
+        )
+    return scale.reshape(())
 
 
 def _check_out(
@@ -108,23 +194,8 @@ def _check_out(
     scale_dtype: torch.dtype,
     name: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if out is None:
-        return (
-            torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device),
-            torch.empty(scale_shape, dtype=scale_dtype, device=w.device),
-        )
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(f"{_label(name)}: out= must be a (values, scales) pair")
-    q, s = out
-    for what, t, shape, dtype in (
-        ("values", q, tuple(w.shape), FP8_DTYPE),
-        ("scales", s, scale_shape, scale_dtype),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != w.device:
-            raise ValueError(
-                f"{_label(name)}: out {what} buffer is {t.dtype} {tuple(t.shape)} on {t.device}, "
-                f"expected {dtype} {shape} on {w.device}"
-            )
+    wanted = (("values", tuple(w.shape), FP8_DTYPE), ("scales", tuple(scale_shape), scale_dtype))
+    q, s = _check_out_buffers(out, w, wanted, name)
     return q, s
 
 
@@ -464,9 +535,7 @@ def quantize_fp8_per_tensor(
     if scale is None:
         scale = fp8_per_tensor_scale(w, name=name, chunk_elems=chunk_elems)
     else:
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(f"{_label(name)}: a shared scale= must be one float32 value")
-        scale = scale.reshape(()).to(w.device)
+        scale = check_shared_scale(scale, name).to(w.device)
         # a shared scale must still see every value: refuse NaN/Inf here too
         for (chunk,) in _row_chunks(w, chunk_elems=chunk_elems):
             if chunk.numel() and not bool(torch.isfinite(_absmax(chunk, tuple(range(chunk.dim()))))):
@@ -493,10 +562,12 @@ def quantize(
     w: torch.Tensor,
     fmt: Format | str,
     *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
     name: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``w`` to ``fmt`` (any quantized Format); returns (values, scale tensor)."""
+) -> tuple[torch.Tensor, ...]:
+    """Quantize ``w`` to ``fmt`` (any quantized Format); returns (values, scale tensor) for the FP8
+    formats and MXFP4, (values, scales, global scale) for NVFP4 and (packed, scales, shape) for
+    int4_w4a16 (group 32, bfloat16 scales: :func:`sidecar.numerics.fourbit.quantize_int4` for others)."""
     fmt = Format.parse(fmt)
     if fmt is Format.BLOCK_FP8:
         return quantize_block_fp8(w, out=out, name=name)
@@ -504,12 +575,34 @@ def quantize(
         return quantize_mxfp8(w, out=out, name=name)
     if fmt is Format.FP8_PER_TENSOR:
         return quantize_fp8_per_tensor(w, out=out, name=name)
+    if fmt.four_bit:
+        from sidecar.numerics import fourbit  # it imports this module
+
+        fn = {
+            Format.NVFP4: fourbit.quantize_nvfp4,
+            Format.MXFP4: fourbit.quantize_mxfp4,
+            Format.INT4_W4A16: fourbit.quantize_int4,
+        }[fmt]
+        return fn(w, out=out, name=name)
     raise ValueError(f"format {fmt.value} is not a quantized format; nothing to quantize")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: Format | str) -> torch.Tensor:
-    """Float32 values of ``q`` under ``scale`` (SPEC §1 dequantization rules)."""
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, fmt: Format | str, *, global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 values of ``q`` under ``scale`` (SPEC §1 dequantization rules); NVFP4 needs its
+    ``global_scale`` (``weight_scale_2``) too."""
     fmt = Format.parse(fmt)
+    if fmt.four_bit:
+        from sidecar.numerics import fourbit  # it imports this module
+
+        if fmt is Format.NVFP4:
+            if global_scale is None:
+                raise ValueError("dequantize: nvfp4 needs global_scale= (the .weight_scale_2 tensor)")
+            return fourbit.dequantize_nvfp4(q, scale, global_scale)
+        if fmt is Format.MXFP4:
+            return fourbit.dequantize_mxfp4(q, scale)
+        return fourbit.dequantize_int4(q, scale)
     if q.dtype != FP8_DTYPE:
         raise ValueError(f"dequantize expects float8_e4m3fn values, got {q.dtype}")
     x = q.float()

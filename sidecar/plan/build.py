@@ -90,9 +90,58 @@ log = logging.getLogger(__name__)
 # units
 
 
+def _output(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], role: Role, source: str, **where: Any
+) -> OutputSpec:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return OutputSpec(
+        name=name, dtype=dtype, shape=shape, nbytes=numel * dtype.itemsize, role=role, source=source, **where
+    )
+
+
+#: a 4-bit weight's third output (SPEC §2.3): its name's leaf, dtype and shape
+_EXTRA_OUTPUT = {
+    Format.NVFP4: ("weight_scale_2", torch.float32, ()),
+    Format.INT4_W4A16: ("weight_shape", torch.int64, (2,)),
+}
+
+
+def _four_bit_outputs(
+    name: str, shape: tuple[int, int], fmt: Format, source: str, **where: Any
+) -> tuple[OutputSpec, ...]:
+    """SPEC §2.3's names for a 4-bit weight: packed values (``.weight`` for NVFP4, ModelOpt's name;
+    ``.weight_packed`` for compressed-tensors' MXFP4 and INT4), ``.weight_scale``, and NVFP4's
+    ``.weight_scale_2`` or INT4's ``.weight_shape``."""
+    module = _module_name(name)
+    scale_name = f"{module}.{fmt.scale_suffix}"
+    extra = _EXTRA_OUTPUT.get(fmt)
+    extra_name = None if extra is None else f"{module}.{extra[0]}"
+    weight = _output(
+        f"{module}.{fmt.weight_suffix}",
+        fmt.weight_dtype,
+        fmt.weight_shape(shape),
+        Role.WEIGHT,
+        source,
+        scale_name=scale_name,
+        extra_name=extra_name,
+        **where,
+    )
+    outputs = [
+        weight,
+        _output(scale_name, fmt.scale_dtype, fmt.scale_shape(shape), Role.SCALE, source, **where),
+    ]
+    if extra is not None:
+        outputs.append(_output(extra_name, extra[1], extra[2], Role.SCALE, source, **where))
+    return tuple(outputs)
+
+
 def _weight_and_scale(
     name: str, shape: tuple[int, int], fmt: Format, source: str, **where: Any
-) -> tuple[OutputSpec, OutputSpec]:
+) -> tuple[OutputSpec, ...]:
+    if fmt.four_bit:
+        return _four_bit_outputs(name, shape, fmt, source, **where)
     scale_name = f"{_module_name(name)}.{fmt.scale_suffix}"
     scale_shape = fmt.scale_shape(shape)
     numel = shape[0] * shape[1]
@@ -139,10 +188,16 @@ def _slab_outputs(
         names = []
         for proj, span in parts:
             name = f"{r.prefix}.{e}.{proj.value}{WEIGHT_SUFFIX}"
-            outputs += _weight_and_scale(name, (i, cols), fmt, r.spec.name, expert=e, rows=span, proj=proj)
-            names.append(name)
-        groups += [tuple(names)] if fmt is Format.FP8_PER_TENSOR else [(n,) for n in names]
+            made = _weight_and_scale(name, (i, cols), fmt, r.spec.name, expert=e, rows=span, proj=proj)
+            outputs += made
+            names.append(made[0].name)
+        groups += [tuple(names)] if fmt in _SHARED_SCALE_FORMATS else [(n,) for n in names]
     return outputs, groups
+
+
+#: formats whose gate_proj and up_proj of one expert share a scale (SPEC §2.3): per-tensor FP8's
+#: scale, NVFP4's global scale
+_SHARED_SCALE_FORMATS = (Format.FP8_PER_TENSOR, Format.NVFP4)
 
 
 def _passthrough_unit(
@@ -179,20 +234,24 @@ def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit
         layer=layer,
         bytes_in=inp.nbytes,
         fmt=fmt,
-        scale_groups=((inp.name,),),
+        scale_groups=((outputs[0].name,),),
     )
 
 
 def _expert_unit(index: int, members: list[Routed], fmt: Format) -> Unit:
     outputs: list[OutputSpec] = []
+    names: list[str] = []
     for r in members:
         shape = (r.spec.shape[0], r.spec.shape[1])
-        outputs += _weight_and_scale(r.spec.name, shape, fmt, r.spec.name, proj=ExpertProj(r.proj))
-    names = tuple(r.spec.name for r in members)
+        made = _weight_and_scale(r.spec.name, shape, fmt, r.spec.name, proj=ExpertProj(r.proj))
+        outputs += made
+        names.append(made[0].name)
+    names = tuple(names)
+    inputs = tuple(r.spec.name for r in members)
     return Unit(
         index=index,
         kind=UnitKind.EXPERT,
-        inputs=names,
+        inputs=inputs,
         outputs=tuple(outputs),
         layer=members[0].layer,
         bytes_in=sum(r.spec.nbytes for r in members),
@@ -268,7 +327,7 @@ def _make_units(
             done.add(inp.name)
         else:
             members = [r]
-            if fmt is Format.FP8_PER_TENSOR and r.proj != ExpertProj.DOWN.value:
+            if fmt in _SHARED_SCALE_FORMATS and r.proj != ExpertProj.DOWN.value:
                 # gate and up of one expert share one scale: one unit reads both (those quantized)
                 partners = (
                     f"{r.prefix}.{r.expert}.{p.value}{WEIGHT_SUFFIX}"

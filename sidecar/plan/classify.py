@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.numerics.formats import FLOAT_DTYPES, MX_BLOCK, Format
+from sidecar.numerics.formats import FLOAT_DTYPES, INT4_GROUP, MX_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Format
 from sidecar.plan.models import ModelSpec
 from sidecar.plan.spec import ExpertProj, Layer, TensorSpec
 
@@ -75,11 +75,21 @@ def check_experts(experts: dict[tuple[str, int], dict[str, Routed]], problems: l
 def check_quantizable(t: TensorSpec, fmt: Format, problems: list[str]) -> None:
     if t.dtype not in FLOAT_DTYPES:
         problems.append(f"{t.name}: dtype {t.dtype} cannot be quantized (bf16/fp16/fp32 only)")
-    if fmt is Format.MXFP8 and t.shape and t.shape[-1] % MX_BLOCK:
+    multiple = _IN_DIM_MULTIPLE.get(fmt)
+    if multiple is not None and t.shape and t.shape[-1] % multiple:
         problems.append(
-            f"{t.name}: mxfp8 needs the input dim to be a multiple of {MX_BLOCK}, got "
+            f"{t.name}: {fmt.value} needs the input dim to be a multiple of {multiple}, got "
             f"{t.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
         )
+
+
+#: the input dim (K) each format's blocks need a multiple of (SPEC §1.2, §1.5-1.7)
+_IN_DIM_MULTIPLE = {
+    Format.MXFP8: MX_BLOCK,
+    Format.NVFP4: NVFP4_BLOCK,
+    Format.MXFP4: MXFP4_BLOCK,
+    Format.INT4_W4A16: INT4_GROUP,
+}
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -26,6 +26,16 @@ def _quantize_group(
     outputs: Mapping[str, torch.Tensor],
 ) -> None:
     views = [w.source_view(inputs[w.source]) for w in group]
+    if fmt.four_bit:
+        if fmt is Format.NVFP4:  # one global scale over the group (an expert's gate and up)
+            gs = cpu.nvfp4_global_scale(*views, name=" + ".join(w.name for w in group))
+            for w, view in zip(group, views, strict=True):
+                out = tuple(outputs[n] for n in w.quantized_outputs)
+                cpu.quantize_nvfp4(view, global_scale=gs, out=out, name=w.name)  # type: ignore[arg-type]
+            return
+        for w, view in zip(group, views, strict=True):
+            cpu.quantize(view, fmt, out=tuple(outputs[n] for n in w.quantized_outputs), name=w.name)
+        return
     if fmt is Format.FP8_PER_TENSOR and len(group) > 1:
         # the shared scale reads every member, so an error names them all
         scale = cpu.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))

@@ -302,6 +302,14 @@ class OutputSpec:
     rows: tuple[int, int] | None = None  # row range of a gate_up expert matrix: gate or up
     proj: ExpertProj | None = None
     scale_name: str | None = None  # on a weight: its scale output
+    #: on a 4-bit weight: its third output, NVFP4's ``weight_scale_2`` (the global scale) or INT4's
+    #: ``weight_shape``; None for the other formats
+    extra_name: str | None = None
+
+    @property
+    def quantized_outputs(self) -> tuple[str, ...]:
+        """A weight's output names in the quantizer's ``out=`` order: values, scales[, extra]."""
+        return tuple(n for n in (self.name, self.scale_name, self.extra_name) if n is not None)
 
     def source_view(self, src: torch.Tensor) -> torch.Tensor:
         """The slice of ``src`` this output is computed from: a view, never a copy."""

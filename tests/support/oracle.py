@@ -99,3 +99,132 @@ def fp8_per_tensor(*ws: torch.Tensor) -> tuple[list[np.ndarray], np.float32]:
             q[i] = _q(F32(v), mult)
         qs.append(q)
     return qs, scale
+
+
+# --------------------------------------------------------------------------------------------------
+# 4-bit formats (SPEC §1.5-1.7), element by element from SPEC's text
+
+#: the E2M1 magnitudes of codes 0-7
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def rne_e2m1(v: float) -> int:
+    """SPEC's RNE_e2m1: the nearest E2M1 magnitude (ties to the even code), saturating at 6; bit 3
+    set iff ``v < 0``. NaN (only ``0 / 0`` where a scale underflowed to zero) is code 0, the code of
+    the zero it came from (refitd's reading where SPEC is silent)."""
+    if math.isnan(v):
+        return 0
+    sign = 8 if v < 0 else 0
+    a = abs(v)
+    if a >= 6.0:
+        return sign | 7
+    best = min(range(8), key=lambda c: (abs(E2M1[c] - a), c & 1))
+    return sign | best
+
+
+def e4m3_value(code: int) -> float:
+    """The value of an e4m3fn byte (finite codes)."""
+    v = _e4m3_value(code & 0x7F)
+    return -v if code & 0x80 else v
+
+
+def _pack_pairs(codes: list[int]) -> list[int]:
+    return [codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(len(codes) // 2)]
+
+
+def _amax(x: np.ndarray) -> np.float32:
+    return F32(np.max(np.abs(x))) if x.size else F32(0)
+
+
+def nvfp4_global_scale(*ws: torch.Tensor) -> np.float32:
+    """gs = amax / 2688 over ``ws`` (1.0 if all zero)."""
+    amax = max((_amax(w.detach().cpu().float().numpy()) for w in ws), default=F32(0))
+    return F32(1.0) if amax == 0 else F32(F32(amax) / F32(2688.0))
+
+
+def nvfp4(w: torch.Tensor, gs: np.float32 | None = None) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """(q bytes uint8 [..., N, K/2], s e4m3 bytes uint8 [..., N, K/16], gs float32)."""
+    x = w.detach().cpu().float().numpy()
+    gs = nvfp4_global_scale(w) if gs is None else F32(gs)
+    *lead, k = x.shape
+    q = np.zeros((*lead, k // 2), dtype=np.uint8)
+    s = np.zeros((*lead, k // 16), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        six_gs = F32(F32(6.0) * gs)
+        for idx in np.ndindex(*lead):
+            row = x[idx]
+            codes = []
+            for b in range(k // 16):
+                blk = row[b * 16 : (b + 1) * 16]
+                amax = _amax(blk)
+                v = F32(1.0) if amax == 0 else F32(amax / six_gs)
+                byte = rne_e4m3(float(min(max(v, F32(2.0**-9)), FP8_MAX)))
+                s[idx][b] = byte
+                denom = F32(F32(e4m3_value(byte)) * gs)
+                codes += [rne_e2m1(float(F32(F32(e) / denom))) for e in blk]
+            q[idx][:] = _pack_pairs(codes)
+    return q, s, gs
+
+
+def mxfp4(w: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(q bytes uint8 [..., K/2], scale uint8 [..., K/32])."""
+    x = w.detach().cpu().float().numpy()
+    *lead, k = x.shape
+    q = np.zeros((*lead, k // 2), dtype=np.uint8)
+    s = np.zeros((*lead, k // 32), dtype=np.uint8)
+    for idx in np.ndindex(*lead):
+        row = x[idx]
+        codes = []
+        for b in range(k // 32):
+            blk = row[b * 32 : (b + 1) * 32]
+            amax = _amax(blk)
+            if amax == 0:
+                byte = 1
+            else:
+                m, e = math.frexp(float(amax))  # amax = (2m) * 2^(e-1), 2m in [1, 2)
+                exponent = (e - 1) + (1 if 2 * m >= 1.75 else 0) - 2
+                byte = min(max(exponent + 127, 1), 254)
+            s[idx][b] = byte
+            mult = F32(2.0 ** (127 - byte))
+            codes += [rne_e2m1(float(F32(F32(e) * mult))) for e in blk]
+        q[idx][:] = _pack_pairs(codes)
+    return q, s
+
+
+def _round_to_bf16(v: np.float32) -> np.float32:
+    """float32 -> bfloat16 (round to nearest even on the bits; finite values), as float32."""
+    bits = int(np.array(v, dtype=np.float32).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return np.array(bits, dtype=np.uint32).view(np.float32)[()]
+
+
+def int4(
+    w: torch.Tensor, group: int = 32, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed int32 [..., N, K/8], scale as float32 values [..., N, K/g], shape int64 [2])."""
+    x = w.detach().cpu().float().numpy()
+    *lead, k = x.shape
+    packed = np.zeros((*lead, k // 8), dtype=np.int32)
+    s = np.zeros((*lead, k // group), dtype=np.float32)
+    with np.errstate(all="ignore"):
+        for idx in np.ndindex(*lead):
+            row = x[idx]
+            qs = []
+            for g in range(k // group):
+                blk = row[g * group : (g + 1) * group]
+                amax = _amax(blk)
+                scale = F32(1.0) if amax == 0 else F32(amax / F32(7.0))
+                if scale_dtype == torch.bfloat16:
+                    scale = _round_to_bf16(scale)
+                s[idx][g] = scale
+                for e in blk:
+                    v = float(F32(F32(e) / scale))
+                    # clamp then round (the same as round then clamp: the bounds are integers; and
+                    # round() of an Inf would raise); Python's round() is half to even
+                    qs.append(0 if math.isnan(v) else round(max(-7.0, min(7.0, v))))
+            for j in range(k // 8):
+                word = 0
+                for i in range(8):
+                    word |= (qs[8 * j + i] + 8) << (4 * i)
+                packed[idx][j] = word - (1 << 32) if word >= 1 << 31 else word
+    return packed, s, np.array(x.shape[-2:], dtype=np.int64)

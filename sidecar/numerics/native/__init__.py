@@ -57,7 +57,7 @@ SOURCE = Path(__file__).with_name("quant.c")
 #: compile flags; -ffp-contract=off keeps every multiply and add a separately rounded operation
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 #: what ``refitd_native_abi()`` must return (bumped with any change of the entry points' signatures)
-ABI = 1
+ABI = 2
 #: a compile that takes longer than this has failed (a few seconds is normal)
 COMPILE_TIMEOUT_S = 300.0
 
@@ -75,6 +75,17 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "refitd_scale_from_amax_bits": (_f32, [_i64]),
     # x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, scale, clamp, begin, end
     "refitd_fp8_per_tensor": (_i64, [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _f32, _int, _i64, _i64]),
+    # x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride, gs, begin, end
+    "refitd_nvfp4": (
+        _i64,
+        [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _f32, _i64, _i64],
+    ),
+    "refitd_mxfp4": (_i64, [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64]),
+    # ... s, s_bstride, s_rstride, group, scale_f32, begin, end
+    "refitd_int4": (
+        _i64,
+        [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _int, _i64, _i64],
+    ),
     "refitd_e4m3_from_f32": (None, [_ptr, _ptr, _i64]),
     "refitd_e4m3_from_f32_in_range": (None, [_ptr, _ptr, _i64]),
     # dst, src, begin, end (bytes), width, exponent mask: a passthrough copied, then checked

@@ -1,6 +1,6 @@
 /*
- * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, byte-exact with
- * sidecar/numerics/reference.py (../shared/SPEC.md section 1).
+ * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, NVFP4, MXFP4 and INT4, byte-exact with
+ * sidecar/numerics/reference.py and fourbit.py (../shared/SPEC.md section 1).
  *
  * Plain C99, no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
  * call), so several Python threads can each run a share of one tensor. Built at run time by
@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define REFITD_NATIVE_ABI 1
+#define REFITD_NATIVE_ABI 2
 
 #define BLOCK 128          /* block-FP8 tile edge */
 #define MX_BLOCK 32        /* MXFP8 block length */
@@ -49,6 +49,8 @@ static inline uint32_t f32_bits(float f) {
 }
 
 static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+static inline float fabsf_bits(float f) { return f32_from_bits(f32_bits(f) & UINT32_C(0x7FFFFFFF)); }
 
 /* c10::detail::fp8e4m3fn_from_fp32_value, branch-free: the full function, for any float32. */
 static inline uint8_t e4m3_from_f32(float f) {
@@ -277,6 +279,234 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
         }
     }
     return (i64)m;
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* 4-bit formats (SPEC 1.5-1.7). Work units are rows, numbered b * n + row; each returns -1, or the */
+/* first row (within [begin, end)) holding NaN/Inf, like the FP8 ones.                            */
+
+#define NVFP4_BLOCK 16
+#define MXFP4_BLOCK 32
+#define FOUR_PIECE 1024 /* elements of a row converted per pass (scratch stays in L1) */
+
+/* RNE_e2m1 as a code 0-15: the count of midpoints passed (ties to the even code: > at the midpoints
+   below an even code, >= at those below an odd one... i.e. above an odd one), saturating at 6, bit 3
+   set iff v < 0. NaN compares false everywhere: code 0 (fourbit.e2m1_codes does the same). */
+static inline uint8_t e2m1_code(float v) {
+    const float a = fabsf_bits(v);
+    /* 32-bit lanes throughout (the compares' width): measured faster than uint8 sums */
+    uint32_t c = (uint32_t)(a > 0.25f) + (uint32_t)(a >= 0.75f) + (uint32_t)(a > 1.25f) + (uint32_t)(a >= 1.75f) +
+                 (uint32_t)(a > 2.5f) + (uint32_t)(a >= 3.5f) + (uint32_t)(a > 5.0f);
+    return (uint8_t)(c | ((uint32_t)(v < 0.0f) << 3));
+}
+
+/* the value of a positive finite e4m3fn byte (branch-free, so loops over blocks vectorize) */
+static inline float e4m3_value(uint32_t b) {
+    const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    const float sub = (float)m * f32_from_bits(UINT32_C(0x3B000000)); /* m * 2^-9 */
+    const float normal = f32_from_bits(((e + 120u) << 23) | (m << 20));
+    return e == 0 ? sub : normal;
+}
+
+/* amax bits of each of m blocks of 2^log2b elements of xp (sign-cleared bf16), by a tree of pairwise
+   maxima (each level one vectorized loop), into out[0..m) */
+static void block_amax_bits(const uint16_t *restrict xp, i64 m, int log2b, uint16_t *restrict out) {
+    uint16_t a[FOUR_PIECE / 2], b[FOUR_PIECE / 4];
+    i64 len = m << (log2b - 1);
+    pair_max(xp, a, len, MAG_MASK);
+    uint16_t *src = a, *dst = b;
+    for (int level = 1; level < log2b; level++) {
+        len >>= 1;
+        pair_max(src, dst, len, 0xFFFFu);
+        uint16_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    for (i64 j = 0; j < m; j++) out[j] = src[j];
+}
+
+static void pack_codes(const uint8_t *restrict c, uint8_t *restrict q, i64 len) {
+    for (i64 t = 0; t < len / 2; t++) q[t] = (uint8_t)(c[2 * t] | (c[2 * t + 1] << 4));
+}
+
+/* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
+   q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
+i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, float gs, i64 begin, i64 end) {
+    const float six_gs = 6.0f * gs;
+    const float lo = f32_from_bits(UINT32_C(0x3B000000)); /* 2^-9 */
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = q + b * q_bstride + row * q_rstride;
+        uint8_t *sr = s + b * s_bstride + row * s_rstride;
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
+            const uint16_t *xp = xr + p0;
+            float denom[FOUR_PIECE / NVFP4_BLOCK], spread[FOUR_PIECE];
+            uint16_t amax[FOUR_PIECE / NVFP4_BLOCK];
+            uint8_t codes[FOUR_PIECE], bytes[FOUR_PIECE / NVFP4_BLOCK];
+            block_amax_bits(xp, m, 4, amax);
+            uint32_t worst = 0;
+            for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
+            if (worst >= BF16_NONFINITE) return unit;
+            /* three simple loops (each vectorizes; one loop doing it all does not) */
+            float sfs[FOUR_PIECE / NVFP4_BLOCK];
+            uint32_t codes32[FOUR_PIECE / NVFP4_BLOCK];
+            for (i64 j = 0; j < m; j++) {
+                const uint32_t a = amax[j];
+                float sf = f32_from_bits(a << 16) / six_gs;
+                sf = a == 0 ? 1.0f : sf;
+                sf = sf < lo ? lo : sf;
+                sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
+            }
+            for (i64 j = 0; j < m; j++) codes32[j] = e4m3_from_f32_in_range(sfs[j]);
+            for (i64 j = 0; j < m; j++) {
+                bytes[j] = (uint8_t)codes32[j];
+                denom[j] = e4m3_value(codes32[j]) * gs;
+            }
+            memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
+            for (i64 j = 0; j < m; j++)
+                for (i64 t = 0; t < NVFP4_BLOCK; t++) spread[j * NVFP4_BLOCK + t] = denom[j];
+            for (i64 t = 0; t < len; t++) codes[t] = e2m1_code(bf16_to_f32(xp[t]) / spread[t]);
+            pack_codes(codes, qr + p0 / 2, len);
+        }
+    }
+    return -1;
+}
+
+/* MXFP4: byte = clamp(E(amax) + (significand >= 1.75) - 2, 1, 254) (1 for amax == 0);
+   q = RNE_e2m1(x * 2^(127 - byte)). q [n, k/2] bytes, s [n, k/32] bytes. */
+i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = q + b * q_bstride + row * q_rstride;
+        uint8_t *sr = s + b * s_bstride + row * s_rstride;
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE;
+            const uint16_t *xp = xr + p0;
+            float spread[FOUR_PIECE];
+            uint8_t codes[FOUR_PIECE];
+            uint16_t amaxes[FOUR_PIECE / MXFP4_BLOCK];
+            block_amax_bits(xp, len / MXFP4_BLOCK, 5, amaxes);
+            uint32_t worst = 0;
+            for (i64 j = 0; j < len / MXFP4_BLOCK; j++) {
+                const uint32_t amax = amaxes[j];
+                worst = amax > worst ? amax : worst;
+                /* bf16 bits: exponent in bits 7..14, significand >= 1.75 iff the top two mantissa bits */
+                int32_t byte = (int32_t)(amax >> 7) + ((amax & 0x60u) == 0x60u) - 2;
+                byte = byte < 1 ? 1 : (byte > 254 ? 254 : byte);
+                byte = amax == 0 ? 1 : byte;
+                sr[p0 / MXFP4_BLOCK + j] = (uint8_t)byte;
+                const float mult = e8m0_multiplier((uint32_t)byte);
+                for (i64 t = 0; t < MXFP4_BLOCK; t++) spread[j * MXFP4_BLOCK + t] = mult;
+            }
+            if (worst >= BF16_NONFINITE) return unit;
+            for (i64 t = 0; t < len; t++) codes[t] = e2m1_code(bf16_to_f32(xp[t]) * spread[t]);
+            pack_codes(codes, qr + p0 / 2, len);
+        }
+    }
+    return -1;
+}
+
+/* float32 -> bfloat16 bits, round to nearest even (finite values) */
+static inline uint16_t bf16_bits_rne(float f) {
+    const uint32_t u = f32_bits(f);
+    return (uint16_t)((u + UINT32_C(0x7FFF) + ((u >> 16) & 1u)) >> 16);
+}
+
+/* INT4 weight-only: s = amax == 0 ? 1 : amax / 7, rounded to bf16 unless scale_f32;
+   q = clamp(RNE(x / s), -7, 7) (0 where x == 0: also when s underflowed to 0, where 0 / 0 is NaN);
+   packed [n, k/8] int32 words (nibble q + 8 of element 8j + i at bits 4i), s [n, k/group]. */
+i64 refitd_int4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q, i64 q_bstride,
+                i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group, int scale_f32, i64 begin,
+                i64 end) {
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        int32_t *qr = q + b * q_bstride + row * q_rstride;
+        int log2g = 0;
+        while (((i64)1 << log2g) < group) log2g++;
+        if (((i64)1 << log2g) == group && group >= 8 && group <= FOUR_PIECE) {
+            /* pieces of whole groups: group maxima by a tree, scales in one loop, then every element */
+            for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+                const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / group;
+                const uint16_t *xp = xr + p0;
+                uint16_t amax[FOUR_PIECE / 8];
+                float sfs[FOUR_PIECE / 8], spread[FOUR_PIECE];
+                uint8_t nib[FOUR_PIECE];
+                block_amax_bits(xp, m, log2g, amax);
+                uint32_t worst = 0;
+                for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
+                if (worst >= BF16_NONFINITE) return unit;
+                for (i64 j = 0; j < m; j++) {
+                    const float sf = bf16_to_f32(amax[j]) / 7.0f;
+                    sfs[j] = amax[j] == 0 ? 1.0f : sf;
+                }
+                const i64 at = b * s_bstride + row * s_rstride + p0 / group;
+                if (scale_f32) {
+                    memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
+                } else {
+                    uint16_t hs[FOUR_PIECE / 8];
+                    for (i64 j = 0; j < m; j++) {
+                        hs[j] = bf16_bits_rne(sfs[j]);
+                        sfs[j] = bf16_to_f32(hs[j]);
+                    }
+                    memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
+                }
+                for (i64 j = 0; j < m; j++)
+                    for (i64 t = 0; t < group; t++) spread[j * group + t] = sfs[j];
+                for (i64 t = 0; t < len; t++) {
+                    const float xf = bf16_to_f32(xp[t]);
+                    float v = __builtin_rintf(xf / spread[t]);
+                    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+                    v = xf == 0.0f ? 0.0f : v;
+                    nib[t] = (uint8_t)((int32_t)v + 8);
+                }
+                int32_t *qw = qr + p0 / 8;
+                for (i64 j = 0; j < len / 8; j++) {
+                    uint32_t word = 0;
+                    for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
+                    qw[j] = (int32_t)word;
+                }
+            }
+            continue;
+        }
+        for (i64 g0 = 0; g0 < k; g0 += group) {
+            const uint16_t *xg = xr + g0;
+            const uint32_t amax = row_amax_bits(xg, group);
+            if (amax >= BF16_NONFINITE) return unit;
+            float sf = amax == 0 ? 1.0f : bf16_to_f32((uint16_t)amax) / 7.0f;
+            const i64 at = b * s_bstride + row * s_rstride + g0 / group;
+            if (scale_f32) {
+                ((float *)s)[at] = sf;
+            } else {
+                const uint16_t h = bf16_bits_rne(sf);
+                ((uint16_t *)s)[at] = h;
+                sf = bf16_to_f32(h);
+            }
+            uint8_t nib[1024];
+            for (i64 c0 = 0; c0 < group; c0 += 1024) {
+                const i64 len = group - c0 < 1024 ? group - c0 : 1024;
+                for (i64 t = 0; t < len; t++) {
+                    const float xf = bf16_to_f32(xg[c0 + t]);
+                    float v = __builtin_rintf(xf / sf);
+                    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+                    v = xf == 0.0f ? 0.0f : v;
+                    nib[t] = (uint8_t)((int32_t)v + 8);
+                }
+                int32_t *qw = qr + (g0 + c0) / 8;
+                for (i64 j = 0; j < len / 8; j++) {
+                    uint32_t word = 0;
+                    for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
+                    qw[j] = (int32_t)word;
+                }
+            }
+        }
+    }
+    return -1;
 }
 
 /* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
