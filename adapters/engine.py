@@ -85,8 +85,10 @@ class EngineWorker:
         (the reference engine) the manifest's :class:`~adapters.manifest.EngineConstraints` are run.
 
         ``load_group(gen, names)``: copy just the tensors ``names`` of ``gen`` into the engine (any
-        subset, any number of times: a rollback reloads a subset from the previous generation). With
-        it the worker streams by default (``adapters.stream``: each layer group is loaded while later
+        subset, any number of times: a rollback reloads a subset from the previous generation); an
+        optional ``load_group.finish()`` is called once the groups of a step (or of a rollback) are
+        all in, for engines that process weights per reload (``adapters.vllm.stream``). With it the
+        worker streams by default (``adapters.stream``: each layer group is loaded while later
         ones are still arriving); ``streaming=False`` turns that off and loads whole generations."""
         if streaming and load_group is None:
             raise ValueError(f"{name}: streaming=True needs the adapter's load_group (it loads a subset)")
@@ -171,6 +173,14 @@ class EngineWorker:
     def load_group(self, gen: Generation, names: Sequence[str]) -> None:
         """Copy the tensors ``names`` of ``gen`` into the engine (the adapter's ``load_group``)."""
         self._load_group(gen, names)
+
+    def finish_groups(self) -> None:
+        """The groups loaded since the last call are all there will be for now (a streamed step was
+        sealed, or a rollback begins or ended): the adapter's ``load_group.finish()``, if it has one,
+        runs the engine's processing of them (vLLM: ``finalize_layerwise_reload``)."""
+        finish = getattr(self._load_group, "finish", None)
+        if callable(finish):
+            finish()
 
     def loaded(self, step: int) -> None:
         self._loaded = (self.reader.instance if self.reader is not None else None, step)

@@ -213,6 +213,7 @@ def _finish(worker: EngineWorker, stream: StreamedStep, gen: Generation) -> Load
     try:
         if rest:
             worker.load_group(gen, [n for g in rest for n in stream.groups[g]])
+        worker.finish_groups()  # the engine's per-step processing of what it loaded (vLLM: finalize)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     seconds = stream.seconds + time.perf_counter() - t0
@@ -262,8 +263,10 @@ def _rollback(worker: EngineWorker, stream: StreamedStep, why: str) -> None:
     )
     problem = None
     try:
+        worker.finish_groups()  # close what the failed step began (vLLM: its layerwise reload)
         if names:
             worker.load_group(stream.live, names)
+            worker.finish_groups()
         if not stream.live.intact():
             problem = f"generation {stream.live.index} (step {stream.live.step}) was rewritten while it was reloaded"
     except Exception as exc:
