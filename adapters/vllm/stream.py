@@ -7,17 +7,21 @@ first group, ``model.load_weights`` per group (each group is whole layers: a dec
 attention and experts, or one other module, so every vLLM layer receives all of its weights in one
 call, in layer order), ``finalize_layerwise_reload`` when the step is sealed (``finish``).
 
-What vLLM's layerwise reload does with a layer (``vllm/model_executor/model_loader/reload/
-layerwise.py``): the wrapped weight loaders buffer each layer's weights and count the elements
-loaded; the moment a layer has all of them it is materialised, loaded, processed
-(``process_weights_after_loading``) and copied back into the kernel tensors, and its state is reset.
-A layer loaded twice in one session is therefore processed once: the second load is dropped as
-"excessive loading" (a layer must never be split across groups, or be sent twice). A layer not
-loaded at all keeps its kernel tensors (finalize puts them back, warning "Failed to load weights");
-a layer only partly loaded is processed at finalize with the rest uninitialised. Attention layers
-are deferred to finalize. Hence a rollback here: finalize the failed step's session (layers it did
-not reach keep their old values), then a second session reloads every group taken from it, from the
-live generation, and finalizes; a group that failed halfway is among those reloaded whole.
+What vLLM 0.33.0's layerwise reload does with a layer (``vllm/model_executor/model_loader/reload/
+layerwise.py``; checked against the real package in tests/test_stream_vllm.py): at
+``initialize_layerwise_reload`` each layer's tensors are put back on the meta device at load-time
+shapes and their weight loaders wrapped; the wrappers buffer the layer's weights and count the
+elements loaded, and the moment a layer has all of them it is materialised, loaded, processed
+(``process_weights_after_loading``) and copied into the kernel tensors, which go back on the layer.
+So a layer loaded twice in one session is NOT reprocessed: its parameters are the kernel tensors
+again, with their load-time loaders, and the second load writes checkpoint bytes raw into them (or
+fails where the processed tensor has no loader) -- a layer must never be split across groups or sent
+twice per session. A layer not loaded at all keeps its kernel tensors (finalize puts them back,
+warning "Failed to load weights"); a layer only partly loaded is processed at finalize with the rest
+uninitialised; attention layers are deferred to finalize. Hence a rollback here: finalize the failed
+step's session (the layers it did not reach keep their old values), then a second session reloads
+every group taken from it, from the live generation, and finalizes; a group that failed halfway is
+among those reloaded whole.
 """
 
 from __future__ import annotations
