@@ -376,3 +376,43 @@ def test_the_daemon_killed_mid_step_leaves_every_engine_on_the_last_good_step(tm
             e.worker.detach()
     finally:
         serve.kill()
+
+
+def test_an_engine_that_waits_after_the_step_began_joins_it_with_the_groups_already_written(start):
+    """The engines WAIT only once groups of step 1 were written (rank 1 holds its part meanwhile):
+    the daemon streams them the groups already readable at once, then the rest; both end on step 1."""
+    d = start(world_size=2)
+    engines = [Engine(d.endpoint, f"tp{i}") for i in range(2)]
+    for e in engines:
+        e.worker.attach()
+    gate = threading.Event()
+    gate.set()
+    with ThreadPoolExecutor(4) as pool, RefitClient(d.endpoint, 0, 2) as rank0:
+        rank1 = _held_rank(d.endpoint, gate)
+        try:
+            loads = load_step(pool, engines, 0)
+            halves = _split(weights(0))
+            pushes = [pool.submit(c.push_step, 0, h, timeout=REPLY_S) for c, h in zip((rank0, rank1), halves)]
+            assert all(p.result().step == 0 for p in pushes) and all(f.result().ok for f in loads)
+            gate.clear()
+            halves = _split(weights(1))
+            pushes = [pool.submit(c.push_step, 1, h, timeout=REPLY_S) for c, h in zip((rank0, rank1), halves)]
+
+            def written():
+                stream = d.daemon.streams.current
+                return stream is not None and stream.step == 1 and len(stream.ready) >= 2
+
+            wait_until("groups of step 1 written", written)
+            loads = load_step(pool, engines, 1)
+            for e in engines:
+                assert e.took.wait(REPLY_S), f"{e.name} was not streamed the groups already written"
+            gate.set()
+            assert all(p.result().step == 1 for p in pushes)
+            assert all(f.result().ok and not f.result().rolled_back for f in loads)
+            for e in engines:
+                assert e.streamed_groups(1) >= 2 and differing(e.engine, 1) == [], e.name
+        finally:
+            gate.set()
+            rank1.close()
+    for e in engines:
+        e.worker.detach()
