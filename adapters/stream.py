@@ -19,6 +19,16 @@ live one, because the live generation is what a failure returns to (sidecar.daem
 
 An engine is never left on a mix of two steps without being told: a rollback that itself fails
 (or finds the live generation rewritten) raises, and the next load is a whole one.
+
+Which adapters stream: the reference engines (``ReferenceEngine.load_part``) and vLLM
+(``adapters.vllm.stream``: one layerwise-reload session per step). TensorRT-LLM does not: its
+``model_loader.reload(model, weights, allow_partial_loading=True)`` does take a subset (the whole
+path already sends one layer per call), but a reload is bracketed by model-wide steps,
+``pre_reload_weights`` on every module before the first subset and ``process_weights_after_loading``
++ ``post_load_weights`` on every module after the last, under ``control_action`` (the executor
+drained). Streaming would keep that executor drained while the trainer is still pushing, and a
+rollback would run the model-wide processing a second time over modules it did not reload (whose
+idempotence, e.g. per-tensor FP8's in-place requantization of w3/w1, is not established).
 """
 
 from __future__ import annotations
