@@ -44,7 +44,7 @@ from transport.cuda_ipc import open_any_arena
 from transport.curve import curve_hint, set_client
 from transport.epochs import EpochView, fence
 from transport.shm import ShmArena
-from transport.wire import Kind, Limits, Message, decode, encode
+from transport.wire import STREAM_VERSION, Kind, Limits, Message, decode, encode
 
 __all__ = ["Generation", "RefitReader"]
 
@@ -119,12 +119,16 @@ class RefitReader:
         manifest: Manifest | None = None,
         curve: tuple[bytes, bytes, bytes] | None = None,
         device: int | None = None,
+        streaming: bool = False,
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
         endpoint (``transport.curve.client_curve``); engines on the daemon's node use ipc:// instead.
         ``device``: for GPU arenas, the CUDA index to map them on (default: the arena's own GPU,
-        which must be visible to this process; another GPU reads it as peer memory over NVLink)."""
+        which must be visible to this process; another GPU reads it as peer memory over NVLink).
+        ``streaming``: ask the daemon for streamed refit (``adapters.stream``: each layer group of a
+        step as it is written); :meth:`wait` and whole-generation reading are unchanged either way."""
         self.device = device
+        self.streaming = streaming
         self.endpoint = endpoint
         self.curve = curve
         self.manifest = manifest
@@ -146,6 +150,7 @@ class RefitReader:
         self._io = threading.Lock()  # the socket, shared with the heartbeat thread
         self._inbox: collections.deque[Message] = collections.deque(maxlen=_INBOX_LIMIT)
         self._last_sent = 0.0
+        self.last_heard = time.monotonic()  # when the daemon last said anything (PONGs included)
         self._ping_s = PING_S  # replaced by the daemon's heartbeat_interval_s at attach
         self._stop_beat = threading.Event()
         self._beat: threading.Thread | None = None
@@ -303,16 +308,26 @@ class RefitReader:
                     + curve_hint(self.curve),
                     kind=ErrorKind.TIMEOUT,
                 )
-            with self._io:
-                if self._inbox:
-                    return self._inbox.popleft()
-                self._ping_if_due()  # the heartbeat thread skips its turn while we hold the socket
-                if self._sock.poll(int(min(left, self._ping_s, 1.0) * 1000)):
-                    msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
-                    if msg.kind is Kind.REVOKED and not self._from_new_instance(msg):
-                        self._note_revoked(msg)
-                    elif msg.kind is not Kind.PONG or self._from_new_instance(msg):
-                        return msg
+            msg = self.poll(min(left, self._ping_s, 1.0))
+            if msg is not None:
+                return msg
+
+    def poll(self, seconds: float) -> Message | None:
+        """The next message for the owner within ``seconds``, else None (pinging if due). REVOKED
+        is noted on the generation it names and a PONG of this daemon start only refreshes
+        :attr:`last_heard`; neither is returned."""
+        with self._io:
+            if self._inbox:
+                return self._inbox.popleft()
+            self._ping_if_due()  # the heartbeat thread skips its turn while we hold the socket
+            if self._sock.poll(max(0, int(seconds * 1000))):
+                msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                self.last_heard = time.monotonic()
+                if msg.kind is Kind.REVOKED and not self._from_new_instance(msg):
+                    self._note_revoked(msg)
+                elif msg.kind is not Kind.PONG or self._from_new_instance(msg):
+                    return msg
+        return None
 
     def _from_new_instance(self, msg: Message) -> bool:
         instance = msg.get("instance")
@@ -352,6 +367,7 @@ class RefitReader:
                     return
                 while self._sock.poll(0):
                     msg = decode(self._sock.recv_multipart(copy=False), _READER_LIMITS)
+                    self.last_heard = time.monotonic()
                     if msg.kind is Kind.REVOKED and not self._from_new_instance(msg):
                         self._note_revoked(msg)
                     elif msg.kind is not Kind.PONG or self._from_new_instance(msg):
@@ -373,6 +389,8 @@ class RefitReader:
         if self._attached:
             return
         fields: dict[str, Any] = {"name": self.name, "pid": os.getpid()}
+        if self.streaming:
+            fields["stream"] = STREAM_VERSION
         if self.manifest is not None:
             fields["manifest"] = self.manifest.to_wire()
         self._send(Kind.ATTACH, fields, deadline=deadline)

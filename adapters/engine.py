@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from adapters.base import Generation, RefitReader
+from adapters.stream import load_streamed, streams
 from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 from sidecar.protocol.manifest import EngineKind, Manifest
 
@@ -37,6 +38,9 @@ class LoadResult:
     ok: bool
     seconds: float = 0.0
     error: str | None = None
+    #: streamed refit: the step failed (or this engine failed part of it) after the engine had loaded
+    #: part of it, and those parts were reloaded from the last good generation (``step``)
+    rolled_back: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +62,7 @@ class LoadResult:
             ok=bool(value.get("ok", False)),
             seconds=float(value.get("seconds", 0.0)),
             error=value.get("error"),
+            rolled_back=value.get("rolled_back") is True,
         )
 
 
@@ -71,15 +76,30 @@ class EngineWorker:
         load: Callable[[Generation], None],
         timeout: float = 600.0,
         check: Callable[[Manifest], list[str]] | None = None,
+        load_group: Callable[[Generation, Sequence[str]], None] | None = None,
+        streaming: bool | None = None,
     ):
         """``check``: the adapter's own constraint check (``adapters.vllm.check_vllm_constraints``,
         ``adapters.trtllm.check_trtllm_constraints``), required for those engines' manifests and run
         on every attach before the daemon is contacted; any problem refuses the attach. Without one
-        (the reference engine) the manifest's :class:`~sidecar.protocol.manifest.EngineConstraints` are run."""
+        (the reference engine) the manifest's :class:`~sidecar.protocol.manifest.EngineConstraints` are run.
+
+        ``load_group(gen, names)``: copy just the tensors ``names`` of ``gen`` into the engine (any
+        subset, any number of times: a rollback reloads a subset from the previous generation); an
+        optional ``load_group.finish()`` is called once the groups of a step (or of a rollback) are
+        all in, for engines that process weights per reload (``adapters.vllm.stream``). With it the
+        worker streams by default (``adapters.stream``: each layer group is loaded while later
+        ones are still arriving); ``streaming=False`` turns that off and loads whole generations."""
+        if streaming and load_group is None:
+            raise ValueError(f"{name}: streaming=True needs the adapter's load_group (it loads a subset)")
         self.endpoint, self.name, self.timeout = endpoint, name, timeout
         self._manifest, self._load, self._check = manifest, load, check
+        self._load_group = load_group
+        self.streaming = load_group is not None if streaming is None else bool(streaming)
         self.reader: RefitReader | None = None
         self.attach_info: dict[str, Any] = {}
+        self._loaded: tuple[str | None, int] | None = None  # (daemon instance, step) the engine holds whole
+        self.stream_groups: tuple[Any, list[list[str]]] | None = None  # the daemon's groups, by key
 
     def manifest(self) -> Manifest:
         return self._manifest() if callable(self._manifest) else self._manifest
@@ -96,7 +116,13 @@ class EngineWorker:
                     f"{self.name}: this {manifest.engine.value} engine cannot take refitd's generations:\n{lines}",
                     kind=ErrorKind.ENGINE,
                 )
-            self.reader = RefitReader(self.endpoint, name=self.name, timeout=self.timeout, manifest=manifest)
+            self.reader = RefitReader(
+                self.endpoint,
+                name=self.name,
+                timeout=self.timeout,
+                manifest=manifest,
+                streaming=self.streaming,
+            )
         self.attach_info = self.reader.attach(timeout=timeout)
         return self.attach_info
 
@@ -110,10 +136,23 @@ class EngineWorker:
         (``load_next`` again) before serving."""
         if self.reader is None:
             self.attach(timeout)
+        self.reader._ensure_attached(time.monotonic() + (self.timeout if timeout is None else timeout))
+        self.attach_info = self.reader.attach_info
+        if streams(self.reader):
+            return load_streamed(self, min_step, timeout)  # each layer group as it is written
+        return self.load_whole(min_step, timeout)
+
+    def load_whole(self, min_step: int | None = None, timeout: float | None = None) -> LoadResult:
+        """``load_next`` without streaming: wait until the whole generation is published, load it."""
         gen = self.reader.wait(min_step=min_step, timeout=timeout)  # re-attaches if the daemon restarted
         self.attach_info = self.reader.attach_info
+        return self.load_generation(gen)
+
+    def load_generation(self, gen: Generation) -> LoadResult:
+        """Load the published generation ``gen`` whole, check it intact, acknowledge and release it."""
         t0 = time.perf_counter()
         error = None
+        self._loaded = None  # until this load is whole and intact, the engine holds no one step
         try:
             self._load(gen)
         except Exception as exc:  # reported to the daemon and the caller, never swallowed
@@ -125,7 +164,36 @@ class EngineWorker:
             self.reader.release(gen, ok=False, error=str(torn), seconds=seconds)  # raises HoldRevoked
             raise torn  # (a release that did not raise: the epoch moved on after all; still torn)
         self.reader.release(gen, ok=error is None, error=error, seconds=seconds)
+        if error is None:
+            self.loaded(gen.step)
         return LoadResult(worker=self.name, step=gen.step, ok=error is None, seconds=seconds, error=error)
+
+    # ---- what the engine holds (streamed refit streams only on top of a whole, known step)
+
+    def load_group(self, gen: Generation, names: Sequence[str]) -> None:
+        """Copy the tensors ``names`` of ``gen`` into the engine (the adapter's ``load_group``)."""
+        self._load_group(gen, names)
+
+    def finish_groups(self) -> None:
+        """The groups loaded since the last call are all there will be for now (a streamed step was
+        sealed, or a rollback begins or ended): the adapter's ``load_group.finish()``, if it has one,
+        runs the engine's processing of them (vLLM: ``finalize_layerwise_reload``)."""
+        finish = getattr(self._load_group, "finish", None)
+        if callable(finish):
+            finish()
+
+    def loaded(self, step: int) -> None:
+        self._loaded = (self.reader.instance if self.reader is not None else None, step)
+
+    def forget_loaded(self) -> None:
+        self._loaded = None
+
+    def loaded_step(self) -> int | None:
+        """The step this engine holds whole, loaded from the daemon start it is attached to (None:
+        none, or from an earlier start): the daemon streams only on top of it."""
+        if self._loaded is None or self.reader is None or self._loaded[0] != self.reader.instance:
+            return None
+        return self._loaded[1]
 
     def load_intact(
         self, min_step: int | None = None, timeout: float | None = None, *, attempts: int = 3

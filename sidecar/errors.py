@@ -44,12 +44,21 @@ class RefitError(RuntimeError):
     """A step failed. ``kind``, ``rank`` (the failing rank, if one) and ``step`` say where and why."""
 
     def __init__(
-        self, message: str, *, kind: ErrorKind = ErrorKind.INTERNAL, rank: int | None = None, step=None
+        self,
+        message: str,
+        *,
+        kind: ErrorKind = ErrorKind.INTERNAL,
+        rank: int | None = None,
+        step=None,
+        rolled_back=(),
     ):
         # rank and step are integers or None: anything else (a peer's malformed field) is dropped
         # here, so formatting or sending the error can never fail on it
         rank, step = _int_or_none(rank), _int_or_none(step)
         self.kind, self.rank, self.step, self.message = ErrorKind.parse(kind), rank, step, str(message)
+        #: streamed refit: the engine workers that had loaded part of this (failed) step and were told
+        #: to reload those parts from the last good generation (names; empty when none had)
+        self.rolled_back: tuple[str, ...] = _names(rolled_back)
         where = []
         if step is not None:
             where.append(f"step {step}")
@@ -59,7 +68,10 @@ class RefitError(RuntimeError):
         super().__init__(prefix + message)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "message": self.message, "rank": self.rank, "step": self.step}
+        fields = {"kind": self.kind.value, "message": self.message, "rank": self.rank, "step": self.step}
+        if self.rolled_back:
+            fields["rolled_back"] = list(self.rolled_back)
+        return fields
 
     @classmethod
     def from_wire(cls, fields: dict[str, Any]) -> RefitError:
@@ -68,6 +80,7 @@ class RefitError(RuntimeError):
             kind=ErrorKind.parse(fields.get("kind")),
             rank=fields.get("rank"),
             step=fields.get("step"),
+            rolled_back=fields.get("rolled_back", ()),
         )
 
 
@@ -79,6 +92,16 @@ class DaemonRestarted(RefitError):
     def __init__(self, message: str, *, old: str | None, new: str | None, rank: int | None = None, step=None):
         super().__init__(message, kind=ErrorKind.RESTARTED, rank=rank, step=step)
         self.old, self.new = old, new
+
+
+MAX_ROLLED_BACK = 256  # engine names an error carries (a peer's list is cut there)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A list of engine worker names from anyone (a peer's field): strings only, bounded."""
+    if not isinstance(value, (list, tuple)):
+        return ()
+    return tuple(v[:200] for v in value[:MAX_ROLLED_BACK] if isinstance(v, str))
 
 
 def _int_or_none(value: Any) -> int | None:

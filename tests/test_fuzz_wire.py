@@ -527,6 +527,8 @@ def sensible(kind: Kind, key: str, rank: int) -> st.SearchStrategy:
             optional={"tensors": st.lists(hostile, max_size=3), "constraints": hostile, "info": hostile},
         ),
         "cancel": st.booleans(),
+        "stream": st.sampled_from([1, 0, 2, True, "1"]),  # ATTACH: the stream version; RELEASE: a flag
+        "loaded": st.sampled_from([None, 0, Current(), Current(-1), -1]),
         "generation": st.integers(-1, 3),
         "ok": st.booleans(),
         "error": st.text(max_size=10),
@@ -551,9 +553,9 @@ REQUEST_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.COMMIT: ("step", "rank"),
     Kind.ABORT: ("step", "rank", "reason"),
     Kind.PING: ("step", "rank"),
-    Kind.ATTACH: ("name", "pid", "manifest"),
-    Kind.WAIT: ("min_step", "cancel"),
-    Kind.RELEASE: ("generation", "step", "ok", "error", "seconds"),
+    Kind.ATTACH: ("name", "pid", "manifest", "stream"),
+    Kind.WAIT: ("min_step", "cancel", "loaded"),
+    Kind.RELEASE: ("generation", "step", "ok", "error", "seconds", "stream"),
     Kind.DETACH: (),
     Kind.STATUS: (),
     Kind.FORWARD_BEGIN: ("step", "source", "transfer", "rows", "movers"),
@@ -656,8 +658,9 @@ class Fields(Probe):
         if self.prelude.startswith("hello"):
             s.send(0, hello(int(self.prelude[-1])))
             s.until(0, {Kind.WELCOME}, "WELCOME")
-        elif self.prelude == "attach":
-            s.send_msg(0, Kind.ATTACH, {"name": "fuzz-reader"})
+        elif self.prelude.startswith("attach"):  # "attach_stream": a reader that asked for streamed refit
+            fields = {"name": "fuzz-reader"} | ({"stream": 1} if self.prelude == "attach_stream" else {})
+            s.send_msg(0, Kind.ATTACH, fields)
             s.until(0, {Kind.ATTACHED}, "ATTACHED")
         s.send(
             0,
@@ -673,7 +676,8 @@ def fields_probes(draw, values: st.SearchStrategy | None = None) -> Probe:
     field of the request (``step`` included), sent by a peer the daemon knows, so that the value gets
     past the first checks; the other fields are sensible."""
     kind = draw(st.sampled_from(list(REQUEST_FIELDS)))
-    preludes = ["none", "hello0", "hello1", "attach"] if values is None else ["hello0", "hello1", "attach"]
+    preludes = ["hello0", "hello1", "attach", "attach_stream"]
+    preludes = ["none", *preludes] if values is None else preludes
     prelude = draw(st.sampled_from(preludes))
     rank = int(prelude[-1]) if prelude.startswith("hello") else 0
     fields: dict[str, Any] = {}
@@ -984,15 +988,41 @@ sequence_probes = st.lists(actions(), min_size=1, max_size=10).map(Sequence)
 # ---- whole steps with torn data
 
 
+#: the socket a Torn probe's streaming reader uses (the ranks use 0 .. WORLD-1)
+STREAMER = 7
+
+
 class Torn(Probe):
     """Both ranks (remote) begin a whole, valid step and get READY, then send its data torn in one
-    way, and COMMIT. Whatever the daemon answers, the step must not publish."""
+    way, and COMMIT. Whatever the daemon answers, the step must not publish.
 
-    def __init__(self, variant: str, rank: int, row: int):
-        self.variant, self.rank, self.row = variant, rank, row
-        self.label = f"{variant}: rank {rank}, row {row}"
+    ``stream``: a reader that asked for streamed refit waits for the step, its engine holding the
+    live step; ``"hostile"``: it also says mid-step that its engine failed a group (RELEASE
+    ``stream``). Whatever groups it was streamed, it must be told the step failed (STREAM_FAILED),
+    and never be handed the step."""
+
+    def __init__(self, variant: str, rank: int, row: int, stream: str = ""):
+        self.variant, self.rank, self.row, self.stream = variant, rank, row, stream
+        self.label = f"{variant}: rank {rank}, row {row}{', streamed ' + stream if stream else ''}"
 
     def run(self, s: Session) -> None:
+        if self.stream:
+            s.send_msg(STREAMER, Kind.ATTACH, {"name": "fuzz-streamer", "stream": 1})
+            assert s.until(STREAMER, {Kind.ATTACHED}, "ATTACHED").get("stream") == 1
+            s.send_msg(STREAMER, Kind.WAIT, {"min_step": Current(), "loaded": s.fz.live["step"]})
+            s.barrier(STREAMER)
+        self.tear_step(s)
+        if self.stream:
+            s.barrier(STREAMER)
+            kinds = {m.kind for m in s.answers[STREAMER]}
+            mine = [m for m in s.answers[STREAMER] if m.get("step") == s.step]
+            assert Kind.GENERATION not in {m.kind for m in mine}, (
+                f"{self!r}: a streamer was handed the torn step"
+            )
+            if Kind.STREAM in kinds and s.fz.status()["step_in_progress"] is None:
+                assert Kind.STREAM_FAILED in kinds, f"{self!r}: a streamer was not told the step failed"
+
+    def tear_step(self, s: Session) -> None:
         ids: dict[int, list[int]] = {}
         for r in range(WORLD):
             s.send(r, hello(r))
@@ -1005,6 +1035,15 @@ class Torn(Probe):
         for r in range(WORLD):
             for k, row in enumerate(ROWS[r]):
                 pid = ids[r][k]
+                if self.stream == "hostile" and r == 1 and k == 0:  # the engine "fails a group" mid-step
+                    fields = {
+                        "generation": 0,
+                        "step": Current(),
+                        "ok": False,
+                        "error": "x" * 5000,
+                        "stream": True,
+                    }
+                    s.send_msg(STREAMER, Kind.RELEASE, fields)
                 if r == self.rank and k == self.row:
                     self.tear(s, r, row, pid, ids)
                 elif self.variant == "piece_done_remote":
@@ -1047,7 +1086,7 @@ class Torn(Probe):
             raise ValueError(f"unknown tear {v!r}")
 
 
-def torn_probes(*variants: str) -> st.SearchStrategy:
+def torn_probes(*variants: str, stream: tuple[str, ...] = ("",)) -> st.SearchStrategy:
     """Tears of the given variants at any row of either rank (duplicate_sub_block: rows it can halve)."""
 
     @st.composite
@@ -1057,7 +1096,7 @@ def torn_probes(*variants: str) -> st.SearchStrategy:
         rows = range(len(ROWS[rank]))
         if variant == "duplicate_sub_block":
             rows = [k for k in rows if any(n % 2 == 0 for n in ROWS[rank][k].shape)]
-        return Torn(variant, rank, draw(st.sampled_from(list(rows))))
+        return Torn(variant, rank, draw(st.sampled_from(list(rows))), draw(st.sampled_from(stream)))
 
     return build()
 
@@ -1077,6 +1116,9 @@ FAMILIES: dict[str, Callable[[], st.SearchStrategy]] = {
     "torn": lambda: torn_probes("missing", "twice", "foreign_piece", "outside", "short"),
     "torn_duplicate_sub_block": lambda: torn_probes("duplicate_sub_block"),
     "torn_piece_done_remote": lambda: torn_probes("piece_done_remote"),
+    "torn_streamed": lambda: torn_probes(
+        "missing", "twice", "foreign_piece", "outside", "short", stream=("plain", "hostile")
+    ),
 }
 
 
@@ -1144,6 +1186,9 @@ EXPLICIT: dict[str, Callable[[], list[Probe]]] = {
     "torn": lambda: [Torn(v, 0, 0) for v in ("missing", "twice", "foreign_piece", "outside", "short")],
     "torn_duplicate_sub_block": lambda: [Torn("duplicate_sub_block", 0, 0)],
     "torn_piece_done_remote": lambda: [Torn("piece_done_remote", 1, 0)],
+    "torn_streamed": lambda: [
+        Torn(v, 1, len(ROWS[1]) - 1, stream) for v in ("missing", "twice") for stream in ("plain", "hostile")
+    ],
 }
 
 

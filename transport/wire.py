@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     import torch
 
 PROTOCOL_VERSION = 2  # 2: BEGIN's pieces may be msgpack bytes of the rows (sidecar.daemon.step)
+#: the streamed-refit sub-protocol (STREAM / GROUP / STREAM_FAILED): a reader asks for it in ATTACH
+#: (``"stream": STREAM_VERSION``) and the daemon says in ATTACHED which version it speaks (absent: none);
+#: a reader and a daemon that disagree fall back to whole generations, nothing else changes
+STREAM_VERSION = 1
 
 
 class Kind(enum.IntEnum):
@@ -60,6 +64,13 @@ class Kind(enum.IntEnum):
     GENERATION = 23  # daemon: generation index, step, layout
     RELEASE = 24  # reader: generation index, step
     REVOKED = 25  # daemon: a reader's hold on a generation was dropped (reader_timeout_s) to write a step
+    STREAM = (
+        26  # daemon -> streaming reader: step s is being written into generation g; its groups, the live one
+    )
+    GROUP = 27  # daemon -> streaming reader: these groups of step s are written and readable now
+    STREAM_FAILED = (
+        28  # daemon -> streaming reader: step s failed; reload what it took from the live generation
+    )
     STATUS = 30  # anyone -> STATUS_REPLY
     STATUS_REPLY = 31
     DETACH = 32  # reader or client leaving

@@ -231,6 +231,29 @@ class ReferenceEngine:
         self._dense.clear()
         self._loaded = True
 
+    def load_part(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy some of a generation's tensors (streamed refit: one layer group as it is published,
+        or a rollback's reload of what a failed step replaced). Each must be one this engine
+        expects, with its manifest dtype and shape; otherwise a ValueError lists every problem and
+        nothing is copied. The engine holds a whole step again only once every tensor of it came."""
+        problems = []
+        for name, t in named_tensors.items():
+            s = self._slots.get(name)
+            if s is None:
+                problems.append(f"{name}: not expected by this engine")
+            elif not isinstance(t, torch.Tensor) or t.dtype != s.dtype or tuple(t.shape) != s.shape:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"{name}: got {got}, expected {s.dtype} {s.shape}")
+        if problems:
+            more = f" (and {len(problems) - MAX_LISTED} more)" if len(problems) > MAX_LISTED else ""
+            raise ValueError(
+                f"cannot load these tensors into the reference engine: {problems[:MAX_LISTED]}{more}"
+            )
+        for name, tensor in named_tensors.items():
+            s = self._slots[name]
+            self._params[s.param][s.index].copy_(tensor)
+        self._dense.clear()
+
     def load_bf16(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Fill a BF16 engine from the original BF16 checkpoint (the baseline FP8 is measured against).
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.memory.generations import Arenas, Generation
     from sidecar.daemon.peers import Peers
     from sidecar.daemon.step import StepState
+    from sidecar.daemon.streams import Streams
     from sidecar.daemon.worker import QuantWorker
     from sidecar.errors import RefitError
     from sidecar.plan.build import RefitPlan, RefitSpec
@@ -35,6 +36,7 @@ class LoopContext(Protocol):
     engines: dict[bytes, EngineState]  # attached engine workers
     peers: Peers
     last_step: int | None
+    streams: Streams  # streamed refit: which readers load each layer group as it is written
 
     @property
     def plan(self) -> RefitPlan | None: ...

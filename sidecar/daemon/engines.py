@@ -66,11 +66,13 @@ class Engines:
                 raise RefitError(f"engine worker {name!r}: {exc}", kind=ErrorKind.ENGINE) from None
             warnings = self._attach_engine(identity, name, manifest)
         self.ctx.peers[identity] = Peer(identity, PeerRole.READER, time.monotonic(), pid=pid, name=name)
+        stream = self.ctx.streams.attached(identity, msg)  # streamed refit, if the reader asked for it
         live = self.ctx.arenas.live_generation()
         self.ctx.send(
             identity,
             Kind.ATTACHED,
             {
+                **({} if stream is None else {"stream": stream}),
                 "instance": self.ctx.instance,
                 "live_step": None if live is None else live.step,
                 "format": self.ctx.spec.fmt.value,
@@ -172,6 +174,7 @@ class Engines:
 
     def drop_engine(self, identity: bytes, why: str) -> None:
         self.engines.pop(identity, None)
+        self.ctx.streams.forget(identity)
         self.ctx.arenas.drop_reader(identity)
         self.ctx.peers.pop(identity, None)
         for rnd in self.rounds.values():
@@ -188,10 +191,14 @@ class Engines:
             return
         peer.waiting, peer.min_step = mode, min_step
         self.serve_waiting(peer)
+        if peer.waiting is not None:  # not answered yet: a streaming reader may join the step in progress
+            self.ctx.streams.waiting(peer, msg)
 
     def handle_release(self, identity: bytes, msg: Message) -> None:
         index = msg.require("generation", int)
         step = msg.get("step")
+        if self.ctx.streams.engine_failed(identity, msg):  # a group of the step in progress failed
+            return
         if not self.ctx.arenas.release(identity, index, step):
             log.debug("release of generation %d by a reader that no longer held it", index)
         rnd = self.rounds.get(step) if isinstance(step, int) else None

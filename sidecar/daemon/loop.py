@@ -52,6 +52,7 @@ from sidecar.daemon.pipeline import Pipeline
 from sidecar.daemon.pull import Pulls
 from sidecar.daemon.setup import bind, make_arenas, record_segments, refit_spec, segments_file
 from sidecar.daemon.step import StepState
+from sidecar.daemon.streams import Streams
 from sidecar.daemon.trainers import Trainers
 from sidecar.daemon.worker import QuantWorker
 from sidecar.errors import ErrorKind, RefitError
@@ -124,6 +125,7 @@ class Daemon:
         self.pipeline = Pipeline(self)
         self.pulls = Pulls(self)
         self.pipeline.pulls = self.pulls  # a granted ring group's remote pieces are READ at once
+        self.streams = Streams(self)  # streamed refit: engines load each layer group as it is written
         self.engine_side = Engines(self)
         self.engines = self.engine_side.engines  # attached engine workers (observers read it)
         self.trainers = Trainers(self, self.pipeline, self.pulls, self.engine_side)
@@ -488,6 +490,7 @@ class Daemon:
         for identity in trainers:
             self.send(identity, reply, {**record, **(extra or {})})
         notify(self.observers, "on_step_published", self, record, state)
+        self.streams.published(record["step"])
         self.engine_side.published(record["step"], trainers)
 
     def fail_step(self, err: RefitError) -> None:
@@ -502,6 +505,16 @@ class Daemon:
             err,
             extra={"step": state.step, "rank": err.rank, "phase": "fail"},
         )
+        rolled_back = self.streams.failed(state, err)  # streaming engines return to the live step at once
+        if rolled_back:
+            err = RefitError(
+                f"{err.message} (engine workers that had loaded part of step {state.step} reload it from the "
+                f"last good generation: {', '.join(rolled_back)})",
+                kind=err.kind,
+                rank=err.rank,
+                step=err.step,
+                rolled_back=rolled_back,
+            )
         notify(self.observers, "on_step_failed", self, err)
         self.trainers.tell_failed(state, err)
         self.worker.cancel(state.step)

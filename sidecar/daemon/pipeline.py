@@ -263,6 +263,7 @@ class Pipeline:
                 kind = ErrorKind.INTERNAL
             ctx.fail_step(RefitError(str(done.error), kind=kind, step=done.step))
             return
+        ctx.streams.units_done(state, units)  # streaming engines may read the groups these completed
         state.units_done.update(units)
         if ctx.arenas.ring is not None:
             try:

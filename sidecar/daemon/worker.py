@@ -105,6 +105,22 @@ def batches(jobs: list) -> list[list]:
     return runs
 
 
+def _quantization(job: tuple | SpanJob) -> bool:
+    """A unit that quantizes (the rest, passthroughs and spans, is a check and a copy: cheap)."""
+    return not isinstance(job, SpanJob) and job[1].fmt is not None
+
+
+def _unbatched_quantization(job: tuple | SpanJob | None) -> bool:
+    """A quantization that does not run through the Triton kernels (the native CPU kernels, or the
+    torch reference): after it the worker looks at the queue again, so that cheap work queued
+    meanwhile goes first. (Queued Triton launches stay one batch: their NaN/Inf flags are read once
+    per batch, one host sync.)"""
+    if job is None or not _quantization(job):
+        return False
+    device = next((t.device for t in job[3].values()), torch.device("cpu"))
+    return not kernels.available(device)
+
+
 def _synchronize(tensors: dict) -> None:
     """Wait for the GPU work of the device these tensors live on (the kernels ran there)."""
     for t in tensors.values():
@@ -117,7 +133,10 @@ class QuantWorker:
     """Runs ``run_unit`` for submitted units in order; ``close()`` joins the thread."""
 
     def __init__(self, ctx: zmq.Context, wake_endpoint: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        #: (priority, order, job): cheap passthrough work (a span job, a small passthrough) ahead of
+        #: quantization queued before it, in order within each priority; the close sentinel last
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self.results: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._ctx, self._wake_endpoint = ctx, wake_endpoint
         self._cancelled: set[int] = set()
@@ -142,7 +161,7 @@ class QuantWorker:
         no arena's view cache is touched from this worker). ``sync``: wait for its GPU work before
         reporting it done (the staging ring reuses the region it read as soon as it is reported)."""
         self.inflight += 1
-        self._jobs.put((step, unit, inputs, outputs, sync))
+        self._put((step, unit, inputs, outputs, sync))
 
     def submit_spans(self, step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]]) -> None:
         """Queue the units of ``spans`` (each ``(span, staging bytes, generation bytes)``, views the
@@ -150,7 +169,14 @@ class QuantWorker:
         units = tuple(itertools.chain.from_iterable(span.units for span, _, _ in spans))
         if units:
             self.inflight += 1
-            self._jobs.put(SpanJob(step, spans, units))
+            self._put(SpanJob(step, spans, units))
+
+    def _put(self, job: tuple | SpanJob | None) -> None:
+        """Queue ``job``: cheap passthrough work first. It completes layer groups, which streaming
+        engines load while the quantization of later layers still runs (sidecar.daemon.streams);
+        behind every queued quantization it would hold each group back to the end of the step."""
+        priority = 2 if job is None else 1 if _quantization(job) else 0
+        self._jobs.put((priority, next(self._order), job))
 
     def cancel(self, step: int) -> None:
         """Skip whatever of ``step`` has not started (a failed step); running units finish."""
@@ -164,7 +190,7 @@ class QuantWorker:
             self._cancelled.clear()
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._put(None)
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
@@ -173,10 +199,10 @@ class QuantWorker:
         try:
             stop = False
             while not stop:
-                jobs = [self._jobs.get()]
-                while len(jobs) < BATCH_MAX_UNITS:  # whatever else is queued already
-                    try:
-                        jobs.append(self._jobs.get_nowait())
+                jobs = [self._jobs.get()[2]]
+                while len(jobs) < BATCH_MAX_UNITS and not _unbatched_quantization(jobs[-1]):
+                    try:  # whatever else is queued already
+                        jobs.append(self._jobs.get_nowait()[2])
                     except queue.Empty:
                         break
                 if None in jobs:

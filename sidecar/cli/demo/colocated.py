@@ -117,7 +117,11 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
     spec = demo_spec(fmt, kwargs)
     live = ReferenceEngine.from_config(config, expert_format=fmt)
     worker = EngineWorker(
-        endpoint, name="reference-engine-0", manifest=live.manifest(), load=lambda g: live.load(g.tensors)
+        endpoint,
+        name="reference-engine-0",
+        manifest=live.manifest(),
+        load=lambda g: live.load(g.tensors),
+        load_group=lambda g, names: live.load_part({n: g.tensors[n] for n in names}),  # streamed refit
     )
     try:
         worker.attach(timeout=60)

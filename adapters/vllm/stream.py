@@ -1,0 +1,73 @@
+"""Streamed refit into vLLM: each layer group through vLLM's layerwise reload as it is published.
+
+``layerwise_group_loader(worker, fmt)`` is the ``load_group`` an ``EngineWorker`` streams with
+(``adapters.stream``); None on a vLLM without layerwise reload, which then loads whole generations.
+One layerwise-reload session spans one streamed step: ``initialize_layerwise_reload`` before the
+first group, ``model.load_weights`` per group (each group is whole layers: a decoder layer with its
+attention and experts, or one other module, so every vLLM layer receives all of its weights in one
+call, in layer order), ``finalize_layerwise_reload`` when the step is sealed (``finish``).
+
+What vLLM 0.33.0's layerwise reload does with a layer (``vllm/model_executor/model_loader/reload/
+layerwise.py``; checked against the real package in tests/test_stream_vllm.py): at
+``initialize_layerwise_reload`` each layer's tensors are put back on the meta device at load-time
+shapes and their weight loaders wrapped; the wrappers buffer the layer's weights and count the
+elements loaded, and the moment a layer has all of them it is materialised, loaded, processed
+(``process_weights_after_loading``) and copied into the kernel tensors, which go back on the layer.
+So a layer loaded twice in one session is NOT reprocessed: its parameters are the kernel tensors
+again, with their load-time loaders, and the second load writes checkpoint bytes raw into them (or
+fails where the processed tensor has no loader) -- a layer must never be split across groups or sent
+twice per session. A layer not loaded at all keeps its kernel tensors (finalize puts them back,
+warning "Failed to load weights"); a layer only partly loaded is processed at finalize with the rest
+uninitialised; attention layers are deferred to finalize. Hence a rollback here: finalize the failed
+step's session (the layers it did not reach keep their old values), then a second session reloads
+every group taken from it, from the live generation, and finalizes; a group that failed halfway is
+among those reloaded whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from adapters.vllm.worker import _config_context, _model, ordered_weights
+
+
+class LayerwiseGroups:
+    """``load_group`` for a vLLM worker: layer groups into one layerwise-reload session per step."""
+
+    def __init__(self, worker: Any, initialize: Callable, finalize: Callable):
+        self.worker, self._initialize, self._finalize = worker, initialize, finalize
+        self._open = False  # a session is in progress (initialized, not yet finalized)
+
+    def __call__(self, gen: Any, names: Sequence[str]) -> None:
+        worker = self.worker
+        model = _model(worker)
+        weights = ordered_weights({n: gen.tensors[n] for n in names})
+        with _config_context(worker), torch.device(worker.device):
+            if not self._open:
+                self._initialize(model)
+                self._open = True
+            model.load_weights(weights)
+
+    def finish(self) -> None:
+        """Finalize the session (the step is sealed, or a rollback closes or ends one)."""
+        if not self._open:
+            return
+        self._open = False
+        worker = self.worker
+        with _config_context(worker), torch.device(worker.device):
+            self._finalize(_model(worker), worker.model_config)
+
+
+def layerwise_group_loader(worker: Any) -> LayerwiseGroups | None:
+    """The streaming ``load_group`` of a vLLM worker; None when this vLLM has no layerwise reload."""
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:
+        return None
+    return LayerwiseGroups(worker, initialize_layerwise_reload, finalize_layerwise_reload)
