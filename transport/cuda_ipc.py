@@ -346,6 +346,58 @@ class CudaIpcArena(CarvedArena):
     def unlink(self) -> None:
         """Nothing to do: GPU memory has no name to remove. Kept so arenas are interchangeable."""
 
+    @property
+    def driver(self) -> Driver:
+        return self._memory().driver
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this arena's GPU (its writes land before anyone is told)."""
+        mem = self._memory()
+        mem.driver.synchronize(mem.device)
+
+
+class HostPin:
+    """Host memory page-locked for DMA (``cudaHostRegister``) until :meth:`release` (idempotent;
+    also at garbage collection). The daemon pins each host generation (writable), a reader its
+    read-only mapping of one; both unpin before they unmap. The mapping must outlive the pin."""
+
+    def __init__(self, driver: Driver, device: int, ptr: int, nbytes: int, *, read_only: bool):
+        driver.host_register(device, ptr, nbytes, read_only=read_only)
+        self.driver, self.device, self.ptr, self.nbytes, self.read_only = (
+            driver,
+            device,
+            ptr,
+            nbytes,
+            read_only,
+        )
+        self._finalizer = weakref.finalize(self, _unpin, driver, device, ptr)
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _unpin(driver: Driver, device: int, ptr: int) -> None:
+    try:
+        driver.synchronize(device)  # DMAs in flight out of (or into) it finish first
+        driver.host_unregister(device, ptr)
+    except Exception as exc:  # at interpreter exit the runtime may already be gone
+        log.warning("could not unregister page-locked host memory at %#x: %s", ptr, exc)
+
+
+def pin_shm_arena(arena: ShmArena, *, driver: Driver, device: int, read_only: bool) -> HostPin | None:
+    """Page-lock a POSIX-shm arena's whole segment (None for an empty one: nothing to pin)."""
+    from transport.shm import shm_region
+
+    region = shm_region(arena)
+    if region is None:
+        return None
+    ptr, nbytes = region
+    return HostPin(driver, device, ptr, nbytes, read_only=read_only)
+
 
 def open_any_arena(
     handle: Mapping[str, Any], *, writable: bool, device: int | None = None, driver: Driver | None = None

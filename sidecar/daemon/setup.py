@@ -35,8 +35,10 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_bytes=config.staging_bytes,
             publish_bytes=config.publish_bytes,
             kind=config.arena,
-            gpu=config.gpu,
+            gpu=config.arena_gpu,
             staging_regions=regions,
+            host_generations=config.host_generations,
+            budget=config.device_budget,
         )
     if config.publish_bytes is not None and (
         config.staging_bytes is not None or config.role is NodeRole.INFERENCE
@@ -46,8 +48,10 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_bytes=config.staging_bytes or 4096,
             publish_bytes=config.publish_bytes,
             kind=config.arena,
-            gpu=config.gpu,
+            gpu=config.arena_gpu,
             staging_regions=regions,
+            host_generations=config.host_generations,
+            budget=config.device_budget,
         )
     raise RefitError(
         "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "

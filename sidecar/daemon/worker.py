@@ -91,7 +91,7 @@ def batchable(job: tuple | SpanJob) -> bool:
     job is a batch already)."""
     if isinstance(job, SpanJob):
         return False
-    _step, unit, _inputs, _outputs, sync = job
+    unit, sync = job[1], job[4]  # (step, unit, inputs, outputs, sync[, copies])
     return unit.fmt is None and not sync and unit.bytes_in <= BATCH_UNIT_BYTES
 
 
@@ -116,6 +116,26 @@ def batches(jobs: list) -> list[list]:
             runs.append([job])
             run_bytes = 0 if isinstance(job, SpanJob) else job[1].bytes_in
     return runs
+
+
+def copy_out(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Move a group's outputs from the device publish ring into the host generation (page-locked):
+    asynchronous copies on a stream of their own (after the kernels that wrote them), then a sync,
+    so the group counts as written only once its bytes are in host memory. Host memory on both
+    sides (CPU arenas; the tests' fake driver) is a plain copy."""
+    if not copies:
+        return
+    if not copies[0][0].is_cuda:
+        for src, dst in copies:
+            dst.copy_(src)
+        return
+    device = copies[0][0].device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for src, dst in copies:
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 def _synchronize(tensors: dict) -> None:
@@ -149,13 +169,16 @@ class QuantWorker:
         outputs: Mapping[str, torch.Tensor],
         *,
         sync: bool = False,
+        copies: list | tuple = (),
     ) -> None:
         """Queue ``unit`` with its resolved tensors: ``inputs`` (name -> staged tensor) and ``outputs``
         (name -> its place in the target generation), views the serve loop made on its own thread (so
         no arena's view cache is touched from this worker). ``sync``: wait for its GPU work before
-        reporting it done (the staging ring reuses the region it read as soon as it is reported)."""
+        reporting it done (the staging ring reuses the region it read as soon as it is reported).
+        ``copies``: ``(device, host)`` byte pairs to copy after it ran (a group's publish region into
+        the host generation, at the group's last unit, see :func:`copy_out`)."""
         self.inflight += 1
-        self._jobs.put((step, unit, inputs, outputs, sync))
+        self._jobs.put((step, unit, inputs, outputs, sync, copies))
 
     def submit_spans(self, step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]]) -> None:
         """Queue the units of ``spans`` (each ``(span, staging bytes, generation bytes)``, views the
@@ -244,7 +267,8 @@ class QuantWorker:
         if isinstance(job, SpanJob):
             self._run_spans(job)
             return
-        step, unit, inputs, outputs, sync = job
+        step, unit, inputs, outputs, sync = job[:5]
+        copies = job[5] if len(job) > 5 else ()
         skip = self._skipped(step)
         t0 = time.monotonic()
         error = None
@@ -259,6 +283,7 @@ class QuantWorker:
                     run_unit(unit, tensors, outputs)
                     if sync:
                         _synchronize(tensors)
+                    copy_out(copies)
             except Exception as exc:  # reported to the serve loop, which fails the step
                 error = exc
                 if not isinstance(exc, (ValueError, NonFiniteError)):
