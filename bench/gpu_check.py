@@ -68,17 +68,32 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "bench"):  # the repo (no install needed on the GPU machine); no test file is imported
+for _p in (ROOT,):  # the repo (no install needed on the GPU machine); no test file is imported
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import gpu_tiers  # noqa: E402  (bench/gpu_tiers.py: the memory-tier section)
 import torch  # noqa: E402
 
 from sidecar.numerics import kernels  # noqa: E402
 from sidecar.numerics import reference as quant  # noqa: E402
 from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_MAX, Format  # noqa: E402
 
+
+def _load_sibling(name: str):
+    """bench/<name>.py as a module (bench/ is not put on sys.path: its transport.py would shadow
+    the repo's transport package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"refitd_bench_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_tiers = _load_sibling("gpu_tiers")  # the memory-tier section
 FORMATS = [f for f in Format if f.quantized]
 GiB = 2**30
 
@@ -935,6 +950,11 @@ def _start_daemon(
             "cuda",
             "--gpu",
             str(device.index if device.index is not None else torch.cuda.current_device()),
+            # this section measures the device tier end to end (generations on the GPU, engines
+            # copying device to device), as before the memory tiers; the tiers section measures
+            # host-resident generations. The budget: the whole GPU (_e2e_layers sized the model)
+            *("--generation-residency", "device"),
+            *("--device-budget", str(torch.cuda.get_device_properties(device).total_memory)),
         ]
     else:
         cmd += ["--arena", "shm"]

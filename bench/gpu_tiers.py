@@ -93,7 +93,7 @@ def tiers_section(device: torch.device, args) -> dict[str, Any]:
 
 def _measure(device: torch.device, plan, budget: int, args) -> dict[str, Any]:
     from sidecar.daemon.memory.generations import Arenas
-    from sidecar.daemon.worker import copy_out
+    from sidecar.daemon.memory.tiers import copy_out
     from sidecar.plan.run import run_unit
     from transport.arena import ArenaKind
 

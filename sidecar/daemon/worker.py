@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from sidecar.daemon.memory.tiers import copy_out
 from sidecar.daemon.spans import Span, run_span
 from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
@@ -116,26 +117,6 @@ def batches(jobs: list) -> list[list]:
             runs.append([job])
             run_bytes = 0 if isinstance(job, SpanJob) else job[1].bytes_in
     return runs
-
-
-def copy_out(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Move a group's outputs from the device publish ring into the host generation (page-locked):
-    asynchronous copies on a stream of their own (after the kernels that wrote them), then a sync,
-    so the group counts as written only once its bytes are in host memory. Host memory on both
-    sides (CPU arenas; the tests' fake driver) is a plain copy."""
-    if not copies:
-        return
-    if not copies[0][0].is_cuda:
-        for src, dst in copies:
-            dst.copy_(src)
-        return
-    device = copies[0][0].device
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for src, dst in copies:
-            dst.copy_(src, non_blocking=True)
-    stream.synchronize()
 
 
 def _synchronize(tensors: dict) -> None:

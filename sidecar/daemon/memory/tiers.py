@@ -24,11 +24,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from sidecar.daemon.memory.staging import ArenaTooSmall, Group, group_atoms, layer_groups, pack
 from sidecar.plan.build import RefitPlan
 from transport.shm import ALIGN, Layout
 
-__all__ = ["BudgetTooSmall", "DeviceTier", "PublishRing", "fit_device_tier", "publish_region_size"]
+__all__ = [
+    "BudgetTooSmall",
+    "DeviceTier",
+    "PublishRing",
+    "copy_out",
+    "fit_device_tier",
+    "publish_region_size",
+]
 
 #: bisection steps of fit_device_tier's part size (2**40 > any budget / ALIGN)
 _FIT_ROUNDS = 40
@@ -113,8 +122,6 @@ class PublishRing:
 
     def copies(self, arena, group: int, region: int, generation) -> list:
         """``(device bytes, host bytes)`` pairs that move ``group``'s outputs into ``generation``."""
-        import torch
-
         base = region * self.region_bytes
         return [
             (
@@ -124,6 +131,26 @@ class PublishRing:
             for r in self.layouts[group].runs
             if r.nbytes
         ]
+
+
+def copy_out(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Move a group's outputs from the device publish ring into the host generation (page-locked):
+    asynchronous copies on a stream of their own (after the kernels that wrote them), then a sync,
+    so the group counts as written only once its bytes are in host memory. Host memory on both
+    sides (CPU arenas; the tests' fake driver) is a plain copy."""
+    if not copies:
+        return
+    if not copies[0][0].is_cuda:
+        for src, dst in copies:
+            dst.copy_(src)
+        return
+    device = copies[0][0].device
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for src, dst in copies:
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
 
 
 # --------------------------------------------------------------------------------------------------
