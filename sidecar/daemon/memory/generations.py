@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from sidecar.daemon.memory.direct import direct_offsets
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
-from sidecar.daemon.memory.tiers import BudgetTooSmall, PublishRing, fit_device_tier
+from sidecar.daemon.memory.tiers import (
+    N_GENERATIONS,
+    BudgetTooSmall,
+    PublishRing,
+    fit_device_tier,
+    output_layout,
+)
 from sidecar.plan.build import RefitPlan
 from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
@@ -26,7 +32,7 @@ from transport.shm import ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
 
-N_GENERATIONS = 2
+__all__ = ["N_GENERATIONS", "Arenas", "Generation", "check_budget", "layouts"]
 
 
 @dataclass(slots=True)
@@ -358,5 +364,4 @@ def check_budget(budget: int, staging: int, publish_ring: int, generation: int) 
 def layouts(plan: RefitPlan) -> tuple[Layout, Layout]:
     """(staging layout of the plan's inputs, generation layout of its outputs)."""
     staging = Layout.build((i.name, i.dtype, i.shape) for i in plan.inputs)
-    outputs = Layout.build((o.name, o.dtype, o.shape) for o in plan.outputs)
-    return staging, outputs
+    return staging, output_layout(plan)

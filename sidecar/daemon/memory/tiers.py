@@ -39,12 +39,19 @@ __all__ = [
     "publish_region_size",
 ]
 
+#: the never-torn pair: the live generation and the one the next step writes (memory.generations)
+N_GENERATIONS = 2
 #: bisection steps of fit_device_tier's part size (2**40 > any budget / ALIGN)
 _FIT_ROUNDS = 40
 
 
 class BudgetTooSmall(ArenaTooSmall):
     """The device budget cannot hold the rings a plan needs (a configuration error: EX_CONFIG)."""
+
+
+def output_layout(plan: RefitPlan) -> Layout:
+    """A generation's layout: the plan's outputs in order (as ``memory.generations.layouts`` carves it)."""
+    return Layout.build((o.name, o.dtype, o.shape) for o in plan.outputs)
 
 
 def _gib(n: int) -> str:
@@ -247,9 +254,7 @@ def fit_device_tier(plan: RefitPlan, *, regions: int, budget: int, host_generati
     groups where they fit, else layers cut into parts small enough, else fewer regions (more
     regions first: they let the ranks fill one region while the kernels drain another).
     BudgetTooSmall names the part that cannot fit even alone and the bytes it needs."""
-    from sidecar.daemon.memory.generations import N_GENERATIONS, layouts
-
-    _, outputs = layouts(plan)
+    outputs = output_layout(plan)
     generations = 0 if host_generations else N_GENERATIONS * outputs.size
     if generations >= budget:
         raise BudgetTooSmall(
