@@ -401,3 +401,34 @@ def test_the_reference_engine_loads_host_generations_of_a_gpu_arena_daemon(tmp_p
         worker.detach()
     finally:
         d.close()
+
+
+def test_gpus_the_daemon_cannot_see_are_refused_at_start(tmp_path, fake):
+    """`gpus` names what the daemon may use: an index or a UUID this process does not see is a
+    configuration error (INVALID: exit 78) before anything is allocated."""
+    from sidecar.daemon.setup import make_arenas
+    from sidecar.errors import ErrorKind, RefitError
+
+    for gpus, message in (
+        ("0,3", "cuda:3 does not exist: this process sees 1 GPU"),
+        ("GPU-feed", "cannot see"),
+    ):
+        config = DaemonConfig(
+            runtime_dir=tmp_path, arena="cuda", gpus=gpus, publish_bytes="1MiB", staging_bytes="1MiB"
+        )
+        with pytest.raises(RefitError, match=message) as err:
+            make_arenas("refitd-test-gpus", config, None)
+        assert err.value.kind is ErrorKind.INVALID and f"gpus = {list(config.gpus)}" in str(err.value)
+    assert fake.allocations == []
+    config = DaemonConfig(
+        runtime_dir=tmp_path,
+        arena="cuda",
+        gpus=f"0,{fake.uuids[0]}",
+        publish_bytes="1MiB",
+        staging_bytes="1MiB",
+    )
+    arenas = make_arenas("refitd-test-gpus", config, None)
+    try:
+        assert arenas.staging.device == 0 and arenas.gen_kind is Kind.SHM
+    finally:
+        arenas.close()

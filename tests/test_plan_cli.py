@@ -134,9 +134,9 @@ def test_plan_says_what_the_daemon_allocates_with_and_without_a_staging_ring(cap
     assert m["staging_ring"] == 4 * m["ring_region"] < m["staging_whole"] / 10
     assert run_plan(QWEN3_5, "--format", "block_fp8") == 0
     out = capsys.readouterr().out
-    assert "daemon memory: 2 generations of 35.39 GiB, plus staging:" in out
+    assert "generation_residency = device): 2 generations of 35.39 GiB, plus staging:" in out
     assert "whole steps (staging_regions = 0; shm default)" in out and "136.92 GiB" in out
-    assert "ring of 4 x 1.57 GiB, 48 groups (cuda default)" in out and "77.06 GiB" in out
+    assert "ring of 4 x 1.57 GiB, 48 layer groups" in out and "77.06 GiB" in out
 
 
 # ---- the DeepSeek-V3 family and GLM-4.5 real configs, with a node's share

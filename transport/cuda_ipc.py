@@ -49,7 +49,7 @@ from transport.gpus import (
     normalize_uuid,
 )
 from transport.layout import ALIGN, Layout, nbytes_of
-from transport.shm import CarvedArena, ShmArena
+from transport.shm import CarvedArena, ShmArena, shm_region
 from transport.shm import open_arena as open_shm_arena
 from transport.wire import ProtocolError
 
@@ -218,6 +218,12 @@ def _resolve_device(driver: Driver, gpu: int | str | None) -> tuple[int, str]:
     else:
         device = index_for_uuid(gpu, visible)
     return device, visible[device]
+
+
+def resolve_gpu(gpu: int | str, driver: Driver | None = None) -> tuple[int, str]:
+    """(this process's CUDA index, UUID) of ``gpu`` (an index or a UUID); ValueError for an index
+    out of range, GpuNotVisible (a LookupError) for a UUID this process cannot see."""
+    return _resolve_device(default_driver() if driver is None else driver, gpu)
 
 
 def _free_memory(driver: Driver, device: int, uuid: str, nvml: Any = None) -> tuple[int, int, str]:
@@ -390,8 +396,6 @@ def _unpin(driver: Driver, device: int, ptr: int) -> None:
 
 def pin_shm_arena(arena: ShmArena, *, driver: Driver, device: int, read_only: bool) -> HostPin | None:
     """Page-lock a POSIX-shm arena's whole segment (None for an empty one: nothing to pin)."""
-    from transport.shm import shm_region
-
     region = shm_region(arena)
     if region is None:
         return None

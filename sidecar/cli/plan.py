@@ -319,10 +319,11 @@ def render_text(s: dict[str, Any]) -> str:
     ]
     m = s["memory"]
     gens = m["generations"] * m["generation"]
-    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} groups (cuda default)"
+    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} layer groups"
     lines += [
         "",
-        f"daemon memory: {m['generations']} generations of {human_bytes(m['generation'])}, plus staging:",
+        f"daemon memory in one place (shm, or generation_residency = device): {m['generations']} "
+        f"generations of {human_bytes(m['generation'])}, plus staging:",
         f"  {'':<50} {'staging':>12} {'in all':>12}",
         f"  {'whole steps (staging_regions = 0; shm default)':<50} {human_bytes(m['staging_whole']):>12} "
         f"{human_bytes(m['staging_whole'] + gens):>12}",

@@ -106,7 +106,7 @@ def value_problems(c: Any, bad: set[str]) -> Iterable[Problem]:
 MIN_DEVICE_BUDGET = 4 << 20
 
 
-def _tier_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+def _tier_problems(c: Any, ok: Callable[..., bool]) -> Iterable[Problem]:
     """The memory tiers' settings: a budget that can hold rings, GPUs that agree, and a ring to
     stream through when the generations are in host memory and the arenas on a GPU."""
     from sidecar.config.values import Residency

@@ -28,7 +28,7 @@ import torch
 
 from sidecar.daemon.memory.staging import ArenaTooSmall, Group, group_atoms, layer_groups, pack
 from sidecar.plan.build import RefitPlan
-from transport.shm import ALIGN, Layout
+from transport.layout import ALIGN, Layout
 
 __all__ = [
     "BudgetTooSmall",
