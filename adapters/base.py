@@ -76,6 +76,9 @@ class Generation:
     revoked: bool = False  # the daemon said (REVOKED) it dropped this hold to write a newer step
     reader: str = ""  # the reader it was handed to (for HoldRevoked)
     reader_timeout_s: float | None = None  # the daemon's limit, as announced at attach
+    #: host memory page-locked in this process (a host-tier generation read by an engine with a
+    #: GPU): copies out of it are DMAs, and may be asynchronous (``non_blocking=True``)
+    pinned: bool = False
 
     def intact(self) -> bool:
         """Whether no byte of this generation was rewritten since it was handed out: True means a
@@ -83,7 +86,7 @@ class Generation:
         dropped this reader's hold after ``reader_timeout_s`` and began writing a newer step into it:
         the copy may be torn. On a GPU arena, asynchronous copies out of it are finished first.
         Costs one shared-memory load (no round trip to the daemon)."""
-        if self.on_gpu and not self.released:
+        if (self.on_gpu or self.pinned) and not self.released:
             _finish_copies(self)
         return self._epoch_unchanged()
 
@@ -101,7 +104,10 @@ class Generation:
 
 def _finish_copies(gen: Generation) -> None:
     """Wait for copies out of ``gen``'s GPU arena: they run on the streams of the GPU it is mapped on
-    and of the engine's current GPU (a copy's destination), which may be different chips."""
+    and of the engine's current GPU (a copy's destination), which may be different chips. Out of a
+    page-locked host generation: the engine's current GPU, if this process uses one."""
+    if not gen.on_gpu and not torch.cuda.is_initialized():
+        return  # pinned by a driver torch never used: nothing of torch's is in flight
     devices = {torch.cuda.current_device()}
     if gen.device is not None:
         devices.add(gen.device)
@@ -120,15 +126,21 @@ class RefitReader:
         curve: tuple[bytes, bytes, bytes] | None = None,
         device: int | None = None,
         streaming: bool = False,
+        pin: bool | None = None,
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
         endpoint (``transport.curve.client_curve``); engines on the daemon's node use ipc:// instead.
         ``device``: for GPU arenas, the CUDA index to map them on (default: the arena's own GPU,
         which must be visible to this process; another GPU reads it as peer memory over NVLink).
         ``streaming``: ask the daemon for streamed refit (``adapters.stream``: each layer group of a
-        step as it is written); :meth:`wait` and whole-generation reading are unchanged either way."""
+        step as it is written); :meth:`wait` and whole-generation reading are unchanged either way.
+        ``pin``: page-lock host-tier generations in this process (``cudaHostRegister``, read-only),
+        so the engine's copies to its GPU are DMAs; None (the default) pins when this process
+        already uses CUDA (an engine worker), never creating a CUDA context for it."""
         self.device = device
         self.streaming = streaming
+        self.pin = pin
+        self._pins: dict[str, Any] = {}  # segment name -> its HostPin
         self.endpoint = endpoint
         self.curve = curve
         self.manifest = manifest
@@ -201,7 +213,9 @@ class RefitReader:
         """
         if gen.released:
             return
-        if gen.on_gpu:  # copies out of a GPU arena are asynchronous: finish them before handing it back
+        if (
+            gen.on_gpu or gen.pinned
+        ):  # copies out of it may be asynchronous: finish them before handing it back
             _finish_copies(gen)
         gen.released = True
         torn = not gen._epoch_unchanged()
@@ -252,7 +266,8 @@ class RefitReader:
                 log.warning("reader %s: closing with a revoked generation: %s", self.name, exc)
         with contextlib.suppress(zmq.ZMQError):
             self._send(Kind.DETACH, {}, wait=False)
-        for arena in self._arenas.values():
+        for name, arena in self._arenas.items():
+            self._unpin(name)
             arena.close()
         self._arenas.clear()
         self._arena_instance.clear()
@@ -414,6 +429,7 @@ class RefitReader:
         in_use = {g.segment for g in self._held}
         for name in [n for n, i in self._arena_instance.items() if i != self.instance and n not in in_use]:
             del self._arena_instance[name]
+            self._unpin(name)
             self._arenas.pop(name).close()
         # epoch pages of previous starts: dropped here, unmapped when no Generation refers to them
         current = self.attach_info.get("epochs")
@@ -427,9 +443,12 @@ class RefitReader:
         arena = self._arenas.get(handle["name"])
         if arena is None or arena.layout.to_wire() != handle["layout"]:
             if arena is not None:
+                self._unpin(handle["name"])
                 arena.close()
             arena = self._arenas[handle["name"]] = open_any_arena(handle, writable=False, device=self.device)
             self._arena_instance[handle["name"]] = self.instance
+            if handle.get("kind") == "shm" and self._should_pin():
+                self._pin(handle["name"], arena)
         gen = Generation(
             int(fields["generation"]),
             int(fields["step"]),
@@ -440,12 +459,43 @@ class RefitReader:
             device=getattr(arena, "device", None) if handle.get("kind") == "cuda_ipc" else None,
             reader=self.name,
             reader_timeout_s=_number_or_none(self.attach_info.get("reader_timeout_s")),
+            pinned=handle["name"] in self._pins,
         )
         epoch, page = fields.get("epoch"), fields.get("epochs")
         if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(page, dict):
             gen.epoch, gen.epochs = epoch, self._epoch_view(page)
         self._held.append(gen)
         return gen
+
+    def _should_pin(self) -> bool:
+        if self.pin is not None:
+            return self.pin
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _pin(self, name: str, arena: Any) -> None:
+        """Page-lock a host generation's read-only mapping on this process's GPU; a failure (an old
+        driver without READ_ONLY registration, a locked-memory limit) is logged and the engine
+        copies from pageable memory, as before."""
+        from transport.cuda_ipc import default_driver, pin_shm_arena
+
+        try:
+            driver = default_driver()
+            pin = pin_shm_arena(arena, driver=driver, device=driver.current_device(), read_only=True)
+        except Exception as exc:
+            log.warning(
+                "reader %s: could not page-lock generation %s (copies stay pageable): %s",
+                self.name,
+                name,
+                exc,
+            )
+            return
+        if pin is not None:
+            self._pins[name] = pin
+
+    def _unpin(self, name: str) -> None:
+        pin = self._pins.pop(name, None)
+        if pin is not None:
+            pin.release()
 
     def _epoch_view(self, handle: dict[str, Any]) -> EpochView:
         """The daemon's epoch page, mapped read-only once per daemon start (kept, like its arenas,

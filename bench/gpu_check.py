@@ -13,7 +13,7 @@ Here, the same code paths on CPU torch (shared-memory arenas, tiny shapes, under
 
     python bench/gpu_check.py --device cpu --small
 
-Three sections, each recorded even when another fails:
+Four sections, each recorded even when another fails:
 
 1. **correctness**: every kernel against the torch reference run on the same device, byte for byte
    (values through ``.view(torch.uint8)``, scales exact), on fresh random slabs (ragged and batched
@@ -39,6 +39,12 @@ Three sections, each recorded even when another fails:
    the bytes each stage must read and write (staging: bf16 x 2; quantize: bf16 + published; engine:
    published x 2) over the copy bandwidth measured in the same run; target: within 2x. An e2e
    failure is recorded in the JSON; the other sections' results are still written.
+
+4. **tiers** (bench/gpu_tiers.py): the daemon's own arenas for a Qwen3.5-35B-A3B-shaped model
+   (``--tiers-layers``, 4) with generations in page-locked host memory: the peak device memory
+   against ``--tiers-budget`` (4 GiB) while a step streams through the staging and publish rings,
+   byte-exactness of sampled groups, and the H2D rate of an engine load from the page-locked host
+   generation against a plain pinned ``copy_`` of the same bytes, in the same run. On CPU it plans only.
 
 Prints a table and writes JSON (``--out``). Exit status 0 when every check that ran passed. This
 process imports neither pyzmq nor NIXL (the kernel and timing sections run without them); the
@@ -72,6 +78,22 @@ from sidecar.numerics import kernels  # noqa: E402
 from sidecar.numerics import reference as quant  # noqa: E402
 from sidecar.numerics.formats import FLT_MIN, FP8_DTYPE, FP8_FORMATS, FP8_MAX, Format  # noqa: E402
 
+
+def _load_sibling(name: str):
+    """bench/<name>.py as a module (bench/ is not put on sys.path: its transport.py would shadow
+    the repo's transport package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"refitd_bench_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_tiers = _load_sibling("gpu_tiers")  # the memory-tier section
 FORMATS = list(FP8_FORMATS)  # what the Triton kernels cover
 GiB = 2**30
 
@@ -928,6 +950,11 @@ def _start_daemon(
             "cuda",
             "--gpu",
             str(device.index if device.index is not None else torch.cuda.current_device()),
+            # this section measures the device tier end to end (generations on the GPU, engines
+            # copying device to device), as before the memory tiers; the tiers section measures
+            # host-resident generations. The budget: the whole GPU (_e2e_layers sized the model)
+            *("--generation-residency", "device"),
+            *("--device-budget", str(torch.cuda.get_device_properties(device).total_memory)),
         ]
     else:
         cmd += ["--arena", "shm"]
@@ -1213,7 +1240,13 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for cuda")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="time the default tiles only")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "timing", "e2e"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "timing", "e2e", "tiers"])
+    ap.add_argument(
+        "--tiers-layers", type=int, default=None, help="tiers: Qwen3.5 layers (default 4; --small 2)"
+    )
+    ap.add_argument(
+        "--tiers-budget", default=None, help="tiers: the device budget (default 4GiB; --small 8MiB)"
+    )
     ap.add_argument("--e2e-layers", type=int, default=None, help="default: as many as fit (40 at most)")
     ap.add_argument("--e2e-formats", nargs="*", default=[f.value for f in FORMATS], help="one daemon each")
     ap.add_argument("--e2e-steps", type=int, default=2, help="steps each trainer pushes")
@@ -1241,6 +1274,10 @@ def parse_args(argv=None):
     if args.small:
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
     args.out = args.out or ROOT / "bench" / "results" / f"gpu-check-{args.device.type}.json"
+    from sidecar.config.values import parse_size
+
+    args.tiers_layers = args.tiers_layers or (2 if args.small else 4)
+    args.tiers_budget = parse_size(args.tiers_budget or ("8MiB" if args.small else "4GiB"))
     args.deadline = time.monotonic() + 60 * args.minutes  # later e2e rounds are skipped past it
     return args
 
@@ -1363,14 +1400,19 @@ def main(argv=None) -> int:
     if "e2e" not in args.skip:
         report["e2e"] = {"status": "running"}
         _section(report, "e2e", lambda: run_e2e(device, shape, args), args.out)
+    if "tiers" not in args.skip:
+        _section(report, "tiers", lambda: gpu_tiers.tiers_section(device, args), args.out)
     meta["total_s"] = time.perf_counter() - t0
     print_report(report)
+    if "tiers" in report:
+        gpu_tiers.print_tiers(report["tiers"])
     _write(args.out, report)
     print(f"\nwrote {args.out}")
     failed = [c for c in report["correctness"] if c.get("ok") is False]
     e2e_failed = report.get("e2e", {}).get("ok") is False
+    tiers_failed = report.get("tiers", {}).get("ok") is False
     timing_failed = "status" in report.get("timing", {})
-    return 1 if failed or e2e_failed or timing_failed else 0
+    return 1 if failed or e2e_failed or timing_failed or tiers_failed else 0
 
 
 if __name__ == "__main__":

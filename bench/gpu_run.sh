@@ -4,7 +4,9 @@
 #     bash bench/gpu_run.sh [gpu_check.py arguments]
 #
 # Installs the carried wheels (bench/gpu_wheels.sh) into /tmp/site without touching the network,
-# then runs the check, writing bench/results/gpu-check-cuda.json as each section ends. The steps
+# then runs the check, writing bench/results/gpu-check-cuda.json as each section ends (correctness,
+# timing, e2e, and tiers: the daemon's peak device memory against --tiers-budget and the H2D rate of
+# an engine load from a page-locked host generation; `--skip correctness timing e2e` runs it alone). The steps
 # are chained with ';', not '&&': a wheel that does not fit this machine still leaves the kernel
 # and timing sections to run (gpu_check.py prints what it found and skips what needs the rest).
 cd "$(dirname "$0")/.." || exit 1

@@ -732,6 +732,14 @@ class FakeRuntime:
     def cudaGetErrorString(self, err):
         return (0, b"described")
 
+    def cudaHostRegister(self, ptr, n, flags):
+        self.log.append(("host_register", self.device, n, flags))
+        return (0,) if n else (1, None)
+
+    def cudaHostUnregister(self, ptr):
+        self.log.append(("host_unregister", self.device))
+        return (0,)
+
     # driver
     def cuInit(self, flags):
         return (0,)
@@ -785,6 +793,34 @@ def test_the_real_driver_wrapper_translates_failures(nvml_off):
     stale = _wire(gpu_uuid=UUIDS[0], offset=0)
     with pytest.raises(CudaError, match=r"cudaErrorInvalidResourceHandle .* has exited or freed it"):
         CudaIpcArena.open(stale, writable=False, driver=driver)
+
+
+def test_the_real_driver_wrapper_page_locks_host_memory_portable_and_read_only(tmp_path):
+    """cudaHostRegister through CudaDriver: PORTABLE always (every context sees it pinned), READ_ONLY
+    for a reader's read-only mapping, on the asked GPU with the thread's context restored; a
+    HostPin unregisters once, and a failure is a CudaError naming the call."""
+    from transport.cuda_ipc import HostPin, pin_shm_arena
+
+    rt = FakeRuntime(UUIDS[:2])
+    driver = HostCudaDriver(rt, rt)
+    arena = ShmArena.create(segment_name("refitd-test", "pin"), Layout([]), size=1 << 16)
+    try:
+        pin = pin_shm_arena(arena, driver=driver, device=1, read_only=False)
+        ro = HostPin(driver, 0, 4096, 64, read_only=True)
+        assert [e for e in rt.log if e[0] == "host_register"] == [
+            ("host_register", 1, 1 << 16, 0x01),
+            ("host_register", 0, 64, 0x01 | 0x08),
+        ]
+        assert rt.device == 0
+        pin.release()
+        pin.release()
+        assert pin.released and rt.log.count(("host_unregister", 1)) == 1
+        ro.release()
+        with pytest.raises(CudaError, match=r"cudaHostRegister\(0 B\) failed"):
+            HostPin(driver, 0, 4096, 0, read_only=False)
+    finally:
+        arena.close()
+        arena.unlink()
 
 
 def test_a_thread_without_a_context_is_not_left_on_the_arenas_gpu(nvml_off):

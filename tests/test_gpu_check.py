@@ -70,6 +70,7 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert e2e["status"] == "ran" and e2e["ok"], e2e
     assert [r["fmt"] for r in e2e["rounds"]] == ["block_fp8", "mxfp8", "fp8_per_tensor"]
     assert e2e["copy_gbps"] > 0 and e2e["staging_regions"] == 2
+    assert report["tiers"]["status"].startswith("planned only") and report["tiers"]["ok"] is True
     for r in e2e["rounds"]:
         assert "--arena shm" in r["daemon"] and "--world-size 1" in r["daemon"], r["daemon"]
         assert "--staging-regions 2" in r["daemon"], r["daemon"]
@@ -224,3 +225,21 @@ def test_environment_names_what_is_missing():
     assert gc._version("refitd_no_such_module").startswith("missing (ModuleNotFoundError")
     assert gc._version("shlex") == "installed"  # importable, no version to tell
     assert gc._driver_version().startswith(("none", "CUDA", "libcuda"))
+
+
+def test_tiers_section_plans_a_qwen3_5_shaped_model_within_the_budget_on_cpu(capsys):
+    """The tiers section (bench/gpu_tiers.py) without a GPU: its defaults, the real Qwen3.5-35B-A3B
+    layers cut to 4, and the device tier the 4 GiB budget gives (what a GPU run then allocates and
+    measures); the report prints."""
+    args = gc.parse_args(["--device", "cpu", "--skip", "correctness", "timing", "e2e"])
+    assert (args.tiers_layers, args.tiers_budget) == (4, 4 << 30)
+    plan = gc.gpu_tiers.tiers_plan(4, small=False)
+    assert plan.num_hidden_layers == 4
+    assert any(i.name.endswith("layers.3.mlp.experts.gate_up_proj") for i in plan.inputs)
+    t = gc.gpu_tiers.tiers_section(torch.device("cpu"), args)
+    assert t["status"].startswith("planned only") and t["ok"] is True
+    p = t["plan"]
+    assert p["device_bytes"] <= 4 << 30 and p["regions"] >= 2 and p["split"]
+    assert p["staging_region"] >= 1 << 30  # a grouped gate_up slab (1 GiB) is never cut
+    gc.gpu_tiers.print_tiers(t)
+    assert "ring regions" in capsys.readouterr().out

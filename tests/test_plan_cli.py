@@ -134,9 +134,9 @@ def test_plan_says_what_the_daemon_allocates_with_and_without_a_staging_ring(cap
     assert m["staging_ring"] == 4 * m["ring_region"] < m["staging_whole"] / 10
     assert run_plan(QWEN3_5, "--format", "block_fp8") == 0
     out = capsys.readouterr().out
-    assert "daemon memory: 2 generations of 35.39 GiB, plus staging:" in out
+    assert "generation_residency = device): 2 generations of 35.39 GiB, plus staging:" in out
     assert "whole steps (staging_regions = 0; shm default)" in out and "136.92 GiB" in out
-    assert "ring of 4 x 1.57 GiB, 48 groups (cuda default)" in out and "77.06 GiB" in out
+    assert "ring of 4 x 1.57 GiB, 48 layer groups" in out and "77.06 GiB" in out
 
 
 # ---- the DeepSeek-V3 family and GLM-4.5 real configs, with a node's share
@@ -165,6 +165,18 @@ def test_deepseek_v3_block_fp8_and_a_node_of_ep16_over_two_nodes(capsys):
     assert share["dropped_inputs"] == 59 * 128 * 3
     ratio = share["memory"]["generation"] / s["memory"]["generation"]
     assert 0.5 < ratio < 0.53 and share["memory"]["generation"] == 355_902_128_128  # 331.46 GiB
+    assert_tiers_fit(s["tiers"], generation=355_902_128_128)
+
+
+def assert_tiers_fit(t: dict, *, generation: int, regions: int = 2) -> None:
+    """The default 8 x H200 node: the rings within the 4 GiB budget on the GPU, the node's two
+    generations in host memory (what `refitd serve` with the new defaults allocates)."""
+    assert t["shape"]["name"] == "8 x H200" and t["budget"] == 4 * GIB and t["residency"] == "host"
+    assert t["fits"] and t["problems"] == []
+    gpu = t["gpu"]
+    assert gpu["device_bytes"] <= 4 * GIB and gpu["generations"] == 0 and gpu["regions"] == regions
+    assert gpu["staging_ring"] == gpu["regions"] * gpu["staging_region"]
+    assert t["generation"] == generation and t["host_generations"] == 2 * generation
 
 
 def test_kimi_k2_a_node_of_ep32_over_four_nodes(capsys):
@@ -175,6 +187,7 @@ def test_kimi_k2_a_node_of_ep32_over_four_nodes(capsys):
     share = s["node_share"]
     assert share["memory"]["generation"] == 267_972_955_136  # 249.6 GiB, 0.26 of the whole
     assert share["dropped_inputs"] == 60 * 288 * 3
+    assert_tiers_fit(s["tiers"], generation=267_972_955_136, regions=1)  # its 2.19 GiB embedding: one region
 
 
 def test_glm4_5_bf16_checkpoint_quantizes_routed_experts_only(capsys):
@@ -185,6 +198,29 @@ def test_glm4_5_bf16_checkpoint_quantizes_routed_experts_only(capsys):
     assert s["totals"]["bytes_in"] == 716_675_611_392
     assert s["totals"]["bytes_out"] == 377_019_931_392
     assert s["node_share"]["memory"]["generation"] == 207_111_923_712
+    assert_tiers_fit(s["tiers"], generation=207_111_923_712)
+
+
+def test_the_done_when_command_reports_memory_per_tier_and_what_does_not_fit(capsys):
+    """`refitd plan qwen3.5 --format block_fp8 --engine-ep 16 --nodes 2`: per GPU within the budget,
+    per node the host generations; a GB200 tray with too little host memory or a budget above the
+    HBM says plainly what does not fit and what to change."""
+    argv = (QWEN3_5, "--format", "block_fp8", "--engine-ep", "16", "--nodes", "2")
+    assert run_plan(*argv) == 0
+    out = capsys.readouterr().out
+    assert "memory per tier on 8 x H200: 8 GPUs x 131.32 GiB HBM, 2048.00 GiB host" in out
+    assert "of a 4.00 GiB budget: fits" in out
+    assert "per node: 2 host generations x 20.01 GiB = 40.02 GiB page-locked, of 2048.00 GiB: fits" in out
+    assert "does not fit" not in out
+    s = run_json(capsys, *argv, "--node-shape", "gb200", "--host-ram", "30GiB", "--device-budget", "200GiB")
+    t = s["tiers"]
+    assert (t["shape"]["gpus"], t["shape"]["hbm"], t["shape"]["host_ram"]) == (4, 186 * 10**9, 30 * GIB)
+    assert not t["fits"] and len(t["problems"]) == 2
+    assert "the two host generations need 40.02 GiB but the node has 30.00 GiB" in t["problems"][1]
+    assert "lower --device-budget" in t["problems"][0]
+    assert run_plan(*argv, "--device-budget", "64MiB", "--residency", "device") == 0
+    out = capsys.readouterr().out
+    assert "does not fit: generation_residency = 'device' puts 2 generations of 20.01 GiB" in out
 
 
 def test_layout_errors_are_usage_failures(capsys):

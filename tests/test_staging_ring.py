@@ -273,7 +273,10 @@ def test_a_region_too_small_for_the_largest_group_is_refused_naming_the_sizes():
 def test_staging_regions_setting_defaults_to_a_ring_on_gpu_arenas_only(tmp_path):
     assert DaemonConfig(runtime_dir=tmp_path).ring_regions == 0
     assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA_IPC).ring_regions == DEFAULT_GPU_REGIONS
-    assert DaemonConfig(runtime_dir=tmp_path, arena=ArenaKind.CUDA_IPC, staging_regions=0).ring_regions == 0
+    whole = DaemonConfig(
+        runtime_dir=tmp_path, arena=ArenaKind.CUDA_IPC, staging_regions=0, generation_residency="device"
+    )  # whole steps on the GPU: only with device-resident generations (host ones stream through a ring)
+    assert whole.ring_regions == 0
     assert DaemonConfig(runtime_dir=tmp_path, staging_regions=3).ring_regions == 3
     with pytest.raises(ConfigError, match="staging_regions = -1: give 0 to stage whole steps"):
         DaemonConfig(runtime_dir=tmp_path, staging_regions=-1)

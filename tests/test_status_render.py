@@ -75,3 +75,18 @@ def test_status_table_counts_revoked_holds_only_when_there_were_some():
     assert "revoked" not in render_status({**base, "revoked_holds": 0})
     text = render_status({**base, "revoked_holds": 2})
     assert "holds revoked after reader_timeout_s: 2" in text and "torn" in text
+
+
+def test_status_says_what_the_device_holds_within_its_budget():
+    """GPU arenas: the device tier against the budget, and where the generations live; none on shm."""
+    base = {"instance": "abc", "pid": 7, "host": "n", "listen": "ipc://x", "format": "block_fp8"}
+    base |= {"world_size": 1, "last_step": None, "gpus": [], "arenas": []}
+    tiers = {"generations": "shm", "device_bytes": 8 << 20, "device_budget": 4 << 30, "pinned_bytes": 6 << 20}
+    text = render_status({**base, "tiers": tiers})
+    assert (
+        "device memory: 8.0 MiB of a 4096.0 MiB budget; generations in host memory (6.0 MiB page-locked)"
+        in text
+    )
+    text = render_status({**base, "tiers": {**tiers, "generations": "cuda_ipc"}})
+    assert "generations in GPU memory" in text
+    assert "device memory" not in render_status({**base, "tiers": {**tiers, "device_budget": None}})

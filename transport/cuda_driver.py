@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # torch loads when a tensor is made: ``transport.gpus`` (NVML
 log = logging.getLogger("refitd.cuda_ipc")
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags (driver_types.h)
 
 
 def normalize_uuid(uuid: str | bytes) -> str:
@@ -62,6 +63,8 @@ class Driver(Protocol):
     def ipc_close(self, device: int, ptr: int) -> None: ...
     def synchronize(self, device: int) -> None: ...
     def tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor: ...
+    def host_register(self, device: int, ptr: int, nbytes: int, *, read_only: bool) -> None: ...
+    def host_unregister(self, device: int, ptr: int) -> None: ...
 
 
 class CudaArrayInterface:
@@ -282,6 +285,20 @@ class CudaDriver:
     def synchronize(self, device: int) -> None:
         with self.on(device):
             self._check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+    def host_register(self, device: int, ptr: int, nbytes: int, *, read_only: bool) -> None:
+        """Page-lock ``nbytes`` of host memory at ``ptr`` (``cudaHostRegister``, PORTABLE: every
+        context of the process sees it pinned), so copies to and from the GPU are DMAs; a read-only
+        mapping (a reader's view of a generation) needs the READ_ONLY flag (CUDA 11.1+)."""
+        flags = int(getattr(self.rt, "cudaHostRegisterPortable", HOST_REGISTER_PORTABLE))
+        if read_only:
+            flags |= int(getattr(self.rt, "cudaHostRegisterReadOnly", HOST_REGISTER_READ_ONLY))
+        with self.on(device):
+            self._check(self.rt.cudaHostRegister(ptr, nbytes, flags), f"cudaHostRegister({nbytes} B)")
+
+    def host_unregister(self, device: int, ptr: int) -> None:
+        with self.on(device):
+            self._check(self.rt.cudaHostUnregister(ptr), "cudaHostUnregister")
 
     def tensor(self, ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
         import torch

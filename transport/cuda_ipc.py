@@ -49,7 +49,7 @@ from transport.gpus import (
     normalize_uuid,
 )
 from transport.layout import ALIGN, Layout, nbytes_of
-from transport.shm import CarvedArena, ShmArena
+from transport.shm import CarvedArena, ShmArena, shm_region
 from transport.shm import open_arena as open_shm_arena
 from transport.wire import ProtocolError
 
@@ -220,6 +220,12 @@ def _resolve_device(driver: Driver, gpu: int | str | None) -> tuple[int, str]:
     return device, visible[device]
 
 
+def resolve_gpu(gpu: int | str, driver: Driver | None = None) -> tuple[int, str]:
+    """(this process's CUDA index, UUID) of ``gpu`` (an index or a UUID); ValueError for an index
+    out of range, GpuNotVisible (a LookupError) for a UUID this process cannot see."""
+    return _resolve_device(default_driver() if driver is None else driver, gpu)
+
+
 def _free_memory(driver: Driver, device: int, uuid: str, nvml: Any = None) -> tuple[int, int, str]:
     """(free, total, where) for the GPU: NVML first (all processes), else cudaMemGetInfo."""
     gpu = gpu_by_uuid(uuid, local_gpus(nvml))
@@ -345,6 +351,56 @@ class CudaIpcArena(CarvedArena):
 
     def unlink(self) -> None:
         """Nothing to do: GPU memory has no name to remove. Kept so arenas are interchangeable."""
+
+    @property
+    def driver(self) -> Driver:
+        return self._memory().driver
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this arena's GPU (its writes land before anyone is told)."""
+        mem = self._memory()
+        mem.driver.synchronize(mem.device)
+
+
+class HostPin:
+    """Host memory page-locked for DMA (``cudaHostRegister``) until :meth:`release` (idempotent;
+    also at garbage collection). The daemon pins each host generation (writable), a reader its
+    read-only mapping of one; both unpin before they unmap. The mapping must outlive the pin."""
+
+    def __init__(self, driver: Driver, device: int, ptr: int, nbytes: int, *, read_only: bool):
+        driver.host_register(device, ptr, nbytes, read_only=read_only)
+        self.driver, self.device, self.ptr, self.nbytes, self.read_only = (
+            driver,
+            device,
+            ptr,
+            nbytes,
+            read_only,
+        )
+        self._finalizer = weakref.finalize(self, _unpin, driver, device, ptr)
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _unpin(driver: Driver, device: int, ptr: int) -> None:
+    try:
+        driver.synchronize(device)  # DMAs in flight out of (or into) it finish first
+        driver.host_unregister(device, ptr)
+    except Exception as exc:  # at interpreter exit the runtime may already be gone
+        log.warning("could not unregister page-locked host memory at %#x: %s", ptr, exc)
+
+
+def pin_shm_arena(arena: ShmArena, *, driver: Driver, device: int, read_only: bool) -> HostPin | None:
+    """Page-lock a POSIX-shm arena's whole segment (None for an empty one: nothing to pin)."""
+    region = shm_region(arena)
+    if region is None:
+        return None
+    ptr, nbytes = region
+    return HostPin(driver, device, ptr, nbytes, read_only=read_only)
 
 
 def open_any_arena(

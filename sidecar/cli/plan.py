@@ -5,7 +5,10 @@ what is quantized and what passes through, bytes in and out per layer, totals wi
 ratio, and the largest tensors. ``--json`` prints the same data as one JSON object. With an engine
 layout (``--engine-ep N --engine-tp N --nodes N``) it also plans what one node publishes (``--node``,
 default 0): its share of the routed experts and everything else whole, and that node's generation
-memory against the whole model's.
+memory against the whole model's. Then the memory per tier (``--node-shape h200``, 8 x 141 GB HBM
+and 2 TiB of host memory, or ``gb200``, a GB200 NVL72 tray; ``--gpus``, ``--hbm``, ``--host-ram``
+override it): per GPU the staging and publish rings within ``--device-budget`` (4 GiB), per node the
+two host generations, and what to change where a configuration does not fit.
 
 Exit codes: 0 ok; 1 the plan cannot be built (the message says why); 2 usage (unreadable file, bad
 JSON, unknown format).
@@ -22,7 +25,7 @@ from typing import Any
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import model_type_of
-from sidecar.plan.summary import summarize
+from sidecar.plan.summary import NODE_SHAPES, NodeShape, memory_tiers, summarize
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -62,6 +65,18 @@ def _positive_arg(value: str) -> int:
         n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"{value!r} is not a count >= 1")
+    return n
+
+
+def _size_arg(value: str) -> int:
+    from sidecar.config.values import parse_size
+
+    try:
+        n = parse_size(value)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size > 0 (such as 4GiB)")
     return n
 
 
@@ -107,6 +122,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--node", type=_count_arg, default=0, metavar="K", help="the node to plan the share of"
     )
+    from sidecar.config.settings import DEFAULT_DEVICE_BUDGET, DEFAULT_GPU_REGIONS
+
+    parser.add_argument(
+        "--node-shape",
+        choices=sorted(NODE_SHAPES),
+        default="h200",
+        help="the node the memory tiers are weighed against: h200 (8 x H200, 2 TiB host) or gb200 "
+        "(a GB200 NVL72 tray: 4 GPUs, ~960 GB host)",
+    )
+    parser.add_argument("--gpus", type=_positive_arg, default=None, metavar="N", help="GPUs per node")
+    parser.add_argument("--hbm", type=_size_arg, default=None, metavar="SIZE", help="HBM per GPU (141GB)")
+    parser.add_argument(
+        "--host-ram", type=_size_arg, default=None, metavar="SIZE", help="host memory per node"
+    )
+    parser.add_argument(
+        "--device-budget",
+        type=_size_arg,
+        default=DEFAULT_DEVICE_BUDGET,
+        metavar="SIZE",
+        help="device memory the daemon may use per GPU (refitd serve --device-budget; default 4GiB)",
+    )
+    parser.add_argument(
+        "--residency",
+        choices=("host", "device"),
+        default="host",
+        help="where the generations live with GPU arenas (refitd serve --generation-residency)",
+    )
+    parser.add_argument(
+        "--regions",
+        type=_positive_arg,
+        default=DEFAULT_GPU_REGIONS,
+        metavar="N",
+        help=f"ring regions (refitd serve --staging-regions; default {DEFAULT_GPU_REGIONS})",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
     return parser
@@ -143,11 +192,20 @@ def run(args: argparse.Namespace) -> int:
             ignore_patterns=tuple(args.ignore),
             quantize_linears={"checkpoint": None, "yes": True, "no": False}[args.linears],
         )
-        summary = summarize(plan_from_hf_config(config, spec))
+        node_plan = plan_from_hf_config(config, spec)
+        summary = summarize(node_plan)
         if args.engine_ep is not None or args.nodes > 1 or args.engine_tp > 1:
             layout = EngineLayout(ep=args.engine_ep or 1, tp=args.engine_tp, nodes=args.nodes)
-            share = summarize(plan_from_hf_config(config, spec, share=(layout, args.node)))
+            node_plan = plan_from_hf_config(config, spec, share=(layout, args.node))
+            share = summarize(node_plan)
             summary["node_share"] = {**share["share"], "memory": share["memory"], "totals": share["totals"]}
+        summary["tiers"] = memory_tiers(
+            node_plan,
+            _shape(args),
+            budget=args.device_budget,
+            regions=args.regions,
+            host_generations=args.residency == "host",
+        )
     except ValueError as exc:
         print(f"refitd plan: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -157,6 +215,62 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_text(summary))
     return EXIT_OK
+
+
+def _shape(args: argparse.Namespace) -> NodeShape:
+    base = NODE_SHAPES[args.node_shape]
+    if args.gpus is None and args.hbm is None and args.host_ram is None:
+        return base
+    return NodeShape(
+        f"{base.name} (changed)",
+        base.gpus if args.gpus is None else args.gpus,
+        base.hbm if args.hbm is None else args.hbm,
+        base.host_ram if args.host_ram is None else args.host_ram,
+        base.source + "; overridden by flags",
+    )
+
+
+def render_tiers(t: dict[str, Any], share: dict[str, Any] | None) -> list[str]:
+    """The memory per tier: per GPU (rings within the budget) and per node (host generations)."""
+    shape, gpu = t["shape"], t["gpu"]
+    whose = f"node {share['node']}'s share" if share else "the whole model"
+    lines = [
+        "",
+        f"memory per tier on {shape['name']}: {shape['gpus']} GPUs x {human_bytes(shape['hbm'])} HBM, "
+        f"{human_bytes(shape['host_ram'])} host; generations in {t['residency']} memory ({whose})",
+        f"  ({t['source']})",
+    ]
+    if gpu is not None:
+        cut = (
+            f", layers cut into parts ({gpu['groups']} groups)"
+            if gpu["split"]
+            else f", {gpu['groups']} groups"
+        )
+        ok = "fits" if gpu["device_bytes"] <= t["budget"] <= shape["hbm"] else "DOES NOT FIT"
+        lines += [
+            f"  per GPU (arena = cuda): {gpu['regions']} ring regions{cut}",
+            f"    staging ring  {gpu['regions']} x {human_bytes(gpu['staging_region']):>10} = "
+            f"{human_bytes(gpu['staging_ring']):>10}",
+            f"    publish ring  {gpu['regions']} x {human_bytes(gpu['publish_region']):>10} = "
+            f"{human_bytes(gpu['publish_ring']):>10}",
+        ]
+        if gpu["generations"]:
+            lines.append(f"    generations   2 x {human_bytes(gpu['generations'] // 2):>10}")
+        lines.append(
+            f"    in all {human_bytes(gpu['device_bytes'])} (as allocated) of a {human_bytes(t['budget'])} "
+            f"budget: {ok}"
+        )
+    host_ok = "fits" if t["host_generations"] <= shape["host_ram"] else "DOES NOT FIT"
+    lines.append(
+        f"  per node: {t['generations']} host generations x {human_bytes(t['generation'])} = "
+        f"{human_bytes(t['host_generations'])} page-locked, of {human_bytes(shape['host_ram'])}: {host_ok}"
+    )
+    lines.append(
+        f"  (CPU path, arena = shm: whole-step staging + generations = {human_bytes(t['cpu_path_host'])} of host memory)"
+    )
+    for problem in t["problems"]:
+        lines.append(f"  does not fit: {problem}")
+    return lines
 
 
 def render_text(s: dict[str, Any]) -> str:
@@ -205,10 +319,11 @@ def render_text(s: dict[str, Any]) -> str:
     ]
     m = s["memory"]
     gens = m["generations"] * m["generation"]
-    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} groups (cuda default)"
+    ring = f"ring of {m['ring_regions']} x {human_bytes(m['ring_region'])}, {m['ring_groups']} layer groups"
     lines += [
         "",
-        f"daemon memory: {m['generations']} generations of {human_bytes(m['generation'])}, plus staging:",
+        f"daemon memory in one place (shm, or generation_residency = device): {m['generations']} "
+        f"generations of {human_bytes(m['generation'])}, plus staging:",
         f"  {'':<50} {'staging':>12} {'in all':>12}",
         f"  {'whole steps (staging_regions = 0; shm default)':<50} {human_bytes(m['staging_whole']):>12} "
         f"{human_bytes(m['staging_whole'] + gens):>12}",
@@ -224,6 +339,8 @@ def render_text(s: dict[str, Any]) -> str:
             f"  {nm['generations']} generations {human_bytes(nm['generations'] * nm['generation'])}; "
             f"with whole-step staging {human_bytes(nm['staging_whole'] + nm['generations'] * nm['generation'])}",
         ]
+    if "tiers" in s:
+        lines += render_tiers(s["tiers"], s.get("node_share"))
     lines += ["", "largest inputs:"]
     for t in s["largest"]:
         shape = "x".join(map(str, t["shape"]))

@@ -286,6 +286,17 @@ def render_status(s: dict) -> str:
         )
     elif staging:
         lines.append(f"staging: whole steps ({_mib(staging['bytes'])})")
+    tiers = s.get("tiers") or {}
+    if tiers.get("device_budget"):  # GPU arenas: the device tier within its budget (docs/multi_gpu.md)
+        where = (
+            f"host memory ({_mib(tiers['pinned_bytes'])} page-locked)"
+            if tiers["generations"] == "shm"
+            else "GPU memory"
+        )
+        lines.append(
+            f"device memory: {_mib(tiers['device_bytes'])} of a {_mib(tiers['device_budget'])} budget; "
+            f"generations in {where}"
+        )
     lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
     for e in s.get("engines", []):
         lines.append(

@@ -91,6 +91,7 @@ def value_problems(c: Any, bad: set[str]) -> Iterable[Problem]:
         )
     yield from _layout_problems(c, ok)
     yield from _share_problems(c, ok)
+    yield from _tier_problems(c, ok)
     keys = ("heartbeat_interval_s", "rank_timeout_s")
     if ok(*keys) and c.heartbeat_interval_s >= c.rank_timeout_s:
         yield Problem(
@@ -98,6 +99,52 @@ def value_problems(c: Any, bad: set[str]) -> Iterable[Problem]:
             f"({c.rank_timeout_s:g}), or live ranks are declared dead between pings: lower the first "
             f"or raise the second",
             keys,
+        )
+
+
+#: the least device budget that can hold anything: one 2 MiB CUDA allocation granule per ring
+MIN_DEVICE_BUDGET = 4 << 20
+
+
+def _tier_problems(c: Any, ok: Callable[..., bool]) -> Iterable[Problem]:
+    """The memory tiers' settings: a budget that can hold rings, GPUs that agree, and a ring to
+    stream through when the generations are in host memory and the arenas on a GPU."""
+    from sidecar.config.values import Residency
+    from transport.arena import ArenaKind
+
+    if ok("device_budget") and c.device_budget < MIN_DEVICE_BUDGET:
+        yield Problem(
+            f"device_budget = {c.device_budget}: too small to hold a staging and a publish ring; give a "
+            "size such as 4GiB (the device memory the daemon may use per GPU)",
+            ("device_budget",),
+        )
+    cuda = c.arena is ArenaKind.CUDA_IPC
+    if ok("arena", "generation_residency") and not cuda and c.generation_residency is Residency.DEVICE:
+        yield Problem(
+            "generation_residency = 'device' needs arena = 'cuda': with arena = 'shm' everything is in "
+            "host memory; set arena = 'cuda', or drop generation_residency",
+            ("arena", "generation_residency"),
+        )
+    if ok("gpu", "gpus") and c.gpu is not None and c.gpus and c.gpu not in c.gpus:
+        yield Problem(
+            f"gpu = {c.gpu!r} is not among gpus = {list(c.gpus)}: the arenas' GPU must be one the daemon "
+            "may use; add it to gpus, or drop gpu (the first of gpus is used)",
+            ("gpu", "gpus"),
+        )
+    keys = ("arena", "generation_residency", "staging_regions", "role")
+    trainer_side = c.role is not NodeRole.INFERENCE
+    if (
+        ok(*keys)
+        and cuda
+        and trainer_side
+        and c.generation_residency is Residency.HOST
+        and c.staging_regions == 0
+    ):
+        yield Problem(
+            "staging_regions = 0 stages whole steps on the GPU, but generation_residency = 'host' streams "
+            "each layer group through a device ring into host memory: give staging_regions >= 1 (or "
+            "leave it unset: 4), or set generation_residency = 'device'",
+            keys[:3],
         )
 
 

@@ -41,6 +41,7 @@ from sidecar.config.values import (
     NodeLayout,
     NodeRole,
     Problem,
+    Residency,
     knob,
     parse_size,
 )
@@ -73,6 +74,10 @@ NON_SETTING_ENV = frozenset(
 #: staging regions when ``arena = "cuda"`` and ``staging_regions`` is unset: a whole step of BF16
 #: (67 GB for Qwen3.5-35B-A3B) does not belong on a GPU the engines share; four layer groups do.
 DEFAULT_GPU_REGIONS = 4
+#: device memory the daemon may allocate on each GPU it uses when ``device_budget`` is unset: the
+#: staging and publish rings (and, with ``generation_residency = "device"``, both generations).
+#: The peers' anchor: checkpoint-engine takes up to 3 buckets of 2.67-8 GiB per GPU.
+DEFAULT_DEVICE_BUDGET = 4 << 30
 
 
 _OPT_TEXT, _OPT_COUNT, _AUTO_SIZE = v.optional(v.text), v.optional(v.count), v.optional(parse_size, auto=True)
@@ -332,6 +337,45 @@ class DaemonConfig:
         ),
     )
 
+    """The memory tiers (docs/multi_gpu.md). With ``arena = "cuda"`` the daemon allocates at most
+    ``device_budget`` bytes on each GPU it uses (``gpus``: CUDA indices or UUIDs; default: ``gpu``,
+    else every visible GPU): the staging ring and the publish ring, cut into layer groups (or parts
+    of layers) small enough to fit. ``generation_residency`` puts the two generations in host
+    memory (``host``, page-locked, the default) or on the GPU (``device``: only where both fit the
+    budget too). A layout whose smallest group cannot fit the budget is refused at start."""
+    device_budget: int = field(
+        default=DEFAULT_DEVICE_BUDGET,
+        metadata=knob(
+            "--device-budget",
+            parse_size,
+            "SIZE",
+            "arena=cuda: device memory the daemon may use per GPU (default 4GiB)",
+            example='"4GiB"',
+            note="arena = cuda: device memory per GPU for the rings (and device-resident generations)",
+        ),
+    )
+    gpus: tuple[str, ...] = field(
+        default=(),
+        metadata=knob(
+            "--gpus",
+            v.gpu_list,
+            "LIST",
+            "arena=cuda: GPUs the daemon may use, indices or UUIDs (default: --gpu, else all)",
+            example='["GPU-5c1e...", "1"]',
+            note="arena = cuda: the GPUs it may use (indices or UUIDs); default: gpu, else all",
+        ),
+    )
+    generation_residency: Residency = field(
+        default=Residency.HOST,
+        metadata=knob(
+            "--generation-residency",
+            v.choice(Residency),
+            "WHERE",
+            "arena=cuda: generations in host memory (page-locked) or on the device",
+            note="arena = cuda: host (page-locked host memory) or device (must fit device_budget)",
+        ),
+    )
+
     """Wire limits: the largest data frame and header accepted, and the frames a remote client may have
     in flight before it waits for credit."""
     max_frame_bytes: int = field(
@@ -588,6 +632,17 @@ class DaemonConfig:
         if self.staging_regions is not None:
             return self.staging_regions
         return DEFAULT_GPU_REGIONS if self.arena is ArenaKind.CUDA_IPC else 0
+
+    @property
+    def arena_gpu(self) -> str | None:
+        """The GPU the arenas go on: ``gpu``, else the first of ``gpus``, else None (CUDA's current)."""
+        return self.gpu if self.gpu is not None else (self.gpus[0] if self.gpus else None)
+
+    @property
+    def host_generations(self) -> bool:
+        """Whether the generations live in host memory: always on shm, and on cuda unless
+        ``generation_residency = "device"``."""
+        return self.arena is ArenaKind.SHM or self.generation_residency is Residency.HOST
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (str, int, float, list, None) by field name; drop the Nones for TOML."""

@@ -53,6 +53,15 @@ class NodeRole(str, enum.Enum):
     INFERENCE = "inference"
 
 
+class Residency(str, enum.Enum):
+    """Where the two generations live when the arenas are on a GPU (``arena = "cuda"``): in host
+    memory, page-locked (``host``: the device holds only rings within ``device_budget``), or on the
+    GPU (``device``: small models, where both generations fit the budget). Shm arenas are host."""
+
+    HOST = "host"
+    DEVICE = "device"
+
+
 class ForwardMover(str, enum.Enum):
     """How forwarded bytes move between nodes: NIXL where both sides have it (``auto``), only NIXL
     (``nixl``: a forwarder fails rather than fall back), or only ZeroMQ frames (``zmq``)."""
@@ -238,6 +247,25 @@ def peer_endpoints(value: Any) -> tuple[str, ...]:
         if not (p.startswith("tcp://") and colon and host and port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(f"{p!r} is not tcp://HOST:PORT (an inference daemon's listen endpoint)")
         out.append(p)
+    return tuple(out)
+
+
+def gpu_list(value: Any) -> tuple[str, ...]:
+    """GPUs as CUDA indices or ``GPU-`` UUIDs: a list, or one comma-separated string."""
+    if isinstance(value, str):
+        value = [p for p in value.split(",") if p.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            "expected GPUs (CUDA indices or GPU-... UUIDs): a list, or one comma-separated string"
+        )
+    out: list[str] = []
+    for item in value:
+        text = str(item).strip()
+        if not (text.isdigit() or text.upper().startswith("GPU-")):
+            raise ValueError(f"{text!r} is neither a CUDA index (0, 1, ...) nor a GPU UUID (GPU-...)")
+        if text in out:
+            raise ValueError(f"GPU {text!r} is listed twice")
+        out.append(text)
     return tuple(out)
 
 

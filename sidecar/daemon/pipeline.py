@@ -168,22 +168,32 @@ class Pipeline:
         ctx = self.ctx
         state, ring = ctx.step, ctx.arenas.ring
         target = state.target.arena
-        sync = False
+        sync, outputs, copies = False, None, ()
         if ring is not None:
             group = ring.unit_group[unit.index]
             if not ring.granted(group):  # its bytes are all zero-sized: run it once the group is granted
                 state.parked.setdefault(group, []).append(unit)
                 return
             # the group's last unit waits for the GPU before it reports: the region is then reused
-            sync = ring.unit_submitted(unit.index) and ctx.arenas.kind is ArenaKind.CUDA_IPC
+            last = ring.unit_submitted(unit.index)
+            sync = last and ctx.arenas.kind is ArenaKind.CUDA_IPC
+            if ctx.arenas.publish_ring is not None:  # host generations: into the device publish ring
+                region = ring.grants[group].slot.index  # the staging region's twin
+                views = ctx.arenas.publish_outputs(group, region)  # quantized outputs only
+                outputs = {
+                    o.name: views[o.name] if o.name in views else target.tensor(o.name) for o in unit.outputs
+                }
+                if last:  # then copied to the host generation, before the group counts as written
+                    copies = ctx.arenas.publish_copies(group, region, state.target)
         if not state.phases.quant_start:
             state.phases.quant_start = time.monotonic()
         ctx.worker.submit(
             state.step,
             unit,
             {n: self.staged(n) for n in unit.inputs},
-            {o.name: target.tensor(o.name) for o in unit.outputs},
+            {o.name: target.tensor(o.name) for o in unit.outputs} if outputs is None else outputs,
             sync=sync,
+            copies=copies,
         )
 
     def staged(self, name: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from sidecar.config.settings import DaemonConfig, NodeRole, default_listen, tcp_host
+from sidecar.config.settings import ArenaKind, DaemonConfig, NodeRole, default_listen, tcp_host
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.segments import SEGMENTS_FILE, remove_stale_segments
 from sidecar.errors import ErrorKind, RefitError
@@ -25,8 +25,23 @@ from transport.control import bind_control
 log = logging.getLogger("refitd.daemon")
 
 
+def check_gpus(config: DaemonConfig) -> None:
+    """Every GPU of ``gpus`` must be one this process sees (by index or UUID): a typo is a
+    configuration error at start, not a failure the first time a step needs that GPU."""
+    if config.arena is not ArenaKind.CUDA_IPC or not config.gpus:
+        return
+    from transport.cuda_ipc import resolve_gpu
+
+    for gpu in config.gpus:
+        try:
+            resolve_gpu(int(gpu) if gpu.isdigit() else gpu)
+        except (LookupError, ValueError) as exc:
+            raise RefitError(f"gpus = {list(config.gpus)}: {gpu!r}: {exc}", kind=ErrorKind.INVALID) from None
+
+
 def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Arenas:
     """Staging and the generations: sized for ``plan``, or by the configured byte counts."""
+    check_gpus(config)
     regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
     if plan is not None:
         return Arenas.for_plan(
@@ -35,8 +50,10 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_bytes=config.staging_bytes,
             publish_bytes=config.publish_bytes,
             kind=config.arena,
-            gpu=config.gpu,
+            gpu=config.arena_gpu,
             staging_regions=regions,
+            host_generations=config.host_generations,
+            budget=config.device_budget,
         )
     if config.publish_bytes is not None and (
         config.staging_bytes is not None or config.role is NodeRole.INFERENCE
@@ -46,8 +63,10 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_bytes=config.staging_bytes or 4096,
             publish_bytes=config.publish_bytes,
             kind=config.arena,
-            gpu=config.gpu,
+            gpu=config.arena_gpu,
             staging_regions=regions,
+            host_generations=config.host_generations,
+            budget=config.device_budget,
         )
     raise RefitError(
         "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "

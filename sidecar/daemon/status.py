@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar.config.settings import RELOADABLE
 from sidecar.protocol.enums import PeerRole
+from transport.arena import ArenaKind
 from transport.gpus import arena_placements, local_gpus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,6 +80,15 @@ def status(daemon: Observed) -> dict[str, Any]:
             "segment": arenas.staging.name,
             "bytes": arenas.staging.size,
             "ring": None if arenas.ring is None else {**arenas.ring.wire(), "held": arenas.ring.held()},
+        },
+        "tiers": None
+        if arenas is None
+        else {  # docs/multi_gpu.md: what the device holds (within the budget), where generations live
+            "generations": arenas.gen_kind.value,
+            "device_bytes": arenas.device_bytes(),
+            "device_budget": None if arenas.kind is ArenaKind.SHM else config.device_budget,
+            "publish_ring": None if arenas.publish_arena is None else arenas.publish_arena.size,
+            "pinned_bytes": sum(p.nbytes for p in arenas.pins),
         },
         "trainers": sorted(p.rank for p in peers.of_role(PeerRole.TRAINER)),
         "readers": [p.name for p in peers.of_role(PeerRole.READER)],

@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from sidecar.daemon.copyout import check_copied, run_passthrough
+from sidecar.daemon.memory.tiers import copy_out
 from sidecar.daemon.spans import Span, run_span
 from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
@@ -78,7 +79,7 @@ def batchable(job: tuple | SpanJob) -> bool:
     job is a batch already)."""
     if isinstance(job, SpanJob):
         return False
-    _step, unit, _inputs, _outputs, sync = job
+    unit, sync = job[1], job[4]  # (step, unit, inputs, outputs, sync[, copies])
     return unit.fmt is None and not sync and unit.bytes_in <= BATCH_UNIT_BYTES
 
 
@@ -155,13 +156,16 @@ class QuantWorker:
         outputs: Mapping[str, torch.Tensor],
         *,
         sync: bool = False,
+        copies: list | tuple = (),
     ) -> None:
         """Queue ``unit`` with its resolved tensors: ``inputs`` (name -> staged tensor) and ``outputs``
         (name -> its place in the target generation), views the serve loop made on its own thread (so
         no arena's view cache is touched from this worker). ``sync``: wait for its GPU work before
-        reporting it done (the staging ring reuses the region it read as soon as it is reported)."""
+        reporting it done (the staging ring reuses the region it read as soon as it is reported).
+        ``copies``: ``(device, host)`` byte pairs to copy after it ran (a group's publish region into
+        the host generation, at the group's last unit, see :func:`copy_out`)."""
         self.inflight += 1
-        self._put((step, unit, inputs, outputs, sync))
+        self._put((step, unit, inputs, outputs, sync, copies))
 
     def submit_spans(self, step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]]) -> None:
         """Queue the units of ``spans`` (each ``(span, staging bytes, generation bytes)``, views the
@@ -257,7 +261,8 @@ class QuantWorker:
         if isinstance(job, SpanJob):
             self._run_spans(job)
             return
-        step, unit, inputs, outputs, sync = job
+        step, unit, inputs, outputs, sync = job[:5]
+        copies = job[5] if len(job) > 5 else ()
         skip = self._skipped(step)
         t0 = time.monotonic()
         error = None
@@ -275,6 +280,7 @@ class QuantWorker:
                         run_unit(unit, tensors, outputs)
                     if sync:
                         _synchronize(tensors)
+                    copy_out(copies)
             except Exception as exc:  # reported to the serve loop, which fails the step
                 error = exc
                 if not isinstance(exc, (ValueError, NonFiniteError)):

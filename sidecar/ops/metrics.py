@@ -329,7 +329,9 @@ class MetricsObserver(Observer):
         src = out.source_view(src)
         q, scale = live.arena.tensor(out.name), live.arena.tensor(out.scale_name)
         rows, cols = (self._window(n, edge) for n, edge in zip(src.shape[-2:], SQNR_TILE))
-        db = sqnr_db(src[rows, cols], dequantize_tile(q, scale, fmt, rows, cols))
+        db = sqnr_db(
+            src[rows, cols].to(q.device), dequantize_tile(q, scale, fmt, rows, cols)
+        )  # host tier: q on host
         if math.isnan(db):
             return
         self.sqnr.labels(format=fmt.value).set(db)

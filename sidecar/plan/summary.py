@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from sidecar.plan.build import RefitPlan
@@ -142,3 +143,91 @@ def daemon_memory(plan: RefitPlan) -> dict[str, int]:
         "generation": outputs.size,
         "generations": N_GENERATIONS,
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# memory per tier (refitd plan)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeShape:
+    """A node's memory as the planner weighs it: GPUs, HBM per GPU, host RAM (bytes)."""
+
+    name: str
+    gpus: int
+    hbm: int
+    host_ram: int
+    source: str
+
+
+#: ``refitd plan --node-shape``: the defaults the issue asks for, with where the figures come from
+NODE_SHAPES = {
+    "h200": NodeShape(
+        "8 x H200",
+        8,
+        141 * 10**9,
+        2 << 40,
+        "H200 SXM: 141 GB HBM3e per GPU (NVIDIA H200 datasheet); host RAM varies by server, 2 TiB assumed",
+    ),
+    "gb200": NodeShape(
+        "GB200 NVL72 compute tray",
+        4,
+        186 * 10**9,
+        960 * 10**9,
+        "NVL72: 13.4 TB HBM3e over 72 GPUs = 186 GB each; 17 TB LPDDR5X over 36 Grace CPUs = ~480 GB "
+        "each, 2 per tray (NVIDIA GB200 NVL72 specifications)",
+    ),
+}
+
+
+def memory_tiers(
+    plan: RefitPlan, shape: NodeShape, *, budget: int, regions: int, host_generations: bool = True
+) -> dict[str, Any]:
+    """What a daemon serving ``plan`` (one node's: a share when the engine spans nodes) needs per
+    tier on a node of ``shape``: per GPU (its rings, under ``budget``) and per node (the host
+    generations; with shm arenas, whole-step staging too), and whether each fits, with what to
+    change where it does not."""
+    from sidecar.daemon.memory.generations import N_GENERATIONS, layouts
+    from sidecar.daemon.memory.tiers import BudgetTooSmall, fit_device_tier
+
+    staging, outputs = layouts(plan)
+    out: dict[str, Any] = {
+        "shape": {"name": shape.name, "gpus": shape.gpus, "hbm": shape.hbm, "host_ram": shape.host_ram},
+        "source": shape.source,
+        "budget": budget,
+        "residency": "host" if host_generations else "device",
+        "generation": outputs.size,
+        "generations": N_GENERATIONS,
+        "host_generations": N_GENERATIONS * outputs.size if host_generations else 0,
+        "cpu_path_host": staging.size + N_GENERATIONS * outputs.size,
+        "problems": [],
+    }
+    try:
+        tier = fit_device_tier(plan, regions=regions, budget=budget, host_generations=host_generations)
+        out["gpu"] = {
+            "regions": tier.regions,
+            "groups": tier.groups,
+            "split": tier.max_group_bytes is not None,
+            "staging_region": tier.staging_region,
+            "publish_region": tier.publish_region,
+            "staging_ring": tier.staging,
+            "publish_ring": tier.publish,
+            "generations": tier.generations,
+            "device_bytes": tier.device_bytes,
+        }
+    except BudgetTooSmall as exc:
+        out["gpu"] = None
+        out["problems"].append(str(exc))
+    if budget > shape.hbm:
+        out["problems"].append(
+            f"device_budget ({budget / 2**30:.2f} GiB) is more than a GPU's HBM ({shape.hbm / 2**30:.2f} GiB): "
+            "lower --device-budget"
+        )
+    if out["host_generations"] > shape.host_ram:
+        out["problems"].append(
+            f"the two host generations need {out['host_generations'] / 2**30:.2f} GiB but the node has "
+            f"{shape.host_ram / 2**30:.2f} GiB of host memory: spread the engine over more nodes "
+            "(--engine-ep/--nodes: each node holds its share), or publish a smaller format"
+        )
+    out["fits"] = not out["problems"]
+    return out

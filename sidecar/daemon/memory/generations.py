@@ -25,15 +25,22 @@ from dataclasses import dataclass, field
 
 from sidecar.daemon.memory.direct import direct_offsets
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
+from sidecar.daemon.memory.tiers import (
+    N_GENERATIONS,
+    BudgetTooSmall,
+    PublishRing,
+    fit_device_tier,
+    output_layout,
+)
 from sidecar.plan.build import RefitPlan
 from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
-from transport.layout import Layout
+from transport.layout import ALIGN, Layout
 from transport.shm import ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
 
-N_GENERATIONS = 2
+__all__ = ["N_GENERATIONS", "Arenas", "Generation", "check_budget", "layouts"]
 
 
 @dataclass(slots=True)
@@ -57,12 +64,32 @@ class Arenas:
         kind: ArenaKind = ArenaKind.SHM,
         gpu: str | int | None = None,
         staging_regions: int = 0,
+        host_generations: bool = False,
+        publish_ring_bytes: int | None = None,
+        max_group_bytes: int | None = None,
+        budget: int | None = None,
     ):
         """``staging_regions``: 0 stages a whole step; N > 0 streams it through a ring of N regions
-        (sidecar.daemon.memory.staging), carved once the plan is known."""
+        (sidecar.daemon.memory.staging), carved once the plan is known.
+
+        GPU arenas (``kind`` CUDA_IPC) with ``host_generations``: the generations are host shm,
+        page-locked, and a publish ring of ``publish_ring_bytes`` (default: staging's size) on the
+        GPU takes each group's outputs before they are copied there (sidecar.daemon.memory.tiers);
+        ``max_group_bytes`` cuts layers into parts that fit a region. ``budget``: refuse
+        (BudgetTooSmall) to allocate more device memory than this."""
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.staging_regions = staging_regions
+        on_gpu = self.kind is ArenaKind.CUDA_IPC
+        #: where the generations live: host shm on shm arenas, and on GPU arenas unless device-resident
+        self.gen_kind = ArenaKind.SHM if host_generations or not on_gpu else ArenaKind.CUDA_IPC
+        self.max_group_bytes = max_group_bytes
         self.ring: RingStaging | None = None
+        self.publish_arena: Arena | None = (
+            None  # the device publish ring's memory (GPU arenas, host generations)
+        )
+        self.publish_ring: PublishRing | None = None  # its layout for the plan
+        self.pins: list = []  # page-locked host generations (transport.cuda_ipc.HostPin)
+        self._publish_views: dict[tuple[int, int], dict] = {}
         #: inputs whose remote frames the daemon may write straight into the step's generation
         #: (sidecar.daemon.memory.direct): byte offsets there; empty on GPU arenas and with a
         #: staging ring, where every input is staged
@@ -79,21 +106,34 @@ class Arenas:
         #: called with (reader identity, generation, step it held) for each hold dropped by a claim
         self.on_revoke: Callable[[bytes, Generation, int | None], None] | None = None
         self.revoked_holds = 0  # holds dropped because a step needed the generation (status, metrics)
+        publish_ring = 0
+        if on_gpu and self.gen_kind is ArenaKind.SHM and staging_regions:
+            publish_ring = staging_bytes if publish_ring_bytes is None else publish_ring_bytes
+        if budget is not None and on_gpu:
+            check_budget(
+                budget, staging_bytes, publish_ring, 0 if self.gen_kind is ArenaKind.SHM else publish_bytes
+            )
         self.staging = self._create("staging", staging_bytes)
         try:
+            if publish_ring:
+                self.publish_arena = self._create("publish", publish_ring)
             self.epochs = EpochPage.create(segment_name(prefix, "epochs"), N_GENERATIONS)
             for i in range(N_GENERATIONS):
-                self.generations.append(Generation(i, self._create(f"gen{i}", publish_bytes, sealed=True)))
+                self.generations.append(
+                    Generation(i, self._create(f"gen{i}", publish_bytes, self.gen_kind, sealed=True))
+                )
+                if on_gpu and self.gen_kind is ArenaKind.SHM:
+                    self._pin(self.generations[-1].arena)
         except BaseException:
             self.close()
             raise
         self.live: int | None = None
 
-    def _create(self, role: str, size: int, *, sealed: bool = False) -> Arena:
-        """A fresh arena; ``sealed``: its shm segment is read-only on disk once mapped here (a
-        generation: no other process may open it for writing)."""
+    def _create(self, role: str, size: int, kind: ArenaKind | None = None, *, sealed: bool = False) -> Arena:
+        """A fresh arena of ``kind`` (default: the arenas' own); ``sealed``: its shm segment is
+        read-only on disk once mapped here (a generation: no other process may open it for writing)."""
         name = segment_name(self.prefix, role)
-        if self.kind is ArenaKind.CUDA_IPC:
+        if (kind or self.kind) is ArenaKind.CUDA_IPC:
             from transport.cuda_ipc import CudaIpcArena  # cuda-bindings only where GPU arenas are asked for
 
             gpu = int(self.gpu) if isinstance(self.gpu, str) and self.gpu.isdigit() else self.gpu
@@ -131,12 +171,19 @@ class Arenas:
         self.retired_staging += 1
         log.info("staging is now %s", fresh.name)
 
+    def _pin(self, arena: Arena) -> None:
+        """Page-lock a host generation on the arenas' GPU, so copies into it (and engines' copies out
+        of it, from their own pinned mappings) are DMAs."""
+        from transport.cuda_ipc import pin_shm_arena
+
+        pin = pin_shm_arena(arena, driver=self.staging.driver, device=self.staging.device, read_only=False)
+        if pin is not None:
+            self.pins.append(pin)
+
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
         if self.kind is ArenaKind.CUDA_IPC:
-            import torch
-
-            torch.cuda.synchronize(self.staging.device)
+            self.staging.synchronize()
 
     @classmethod
     def for_plan(
@@ -145,6 +192,24 @@ class Arenas:
         staging, outputs = layouts(plan)
         regions, groups = kw.get("staging_regions", 0), ring_groups(plan)
         need = min(regions, len(groups)) * region_size(groups) if regions else staging.size
+        budget = kw.get("budget")
+        on_gpu = ArenaKind(kw.get("kind", ArenaKind.SHM)) is ArenaKind.CUDA_IPC
+        if on_gpu and budget is not None and regions and staging_bytes is None:
+            tier = fit_device_tier(
+                plan, regions=regions, budget=budget, host_generations=kw.get("host_generations", False)
+            )
+            need, kw["staging_regions"] = tier.staging, tier.regions
+            kw.setdefault("publish_ring_bytes", tier.publish)
+            kw.setdefault("max_group_bytes", tier.max_group_bytes)
+            log.info(
+                "device tier: %d ring region(s) of %d B staging + %d B publish, %d groups, %d B of %d B budget",
+                tier.regions,
+                tier.staging_region,
+                tier.publish_region,
+                tier.groups,
+                tier.device_bytes,
+                budget,
+            )
         arenas = cls(
             prefix,
             staging_bytes=need if staging_bytes is None else staging_bytes,
@@ -162,7 +227,22 @@ class Arenas:
         """Carve the arenas for ``plan``; ArenaTooSmall (naming sizes) when they are too small."""
         staging, outputs = layouts(plan)
         if self.staging_regions:  # ArenaTooSmall when a region cannot hold the largest group
-            self.ring = RingStaging(plan, regions=self.staging_regions, capacity=self.staging.size)
+            cap = self.max_group_bytes
+            if cap is None and self.kind is ArenaKind.CUDA_IPC:  # cut layers that would not fit a region
+                regions = min(self.staging_regions, max(1, len(ring_groups(plan))))
+                cap = (self.staging.size // regions) // ALIGN * ALIGN
+            self.ring = RingStaging(
+                plan, regions=self.staging_regions, capacity=self.staging.size, max_group_bytes=cap
+            )
+            self._publish_views = {}
+            if self.publish_arena is not None:
+                self.publish_ring = PublishRing(
+                    self.ring.groups,
+                    plan,
+                    outputs,
+                    regions=self.ring.regions,
+                    capacity=self.publish_arena.size,
+                )
         try:
             self.staging.relayout(Layout([]) if self.staging_regions else staging)  # a ring places its own
             for g in self.generations:
@@ -189,6 +269,25 @@ class Arenas:
             g.step = None
         self.live = None
 
+    def publish_outputs(self, group: int, region: int) -> dict:
+        """Host generations on a GPU: ``group``'s outputs in publish region ``region``, where its
+        units write (views made once per group and region)."""
+        key = (group, region)
+        views = self._publish_views.get(key)
+        if views is None:
+            views = self._publish_views[key] = self.publish_ring.outputs(self.publish_arena, group, region)
+        return views
+
+    def publish_copies(self, group: int, region: int, gen: Generation) -> list:
+        """The ``(device, host)`` byte pairs that copy ``group``'s outputs from ``region`` into ``gen``."""
+        return self.publish_ring.copies(self.publish_arena, group, region, gen.arena)
+
+    def device_bytes(self) -> int:
+        """Device memory these arenas hold (status, tests): what the budget bounds."""
+        from transport.cuda_ipc import allocation_size
+
+        return sum(allocation_size(a.size) for a in self.all_arenas() if a.kind is ArenaKind.CUDA_IPC)
+
     def segment_names(self) -> list[str]:
         """The POSIX shared-memory segments (crash clean-up of /dev/shm); GPU memory dies with us."""
         arenas = [self.staging, *(g.arena for g in self.generations)]
@@ -196,7 +295,8 @@ class Arenas:
         return [a.name for a in arenas if a.kind is ArenaKind.SHM] + page
 
     def all_arenas(self) -> list[Arena]:
-        return [self.staging, *(g.arena for g in self.generations)]
+        publish = [] if self.publish_arena is None else [self.publish_arena]
+        return [self.staging, *publish, *(g.arena for g in self.generations)]
 
     # ---- publish cycle
 
@@ -276,8 +376,11 @@ class Arenas:
             gen.holders.pop(identity, None)
 
     def close(self) -> None:
-        """Unmap and unlink every segment (idempotent)."""
-        for arena in [self.staging, *(g.arena for g in self.generations)]:
+        """Unmap and unlink every segment (idempotent); page-locked ones are unregistered first."""
+        for pin in self.pins:
+            pin.release()
+        self._publish_views = {}  # device memory is freed once no view of it is left
+        for arena in self.all_arenas():
             arena.close()
             arena.unlink()
         if self.epochs is not None:
@@ -285,8 +388,24 @@ class Arenas:
             self.epochs.unlink()
 
 
+def check_budget(budget: int, staging: int, publish_ring: int, generation: int) -> None:
+    """Refuse (BudgetTooSmall, naming the sizes) device arenas beyond ``budget``, counted as they
+    are allocated (whole 2 MiB granules); ``generation``: each device-resident generation's bytes."""
+    from transport.cuda_ipc import allocation_size
+
+    parts = {"staging ring": staging, "publish ring": publish_ring}
+    parts.update({f"generation {i}": generation for i in range(N_GENERATIONS)})
+    sizes = {k: allocation_size(n) for k, n in parts.items() if n}
+    if sum(sizes.values()) > budget:
+        listed = ", ".join(f"{k} {n} B" for k, n in sizes.items())
+        raise BudgetTooSmall(
+            f"the device arenas need {sum(sizes.values())} B ({listed}) but device_budget is {budget} B: "
+            "raise device_budget, lower staging_bytes or staging_regions, or keep the generations in host "
+            "memory (generation_residency = 'host')"
+        )
+
+
 def layouts(plan: RefitPlan) -> tuple[Layout, Layout]:
     """(staging layout of the plan's inputs, generation layout of its outputs)."""
     staging = Layout.build((i.name, i.dtype, i.shape) for i in plan.inputs)
-    outputs = Layout.build((o.name, o.dtype, o.shape) for o in plan.outputs)
-    return staging, outputs
+    return staging, output_layout(plan)

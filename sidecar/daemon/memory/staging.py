@@ -55,9 +55,68 @@ class Group:
         return self.layout.size
 
 
-def ring_groups(plan: RefitPlan) -> list[Group]:
+def ring_groups(plan: RefitPlan, max_bytes: int | None = None) -> list[Group]:
     """The plan's inputs cut into groups: one per decoder (or MTP) layer, one per other unit,
-    merged wherever units share an input; in plan input order."""
+    merged wherever units share an input; in plan input order.
+
+    ``max_bytes`` (a device budget, sidecar.daemon.memory.tiers): a layer group larger than this is
+    cut into parts of at most ``max_bytes`` input bytes, each a run of whole *atoms* (units joined
+    by a shared input: one expert's gate and up, a grouped slab), labelled ``layer 3 part 2/7``. An
+    atom larger than ``max_bytes`` stays whole (the caller says it cannot fit)."""
+    groups = _layer_groups(plan)
+    if max_bytes is None or all(g.nbytes <= max_bytes for g in groups):
+        return groups
+    atoms = {name: g for g in _layer_groups(plan, by_layer=False) for name in g.inputs}
+    specs = {i.name: i for i in plan.inputs}
+    out: list[Group] = []
+    for group in groups:
+        if group.nbytes <= max_bytes:
+            out.append(group)
+            continue
+        members_of = group_atoms(group, atoms)
+        parts = [[members_of[i] for i in part] for part in pack([a.nbytes for a in members_of], max_bytes)]
+        for k, part in enumerate(parts):
+            members = set().union(*(a.inputs for a in part))
+            names = tuple(n for n in group.inputs if n in members)
+            units = tuple(sorted(u for a in part for u in a.units))
+            layout = Layout.build((n, specs[n].dtype, specs[n].shape) for n in names)
+            label = f"{group.label} part {k + 1}/{len(parts)}"
+            out.append(Group(len(out), label, names, units, layout))
+    return [Group(i, g.label, g.inputs, g.units, g.layout) for i, g in enumerate(out)]
+
+
+def group_atoms(group: Group, atoms: dict[str, Group]) -> list[Group]:
+    """The atoms (``ring_groups``) of a layer group, in the order their first input comes."""
+    out, seen = [], set()
+    for name in group.inputs:
+        atom = atoms[name]
+        if atom.index not in seen:
+            seen.add(atom.index)
+            out.append(atom)
+    return out
+
+
+def pack(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into consecutive runs of at most ``max_bytes`` (each size counted
+    ALIGN-rounded, as a layout places it); a size alone above ``max_bytes`` is a run of its own."""
+    parts: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if not parts or (size + n > max_bytes and parts[-1]):
+            parts.append([])
+            size = 0
+        parts[-1].append(i)
+        size += -(-n // ALIGN) * ALIGN
+    return parts
+
+
+def layer_groups(plan: RefitPlan, *, by_layer: bool = True) -> list[Group]:
+    """The groups ``ring_groups`` starts from: whole layers (``by_layer``), or atoms."""
+    return _layer_groups(plan, by_layer=by_layer)
+
+
+def _layer_groups(plan: RefitPlan, *, by_layer: bool = True) -> list[Group]:
+    """Groups of inputs read together: with ``by_layer``, a decoder layer's units are one group."""
     parent: dict[object, object] = {}
 
     def find(key: object) -> object:
@@ -68,7 +127,7 @@ def ring_groups(plan: RefitPlan) -> list[Group]:
 
     unit_key: dict[int, object] = {}
     for unit in plan.units:
-        key = ("layer", unit.layer) if unit.layer is not None else ("unit", unit.index)
+        key = ("layer", unit.layer) if unit.layer is not None and by_layer else ("unit", unit.index)
         unit_key[unit.index] = key
         for name in unit.inputs:
             a, b = find(key), find(("input", name))
@@ -127,10 +186,10 @@ class RingStaging:
     the plan's largest group.
     """
 
-    def __init__(self, plan: RefitPlan, *, regions: int, capacity: int):
+    def __init__(self, plan: RefitPlan, *, regions: int, capacity: int, max_group_bytes: int | None = None):
         if regions < 1:
             raise ValueError(f"a staging ring needs at least 1 region, got staging_regions={regions}")
-        self.groups = ring_groups(plan)
+        self.groups = ring_groups(plan, max_group_bytes)
         regions = min(regions, max(1, len(self.groups)))  # a region per group at most: more sit idle
         region_bytes = (capacity // regions) // ALIGN * ALIGN
         largest = max(self.groups, key=lambda g: g.nbytes, default=None)
