@@ -92,6 +92,7 @@ from adapters.vllm.quant import (
     VLLM_ENV,
     WORKER_EXTENSION,
     VllmQuant,
+    registry_config,
     resolve_quant,
 )
 from adapters.vllm.worker import (
@@ -121,6 +122,7 @@ __all__ = [
     "load_generation",
     "ordered_weights",
     "refit_engine",
+    "registry_config",
     "resolve_quant",
     "routed_bf16_modules",
     "vllm_engine_args",
