@@ -289,3 +289,59 @@ def test_the_mtp_drafter_is_refitted(engine):
     differ = [n for n, p in after.items() if not _kv_scale(n) and not _same(p, ref[n])]
     assert not differ, differ[:5]
     assert any(not torch.equal(_bytes(p), torch.zeros_like(_bytes(p))) for p in after.values())
+
+
+def test_tp2_block_fp8_with_i_128_loads_refined_in_two_gloo_ranks(vm, root):
+    """Finding 6 for real: Qwen3-MoE with I = 128 at tensor_parallel_size 2 (I/tp = 64, not a multiple
+    of 128). vLLM 0.33.0 refines the 128-block to 64 and upsamples the scales at load; two gloo
+    processes build the real model, attach (no refusal), load refitd's generation with every rank's
+    slice of every expert weight and scale where vLLM's sharding puts it, and reload two generations
+    in place, each byte-equal to vLLM's own first load + processing on that rank."""
+    import json
+    import subprocess
+    import sys
+
+    from support.net import free_port
+
+    folder = vm.write_config(root, "qwen3_moe", moe_intermediate_size=128)
+    port = free_port()
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    procs, outs = [], []
+    for rank in range(2):
+        out = root / f"tp2-rank{rank}.json"
+        outs.append(out)
+        args = [
+            sys.executable,
+            "-m",
+            "support.vllm_tp",
+            str(rank),
+            "2",
+            str(port),
+            str(folder),
+            "block_fp8",
+            str(out),
+        ]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err.decode(errors="replace")[-3000:])
+    assert not errors, errors
+    for out in outs:
+        result = json.loads(out.read_text())
+        assert "error" not in result, result.get("trace")
+        assert result["moe_tp_size"] == 2 and result["constraints"] == []
+        assert result["scale_shapes"]["model.layers.0.mlp.experts.routed_experts.w13_weight_scale_inv"] == [
+            4,
+            2,
+            4,
+        ]
+        assert result["expert_slices_wrong"] == []
+        for reload in result["reloads"]:
+            assert reload["moved"] == [] and reload["differ"] == [] and reload["compared"] > 0
