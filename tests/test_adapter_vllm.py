@@ -958,6 +958,9 @@ def test_docs_vllm_refusals_are_what_the_check_says():
         ),
         lambda: av.check_vllm_constraints(_with_tp(_manifest(real, block), 16), real),
         lambda: av.check_vllm_constraints(
+            _manifest(small, block), make_hf_config("qwen3_moe", num_layers=1, hidden=256, intermediate=192)
+        ),
+        lambda: av.check_vllm_constraints(
             _manifest(_small("qwen3_moe", unaligned=True), mxfp8),
             _small("qwen3_moe", hidden=144, intermediate=48),
         ),
