@@ -4,7 +4,10 @@
 # A separate venv that sees the project venv's packages (torch, pyzmq, pytest: one .pth line) and adds
 # the vLLM wheel installed with --no-deps (its CUDA torch, flashinfer etc. are not installed) plus the
 # light packages vLLM's reload package imports (pyproject's `vllm-reload-test` extra). The 336 MB wheel
-# is downloaded once into $VLLM_WHEEL_DIR and reused.
+# is downloaded once into $VLLM_WHEEL_DIR and reused. For vLLM's real model classes
+# (tests/test_engine_vllm_models.py): compressed-tensors and torchvision with --no-deps (they would
+# pull a CUDA torch; pyproject's `vllm-model-test-nodeps` list), and the torchvision::nms schema shim
+# (tests/engines/refitd_torchvision_shim.py, imported by a .pth line in every process of the venv).
 set -euo pipefail
 
 BASE_VENV=${BASE_VENV:-.venv}
@@ -42,10 +45,20 @@ with open("pyproject.toml", "rb") as f:
 PY
 )
 "$py" -m pip install -q "${deps[@]}"
+mapfile -t nodeps < <("$py" - <<'PY'
+import tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["tool"]["refitd"]["vllm-model-test-nodeps"]))
+PY
+)
+"$py" -m pip install -q --no-deps "${nodeps[@]}"
+cp tests/engines/refitd_torchvision_shim.py "$site/"
+echo "import refitd_torchvision_shim" > "$site/refitd-torchvision-shim.pth"
 # the wheel's vllm._C is built for its own torch; vLLM logs that and the pure-Python reload path works
-VLLM_TARGET_DEVICE=cpu "$py" -c "import vllm.model_executor.model_loader.reload" 2>/dev/null || {
-    echo "setup_engines: vllm $VLLM_VERSION's reload package does not import in $ENGINES_VENV" >&2
-    VLLM_TARGET_DEVICE=cpu "$py" -c "import vllm.model_executor.model_loader.reload"
+check="import vllm.model_executor.model_loader.reload, vllm.model_executor.model_loader.utils, torchvision"
+VLLM_TARGET_DEVICE=cpu "$py" -c "$check" 2>/dev/null || {
+    echo "setup_engines: vllm $VLLM_VERSION's reload package or model loader does not import in $ENGINES_VENV" >&2
+    VLLM_TARGET_DEVICE=cpu "$py" -c "$check"
     exit 1
 }
 touch "$stamp"

@@ -98,6 +98,7 @@ MODELOPT_CONFIG_KEYS = {
     "group_size",
 }  # modelopt.py
 ENGINE_ARG_KEYS = {  # vllm/engine/arg_utils.py EngineArgs; worker_extension_cls: vllm/config/parallel.py
+    "language_model_only",  # vllm 0.33.0 config/multimodal.py MultiModalConfig.language_model_only
     "quantization",
     "hf_overrides",
     "load_format",
@@ -252,7 +253,7 @@ def _qwen3_5_moe(em: _Emitter, c: dict[str, Any]) -> None:
             em.linear(f"{a}.in_proj_qkvz", h, [(2 * key + value) // tp, value // tp])
             em.linear(f"{a}.in_proj_ba", h, [vheads // tp, vheads // tp])
             em.param(f"{a}.dt_bias", BF16, [vheads // tp])
-            em.param(f"{a}.A_log", BF16, [vheads // tp])
+            em.param(f"{a}.A_log", F32, [vheads // tp])  # QwenGatedDeltaNetAttention: torch.float32
             em.param(f"{a}.norm.weight", BF16, [vdim])
             em.linear(f"{a}.out_proj", value // tp, [h])
         else:
@@ -651,16 +652,35 @@ def test_an_ignore_pattern_splitting_a_layer_is_refused():
 # constraints (SPEC §2.4)
 
 
-def test_block_fp8_needs_i_per_rank_aligned_to_128():
-    """Qwen3-30B-A3B: I = 768 splits into 384 (tp=2) but 192 (tp=4) is not 128-aligned."""
+def test_block_fp8_needs_i_per_rank_aligned_to_128_or_refinable():
+    """Qwen3-30B-A3B: I = 768 splits into 384 (tp=2, aligned), 192 (tp=4) and 96 (tp=8): vLLM 0.33.0
+    refines the 128-block to gcd(128, I/tp, H) = 64 / 32 and loads them; 48 (tp=16) refines to 16,
+    below the 32 vLLM accepts (Fp8MoEMethod.create_weights then raises)."""
     config = _config("qwen3_moe")
     quant = _quant(RefitSpec(model_type="qwen3_moe", fmt="block_fp8"), config)
     base = av.build_manifest(vllm_parameters(config, quant), config, quant)
-    for tp, ok in ((2, True), (4, False)):
+    for tp, ok in ((2, True), (4, True), (8, True), (16, False)):
         manifest = _with_tp(base, tp)
         problems = av.check_vllm_constraints(manifest, config)
         assert (problems == []) is ok, problems
-    assert "768/4 = 192" in av.check_vllm_constraints(_with_tp(base, 4), config)[0]
+    assert "768/16 = 48" in av.check_vllm_constraints(_with_tp(base, 16), config)[0]
+
+
+def test_block_fp8_tp2_with_i_128_attaches_and_a_ragged_i_is_refused():
+    """Finding 6 (issue 25): vLLM 0.33.0 refines the block (oracle/fp8.py
+    resolve_fp8_moe_weight_block_shape) and upsamples scales at load, so tp 2 with I = 128 loads
+    (tests/test_engine_vllm_models.py runs it); the old rule refused it. A whole I that is not a
+    multiple of 128 still fails inside vLLM: refused at every tp."""
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    small = make_hf_config("qwen3_moe", num_layers=1, num_experts=2, hidden=256, intermediate=128)
+    base = _manifest(small, spec)
+    assert av.check_vllm_constraints(_with_tp(base, 2), small) == []
+    ragged = make_hf_config("qwen3_moe", num_layers=1, num_experts=2, hidden=256, intermediate=192)
+    q = _quant(spec, ragged)
+    ragged_manifest = av.build_manifest(vllm_parameters(ragged, q, unchecked=True), ragged, q)
+    for tp in (1, 2):
+        problems = av.check_vllm_constraints(_with_tp(ragged_manifest, tp), ragged)
+        assert len(problems) == 1 and "moe_intermediate_size = 192" in problems[0], problems
 
 
 def _with_tp(manifest, tp):
@@ -759,20 +779,21 @@ def test_daemon_attach_check_reads_the_moe_tp_size_vllm_writes():
 
     from sidecar.plan.attach import check_manifest
 
-    config = _config("qwen3_moe")  # I = 768: 192 per rank at moe_tp = 4 is not a multiple of 128
+    config = _config("qwen3_moe")  # I = 768: 48 per rank at moe_tp = 16 neither aligned nor refinable
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
     base = _manifest(config, spec)
     assert base.constraints.moe_tp_size == 1
     plan = plan_from_hf_config(config, spec)
     assert check_manifest(plan.inputs, spec, base).ok
-    four = replace(base, constraints=replace(base.constraints, moe_tp_size=4))
-    errors = check_manifest(plan.inputs, spec, four).errors
-    assert errors and all("768/4 = 192 to be a multiple of 128" in e for e in errors), errors
+    sixteen = replace(base, constraints=replace(base.constraints, moe_tp_size=16))
+    errors = check_manifest(plan.inputs, spec, sixteen).errors
+    assert errors and all("768/16 = 48 to be a multiple of 128" in e for e in errors), errors
 
 
-def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_daemon():
-    """Issue 12's bug: a TP=4 Qwen3-30B-A3B vLLM worker (I = 768, I/tp = 192) attached in block-FP8
-    although SPEC §2.4 needs I/tp % 128 == 0. Built from the parameters vLLM creates at tp=4, the
+def test_tp16_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_daemon():
+    """Issue 12's bug: a vLLM worker whose I/tp breaks the block rule attached in block-FP8. (Issue 12
+    used TP=4, I/tp = 192; vLLM 0.33.0 refines that block to 64 and loads it, so this uses TP=16,
+    I/tp = 48, which it cannot.) Built from the parameters vLLM creates at that tp, the
     manifest is refused by the adapter's check (what EngineWorker.attach runs, before any socket) and,
     were that skipped, by the daemon's attach check: both name the settings that would work."""
     from adapters.engine import EngineWorker
@@ -781,12 +802,12 @@ def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_da
     config = _config("qwen3_moe")
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
     quant = _quant(spec, config)
-    params = vllm_parameters(config, quant, tp=4, unchecked=True)
-    manifest = av.build_manifest(params, config, quant, tp_size=4)
-    assert manifest.constraints.moe_tp_size == 4 and manifest.constraints.intermediate_size == 768
+    params = vllm_parameters(config, quant, tp=16, unchecked=True)
+    manifest = av.build_manifest(params, config, quant, tp_size=16)
+    assert manifest.constraints.moe_tp_size == 16 and manifest.constraints.intermediate_size == 768
 
     adapter = av.check_vllm_constraints(manifest)  # what the manifest recorded, no config needed
-    assert len(adapter) == 1 and "768/4 = 192 to be a multiple of 128" in adapter[0], adapter
+    assert len(adapter) == 1 and "768/16 = 48 to be a multiple of 128" in adapter[0], adapter
     assert "tensor_parallel_size" in adapter[0] and "enable_expert_parallel=True" in adapter[0]
     worker = EngineWorker(
         "ipc:///nonexistent/refitd.sock",
@@ -795,13 +816,13 @@ def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_da
         load=lambda gen: None,
         check=av.check_vllm_constraints,
     )
-    with pytest.raises(RefitError, match="768/4 = 192") as info:
+    with pytest.raises(RefitError, match="768/16 = 48") as info:
         worker.attach(timeout=1.0)
     assert info.value.kind is ErrorKind.ENGINE and worker.reader is None
 
     daemon = check_manifest(plan_from_hf_config(config, spec).inputs, spec, manifest)
     assert not daemon.ok and daemon.errors
-    assert all("768/4 = 192 to be a multiple of 128" in e for e in daemon.errors), daemon.errors[:3]
+    assert all("768/16 = 48 to be a multiple of 128" in e for e in daemon.errors), daemon.errors[:3]
     assert "enable_expert_parallel=True" in daemon.message("vllm-rank0")
 
     # the same engine with expert parallelism keeps I whole: accepted by both
@@ -812,7 +833,7 @@ def test_tp4_qwen3_30b_a3b_vllm_worker_is_refused_in_block_fp8_by_adapter_and_da
 
 def test_a_running_daemon_refuses_a_tp4_vllm_worker_that_skipped_its_own_check(daemons):
     """The daemon's half of the fix, over its control socket: a vLLM worker whose experts split I = 768
-    four ways (192 per rank) attaches to a block-FP8 daemon with the adapter's check bypassed; the
+    sixteen ways (48 per rank) attaches to a block-FP8 daemon with the adapter's check bypassed; the
     daemon's attach check refuses it, naming the setting to change, and the worker is not attached."""
     from adapters.engine import EngineWorker
 
@@ -820,7 +841,7 @@ def test_a_running_daemon_refuses_a_tp4_vllm_worker_that_skipped_its_own_check(d
     spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
     quant = _quant(spec, config)
     manifest = av.build_manifest(
-        vllm_parameters(config, quant, tp=4, unchecked=True), config, quant, tp_size=4
+        vllm_parameters(config, quant, tp=16, unchecked=True), config, quant, tp_size=16
     )
     d = daemons(hf_config=config, format="block_fp8")
     worker = EngineWorker(
@@ -829,7 +850,7 @@ def test_a_running_daemon_refuses_a_tp4_vllm_worker_that_skipped_its_own_check(d
     with pytest.raises(RefitError) as info:
         worker.attach(timeout=30)
     text = str(info.value)
-    assert "768/4 = 192 to be a multiple of 128" in text and "enable_expert_parallel=True" in text, text
+    assert "768/16 = 48 to be a multiple of 128" in text and "enable_expert_parallel=True" in text, text
     worker.detach()
     assert d.status()["readers"] == []  # the refused worker never counted as attached
 
@@ -935,7 +956,10 @@ def test_docs_vllm_refusals_are_what_the_check_says():
         lambda: av.check_vllm_constraints(
             av.build_manifest(vllm_parameters(small, q), small, q, deep_gemm_e8m0=True), small
         ),
-        lambda: av.check_vllm_constraints(_with_tp(_manifest(real, block), 4), real),
+        lambda: av.check_vllm_constraints(_with_tp(_manifest(real, block), 16), real),
+        lambda: av.check_vllm_constraints(
+            _manifest(small, block), make_hf_config("qwen3_moe", num_layers=1, hidden=256, intermediate=192)
+        ),
         lambda: av.check_vllm_constraints(
             _manifest(_small("qwen3_moe", unaligned=True), mxfp8),
             _small("qwen3_moe", hidden=144, intermediate=48),
@@ -1020,6 +1044,114 @@ def test_refit_engine_checks_every_worker():
 
 if __name__ == "__main__":
     regenerate()
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 25: where the adapter disagreed with vLLM 0.33.0's real model classes (each found by
+# tests/test_engine_vllm_models.py, which runs them; these tests need no vLLM)
+
+
+def _deepseek_config(**kw) -> dict[str, Any]:
+    """A tiny DeepSeek-V3 config.json (MLA with q_lora_rank, as DeepSeek-V3's own)."""
+    return {
+        "model_type": "deepseek_v3",
+        "vocab_size": 256,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_attention_heads": 2,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "num_nextn_predict_layers": 1,
+        "topk_method": "noaux_tc",
+        **kw,
+    }
+
+
+def test_deepseek_fused_qkv_a_proj_maps_to_its_two_checkpoint_shards():
+    """Finding 1: DeepseekV2ForCausalLM packs fused_qkv_a_proj <- q_a_proj, kv_a_proj_with_mqa when
+    q_lora_rank is set (deepseek_v2.py packed_modules_mapping / load_weights)."""
+    config = _deepseek_config()
+    params = [
+        ("model.layers.0.self_attn.fused_qkv_a_proj.weight", BF16, [128 + 128 + 64, 256]),
+        ("model.layers.1.mlp.gate.e_score_correction_bias", F32, [4]),
+    ]
+    manifest = av.build_manifest(params, config, None)
+    got = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+    assert got == {
+        "model.layers.0.self_attn.q_a_proj.weight": (torch.bfloat16, (128, 256)),
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (torch.bfloat16, (192, 256)),
+        "model.layers.1.mlp.gate.e_score_correction_bias": (torch.float32, (4,)),
+    }
+
+
+def test_a_qwen3_moe_config_written_by_transformers_5_attaches():
+    """Finding 2: transformers 5.x writes num_local_experts (Qwen3MoeConfig.attribute_map maps
+    num_experts to it); the manifest, the engine arguments and the constraint check read it."""
+    config = _small("qwen3_moe")
+    hf5 = {k: v for k, v in config.items() if k != "num_experts"} | {
+        "num_local_experts": config["num_experts"]
+    }
+    spec = RefitSpec(model_type="qwen3_moe", fmt="block_fp8")
+    quant = _quant(spec, hf5)
+    assert quant == _quant(spec, config)
+    manifest = av.build_manifest(vllm_parameters(config, quant), hf5, quant)
+    assert manifest.by_name() == _manifest(config, spec).by_name()
+    assert av.check_vllm_constraints(manifest, hf5) == []
+
+
+def test_qwen3_5_a_log_held_fp32_takes_the_bf16_a_trainer_sends():
+    """Finding 4: vLLM holds Qwen3.5's A_log in FP32 (QwenGatedDeltaNetAttention) and its default
+    loader upcasts the BF16 checkpoint tensor on copy, exactly: the manifest asks for BF16, and the
+    daemon's plan (BF16 from the trainer) attaches."""
+    from sidecar.plan.attach import check_manifest
+
+    config = _config("qwen3_5_moe")
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
+    quant = _quant(spec, config)
+    params = vllm_parameters(config, quant)
+    assert {d for n, d, _ in params if n.endswith(".A_log")} == {F32}
+    manifest = av.build_manifest(params, config, quant)
+    a_log = [t for t in manifest.tensors if t.name.endswith(".A_log")]
+    assert a_log and all(t.dtype == torch.bfloat16 for t in a_log)
+    assert check_manifest(plan_from_hf_config(config, spec).inputs, spec, manifest).ok
+
+
+def test_text_only_qwen3_5_engine_is_started_language_model_only():
+    """Finding 5: vLLM builds Qwen3.5's vision tower unless language_model_only=True; a text-only
+    trainer sends no model.visual.*, so vllm_engine_args(include_vision=False) sets it (and keeps the
+    vision linears unquantized: vLLM still constructs them before dropping the tower)."""
+    config = _config("qwen3_5_moe")
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")
+    text_only = av.vllm_engine_args(spec, config, include_vision=False)
+    assert text_only["language_model_only"] is True
+    ignored = text_only["hf_overrides"]["quantization_config"]["ignored_layers"]
+    assert any(n.startswith("model.visual.") for n in ignored)
+    assert "language_model_only" not in av.vllm_engine_args(spec, config)
+    assert "language_model_only" not in av.vllm_engine_args(
+        RefitSpec(model_type="qwen3_moe", fmt="bf16"), _small("qwen3_moe")
+    )
+
+
+def test_deepseek_mtp_experts_are_not_counted_as_last_layers():
+    """Part of finding 7: DeepSeek's MTP layer is model.layers.{num_hidden_layers}; the plan does not
+    count MTP layers among the first/last BF16 layers, so the engine (its drafter) must not either."""
+    config = _deepseek_config()
+    spec = RefitSpec(model_type="deepseek_v3", fmt="block_fp8", num_hidden_layers=2)
+    ignored = av.bf16_modules(spec, config)
+    assert "model.layers.2.mlp.experts" not in ignored and "model.layers.1.mlp.experts" not in ignored
+    last = RefitSpec(
+        model_type="deepseek_v3", fmt="block_fp8", num_hidden_layers=2, num_last_layers_in_bf16=1
+    )
+    kept = av.bf16_modules(last, config)
+    assert "model.layers.1.mlp.experts" in kept and "model.layers.2.mlp.experts" not in kept
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ constants), ``checkpoint`` (part 1), ``checks`` (the constraint check), ``args``
    ``experts.w13_* <- experts.{e}.gate_proj (shard w1) + experts.{e}.up_proj (shard w3)``,
    ``experts.w2_* <- experts.{e}.down_proj``, packed linears (``qkv_proj <- q/k/v_proj``,
    ``gate_up_proj <- gate/up_proj``, Qwen3.5's ``in_proj_qkvz <- in_proj_qkv/z`` and
-   ``in_proj_ba <- in_proj_b/a``), and the Qwen3.5 ``hf_to_vllm_mapper`` prefixes. Shapes are the
+   ``in_proj_ba <- in_proj_b/a``, DeepSeek's ``fused_qkv_a_proj <- q_a_proj/kv_a_proj_with_mqa``), and the Qwen3.5 ``hf_to_vllm_mapper`` prefixes. Shapes are the
    GLOBAL checkpoint shapes whatever the tensor/expert parallelism (vLLM's loader slices), so every
    worker of one engine sends the same tensor list. :func:`check_vllm_constraints` lists what vLLM's
    MoE kernels cannot take.
@@ -72,6 +72,17 @@ Facts taken from vLLM's source (stored copies of vllm-project/vllm; commit of th
   model through ``model_runner.get_model()``; MoE parameters live on ``mlp.experts.routed_experts``
   (``MoERunner.routed_experts``); ``utils/deep_gemm.py`` ``is_deep_gemm_e8m0_used()`` is True on any
   DeepGEMM-capable GPU (Hopper or Blackwell) unless ``VLLM_USE_DEEP_GEMM_E8M0=0``.
+* vLLM 0.33.0, run on CPU with its real model classes (``tests/test_engine_vllm_models.py``):
+  ``models/deepseek_v2.py`` packs ``fused_qkv_a_proj <- q_a_proj, kv_a_proj_with_mqa`` when
+  ``q_lora_rank`` is set, and MLA's processing adds ``W_UV`` / ``W_UK_T`` (no checkpoint tensor);
+  ``reload/meta.py SKIP_TENSORS`` (``bias``, ``e_score_correction_bias``) are never in the layerwise
+  metadata; ``QwenGatedDeltaNetAttention`` holds ``A_log`` in FP32 (the loader upcasts BF16);
+  ``ModelConfig.language_model_only`` drops Qwen3.5's vision tower (still constructed, so its
+  linears stay in the quant config's ignore list); ``GPUModelRunner.reload_weights`` resets the
+  LoRA, encoder and multimodal caches after a reload; ``Worker.start_draft_weight_update`` reloads
+  ``get_draft_model()`` with ``speculative_config.draft_model_config``; ``oracle/fp8.py
+  resolve_fp8_moe_weight_block_shape`` refines a block-FP8 MoE block to ``gcd(128, I/tp, H)`` (>= 32)
+  and upsamples the scales at load; transformers 5.x writes ``num_local_experts`` for Qwen3-MoE.
 * ``vllm/envs.py``: ``VLLM_USE_DEEP_GEMM_E8M0`` (default 1: "use E8M0 scaling when DeepGEMM is used
   on Blackwell GPUs"), ``VLLM_USE_DEEP_GEMM``, ``VLLM_MOE_USE_DEEP_GEMM``.
 * ``vllm/config/parallel.py``: ``worker_extension_cls`` is "dynamically inherited by the worker
@@ -92,6 +103,7 @@ from adapters.vllm.quant import (
     VLLM_ENV,
     WORKER_EXTENSION,
     VllmQuant,
+    registry_config,
     resolve_quant,
 )
 from adapters.vllm.worker import (
@@ -121,6 +133,7 @@ __all__ = [
     "load_generation",
     "ordered_weights",
     "refit_engine",
+    "registry_config",
     "resolve_quant",
     "routed_bf16_modules",
     "vllm_engine_args",

@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.vllm.quant import WORKER_EXTENSION
+from adapters.vllm.quant import WORKER_EXTENSION, registry_config
 from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.models import get_model, model_type_of
@@ -21,6 +21,7 @@ def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_visio
     linear attention, router, shared expert and its gate, embeddings, lm_head, vision tower), plus
     the routed experts of the first/last BF16 layers and of ``ignore_patterns``, as whole
     ``…mlp.experts`` modules (vLLM keeps experts BF16 per layer, not per expert)."""
+    hf_config = registry_config(hf_config)
     model = get_model(model_type_of(hf_config))
     if model.model_type != spec.model.model_type:
         raise ValueError(f"the config describes {model.model_type} but the spec says {spec.model_type}")
@@ -33,7 +34,10 @@ def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_visio
         r = model.slab_re.match(name) if model.slab_re is not None else None
         r = r or model.per_expert_re.match(name)
         if r is not None:  # EXPERT_PREFIX's group 2: a decoder layer (None for an MTP layer)
-            routed[r["prefix"]].append((name.removesuffix(".weight"), int(r[2]) if r[2] else None))
+            layer = int(r[2]) if r[2] else None
+            if layer is not None and model.mtp_layer(layer, layers) is not None:
+                layer = None  # DeepSeek's model.layers.{N}: an MTP layer, not counted by first/last
+            routed[r["prefix"]].append((name.removesuffix(".weight"), layer))
         elif name.endswith(".weight") and "norm" not in name.rsplit(".", 2)[-2]:
             out.setdefault(name.removesuffix(".weight"))
     for prefix, members in routed.items():
@@ -63,15 +67,24 @@ def vllm_engine_args(
 ) -> dict[str, Any]:
     """The ``LLM(...)`` keyword arguments for an engine that refitd refits with ``spec``.
 
-    Start every engine process with :data:`VLLM_ENV` in its environment too. ``load_format="dummy"``:
+    ``include_vision=False`` for a text-only trainer of a multimodal model (Qwen3.5): the engine is
+    started with ``language_model_only=True`` and builds no vision tower. Start every engine process
+    with :data:`VLLM_ENV` in its environment too. ``load_format="dummy"``:
     the first refit fills the engine, so wait for it before serving.
     """
-    ignored = bf16_modules(spec, hf_config, include_vision=include_vision)
+    # the vision tower stays BF16 either way: with language_model_only vLLM still constructs it
+    # (then drops it), and the quant config's create_weights runs for every linear constructed
+    ignored = bf16_modules(spec, hf_config, include_vision=True)
     args: dict[str, Any] = {
         "load_format": "dummy",
         "dtype": "bfloat16",
         "worker_extension_cls": WORKER_EXTENSION,
     }
+    if not include_vision and isinstance(hf_config.get("vision_config"), Mapping):
+        # vLLM builds a multimodal model's vision tower unless told not to; a text-only trainer
+        # sends none of model.visual.*, so the engine must not expect them (EngineArgs /
+        # ModelConfig.language_model_only, vLLM 0.33.0)
+        args["language_model_only"] = True
     fmt = spec.format
     if fmt.four_bit:
         raise ValueError(FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="vLLM"))

@@ -10,6 +10,7 @@ import torch
 
 from adapters.vllm.quant import (
     BLOCK_FP8_ALIGN,
+    BLOCK_FP8_REFINE,
     ENGINE_TO_CHECKPOINT,
     EXPERT_PROJS,
     KV_SCALE_LEAVES,
@@ -17,6 +18,7 @@ from adapters.vllm.quant import (
     PACKED_MODULES,
     SCALE_LEAVES,
     VllmQuant,
+    registry_config,
     resolve_quant,
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
@@ -48,8 +50,9 @@ def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -
 class _Builder:
     """Collects manifest tensors, the BF16-held routed experts, and every problem found."""
 
-    def __init__(self, ckpt: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, ckpt: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]) -> None:
         self.ckpt = ckpt
+        self.dtypes = dtypes
         self.tensors: dict[str, ManifestTensor] = {}
         self.keep_bf16: list[str] = []
         self.problems: list[str] = []
@@ -74,13 +77,21 @@ class _Builder:
         for shard in shards:
             target, weight = f"{shard}.{leaf}", self.ckpt.get(f"{shard}.weight")
             if target in self.ckpt:
-                self.add(target, dtype, self.ckpt[target])
+                self.add(target, self._accepted(target, dtype), self.ckpt[target])
             elif leaf in SCALE_LEAVES and weight is not None:
                 self.add(target, dtype, _scale_shape(leaf, dtype, weight))
             else:
                 self.problems.append(f"{engine_name}: no checkpoint tensor {target} maps to it")
         if not shards:
             self.problems.append(f"{engine_name}: none of its packed shards is in the checkpoint")
+
+    def _accepted(self, target: str, engine_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the engine takes ``target`` in: its own, except an FP32 parameter whose
+        checkpoint tensor is BF16 (Qwen3.5's ``A_log`` in ``QwenGatedDeltaNetAttention``): vLLM's
+        default weight loader upcasts on copy, exactly, so the BF16 a trainer sends is what it loads."""
+        if engine_dtype == torch.float32 and self.dtypes.get(target) == torch.bfloat16:
+            return torch.bfloat16
+        return engine_dtype
 
     def experts(
         self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]], **dims: Any
@@ -165,14 +176,16 @@ def build_manifest(
     otherwise the experts are tensor-parallel (I split ``tp_size`` ways). Raises ValueError listing
     every engine parameter that maps to no checkpoint tensor and every expert shape that disagrees.
     """
+    hf_config = registry_config(hf_config)
     model = get_model(model_type_of(hf_config))
     text = model.text_config(hf_config)
     vision = isinstance(hf_config.get("vision_config"), Mapping)
-    ckpt = {n: tuple(s) for n, s, _ in model.parameters(hf_config, include_mtp=True, include_vision=vision)}
+    listed = model.parameters(hf_config, include_mtp=True, include_vision=vision)
+    ckpt = {n: tuple(s) for n, s, _ in listed}
     quant = resolve_quant(quant_config)
     tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     moe_tp = 1 if ep_size > 1 else tp_size
-    b = _Builder(ckpt)
+    b = _Builder(ckpt, {n: d for n, _, d in listed})
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     for engine_name, dtype, shape in params:
         m = _experts_match(engine_name)
@@ -198,6 +211,7 @@ def build_manifest(
             moe_tp_size=moe_tp,
             moe_ep_size=ep_size,
             block_fp8_align=BLOCK_FP8_ALIGN,
+            block_fp8_refine=BLOCK_FP8_REFINE,
             mxfp8_align=MXFP8_ALIGN,
         ),
         info={

@@ -20,6 +20,8 @@ PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
+    # DeepSeek-V2/V3 MLA with q_lora_rank (deepseek_v2.py packed_modules_mapping / load_weights)
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
 #: Qwen3.5's ``hf_to_vllm_mapper`` inverted: engine prefix -> checkpoint prefix (first match wins)
 ENGINE_TO_CHECKPOINT = (
@@ -32,7 +34,10 @@ KV_SCALE_LEAVES = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "kv_
 EXPERT_PROJS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
 SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
 MXFP8_ALIGN = 32  # vLLM ModelOpt MXFP8 MoE: H and I/tp multiples of 32
-BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: I/tp a multiple of block_n = 128
+BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: the whole I a multiple of block_n = 128
+#: vLLM 0.33.0 refines the 128-block of a TP shard to gcd(128, I/tp, H) when that is at least 32
+#: (``oracle/fp8.py refine_fp8_moe_block_shape``; scales upsampled at load, Triton MoE kernels)
+BLOCK_FP8_REFINE = 32
 #: where a manifest's parameter list came from (``adapters.vllm.worker.engine_parameters_and_source``)
 PARAM_SOURCE_LAYERWISE = "layerwise_metadata"
 PARAM_SOURCE_LIVE = "live_parameters"
@@ -99,3 +104,27 @@ def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuan
     if list(block) != [BLOCK, BLOCK]:
         raise ValueError(f"weight_block_size {list(block)}: refitd publishes {BLOCK}x{BLOCK} blocks only")
     return VllmQuant(Format.BLOCK_FP8, "fp8", tuple(ignored), static)
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json as transformers 5.x writes it
+
+#: field names transformers 5.x writes where refitd's registry reads the older name
+#: (``Qwen3MoeConfig.attribute_map``: ``num_experts`` -> ``num_local_experts``)
+HF5_FIELD_ALIASES: Mapping[str, str] = {"num_experts": "num_local_experts"}
+
+
+def registry_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``hf_config`` with the field names refitd's model registry reads: a ``config.json`` written
+    by transformers 5.x (``save_pretrained`` of ``Qwen3MoeConfig``, or vLLM's ``hf_config.to_dict()``)
+    holds ``num_local_experts`` instead of ``num_experts``. The adapter's local copy of the
+    normalisation (sidecar/plan/models.py is getting the general one); nested ``text_config``
+    too."""
+    out = dict(hf_config)
+    for key in ("text_config",):
+        if isinstance(out.get(key), Mapping):
+            out[key] = registry_config(out[key])
+    for old, new in HF5_FIELD_ALIASES.items():
+        if out.get(old) is None and out.get(new) is not None:
+            out[old] = out[new]
+    return out

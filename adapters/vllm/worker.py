@@ -46,23 +46,52 @@ def _layerwise_metadata() -> Callable[[torch.nn.Module], Any] | None:
     return info.get if info is not None else None
 
 
+#: tensors vLLM's layerwise metadata never records (``reload/meta.py SKIP_TENSORS``: ``bias`` is
+#: built after ``create_weights``; ``e_score_correction_bias`` is never loaded by a weight loader's
+#: trigger) but that ``load_weights`` still fills from the checkpoint: read live, they stay in the
+#: manifest (the FP32 router bias, attention and vision biases)
+_UNRECORDED_FALLBACK = frozenset({"bias", "e_score_correction_bias"})
+
+
+def _unrecorded() -> frozenset[str]:
+    """Parameter names vLLM's layerwise metadata skips: its own ``SKIP_TENSORS`` when importable."""
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+    except ImportError:
+        return _UNRECORDED_FALLBACK
+    return frozenset(SKIP_TENSORS) | _UNRECORDED_FALLBACK
+
+
 def engine_parameters_and_source(
     model: torch.nn.Module,
 ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], str]:
     """Every parameter as the loader sees it, and where that came from: the load-time metadata vLLM
     records for layerwise reload (``restore_metadata``: scales reshaped by
     ``process_weights_after_loading`` read as they load) when any module has it, else the live
-    parameters (:data:`PARAM_SOURCE_LIVE`; the attach error then says so)."""
+    parameters (:data:`PARAM_SOURCE_LIVE`; the attach error then says so). The parameters the
+    metadata skips by name (``reload/meta.py SKIP_TENSORS``: biases, ``e_score_correction_bias``)
+    are never reshaped by processing and are read live, so the manifest checks them too."""
     getter = _layerwise_metadata()
-    out, recorded = [], False
-    for module_name, module in model.named_modules():
-        meta = getattr(getter(module), "restore_metadata", None) if getter is not None else None
-        if meta and meta[0]:
-            own, recorded = meta[0], True
+    skipped = _unrecorded()
+    modules = list(model.named_modules())
+    metas = [getattr(getter(m), "restore_metadata", None) if getter is not None else None for _, m in modules]
+    # a module recorded with nothing to load (e.g. MLA's attention, whose W_UV / W_UK_T
+    # process_weights_after_loading derives from kv_b_proj) lists nothing, not its live tensors
+    recorded = any(meta and meta[0] for meta in metas)
+    out, seen = [], set()
+    for (module_name, module), meta in zip(modules, metas):
+        live = dict(module.named_parameters(recurse=False))
+        if recorded:
+            own = dict(meta[0]) if meta else {}
+            own.update((n, p) for n, p in live.items() if n in skipped and n not in own)
         else:
-            own = dict(module.named_parameters(recurse=False))
+            own = live
         prefix = f"{module_name}." if module_name else ""
-        out += [(prefix + n, p.dtype, tuple(p.shape)) for n, p in own.items()]
+        for n, p in own.items():
+            if id(p) in seen and n in skipped:
+                continue  # one parameter registered on two modules (the router bias on the experts)
+            seen.add(id(p))
+            out.append((prefix + n, p.dtype, tuple(p.shape)))
     return out, PARAM_SOURCE_LAYERWISE if recorded else PARAM_SOURCE_LIVE
 
 
@@ -89,6 +118,69 @@ def _model(worker: Any) -> torch.nn.Module:
     return get_model() if callable(get_model) else runner.model
 
 
+def _draft(worker: Any) -> tuple[torch.nn.Module, Any] | None:
+    """The speculative drafter (MTP) and its model config, as vLLM 0.33's
+    ``Worker.start_draft_weight_update`` targets them (``model_runner.get_draft_model()``,
+    ``speculative_config.draft_model_config``); None without a drafter."""
+    get_draft = getattr(worker.model_runner, "get_draft_model", None)
+    draft = get_draft() if callable(get_draft) else None
+    if draft is None:
+        return None
+    spec = getattr(worker, "speculative_config", None) or getattr(
+        worker.vllm_config, "speculative_config", None
+    )
+    draft_config = getattr(spec, "draft_model_config", None)
+    if draft_config is None:
+        raise RefitError(
+            "the worker has a draft model but no speculative_config.draft_model_config; refitd reloads the "
+            "drafter with its own model config, as vLLM's start_draft_weight_update does",
+            kind=ErrorKind.ENGINE,
+        )
+    return draft, draft_config
+
+
+def _layerwise_reload(model: torch.nn.Module, weights, model_config: Any) -> None:
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights)
+    finalize_layerwise_reload(model, model_config)
+
+
+def _reload_draft(draft: torch.nn.Module, weights, draft_config: Any) -> None:
+    """The drafter as ``start_draft_weight_update`` -> ``update_weights`` -> ``finish_weight_update``
+    reloads it: through the unquantized target head (``share_source_lm_heads``), then the quantized
+    copies re-derived (``restore_quantized_lm_heads``); a drafter's ``load_weights`` picks its own
+    names (``mtp.*``, DeepSeek's ``model.layers.{N}.*``) out of the whole generation."""
+    try:
+        from vllm.model_executor.layers.quantization.online.lm_head import (
+            restore_quantized_lm_heads,
+            share_source_lm_heads,
+        )
+    except ImportError:
+        _layerwise_reload(draft, weights, draft_config)
+        return
+    share_source_lm_heads(draft)
+    try:
+        _layerwise_reload(draft, weights, draft_config)
+    except BaseException:
+        restore_quantized_lm_heads(draft, refresh=False)
+        raise
+    restore_quantized_lm_heads(draft)
+
+
+def _reset_caches(worker: Any) -> None:
+    """What ``GPUModelRunner.reload_weights`` clears after a reload: state derived from the old
+    weights (LoRA, encoder outputs, multimodal inputs' cache)."""
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(worker.model_runner, name, None)
+        if callable(reset):
+            reset()
+
+
 def _deep_gemm_e8m0() -> bool | None:
     """vLLM's ``is_deep_gemm_e8m0_used()`` (None when this vLLM has no such function)."""
     try:
@@ -110,23 +202,25 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
 
     Under ``set_current_vllm_config(worker.vllm_config)``, as vLLM's worker does: vLLM's layerwise
     reload (what its weight-transfer engines and ``reload_weights(is_checkpoint_format=True)`` run)
-    where present, else ``model_runner.reload_weights``; a vLLM with neither can only take BF16
-    (loading FP8 into already-processed kernel parameters would corrupt them).
+    of the model, then of the MTP drafter when there is one (``get_draft_model()``, as
+    ``start_draft_weight_update`` does), then the runner's cache resets that vLLM's own
+    ``reload_weights`` does. A vLLM without layerwise reload falls back to
+    ``model_runner.reload_weights``; one with neither can only take BF16 (loading FP8 into
+    already-processed kernel parameters would corrupt them).
     """
     runner, weights = worker.model_runner, ordered_weights(tensors)
     model = _model(worker)
     try:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
     except ImportError:
         pass
     else:
+        draft = _draft(worker)
         with _config_context(worker), torch.device(worker.device):
-            initialize_layerwise_reload(model)
-            model.load_weights(weights)
-            finalize_layerwise_reload(model, worker.model_config)
+            _layerwise_reload(model, weights, worker.model_config)
+            if draft is not None:
+                _reload_draft(draft[0], weights, draft[1])
+        _reset_caches(worker)
         return
     if hasattr(runner, "reload_weights"):
         with _config_context(worker):

@@ -40,7 +40,7 @@ class EngineKind(str, enum.Enum):
 
 #: per engine: the kernel whose rule a block-FP8 refusal cites, and the settings that fix a TP split
 _BLOCK_FP8_KERNEL = {
-    EngineKind.VLLM: "vLLM Fp8MoEMethod.create_weights",
+    EngineKind.VLLM: "vLLM 0.33.0 Fp8MoEMethod: oracle/fp8.py resolve_fp8_moe_weight_block_shape",
     EngineKind.TRTLLM: "DeepSeekFP8BlockScalesFusedMoEMethod asserts it",
     EngineKind.REFERENCE: "SPEC §2.4",
 }
@@ -63,6 +63,7 @@ _INT_FIELDS = (
     "moe_ep_size",
     "block_fp8_align",
     "mxfp8_align",
+    "block_fp8_refine",
 )
 
 
@@ -85,6 +86,11 @@ class EngineConstraints:
     block_fp8_align: int | None = None
     #: MXFP8: H and I / moe_tp_size must be multiples of this (None: no rule)
     mxfp8_align: int | None = None
+    #: block-FP8 where the engine refines the block to fit the TP shard (vLLM 0.33.0
+    #: ``oracle/fp8.py refine_fp8_moe_block_shape``: ``gcd(128, I/tp, H)``, at least this, with the
+    #: scales upsampled at load): then the whole I must be a multiple of ``block_fp8_align`` and
+    #: I / moe_tp_size and H multiples of this (None: I / moe_tp_size itself must be aligned)
+    block_fp8_refine: int | None = None
     #: expert formats the resolved backend cannot hold at all
     unsupported_formats: frozenset[Format] = frozenset()
 
@@ -120,10 +126,24 @@ class EngineConstraints:
         if i % tp:
             out.append(f"moe_intermediate_size {i} does not split {tp} ways (tensor-parallel experts); {fix}")
         part = i // tp
-        if fmt is Format.BLOCK_FP8 and self.block_fp8_align and part % self.block_fp8_align:
+        align, refine = self.block_fp8_align, self.block_fp8_refine
+        if fmt is Format.BLOCK_FP8 and align and refine:
+            if i % align:
+                out.append(
+                    f"block-FP8 MoE needs moe_intermediate_size = {i} to be a multiple of {align} "
+                    f"({_BLOCK_FP8_KERNEL[self.engine]}: a ragged last block cannot be loaded); publish bf16 "
+                    "experts for this model"
+                )
+            elif part % align and (part % refine or (h is not None and h % refine)):
+                out.append(
+                    f"block-FP8 MoE needs moe_intermediate_size / tp = {i}/{tp} = {part} to be a multiple of "
+                    f"{align}, or of {refine} with hidden_size {h} too (the engine refines its {align}-block "
+                    f"to gcd({align}, I/tp, H) >= {refine}; {_BLOCK_FP8_KERNEL[self.engine]}); {fix}"
+                )
+        elif fmt is Format.BLOCK_FP8 and align and part % align:
             out.append(
                 f"block-FP8 MoE needs moe_intermediate_size / tp = {i}/{tp} = {part} to be a multiple of "
-                f"{self.block_fp8_align} ({_BLOCK_FP8_KERNEL[self.engine]}); {fix}"
+                f"{align} ({_BLOCK_FP8_KERNEL[self.engine]}); {fix}"
             )
         if fmt is Format.MXFP8 and self.mxfp8_align:
             for label, size in (("hidden_size", h), (f"moe_intermediate_size / tp ({i}/{tp})", part)):
