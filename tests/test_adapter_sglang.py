@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from adapters.sglang.loader import control_tensors, detach_all, sglang_manifest
 from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
 from sidecar.plan.models import get_model
+from tests.support.waiting import wait_until
 
 SKIP = "SGLang is not installed here: run make test-sglang"
 
@@ -145,7 +148,7 @@ def _checkpoint(tmp: Path, name: str, config: dict, weights: dict, fmt: Format) 
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _assert_same_params(got: torch.nn.Module, want: torch.nn.Module) -> None:
@@ -156,7 +159,9 @@ def _assert_same_params(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert torch.equal(_bytes(g[name]), _bytes(w[name])), f"{name} differs from SGLang's own load"
 
 
-def _refit(updater, endpoint: str, step: int, reply: str) -> dict:
+def _refit(updater, endpoint: str, step: int, reply: str, box: dict) -> None:
+    """One SGLang weight-update session, as the scheduler runs it for the driver's three requests;
+    the rank's load report lands in ``box`` (run in a thread: the loader waits for the step)."""
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.PULL)
@@ -165,21 +170,15 @@ def _refit(updater, endpoint: str, step: int, reply: str) -> dict:
     try:
         updater.begin_weight_update()
         control = control_tensors(endpoint, min_step=step, timeout=120, name="sglang-test", reply=reply)
-        assert updater.update_weights_from_tensor(named_tensors=control, load_format=LOADER) == (
-            True,
-            "Success",
-        )
+        box["answer"] = updater.update_weights_from_tensor(named_tensors=control, load_format=LOADER)
         updater.end_weight_update(run_post_load=False)  # what the scheduler does after a loaded session
-        import time
-
-        (result,) = collect_results(sock, 1, deadline=time.monotonic() + 60)
+        (box["result"],) = collect_results(sock, 1, deadline=time.monotonic() + 60)
     finally:
         sock.close()
-    return result
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("model_type", ["qwen3_moe"])  # deepseek_v3: see docs/engines.md (not yet)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_load(sgl, tmp_path, model_type):
     from sidecar.client.client import RefitClient
     from tests.support.daemons import RunningDaemon
@@ -211,8 +210,16 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
     client = RefitClient(daemon.endpoint, 0, 1, timeout=120)
     try:
         for step, weights in steps.items():
+            # the real order: the engine's refit starts (it attaches on its first one, and the daemon may
+            # re-plan for it), then the trainer pushes the step the loader waits for
+            box: dict = {}
+            refit = threading.Thread(target=_refit, args=(updater, daemon.endpoint, step, reply, box))
+            refit.start()
+            wait_until("the engine attached", lambda: daemon.status()["engines"], timeout=120)
             client.push_step(step, weights)
-            result = _refit(updater, daemon.endpoint, step, reply)
+            refit.join(timeout=180)
+            assert box.get("answer") == (True, "Success") and not refit.is_alive()
+            result = box["result"]
             assert result.ok and result.step == step, result
             oracle = sgl.build_model(dirs[step], load_format="auto")
             _assert_same_params(engine, oracle)
@@ -227,8 +234,6 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
 def test_sglang_loader_reports_a_refused_attach_and_never_raises(sgl, tmp_path):
     """A payload without an endpoint the loader can use: SGLang's updater still answers (the loader
     must never raise inside a scheduler) and the driver's socket gets the failure, named."""
-    import time
-
     import zmq
 
     config = _qwen3_moe()
