@@ -34,6 +34,7 @@ from adapters.sglang.loader import control_tensors, detach_all, sglang_manifest
 from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
 from sidecar.plan.models import get_model
+from sidecar.plan.spec import RefitSpec
 from tests.support.waiting import wait_until
 
 SKIP = "SGLang is not installed here: run make test-sglang"
@@ -135,7 +136,9 @@ def _weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _checkpoint(tmp: Path, name: str, config: dict, weights: dict, fmt: Format) -> Path:
+def _checkpoint(
+    tmp: Path, name: str, config: dict, weights: dict, fmt: Format, linears: bool = False
+) -> Path:
     from safetensors.torch import save_file
 
     bf16 = tmp / f"{name}-bf16"
@@ -143,7 +146,9 @@ def _checkpoint(tmp: Path, name: str, config: dict, weights: dict, fmt: Format) 
     save_file(weights, str(bf16 / "model.safetensors"))
     (bf16 / "config.json").write_text(json.dumps(config))
     out = tmp / f"{name}-{fmt.value}"
-    convert_directory(bf16, out, fmt, max_shard_bytes=1 << 20)  # several shards
+    convert_directory(
+        bf16, out, fmt, max_shard_bytes=1 << 20, quantize_linears=linears or None
+    )  # several shards
     return out
 
 
@@ -178,20 +183,22 @@ def _refit(updater, endpoint: str, step: int, reply: str, box: dict) -> None:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_load(sgl, tmp_path, model_type):
+@pytest.mark.parametrize(
+    ("model_type", "linears"), [("qwen3_moe", False), ("deepseek_v3", False), ("deepseek_v3", True)]
+)
+def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_load(
+    sgl, tmp_path, model_type, linears
+):
     from sidecar.client.client import RefitClient
     from tests.support.daemons import RunningDaemon
 
     fmt = Format.BLOCK_FP8
     config = CONFIGS[model_type]()
     steps = {1: _weights(config, 1), 2: _weights(config, 2)}
-    dirs = {s: _checkpoint(tmp_path, f"step{s}", config, w, fmt) for s, w in steps.items()}
+    dirs = {s: _checkpoint(tmp_path, f"step{s}", config, w, fmt, linears) for s, w in steps.items()}
     written = json.loads((dirs[1] / "config.json").read_text())
-    assert written["quantization_config"] == sglang_quantization_config(
-        __import__("sidecar.plan.spec", fromlist=["RefitSpec"]).RefitSpec(model_type=model_type, fmt=fmt),
-        config,
-    )
+    spec = RefitSpec(model_type=model_type, fmt=fmt, quantize_linears=linears or None)
+    assert written["quantization_config"] == sglang_quantization_config(spec, config)
 
     engine = sgl.build_model(dirs[1], load_format="dummy")
     manifest = sglang_manifest(engine)
@@ -202,11 +209,18 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
     if model_type == "qwen3_moe":  # the router stays BF16 under Fp8Config
         gate = manifest.by_name()["model.layers.0.mlp.gate.weight"]
         assert gate.dtype == torch.bfloat16
+    if linears:  # DeepSeek's fused q_a_proj + kv_a_proj_with_mqa held in block-FP8
+        assert (
+            manifest.by_name()["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype
+            == torch.float8_e4m3fn
+        )
+        assert "model.layers.1.self_attn.q_a_proj.weight_scale_inv" in names
     params = {n: id(p) for n, p in engine.named_parameters()}
     updater = sgl.weight_updater(engine)
     reply = f"ipc://{tmp_path}/reply.sock"
     (tmp_path / "daemon").mkdir()
-    daemon = RunningDaemon(tmp_path / "daemon", hf_config=config, format=fmt.value)
+    # the daemon runs on the converted checkpoint's config.json, as it would next to the engine
+    daemon = RunningDaemon(tmp_path / "daemon", hf_config=written, format=fmt.value)
     client = RefitClient(daemon.endpoint, 0, 1, timeout=120)
     try:
         for step, weights in steps.items():
@@ -215,7 +229,12 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
             box: dict = {}
             refit = threading.Thread(target=_refit, args=(updater, daemon.endpoint, step, reply, box))
             refit.start()
-            wait_until("the engine attached", lambda: daemon.status()["engines"], timeout=120)
+            wait_until(
+                "the engine attached",
+                lambda t=refit: daemon.status()["engines"] or not t.is_alive(),
+                timeout=120,
+            )
+            assert refit.is_alive(), box  # else the loader failed before waiting: its report says why
             client.push_step(step, weights)
             refit.join(timeout=180)
             assert box.get("answer") == (True, "Success") and not refit.is_alive()

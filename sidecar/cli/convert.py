@@ -219,9 +219,13 @@ def convert_directory(
     num_first_layers_in_bf16: int = 0,
     num_last_layers_in_bf16: int = 0,
     ignore_patterns: tuple[str, ...] = (),
+    quantize_linears: bool | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> dict[str, Any]:
-    """A BF16 checkpoint directory -> a quantized one (the daemon's plan and kernels)."""
+    """A BF16 checkpoint directory -> a quantized one (the daemon's plan and kernels).
+    ``quantize_linears``: block-FP8 attention/dense/shared-expert linears too, as DeepSeek-V3's own
+    checkpoint (``RefitSpec.quantize_linears``); a daemon started on the written ``config.json``
+    follows it (its ``weight_block_size``)."""
     hf_config = json.loads((source / "config.json").read_text())
     if "quantization_config" in hf_config:
         raise ValueError(f"{source}/config.json has a quantization_config: convert takes a BF16 checkpoint")
@@ -232,6 +236,7 @@ def convert_directory(
         num_first_layers_in_bf16=num_first_layers_in_bf16,
         num_last_layers_in_bf16=num_last_layers_in_bf16,
         ignore_patterns=ignore_patterns,
+        quantize_linears=quantize_linears,
     )
     spec = with_checkpoint_scheme(spec, hf_config)
     return write_checkpoint(
@@ -303,6 +308,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-first-layers-in-bf16", type=int, default=0)
     p.add_argument("--num-last-layers-in-bf16", type=int, default=0)
     p.add_argument("--ignore-pattern", action="append", default=[], help="fnmatch of modules kept BF16")
+    p.add_argument(
+        "--quantize-linears",
+        action="store_true",
+        default=None,
+        help="block-FP8 the attention/dense linears too (DeepSeek-V3-style checkpoints)",
+    )
     p.add_argument("--max-shard-size", type=int, default=DEFAULT_SHARD_BYTES, help="bytes per shard")
     p.set_defaults(run=run)
     return p
@@ -339,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
                 num_first_layers_in_bf16=args.num_first_layers_in_bf16,
                 num_last_layers_in_bf16=args.num_last_layers_in_bf16,
                 ignore_patterns=tuple(args.ignore_pattern),
+                quantize_linears=args.quantize_linears,
                 max_shard_bytes=args.max_shard_size,
             )
     except (OSError, ValueError, KeyError) as exc:
