@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,12 @@ test-engines: venv
 	tests/setup_engines.sh
 	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py
 
+# the SGLang adapter and `refitd convert` against SGLang 0.5.23's real model classes and weight updater
+# on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
+test-sglang: venv
+	tests/setup_sglang.sh
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py
+
 bench: venv
 	$(PY) bench/quant.py
 
@@ -51,4 +57,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) .venv-engines build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines .venv-sglang build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -225,6 +225,7 @@ class EngineWorker:
 ADAPTER_CHECKS = {
     EngineKind.VLLM: "adapters.vllm.check_vllm_constraints",
     EngineKind.TRTLLM: "adapters.trtllm.check_trtllm_constraints",
+    EngineKind.SGLANG: "adapters.sglang.check_sglang_constraints",
 }
 
 

@@ -23,6 +23,7 @@ COMMANDS = {
     "plan": "sidecar.cli.plan",
     "demo": "sidecar.cli.demo.command",
     "keygen": "sidecar.cli.keygen",
+    "convert": "sidecar.cli.convert",
 }
 
 #: every subcommand -> its one-line help, for listing them (``refitd --help``, a bad command) without
@@ -33,6 +34,7 @@ SUBCOMMAND_HELP = {
     "plan": "show what a refit of a model would quantize and publish (no weights needed)",
     "demo": "run refitd end to end on a small synthetic model (CPU) and verify it",
     "keygen": "write a CURVE keypair (NAME.key, NAME.key.pub) for TCP control channels",
+    "convert": "write a Hugging Face checkpoint in the format and names the daemon publishes",
 }
 #: subcommands defined by a module other than the one ``COMMANDS`` names them after
 SUBCOMMAND_MODULE = {**COMMANDS, "status": "sidecar.cli.serve"}

@@ -158,7 +158,9 @@ def constraint_problems(plan: RefitPlan, manifest: Manifest) -> list[str]:
     (``manifest.constraints``) run against the expert dims of the daemon's own plan, so the daemon
     refuses what the adapter's check refuses even when an adapter skipped it."""
     fmt = plan.spec.format
-    weights = [o for o in plan.outputs if o.role is Role.WEIGHT]
+    # routed experts only (``proj`` set): a block-FP8 linear (DeepSeek-V3's kv_a_proj_with_mqa, 576 rows)
+    # is not an MoE kernel's operand and takes ragged blocks
+    weights = [o for o in plan.outputs if o.role is Role.WEIGHT and o.proj is not None]
     problems = []
     if weights:
         # the engine holds the format the plan publishes (a mismatch is reported above); check that one

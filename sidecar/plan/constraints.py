@@ -36,6 +36,7 @@ class EngineKind(str, enum.Enum):
     REFERENCE = "reference"
     VLLM = "vllm"
     TRTLLM = "trtllm"
+    SGLANG = "sglang"
 
 
 #: per engine: the kernel whose rule a block-FP8 refusal cites, and the settings that fix a TP split
@@ -43,11 +44,13 @@ _BLOCK_FP8_KERNEL = {
     EngineKind.VLLM: "vLLM 0.33.0 Fp8MoEMethod: oracle/fp8.py resolve_fp8_moe_weight_block_shape",
     EngineKind.TRTLLM: "DeepSeekFP8BlockScalesFusedMoEMethod asserts it",
     EngineKind.REFERENCE: "SPEC §2.4",
+    EngineKind.SGLANG: "SGLang Fp8MoEMethod.create_weights",
 }
 _MXFP8_KERNEL = {
     EngineKind.VLLM: "vLLM ModelOpt MXFP8 MoE",
     EngineKind.TRTLLM: "CUTLASS packs 4 UE8M0 scales per int32 along K",
     EngineKind.REFERENCE: "SPEC §2.4",
+    EngineKind.SGLANG: "SGLang Fp8MoEMethod MXFP8",
 }
 TP_FIX = {
     EngineKind.VLLM: "pick a tensor_parallel_size that keeps it aligned, or set enable_expert_parallel=True "
@@ -55,6 +58,8 @@ TP_FIX = {
     EngineKind.TRTLLM: "set moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so "
     "that each rank's part is aligned",
     EngineKind.REFERENCE: "run the engine with fewer tensor-parallel ranks for the experts",
+    EngineKind.SGLANG: "pick a --tp-size that keeps it aligned, or set --ep-size to the TP size (experts split "
+    "whole across ranks, I not split)",
 }
 _INT_FIELDS = (
     "hidden_size",

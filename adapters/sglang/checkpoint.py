@@ -1,0 +1,253 @@
+"""SGLang's parameters -> the manifest of checkpoint tensors its loader takes, and the attach-time
+rules SGLang 0.5.23 adds (pure: no SGLang import).
+
+SGLang's ``load_weights`` skips a name it does not know without a word, so the manifest is the only
+place a naming mismatch shows: every engine parameter must map to checkpoint tensors here, or the
+attach is refused listing it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
+from adapters.sglang.quant import (
+    BLOCK_FP8_ALIGN,
+    EXPERT_PROJS,
+    KV_SCALE_LEAVES,
+    MXFP8_ALIGN,
+    PACKED_MODULES,
+    SglangQuant,
+    resolve_quant,
+)
+from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.plan.models import get_model, model_type_of
+from transport.wire import dtype_from_name
+
+#: ``manifest.info`` keys the attach check reads
+INFO_DEEPGEMM_UE8M0 = "deepgemm_scale_ue8m0"
+INFO_DP_SIZE = "dp_size"
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    return value if isinstance(value, torch.dtype) else dtype_from_name(str(value).removeprefix("torch."))
+
+
+def _scale_leaf(fmt: Format, engine_leaf: str) -> str:
+    """The checkpoint leaf of an engine scale parameter: SGLang holds MXFP8 scales as
+    ``weight_scale_inv`` and ``load_weights_only`` renames the checkpoint's ``weight_scale``."""
+    if engine_leaf == "weight_scale_inv" and fmt is Format.MXFP8:
+        return "weight_scale"
+    return engine_leaf
+
+
+def _scale_shape(fmt: Format, leaf: str, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    if leaf == "input_scale":
+        return ()
+    shape = fmt.scale_shape(weight_shape)
+    if shape is None:
+        raise ValueError(f"a {fmt.value} engine holds a {leaf}: refitd publishes none for it")
+    return shape
+
+
+class _Builder:
+    def __init__(self, ckpt: Mapping[str, tuple[int, ...]], fmt: Format) -> None:
+        self.ckpt, self.fmt = ckpt, fmt
+        self.tensors: dict[str, ManifestTensor] = {}
+        self.keep_bf16: list[str] = []
+        self.problems: list[str] = []
+
+    def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        have = self.tensors.get(name)
+        if have is not None and (have.dtype, have.shape) != (dtype, shape):
+            self.problems.append(f"{name}: two engine parameters expect it as {have.dtype} and {dtype}")
+        self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
+
+    def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
+        module, _, leaf = engine_name.rpartition(".")
+        if leaf in KV_SCALE_LEAVES or (engine_name == "lm_head.weight" and tied):
+            return
+        parent, _, proj = module.rpartition(".")
+        shards = [module]
+        if proj in PACKED_MODULES:
+            shards = [f"{parent}.{s}" for s in PACKED_MODULES[proj] if f"{parent}.{s}.weight" in self.ckpt]
+            if not shards:
+                self.problems.append(f"{engine_name}: none of its packed shards is in the checkpoint")
+        for shard in shards:
+            ckpt_leaf = _scale_leaf(self.fmt, leaf)
+            target, weight = f"{shard}.{ckpt_leaf}", self.ckpt.get(f"{shard}.weight")
+            if target in self.ckpt:
+                self.add(target, dtype, self.ckpt[target])
+            elif leaf in ("weight_scale_inv", "weight_scale", "input_scale") and weight is not None:
+                self.add(target, dtype, _scale_shape(self.fmt, leaf, weight))
+            else:
+                self.problems.append(
+                    f"{engine_name}: no checkpoint tensor {target} maps to it (SGLang would skip it silently "
+                    "and serve what it holds now)"
+                )
+
+    def experts(
+        self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        """One MoE layer's ``w13_*`` / ``w2_*`` -> per-expert checkpoint tensors (global shapes: the
+        checkpoint's, whatever the engine's TP/EP split)."""
+        gate = self.ckpt.get(f"{moe}.0.gate_proj.weight")
+        w13 = params.get(("w13", "weight"))
+        if gate is None or w13 is None:
+            self.problems.append(
+                f"{moe}: the engine holds {sorted(params)} but the checkpoint has no experts here"
+            )
+            return
+        experts = sum(1 for n in self.ckpt if n.startswith(f"{moe}.") and n.endswith(".gate_proj.weight"))
+        i, h = gate
+        for w, projs in EXPERT_PROJS.items():
+            if (w, "weight") not in params:
+                self.problems.append(f"{moe}: the engine holds no {w}_weight")
+                continue
+            shape = (i, h) if w == "w13" else (h, i)
+            wdtype = params[(w, "weight")][0]
+            for x in range(experts):
+                for proj in projs:
+                    module = f"{moe}.{x}.{proj}"
+                    self.add(f"{module}.weight", wdtype, shape)
+                    if wdtype != FP8_DTYPE:
+                        self.keep_bf16.append(module)
+                        continue
+                    for (pw, leaf), (sdtype, _) in params.items():
+                        if pw == w and leaf != "weight":
+                            ckpt_leaf = _scale_leaf(self.fmt, leaf)
+                            self.add(f"{module}.{ckpt_leaf}", sdtype, _scale_shape(self.fmt, leaf, shape))
+
+
+def _experts_match(engine_name: str) -> tuple[str, str, str] | None:
+    """``<moe>.mlp.experts.w13_weight_scale_inv`` -> (``<moe>.mlp.experts``, "w13", "weight_scale_inv")."""
+    head, sep, tail = engine_name.rpartition(".mlp.experts.")
+    if not sep or "." in tail:
+        return None
+    w, _, leaf = tail.partition("_")
+    if w not in EXPERT_PROJS:
+        return None
+    return f"{head}.mlp.experts", w, leaf
+
+
+def build_manifest(
+    params: Iterable[tuple[str, torch.dtype | str, Sequence[int]]],
+    hf_config: Mapping[str, Any],
+    quant_config: Any,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    dp_size: int = 1,
+    engine_version: str = "",
+    moe_backend: str = "",
+    deepgemm_scale_ue8m0: bool | None = None,
+) -> Manifest:
+    """The manifest of an SGLang model from its parameters ``(name, dtype, shape)`` (SGLang keeps
+    the loader's parameters: the ones ``restore_weights_before_loading`` brings back at
+    ``begin_weight_update``). ValueError lists every engine parameter no checkpoint tensor maps to."""
+    hf_config = hf_field_names(hf_config)
+    model = get_model(model_type_of(hf_config))
+    text = model.text_config(hf_config)
+    ckpt = {n: tuple(s) for n, s, _ in model.parameters(hf_config, include_mtp=False)}
+    quant: SglangQuant = resolve_quant(quant_config)
+    tied = bool(text.get("tie_word_embeddings", False))
+    b = _Builder(ckpt, quant.fmt)
+    experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
+    for name, dtype, shape in params:
+        m = _experts_match(name)
+        if m is not None:
+            experts[m[0]][(m[1], m[2])] = (_dtype(dtype), tuple(int(d) for d in shape))
+        else:
+            b.dense(name, _dtype(dtype), tied)
+    for moe, group in experts.items():
+        b.experts(moe, group)
+    if b.problems:
+        raise ValueError(
+            "cannot map SGLang's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems)
+        )
+    moe_tp = 1 if ep_size > 1 else tp_size
+    return Manifest(
+        engine=EngineKind.SGLANG,
+        engine_version=engine_version,
+        moe_backend=moe_backend or ("Fp8MoEMethod" if quant.fmt.quantized else "UnquantizedFusedMoEMethod"),
+        expert_format=quant.fmt,
+        tensors=tuple(b.tensors.values()),
+        constraints=EngineConstraints(
+            engine=EngineKind.SGLANG,
+            expert_format=quant.fmt,
+            hidden_size=_size(text.get("hidden_size")),
+            intermediate_size=_size(text.get("moe_intermediate_size")),
+            moe_tp_size=moe_tp,
+            moe_ep_size=ep_size,
+            block_fp8_align=BLOCK_FP8_ALIGN,
+            mxfp8_align=MXFP8_ALIGN,
+        ),
+        info={
+            "model_type": model.model_type,
+            "tp_size": tp_size,
+            "ep_size": ep_size,
+            INFO_DP_SIZE: dp_size,
+            "quant_method": quant.method,
+            "keep_bf16": sorted(b.keep_bf16),
+            INFO_DEEPGEMM_UE8M0: deepgemm_scale_ue8m0,
+        },
+    )
+
+
+#: transformers 5.x field names -> the names refitd's model registry reads (``Qwen3MoeConfig``'s
+#: ``attribute_map`` turns ``num_experts`` into ``num_local_experts`` in ``to_dict()``)
+HF_ALIASES = {"num_experts": "num_local_experts"}
+
+
+def hf_field_names(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``hf_config`` with the registry's field names filled in from transformers 5.x's."""
+    out = dict(hf_config)
+    for want, alias in HF_ALIASES.items():
+        if want not in out and alias in out:
+            out[want] = out[alias]
+    return out
+
+
+def _size(value: Any) -> int | None:
+    return int(value) if value else None
+
+
+def check_sglang_constraints(manifest: Manifest, hf_config: Mapping[str, Any] | None = None) -> list[str]:
+    """What SGLang 0.5.23 cannot reload, one line each naming the setting that works; empty when all
+    is well. ``EngineWorker.attach`` runs it before the daemon is contacted."""
+    h = i = None
+    if hf_config is not None:
+        hf_config = hf_field_names(hf_config)
+        text = get_model(model_type_of(hf_config)).text_config(hf_config)
+        h, i = _size(text.get("hidden_size")), _size(text.get("moe_intermediate_size"))
+    fmt = manifest.expert_format
+    problems = manifest.constraints.problems(hidden=h, intermediate=i)
+    if fmt is Format.FP8_PER_TENSOR and any(".mlp.experts." in t.name for t in manifest.tensors):
+        problems.append(
+            "SGLang cannot reload per-tensor FP8 MoE experts: Fp8MoEMethod.process_weights_after_loading replaces "
+            "w13_weight_scale with a parameter that has no weight_loader, so the next update fails; set the "
+            "daemon's format to block_fp8 (quant_method fp8 with weight_block_size [128, 128]) or bf16"
+        )
+    if fmt is Format.BLOCK_FP8 and manifest.info.get(INFO_DEEPGEMM_UE8M0) is True:
+        problems.append(
+            "SGLang's DeepGEMM requantizes block-FP8 scales to UE8M0 on SM100/SM120 (DEEPGEMM_SCALE_UE8M0), so the "
+            "FP32 scales refitd publishes cannot be reloaded: start every SGLang process with "
+            "SGLANG_ENABLE_JIT_DEEPGEMM=0 (adapters.sglang.SGLANG_ENV)"
+        )
+    dp = manifest.info.get(INFO_DP_SIZE)
+    if isinstance(dp, int) and dp > 1:
+        problems.append(
+            f"SGLang's update_weights_from_tensor does not support dp_size > 1 (this engine runs dp_size={dp}): "
+            "run one SGLang engine per data-parallel replica (dp_size=1 each) and refit each"
+        )
+    static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
+    if static:
+        problems.append(
+            f"the engine expects static activation scales ({len(static)} tensors, e.g. {static[0]}); refitd "
+            "publishes none: set activation_scheme 'dynamic' (sglang_quantization_config does)"
+        )
+    return problems
