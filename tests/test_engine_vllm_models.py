@@ -226,6 +226,9 @@ def test_attach_with_the_manifest_of_the_real_parameters(engine):
     check = check_manifest(params, engine.spec, manifest)
     assert check.ok, check.message("vllm")
     names = {t.name for t in manifest.tensors}
+    if engine.mtp:  # finding 7: the drafter's tensors are checked at attach too
+        mtp = "mtp." if engine.model_type == "qwen3_5_moe" else f"model.layers.{engine.layers}."
+        assert any(n.startswith(mtp) and ".mlp.experts." in n for n in names), sorted(names)[-5:]
     if engine.model_type == "deepseek_v3":  # finding 3: the FP32 router bias is checked
         bias = [t for t in manifest.tensors if t.name.endswith("e_score_correction_bias")]
         assert bias and all(t.dtype == torch.float32 for t in bias)
