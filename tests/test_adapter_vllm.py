@@ -1171,6 +1171,17 @@ def test_the_mtp_drafters_parameters_map_to_their_checkpoint_names():
     }
 
 
+def test_deepseek_mtp_head_is_excluded_under_the_prefix_vllm_builds_it_with():
+    """Found running DeepSeekMTP for real: its SharedHead builds ``shared_head.head`` under the prefix
+    ``model.layers.{N}.head``, the name ModelOpt's exclusion is matched against; without it the MTP
+    head of an MXFP8 engine is quantized (no kernel on CPU; an MXFP8 head the plan never publishes on
+    a GPU)."""
+    config = _deepseek_config()
+    spec = RefitSpec(model_type="deepseek_v3", fmt="mxfp8", num_hidden_layers=2)
+    ignore = av.vllm_engine_args(spec, config)["hf_overrides"]["quantization_config"]["ignore"]
+    assert "model.layers.2.shared_head.head" in ignore and "model.layers.2.head" in ignore
+
+
 def test_deepseek_mtp_experts_are_not_counted_as_last_layers():
     """Part of finding 7: DeepSeek's MTP layer is model.layers.{num_hidden_layers}; the plan does not
     count MTP layers among the first/last BF16 layers, so the engine (its drafter) must not either."""

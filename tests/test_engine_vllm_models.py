@@ -46,9 +46,8 @@ pytestmark = pytest.mark.engine
 MODELS = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3")
 FORMATS = ("block_fp8", "mxfp8", "fp8_per_tensor", "bf16")
 HAS_MTP = {"qwen3_5_moe", "deepseek_v3"}
-#: formats the engines are built with their MTP drafter in (DeepSeek's MTP ``shared_head.head`` is
-#: built with the ModelOpt MXFP8 config despite ``ignore``, and no CPU kernel takes it: not yet run)
-MTP_FORMATS = ("block_fp8", "bf16")
+#: formats the engines are built with their MTP drafter in
+MTP_FORMATS = FORMATS
 
 
 @pytest.fixture(scope="module")
