@@ -1140,6 +1140,48 @@ def test_text_only_qwen3_5_engine_is_started_language_model_only():
     )
 
 
+def test_the_mtp_drafters_parameters_map_to_their_checkpoint_names():
+    """Finding 7: the drafter (get_draft_model()) is in the manifest under the names its load_weights
+    takes: DeepSeekMTP's model.layers.N.mtp_block.X <- model.layers.N.X, Qwen3_5MoeMTP's model.X <- mtp.X
+    (embedding and head shared with the target's checkpoint names)."""
+    config = _deepseek_config()
+    draft = [
+        ("model.embed_tokens.weight", BF16, [256, 256]),
+        ("model.layers.2.eh_proj.weight", BF16, [256, 512]),
+        ("model.layers.2.mtp_block.mlp.experts.routed_experts.w13_weight", BF16, [4, 256, 256]),
+        ("model.layers.2.mtp_block.mlp.experts.routed_experts.w2_weight", BF16, [4, 256, 128]),
+    ]
+    names = {t.name for t in av.build_manifest([], config, None, draft_params=draft).tensors}
+    assert {"model.embed_tokens.weight", "model.layers.2.eh_proj.weight"} <= names
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in names
+    qwen = _config("qwen3_5_moe")
+    h = qwen["text_config"]["hidden_size"]
+    draft = [
+        ("model.embed_tokens.weight", BF16, [qwen["text_config"]["vocab_size"], h]),
+        ("model.fc.weight", BF16, [h, 2 * h]),
+        ("model.pre_fc_norm_hidden.weight", BF16, [h]),
+        ("lm_head.weight", BF16, [qwen["text_config"]["vocab_size"], h]),
+    ]
+    names = {t.name for t in av.build_manifest([], qwen, None, draft_params=draft).tensors}
+    assert names == {
+        "model.language_model.embed_tokens.weight",
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "lm_head.weight",
+    }
+
+
+def test_deepseek_mtp_head_is_excluded_under_the_prefix_vllm_builds_it_with():
+    """Found running DeepSeekMTP for real: its SharedHead builds ``shared_head.head`` under the prefix
+    ``model.layers.{N}.head``, the name ModelOpt's exclusion is matched against; without it the MTP
+    head of an MXFP8 engine is quantized (no kernel on CPU; an MXFP8 head the plan never publishes on
+    a GPU)."""
+    config = _deepseek_config()
+    spec = RefitSpec(model_type="deepseek_v3", fmt="mxfp8", num_hidden_layers=2)
+    ignore = av.vllm_engine_args(spec, config)["hf_overrides"]["quantization_config"]["ignore"]
+    assert "model.layers.2.shared_head.head" in ignore and "model.layers.2.head" in ignore
+
+
 def test_deepseek_mtp_experts_are_not_counted_as_last_layers():
     """Part of finding 7: DeepSeek's MTP layer is model.layers.{num_hidden_layers}; the plan does not
     count MTP layers among the first/last BF16 layers, so the engine (its drafter) must not either."""

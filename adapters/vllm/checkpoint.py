@@ -154,11 +154,29 @@ class _Builder:
         return e, i, h
 
 
+def _draft_checkpoint_name(engine_name: str, ckpt: Mapping[str, tuple[int, ...]], mtp_in_layers: bool) -> str:
+    """A drafter's parameter name -> the checkpoint name its ``load_weights`` takes it from:
+    DeepSeek's ``DeepSeekMTP`` (MTP layers appended to ``model.layers``:
+    ``model.layers.N.mtp_block.X <- model.layers.N.X``, ``_rewrite_spec_layer_name``), Qwen3.5's
+    ``Qwen3_5MoeMTP`` (``model.X <- mtp.X``); the embedding and head are the target model's."""
+    if engine_name.startswith("lm_head."):
+        return engine_name
+    if engine_name.startswith("model.embed_tokens."):
+        for root in ("model.language_model.", "model."):
+            if root + engine_name.removeprefix("model.") in ckpt:
+                return root + engine_name.removeprefix("model.")
+        return engine_name
+    if mtp_in_layers:
+        return engine_name.replace(".mtp_block.", ".")
+    return "mtp." + engine_name.removeprefix("model.")
+
+
 def build_manifest(
     params: Iterable[tuple[str, torch.dtype | str, Sequence[int]]],
     hf_config: Mapping[str, Any],
     quant_config: Any,
     *,
+    draft_params: Iterable[tuple[str, torch.dtype | str, Sequence[int]]] = (),
     tp_size: int = 1,
     ep_size: int = 1,
     engine_version: str = "",
@@ -168,6 +186,8 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a vLLM model from its load-time parameters ``(name, dtype, shape)``.
 
+    ``draft_params`` are the MTP drafter's (``get_draft_model()``), mapped to the checkpoint names its
+    ``load_weights`` takes (the embedding and head it shares with the target model listed once).
     ``param_source`` says where the parameter list came from (:func:`engine_parameters_and_source`);
     ``deep_gemm_e8m0`` is vLLM's ``is_deep_gemm_e8m0_used()`` in the worker (None: unknown). Both go
     to ``info``, where :func:`check_vllm_constraints` reads them.
@@ -187,7 +207,8 @@ def build_manifest(
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
-    for engine_name, dtype, shape in params:
+    drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
+    for engine_name, dtype, shape in [*params, *drafted]:
         m = _experts_match(engine_name)
         if m is not None:
             experts.setdefault(m[0], {})[(m[1], m[2])] = (_dtype(dtype), tuple(int(d) for d in shape))

@@ -278,10 +278,12 @@ class RefitWorkerExtension:
         with _config_context(self):
             model = _model(self)
             params, source = engine_parameters_and_source(model)
+            draft = _draft(self)
             return build_manifest(
                 params,
                 self.model_config.hf_config.to_dict(),
                 self.vllm_config.quant_config,
+                draft_params=engine_parameters_and_source(draft[0])[0] if draft is not None else (),
                 tp_size=parallel.tensor_parallel_size,
                 ep_size=ep,
                 engine_version=vllm.__version__,
