@@ -38,7 +38,7 @@ import adapters.vllm as av
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitSpec
-from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.plan.run import convert
 
 pytestmark = pytest.mark.engine
@@ -79,7 +79,7 @@ class Engine:
         self.folder = vm.write_config(root, model_type)
         self.hf = vm.config_dict(self.folder)
         #: the daemon's view of config.json (field names as refitd's registry reads them)
-        self.plan_hf = av.registry_config(self.hf)
+        self.plan_hf = normalize_hf_config(self.hf)
         self.layers = get_model(model_type_of(self.hf)).num_hidden_layers(self.hf)
         self.spec = RefitSpec(model_type=model_type, fmt=fmt, num_hidden_layers=self.layers)
         self.args = av.vllm_engine_args(self.spec, self.hf, include_vision=False)

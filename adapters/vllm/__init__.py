@@ -103,7 +103,6 @@ from adapters.vllm.quant import (
     VLLM_ENV,
     WORKER_EXTENSION,
     VllmQuant,
-    registry_config,
     resolve_quant,
 )
 from adapters.vllm.worker import (
@@ -133,7 +132,6 @@ __all__ = [
     "load_generation",
     "ordered_weights",
     "refit_engine",
-    "registry_config",
     "resolve_quant",
     "routed_bf16_modules",
     "vllm_engine_args",

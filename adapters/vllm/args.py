@@ -9,10 +9,10 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.vllm.quant import WORKER_EXTENSION, registry_config
+from adapters.vllm.quant import WORKER_EXTENSION
 from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
 from sidecar.plan.build import RefitSpec
-from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 
 
 def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_vision: bool = True) -> list[str]:
@@ -21,7 +21,7 @@ def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_visio
     linear attention, router, shared expert and its gate, embeddings, lm_head, vision tower), plus
     the routed experts of the first/last BF16 layers and of ``ignore_patterns``, as whole
     ``…mlp.experts`` modules (vLLM keeps experts BF16 per layer, not per expert)."""
-    hf_config = registry_config(hf_config)
+    hf_config = normalize_hf_config(hf_config)
     model = get_model(model_type_of(hf_config))
     if model.model_type != spec.model.model_type:
         raise ValueError(f"the config describes {model.model_type} but the spec says {spec.model_type}")

@@ -18,11 +18,10 @@ from adapters.vllm.quant import (
     PACKED_MODULES,
     SCALE_LEAVES,
     VllmQuant,
-    registry_config,
     resolve_quant,
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
-from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
 
@@ -196,7 +195,7 @@ def build_manifest(
     otherwise the experts are tensor-parallel (I split ``tp_size`` ways). Raises ValueError listing
     every engine parameter that maps to no checkpoint tensor and every expert shape that disagrees.
     """
-    hf_config = registry_config(hf_config)
+    hf_config = normalize_hf_config(hf_config)
     model = get_model(model_type_of(hf_config))
     text = model.text_config(hf_config)
     vision = isinstance(hf_config.get("vision_config"), Mapping)

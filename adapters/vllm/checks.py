@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.vllm.quant import PARAM_SOURCE_LIVE, registry_config
+from adapters.vllm.quant import PARAM_SOURCE_LIVE
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitPlan
-from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.protocol.manifest import Manifest
 
 
@@ -28,7 +28,7 @@ def _moe_dims(plan_or_config: RefitPlan | Mapping[str, Any]) -> tuple[int, int]:
             if (m := model.per_expert_re.match(i.name)) and m["proj"] == "gate_proj":
                 return i.shape[1], i.shape[0]
         raise ValueError("the plan has no routed experts")
-    text = get_model(model_type_of(plan_or_config)).text_config(registry_config(plan_or_config))
+    text = get_model(model_type_of(plan_or_config)).text_config(normalize_hf_config(plan_or_config))
     return int(text["hidden_size"]), int(text["moe_intermediate_size"])
 
 

@@ -108,23 +108,3 @@ def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuan
 
 # --------------------------------------------------------------------------------------------------
 # config.json as transformers 5.x writes it
-
-#: field names transformers 5.x writes where refitd's registry reads the older name
-#: (``Qwen3MoeConfig.attribute_map``: ``num_experts`` -> ``num_local_experts``)
-HF5_FIELD_ALIASES: Mapping[str, str] = {"num_experts": "num_local_experts"}
-
-
-def registry_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """``hf_config`` with the field names refitd's model registry reads: a ``config.json`` written
-    by transformers 5.x (``save_pretrained`` of ``Qwen3MoeConfig``, or vLLM's ``hf_config.to_dict()``)
-    holds ``num_local_experts`` instead of ``num_experts``. The adapter's local copy of the
-    normalisation (sidecar/plan/models.py is getting the general one); nested ``text_config``
-    too."""
-    out = dict(hf_config)
-    for key in ("text_config",):
-        if isinstance(out.get(key), Mapping):
-            out[key] = registry_config(out[key])
-    for old, new in HF5_FIELD_ALIASES.items():
-        if out.get(old) is None and out.get(new) is not None:
-            out[old] = out[new]
-    return out

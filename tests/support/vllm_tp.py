@@ -29,12 +29,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def generation(hf: dict[str, Any], spec, manifest, seed: int) -> dict[str, torch.Tensor]:
     """What the daemon publishes for a synthetic trainer state dict (checkpoint names, BF16; the
     router bias FP32), planned against ``manifest`` as the daemon plans at attach."""
-    from adapters.vllm import registry_config
     from sidecar.plan.attach import check_manifest
-    from sidecar.plan.models import get_model, model_type_of
+    from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
     from sidecar.plan.run import convert
 
-    plan_hf = registry_config(hf)
+    plan_hf = normalize_hf_config(hf)
     params = get_model(model_type_of(plan_hf)).parameters(plan_hf, include_mtp=True, include_vision=False)
     g = torch.Generator().manual_seed(seed)
     state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in params}
