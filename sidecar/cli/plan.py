@@ -260,6 +260,10 @@ def render_tiers(t: dict[str, Any], share: dict[str, Any] | None) -> list[str]:
             f"    in all {human_bytes(gpu['device_bytes'])} (as allocated) of a {human_bytes(t['budget'])} "
             f"budget: {ok}"
         )
+        lines.append(
+            f"    on 1 of the node's {shape['gpus']} GPUs (its --gpu; rings on each of --gpus: designed, "
+            "docs/multi_gpu.md); every engine GPU loads from host memory over its own link"
+        )
     host_ok = "fits" if t["host_generations"] <= shape["host_ram"] else "DOES NOT FIT"
     lines.append(
         f"  per node: {t['generations']} host generations x {human_bytes(t['generation'])} = "
