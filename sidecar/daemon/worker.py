@@ -111,6 +111,11 @@ def _quantization(job: tuple | SpanJob) -> bool:
     return not isinstance(job, SpanJob) and job[1].fmt is not None
 
 
+def _closes_group(job: tuple | SpanJob) -> bool:
+    """The last unit of a staging-ring group (``sync`` or ``copies`` set, see :meth:`QuantWorker._put`)."""
+    return not isinstance(job, SpanJob) and (bool(job[4]) or bool(job[5] if len(job) > 5 else ()))
+
+
 def _unbatched_quantization(job: tuple | SpanJob | None) -> bool:
     """A quantization that does not run through the Triton kernels (the native CPU kernels, or the
     torch reference): after it the worker looks at the queue again, so that cheap work queued
@@ -178,8 +183,12 @@ class QuantWorker:
     def _put(self, job: tuple | SpanJob | None) -> None:
         """Queue ``job``: cheap passthrough work first. It completes layer groups, which streaming
         engines load while the quantization of later layers still runs (sidecar.daemon.streams);
-        behind every queued quantization it would hold each group back to the end of the step."""
-        priority = 2 if job is None else 1 if _quantization(job) else 0
+        behind every queued quantization it would hold each group back to the end of the step.
+
+        A job that closes a staging-ring group (``sync``: the GPU waited for before the region is
+        reused; ``copies``: the group's publish region copied to the host generation) queues with the
+        quantizations, behind every unit of its group submitted before it: it must run last."""
+        priority = 2 if job is None else 1 if _quantization(job) or _closes_group(job) else 0
         self._jobs.put((priority, next(self._order), job))
 
     def cancel(self, step: int) -> None:
