@@ -170,6 +170,11 @@ class EngineWorker:
 
     # ---- what the engine holds (streamed refit streams only on top of a whole, known step)
 
+    def result(
+        self, step: int | None, ok: bool, seconds: float, error: str | None, *, rolled_back: bool = False
+    ) -> LoadResult:
+        return LoadResult(self.name, step, ok, seconds, error, rolled_back)
+
     def load_group(self, gen: Generation, names: Sequence[str]) -> None:
         """Copy the tensors ``names`` of ``gen`` into the engine (the adapter's ``load_group``)."""
         self._load_group(gen, names)

@@ -36,14 +36,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from adapters.base import Generation, RefitReader, _unknown_peer
 from sidecar.errors import ErrorKind, HoldRevoked, RefitError
 from transport.wire import STREAM_VERSION, Kind, Message
-
-if TYPE_CHECKING:  # pragma: no cover
-    from adapters.engine import EngineWorker, LoadResult
 
 __all__ = ["StreamedStep", "load_streamed", "streams"]
 
@@ -74,8 +71,10 @@ def streams(reader: RefitReader) -> bool:
     return reader.streaming and reader.attach_info.get("stream") == STREAM_VERSION
 
 
-def load_streamed(worker: EngineWorker, min_step: int | None, timeout: float | None) -> LoadResult:
-    """``EngineWorker.load_next`` in streaming mode (see the module docstring)."""
+def load_streamed(worker: Any, min_step: int | None, timeout: float | None) -> Any:
+    """``EngineWorker.load_next`` in streaming mode (see the module docstring): ``worker`` is the
+    ``adapters.engine.EngineWorker`` calling (not imported here: it imports this module), and the
+    result its ``LoadResult``."""
     reader = worker.reader
     deadline = time.monotonic() + (worker.timeout if timeout is None else timeout)
     reader._send(Kind.WAIT, {"min_step": min_step, "loaded": worker.loaded_step()})
@@ -150,7 +149,7 @@ def _silence_s(reader: RefitReader) -> float:
     return float(limit) if ok else DEFAULT_SILENCE_S
 
 
-def _open(worker: EngineWorker, msg: Message) -> StreamedStep | None:
+def _open(worker: Any, msg: Message) -> StreamedStep | None:
     """A STREAM: map the step's generation and the live one; None (the step is then loaded whole
     when it is published) if the message cannot be used."""
     reader = worker.reader
@@ -184,7 +183,7 @@ def _open(worker: EngineWorker, msg: Message) -> StreamedStep | None:
     return StreamedStep(step, index, target.epoch, target, live, groups)
 
 
-def _load_groups(worker: EngineWorker, stream: StreamedStep, ready: Any) -> LoadResult | None:
+def _load_groups(worker: Any, stream: StreamedStep, ready: Any) -> Any:
     """Load the readable groups ``ready``; on this engine's own failure tell the daemon (which fails
     the step everywhere), return to the live generation, and return the result."""
     if not isinstance(ready, list):
@@ -211,11 +210,9 @@ def _load_groups(worker: EngineWorker, stream: StreamedStep, ready: Any) -> Load
     return None
 
 
-def _finish(worker: EngineWorker, stream: StreamedStep, gen: Generation) -> LoadResult:
+def _finish(worker: Any, stream: StreamedStep, gen: Generation) -> Any:
     """The streamed step was sealed and published: load what is left, check, acknowledge. A copy
     found torn, or a load that failed, returns the engine to the live generation first."""
-    from adapters.engine import LoadResult
-
     reader, error = worker.reader, None
     rest = [g for g in range(len(stream.groups)) if g not in stream.taken]
     stream.taken += rest
@@ -236,30 +233,27 @@ def _finish(worker: EngineWorker, stream: StreamedStep, gen: Generation) -> Load
     if error is not None:  # part of the step is in the engine: return to the last good one
         _rollback(worker, stream, f"loading the rest of step {stream.step} failed: {error}")
         reader.release(gen, ok=False, error=error, seconds=seconds)
-        return LoadResult(worker.name, stream.live.step, False, seconds, error, True)
+        return worker.result(stream.live.step, False, seconds, error, rolled_back=True)
     _release(reader, stream.live)
     reader.release(gen, ok=True, seconds=seconds)
     worker.loaded(gen.step)
-    return LoadResult(worker.name, gen.step, True, seconds, None)
+    return worker.result(gen.step, True, seconds, None)
 
 
-def _failed(worker: EngineWorker, stream: StreamedStep, why: str) -> LoadResult:
+def _failed(worker: Any, stream: StreamedStep, why: str) -> Any:
     """The streamed step will not be sealed: return to the live generation; say so."""
-    from adapters.engine import LoadResult
-
     _rollback(worker, stream, why)
     worker.reader._send(Kind.WAIT, {"cancel": True}, wait=False)
-    return LoadResult(
-        worker.name,
+    return worker.result(
         stream.live.step,
         False,
         stream.seconds,
         f"{why}; rolled back to step {stream.live.step} ({len(stream.taken)} groups reloaded)",
-        True,
+        rolled_back=True,
     )
 
 
-def _rollback(worker: EngineWorker, stream: StreamedStep, why: str) -> None:
+def _rollback(worker: Any, stream: StreamedStep, why: str) -> None:
     """Reload every group taken from the failed step from the live generation (intact: a step never
     writes the live one, and this reader holds it), then let it go. RefitError if that fails: the
     engine then holds a mix and must load a whole generation before serving."""

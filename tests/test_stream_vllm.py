@@ -14,9 +14,11 @@ import pytest
 import torch
 from test_adapter_vllm import E, _started_engine, _toy_generation, real_vllm  # noqa: F401 (a fixture)
 
-from adapters.vllm.stream import layerwise_group_loader
+from adapters.vllm import worker as avw
+from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
 EXPERTS = "model.layers.0.mlp.experts."
+ACCESS = WorkerAccess(avw._model, avw._config_context, avw.ordered_weights)  # as refit_attach gives it
 
 
 def groups(gen: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -44,7 +46,7 @@ def test_a_streamed_step_lands_whole_through_one_layerwise_session(real_vllm):  
     model, worker = _started_engine(real_vllm)
     experts = model.model.layers[0].mlp.experts
     kernel = experts.w13_weight
-    loader = layerwise_group_loader(worker)
+    loader = layerwise_group_loader(worker, ACCESS)
     method = type(experts.quant_method)
     for seed in (1, 2):
         gen, before = _toy_generation(seed), method.processed
@@ -60,7 +62,7 @@ def test_a_rollback_reloads_what_the_failed_step_took_in_a_second_session(real_v
     """Step 2 fails after the engine took the MoE group: finish its session (the lm_head it never
     reached keeps step 1), reload the MoE group of step 1 in a new session: the engine holds step 1."""
     model, worker = _started_engine(real_vllm)
-    loader = layerwise_group_loader(worker)
+    loader = layerwise_group_loader(worker, ACCESS)
     one, two = _toy_generation(1), _toy_generation(2)
     for names in groups(one):
         loader(view(one), names)
@@ -82,7 +84,7 @@ def test_vllm_writes_a_layer_loaded_twice_in_one_session_raw_into_its_kernel_ten
     session bypasses processing: checkpoint bytes land raw in the kernel tensor (here the gate rows),
     or the load fails where the processed tensor has no loader any more (here the transposed scale)."""
     model, worker = _started_engine(real_vllm)
-    loader = layerwise_group_loader(worker)
+    loader = layerwise_group_loader(worker, ACCESS)
     one, two = _toy_generation(1), _toy_generation(2)
     moe = groups(one)[0]
     loader(view(one), moe)  # processed: the kernel holds step 1

@@ -27,25 +27,37 @@ among those reloaded whole.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from adapters.vllm.worker import _config_context, _model, ordered_weights
+
+class WorkerAccess:
+    """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
+    this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order."""
+
+    def __init__(
+        self,
+        model: Callable[[Any], torch.nn.Module],
+        config_context: Callable[[Any], AbstractContextManager],
+        order: Callable[[dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
+    ):
+        self.model, self.config_context, self.order = model, config_context, order
 
 
 class LayerwiseGroups:
     """``load_group`` for a vLLM worker: layer groups into one layerwise-reload session per step."""
 
-    def __init__(self, worker: Any, initialize: Callable, finalize: Callable):
-        self.worker, self._initialize, self._finalize = worker, initialize, finalize
+    def __init__(self, worker: Any, access: WorkerAccess, initialize: Callable, finalize: Callable):
+        self.worker, self.access, self._initialize, self._finalize = worker, access, initialize, finalize
         self._open = False  # a session is in progress (initialized, not yet finalized)
 
     def __call__(self, gen: Any, names: Sequence[str]) -> None:
-        worker = self.worker
-        model = _model(worker)
-        weights = ordered_weights({n: gen.tensors[n] for n in names})
-        with _config_context(worker), torch.device(worker.device):
+        worker, access = self.worker, self.access
+        model = access.model(worker)
+        weights = access.order({n: gen.tensors[n] for n in names})
+        with access.config_context(worker), torch.device(worker.device):
             if not self._open:
                 self._initialize(model)
                 self._open = True
@@ -56,12 +68,12 @@ class LayerwiseGroups:
         if not self._open:
             return
         self._open = False
-        worker = self.worker
-        with _config_context(worker), torch.device(worker.device):
-            self._finalize(_model(worker), worker.model_config)
+        worker, access = self.worker, self.access
+        with access.config_context(worker), torch.device(worker.device):
+            self._finalize(access.model(worker), worker.model_config)
 
 
-def layerwise_group_loader(worker: Any) -> LayerwiseGroups | None:
+def layerwise_group_loader(worker: Any, access: WorkerAccess) -> LayerwiseGroups | None:
     """The streaming ``load_group`` of a vLLM worker; None when this vLLM has no layerwise reload."""
     try:
         from vllm.model_executor.model_loader.reload import (
@@ -70,4 +82,4 @@ def layerwise_group_loader(worker: Any) -> LayerwiseGroups | None:
         )
     except ImportError:
         return None
-    return LayerwiseGroups(worker, initialize_layerwise_reload, finalize_layerwise_reload)
+    return LayerwiseGroups(worker, access, initialize_layerwise_reload, finalize_layerwise_reload)

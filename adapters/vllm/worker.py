@@ -297,7 +297,7 @@ class RefitWorkerExtension:
         the engine setting that works) or by the daemon (listing every mismatch)."""
         _require_vllm("RefitWorkerExtension.refit_attach")
         from adapters.engine import EngineWorker
-        from adapters.vllm.stream import layerwise_group_loader
+        from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
         manifest = self.refit_manifest()
         hf_config = self.model_config.hf_config.to_dict()
@@ -307,7 +307,8 @@ class RefitWorkerExtension:
             name=name or f"vllm-rank{self.rank}",
             manifest=manifest,
             load=lambda gen: load_generation(self, gen.tensors, fmt),
-            load_group=layerwise_group_loader(self),  # streamed refit (None: this vLLM loads whole)
+            # streamed refit through layerwise reload (None: this vLLM loads whole generations)
+            load_group=layerwise_group_loader(self, WorkerAccess(_model, _config_context, ordered_weights)),
             timeout=timeout,
             check=lambda m: check_vllm_constraints(m, hf_config),
         )

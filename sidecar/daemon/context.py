@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.memory.generations import Arenas, Generation
     from sidecar.daemon.peers import Peers
     from sidecar.daemon.step import StepState
-    from sidecar.daemon.streams import Streams
     from sidecar.daemon.worker import QuantWorker
     from sidecar.errors import RefitError
     from sidecar.plan.build import RefitPlan, RefitSpec
@@ -36,7 +35,7 @@ class LoopContext(Protocol):
     engines: dict[bytes, EngineState]  # attached engine workers
     peers: Peers
     last_step: int | None
-    streams: Streams  # streamed refit: which readers load each layer group as it is written
+    streams: Any  # sidecar.daemon.streams.Streams (which imports this): streamed refit
 
     @property
     def plan(self) -> RefitPlan | None: ...
