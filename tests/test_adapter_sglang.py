@@ -184,15 +184,19 @@ def _refit(updater, endpoint: str, step: int, reply: str, box: dict) -> None:
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    ("model_type", "linears"), [("qwen3_moe", False), ("deepseek_v3", False), ("deepseek_v3", True)]
+    ("model_type", "fmt", "linears"),
+    [
+        ("qwen3_moe", Format.BLOCK_FP8, False),
+        ("deepseek_v3", Format.BLOCK_FP8, False),
+        ("deepseek_v3", Format.BLOCK_FP8, True),
+    ],
 )
 def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_load(
-    sgl, tmp_path, model_type, linears
+    sgl, tmp_path, model_type, fmt, linears
 ):
     from sidecar.client.client import RefitClient
     from tests.support.daemons import RunningDaemon
 
-    fmt = Format.BLOCK_FP8
     config = CONFIGS[model_type]()
     steps = {1: _weights(config, 1), 2: _weights(config, 2)}
     dirs = {s: _checkpoint(tmp_path, f"step{s}", config, w, fmt, linears) for s, w in steps.items()}
@@ -204,7 +208,7 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
     manifest = sglang_manifest(engine)
     assert manifest.expert_format is fmt and not check_sglang_constraints(manifest, config)
     names = {t.name for t in manifest.tensors}
-    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in names
+    assert f"model.layers.1.mlp.experts.3.down_proj.{fmt.scale_suffix}" in names
     assert not any("routed_experts" in n for n in names)
     if model_type == "qwen3_moe":  # the router stays BF16 under Fp8Config
         gate = manifest.by_name()["model.layers.0.mlp.gate.weight"]
@@ -296,3 +300,4 @@ def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
     assert all(torch.isfinite(t.float()).all() for t in state.values())
     same = [n for n, t in weights.items() if n in state and torch.equal(_bytes(state[n]), _bytes(t))]
     assert "model.layers.0.self_attn.q_proj.weight" in same and "model.embed_tokens.weight" in same
+
