@@ -300,4 +300,3 @@ def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
     assert all(torch.isfinite(t.float()).all() for t in state.values())
     same = [n for n, t in weights.items() if n in state and torch.equal(_bytes(state[n]), _bytes(t))]
     assert "model.layers.0.self_attn.q_proj.weight" in same and "model.embed_tokens.weight" in same
-
