@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from adapters.sglang import LOADER, check_sglang_constraints, sglang_quantization_config
-from adapters.sglang.driver import collect_results
+from adapters.sglang.driver import collect_results, cpu_tensor_pickling
 from adapters.sglang.loader import control_tensors, detach_all, sglang_manifest
 from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
@@ -300,3 +300,134 @@ def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
     assert all(torch.isfinite(t.float()).all() for t in state.values())
     same = [n for n, t in weights.items() if n in state and torch.equal(_bytes(state[n]), _bytes(t))]
     assert "model.layers.0.self_attn.q_proj.weight" in same and "model.embed_tokens.weight" in same
+
+
+class _Engine:
+    """The driver's view of ``sglang.Engine`` over SGLang's real scheduler-side weight-update manager
+    (``SchedulerWeightUpdaterManager``: the session rules) and ``WeightUpdater``, with the requests
+    built and serialized as ``Engine`` builds them (``io_struct`` inputs, ``MultiprocessingSerializer``
+    per TP rank). Only the process hops (tokenizer manager -> scheduler) are left out; pause and
+    continue are recorded."""
+
+    def __init__(self, updater):
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        def deserialize_own_rank(payloads):  # TpModelWorker.deserialize_own_rank (its module needs uvicorn)
+            monkey_patch_torch_reductions()
+            return MultiprocessingSerializer.deserialize(payloads[0])
+
+        runner = SimpleNamespace(weight_updater=updater)
+        worker = SimpleNamespace(
+            model_runner=runner,
+            weight_update_runners=lambda: [("target", runner)],
+            deserialize_own_rank=deserialize_own_rank,
+        )
+        self.manager = SchedulerWeightUpdaterManager(
+            tp_worker=worker,
+            draft_worker=None,
+            memory_saver_adapter=None,
+            flush_cache=lambda empty_cache=False: True,
+            is_fully_idle=lambda **kw: True,
+            scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: None),
+        )
+        self.server_args = SimpleNamespace(tp_size=1, pp_size=1)
+        self.calls: list[str] = []
+
+    def pause_generation(self):
+        self.calls.append("pause")
+
+    def continue_generation(self):
+        self.calls.append("continue")
+
+    def begin_weight_update(self, selector: str = "all"):
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        self.calls.append("begin")
+        return self.manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector))
+
+    def end_weight_update(self):
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        self.calls.append("end")
+        return self.manager.end_weight_update(EndWeightUpdateReqInput())
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        self.calls.append("update")
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(named_tensors)],
+            load_format=load_format,
+            flush_cache=flush_cache,
+        )
+        return self.manager.update_weights_from_tensor(req)
+
+
+@pytest.mark.engine
+def test_refit_engine_drives_sglangs_session_and_leaves_a_failed_engine_paused(sgl, tmp_path):
+    """``refit_engine``: pause -> begin -> update (refitd's loader) -> end -> continue through SGLang's
+    real session manager; the control payload is all that crosses SGLang's request path. An update
+    outside a session is refused by SGLang itself; a rank that fails is named, and the engine stays
+    paused."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from adapters.sglang import refit_engine
+    from sidecar.client.client import RefitClient
+    from sidecar.errors import RefitError
+    from tests.support.daemons import RunningDaemon
+
+    config = _qwen3_moe()
+    weights = _weights(config, 6)
+    out = _checkpoint(tmp_path, "drv", config, weights, Format.BLOCK_FP8)
+    engine = _Engine(sgl.weight_updater(sgl.build_model(out, load_format="dummy")))
+    control = control_tensors("ipc://unused", min_step=1)
+    assert sum(t.numel() for _, t in control) < 1024
+    with cpu_tensor_pickling():  # SGLang's reduction patch (installed by earlier updates) takes CUDA only
+        payload = MultiprocessingSerializer.serialize(control)
+    outside = engine.manager.update_weights_from_tensor(
+        UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload], load_format=LOADER)
+    )
+    assert not outside.success and "begin_weight_update" in outside.message
+
+    written = json.loads((out / "config.json").read_text())
+    (tmp_path / "daemon").mkdir()
+    daemon = RunningDaemon(tmp_path / "daemon", hf_config=written, format="block_fp8")
+    client = RefitClient(daemon.endpoint, 0, 1, timeout=120)
+    box: dict = {}
+
+    def drive():
+        try:
+            box["results"] = refit_engine(engine, daemon.endpoint, min_step=1, timeout=120)
+        except Exception as exc:  # the assertion below shows it
+            box["error"] = exc
+
+    try:
+        thread = threading.Thread(target=drive)
+        thread.start()
+        wait_until(
+            "the engine attached", lambda: daemon.status()["engines"] or not thread.is_alive(), timeout=120
+        )
+        client.push_step(1, weights)
+        thread.join(timeout=180)
+        assert "error" not in box, box
+        (result,) = box["results"]
+        assert result.ok and result.step == 1
+        assert engine.calls == ["pause", "begin", "update", "end", "continue"]
+        oracle = sgl.build_model(out, load_format="auto")
+        _assert_same_params(engine.manager.tp_worker.model_runner.weight_updater.get_model(), oracle)
+    finally:
+        client.close()
+        detach_all()
+        daemon.close()
+
+    engine.calls.clear()  # the daemon is gone: the rank reports a timeout, the engine stays paused
+    with pytest.raises(RefitError, match=r"sglang-tp0: RefitError: \[timeout\]"):
+        refit_engine(engine, daemon.endpoint, min_step=2, timeout=2)
+    assert engine.calls == ["pause", "begin", "update", "end"]
+    detach_all()

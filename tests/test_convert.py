@@ -78,7 +78,9 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     for name, w in want.items():
         g = got[name]
         assert (g.dtype, g.shape) == (w.dtype, w.shape), name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8)), name
+        assert torch.equal(g.reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8)), (
+            name
+        )
 
 
 @pytest.mark.parametrize("fmt", [Format.BLOCK_FP8, Format.MXFP8, Format.FP8_PER_TENSOR, Format.BF16])
@@ -98,7 +100,9 @@ def test_convert_writes_the_daemons_names_and_bytes(tmp_path, fmt):
 def test_convert_keeps_the_bf16_layers_asked_for_and_says_so_in_the_config(tmp_path):
     weights = _weights(2)
     src, out = _bf16_dir(tmp_path, weights), tmp_path / "out"
-    assert main(["convert", str(src), str(out), "--format", "block_fp8", "--num-last-layers-in-bf16", "1"]) == 0
+    assert (
+        main(["convert", str(src), str(out), "--format", "block_fp8", "--num-last-layers-in-bf16", "1"]) == 0
+    )
     got = _read_dir(out)
     assert got["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
     assert got["model.layers.0.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
@@ -120,7 +124,9 @@ def test_bad_inputs_are_refused_with_the_reason(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
     quantized = tmp_path / "quantized"
     quantized.mkdir()
-    (quantized / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "fp8"}}))
+    (quantized / "config.json").write_text(
+        json.dumps({**CONFIG, "quantization_config": {"quant_method": "fp8"}})
+    )
     assert main(["convert", str(quantized), str(tmp_path / "o2"), "--format", "block_fp8"]) == 1
     assert "convert takes a BF16 checkpoint" in capsys.readouterr().err
     empty = tmp_path / "empty"
