@@ -284,10 +284,11 @@ def test_sglang_loader_reports_a_refused_attach_and_never_raises(sgl, tmp_path):
 @pytest.mark.engine
 def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
     """transformers 5.x's FineGrainedFP8 loader reads ``refitd convert``'s directory
-    (``FineGrainedFP8Config(dequantize=True)``) and every parameter it holds is finite and was filled
-    (not left at its initialisation: the BF16 ones equal the source bytes). Aligned shapes only:
-    transformers infers the block size from the scale grid, which is wrong for a ragged last block.
-    Not checked yet: the dequantized experts value by value (transformers 5.x fuses them)."""
+    (``FineGrainedFP8Config(dequantize=True)``): its fused experts (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``) equal refitd's dequantization of the written bytes (FP8 x the FP32 scale
+    of each 128x128 block, rounded once to BF16), and the BF16 tensors equal the source. Aligned shapes
+    only: transformers infers the block size from the scale grid, which is wrong for a ragged last
+    block."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     config = _qwen3_moe()
@@ -297,9 +298,33 @@ def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
         str(out), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
     )
     state = model.state_dict()
-    assert all(torch.isfinite(t.float()).all() for t in state.values())
-    same = [n for n, t in weights.items() if n in state and torch.equal(_bytes(state[n]), _bytes(t))]
-    assert "model.layers.0.self_attn.q_proj.weight" in same and "model.embed_tokens.weight" in same
+    written = _read_checkpoint(out)
+
+    def dequant(name: str) -> torch.Tensor:
+        q, scale = written[f"{name}.weight"].float(), written[f"{name}.weight_scale_inv"]
+        blocks = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: q.shape[0], : q.shape[1]]
+        return (q * blocks).to(torch.bfloat16)
+
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        for e in range(4):
+            gate_up = torch.cat([dequant(f"{p}.{e}.gate_proj"), dequant(f"{p}.{e}.up_proj")])
+            assert torch.equal(_bytes(state[f"{p}.gate_up_proj"][e]), _bytes(gate_up)), (layer, e)
+            assert torch.equal(_bytes(state[f"{p}.down_proj"][e]), _bytes(dequant(f"{p}.{e}.down_proj"))), (
+                layer,
+                e,
+            )
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(_bytes(state[name]), _bytes(weights[name])), name
+
+
+def _read_checkpoint(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
 
 
 class _Engine:
