@@ -38,10 +38,10 @@ from typing import Any
 import torch
 import zmq
 
-from adapters.manifest import Manifest
-from sidecar.cli.keygen import curve_hint, set_client
 from sidecar.errors import ErrorKind, HoldRevoked, RefitError
+from sidecar.protocol.manifest import Manifest
 from transport.cuda_ipc import open_any_arena
+from transport.curve import curve_hint, set_client
 from transport.epochs import EpochView, fence
 from transport.shm import ShmArena
 from transport.wire import Kind, Limits, Message, decode, encode
@@ -121,7 +121,7 @@ class RefitReader:
         device: int | None = None,
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
-        endpoint (``sidecar.cli.keygen.client_curve``); engines on the daemon's node use ipc:// instead.
+        endpoint (``transport.curve.client_curve``); engines on the daemon's node use ipc:// instead.
         ``device``: for GPU arenas, the CUDA index to map them on (default: the arena's own GPU,
         which must be visible to this process; another GPU reads it as peer memory over NVLink)."""
         self.device = device

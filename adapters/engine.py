@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from adapters.base import Generation, RefitReader
-from adapters.manifest import EngineKind, Manifest
 from sidecar.errors import ErrorKind, HoldRevoked, RefitError
+from sidecar.protocol.manifest import EngineKind, Manifest
 
 __all__ = ["EngineWorker", "LoadResult", "check_results", "engine_problems"]
 
@@ -75,7 +75,7 @@ class EngineWorker:
         """``check``: the adapter's own constraint check (``adapters.vllm.check_vllm_constraints``,
         ``adapters.trtllm.check_trtllm_constraints``), required for those engines' manifests and run
         on every attach before the daemon is contacted; any problem refuses the attach. Without one
-        (the reference engine) the manifest's :class:`~adapters.manifest.EngineConstraints` are run."""
+        (the reference engine) the manifest's :class:`~sidecar.protocol.manifest.EngineConstraints` are run."""
         self.endpoint, self.name, self.timeout = endpoint, name, timeout
         self._manifest, self._load, self._check = manifest, load, check
         self.reader: RefitReader | None = None
@@ -163,7 +163,7 @@ ADAPTER_CHECKS = {
 
 def engine_problems(manifest: Manifest, check: Callable[[Manifest], list[str]] | None) -> list[str]:
     """What refuses ``manifest`` before the daemon is asked: the adapter's ``check`` (which runs the
-    shared :class:`~adapters.manifest.EngineConstraints` rules too), else those rules alone. A vLLM or
+    shared :class:`~sidecar.protocol.manifest.EngineConstraints` rules too), else those rules alone. A vLLM or
     TRT-LLM manifest without its adapter's check is a programming error, not a pass."""
     if check is not None:
         return list(check(manifest))

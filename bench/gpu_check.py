@@ -770,7 +770,7 @@ def _engine_main(conn, device: str) -> None:
     """Engine process: an ``EngineWorker`` whose load copies every published tensor into buffers it
     allocated at attach (device to device on a GPU), then checks them (:func:`_engine_check`)."""
     from adapters.engine import EngineWorker
-    from adapters.manifest import EngineKind, Manifest, ManifestTensor
+    from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -63,7 +63,8 @@ from sidecar.client.client import RefitClient
 from sidecar.client.pieces import blocks
 from sidecar.errors import RefitError
 from sidecar.plan.models import get_model
-from transport.shm import Layout, ShmArena, ShmSegment
+from transport.layout import Layout
+from transport.shm import ShmArena, ShmSegment
 
 MiB = 1 << 20
 HIDDEN, INTER = 1024, 256  # synthetic qwen3_5_moe: each expert adds 6*H*I bytes per layer (+MTP)

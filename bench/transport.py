@@ -48,8 +48,9 @@ import zmq
 
 from sidecar.client.pieces import blocks as frame_blocks
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
+from transport.layout import Layout
 from transport.nixl import NixlEndpoint, _api, available, backend_module
-from transport.shm import Layout, ShmArena, segment_name
+from transport.shm import ShmArena, segment_name
 from transport.wire import Kind, Limits, Message, decode, encode
 
 MiB, GiB = 1 << 20, 1 << 30

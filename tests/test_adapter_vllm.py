@@ -852,7 +852,7 @@ def test_engine_worker_runs_the_shared_constraints_for_an_engine_without_its_own
     """A reference-engine manifest carrying constraints is checked by EngineWorker.attach with the
     shared EngineConstraints rule, before any socket is opened."""
     from adapters.engine import EngineWorker
-    from adapters.manifest import EngineConstraints, EngineKind, Manifest
+    from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest
 
     constraints = EngineConstraints(
         engine=EngineKind.REFERENCE,

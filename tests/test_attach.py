@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.manifest import (
+from sidecar.cli.demo.synthetic import make_state_dict
+from sidecar.plan.attach import check_manifest, engine_bf16_modules
+from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
+from sidecar.protocol.manifest import (
     MAX_LISTED,
     MAX_MANIFEST_TENSORS,
     EngineConstraints,
@@ -13,9 +16,6 @@ from adapters.manifest import (
     Manifest,
     ManifestTensor,
 )
-from sidecar.cli.demo.synthetic import make_state_dict
-from sidecar.plan.attach import check_manifest, engine_bf16_modules
-from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
 
 SPEC = RefitSpec(model_type="qwen3_5_moe", fmt="mxfp8")
 

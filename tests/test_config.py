@@ -564,12 +564,12 @@ def test_replace_moves_a_default_listen_with_runtime_dir(tmp_path: Path) -> None
 def test_runtime_dir_created_0700_whatever_the_umask(tmp_path: Path) -> None:
     old = os.umask(0o777)
     try:
-        path = prepare_runtime_dir(DaemonConfig(runtime_dir=tmp_path / "run"))
+        path = prepare_runtime_dir(tmp_path / "run")
     finally:
         os.umask(old)
     assert path == tmp_path / "run"
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
-    assert prepare_runtime_dir(DaemonConfig(runtime_dir=path)) == path  # existing and fine
+    assert prepare_runtime_dir(path) == path  # existing and fine
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o705, 0o711])
@@ -578,7 +578,7 @@ def test_runtime_dir_open_to_others_refused(tmp_path: Path, mode: int) -> None:
     path.mkdir()
     path.chmod(mode)
     with pytest.raises(ConfigError) as excinfo:
-        prepare_runtime_dir(DaemonConfig(runtime_dir=path))
+        prepare_runtime_dir(path)
     (message,) = problems_of(excinfo)
     assert f"has mode {mode:04o}" in message and f"chmod 700 {path}" in message
 
@@ -587,16 +587,16 @@ def test_runtime_dir_of_another_user_refused(tmp_path: Path) -> None:
     path = tmp_path / "run"
     path.mkdir(mode=0o700)
     with pytest.raises(ConfigError, match=r"is owned by uid \d+, not uid \d+ .*--runtime-dir"):
-        prepare_runtime_dir(DaemonConfig(runtime_dir=path), uid=os.geteuid() + 1)
+        prepare_runtime_dir(path, uid=os.geteuid() + 1)
 
 
 def test_runtime_dir_not_a_directory_or_a_link(tmp_path: Path) -> None:
     write(tmp_path / "file", "")
     with pytest.raises(ConfigError, match="is not a directory"):
-        prepare_runtime_dir(DaemonConfig(runtime_dir=tmp_path / "file"))
+        prepare_runtime_dir(tmp_path / "file")
     (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(ConfigError, match="is a symbolic link"):
-        prepare_runtime_dir(DaemonConfig(runtime_dir=tmp_path / "link"))
+        prepare_runtime_dir(tmp_path / "link")
     with pytest.raises(ConfigError, match="cannot create runtime_dir"):
-        prepare_runtime_dir(DaemonConfig(runtime_dir=tmp_path / "no" / "parent"))
+        prepare_runtime_dir(tmp_path / "no" / "parent")

@@ -54,7 +54,8 @@ from transport.gpus import (
     parse_visible_devices,
     render_gpus,
 )
-from transport.shm import Layout, ShmArena, segment_name
+from transport.layout import Layout
+from transport.shm import ShmArena, segment_name
 from transport.wire import ProtocolError
 
 GIB = 1 << 30

@@ -27,7 +27,7 @@ from sidecar.daemon.memory.generations import layouts
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
 from sidecar.plan.run import convert
-from transport.shm import Layout, Slot
+from transport.layout import Layout, Slot
 
 MODEL = dict(num_layers=2, num_experts=2)
 CONFIG = make_hf_config("qwen3_5_moe", **MODEL)

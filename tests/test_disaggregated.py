@@ -36,7 +36,6 @@ from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine, sample_inputs
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
-from sidecar.cli.keygen import client_curve, write_keypair
 from sidecar.client.client import RefitClient
 from sidecar.config.settings import EXIT_CONFIG
 from sidecar.errors import ErrorKind, RefitError
@@ -44,8 +43,9 @@ from sidecar.forward.movers import descriptors
 from sidecar.forward.types import Job
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.run import convert
+from transport.curve import client_curve, write_keypair
+from transport.layout import ALIGN
 from transport.nixl import available as nixl_available
-from transport.shm import ALIGN
 
 pytestmark = pytest.mark.timeout(240)
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from support.net import free_port
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
-from sidecar.cli.keygen import client_curve, set_client, write_keypair
 from sidecar.client.client import RefitClient
 from sidecar.config.settings import ConfigError, DaemonConfig
+from transport.curve import client_curve, set_client, write_keypair
 from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(180)

@@ -3,8 +3,9 @@ imports sidecar; adapters/ never import sidecar.daemon.
 
 Counted: every import, at module level or inside a function: a lazy import hides a cycle from the
 interpreter, not from the reader, and the two modules still cannot be understood one without the other.
-Not counted: imports under ``if TYPE_CHECKING:`` (annotations only, never executed). ``from pkg import name``
-counts as importing ``pkg.name`` when that is a module, else ``pkg``.
+Imports under ``if TYPE_CHECKING:`` count too: an annotation that names another module's class ties the two
+files together for the reader as much as an executed import does. ``from pkg import name`` counts as
+importing ``pkg.name`` when that is a module, else ``pkg``.
 """
 
 import ast
@@ -24,13 +25,10 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(node: ast.AST):
-    """Every import in the tree below ``node``, except under ``if TYPE_CHECKING:``."""
+    """Every import in the tree below ``node``, ``if TYPE_CHECKING:`` blocks included."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            for branch in child.orelse:
-                yield from _imports(branch)
         else:
             yield from _imports(child)
 

@@ -400,7 +400,7 @@ def test_an_engine_load_report_with_a_hostile_error_is_quoted_bounded(start):
     the worker (formatting it used to raise inside the serve loop), and the daemon serves on."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from adapters.manifest import Manifest
+    from sidecar.protocol.manifest import Manifest
 
     d = start()
     spec = RefitSpec(model_type="qwen3_5_moe", fmt="block_fp8")

@@ -31,7 +31,7 @@ from sidecar.numerics.formats import Format
 from sidecar.ops.metrics import PHASES, MetricsObserver, sqnr_db
 from sidecar.plan.build import RefitPlan, RefitSpec, Role
 from sidecar.plan.run import convert
-from transport.shm import nbytes_of
+from transport.layout import nbytes_of
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "qwen3_5_moe"

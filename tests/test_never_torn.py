@@ -27,15 +27,15 @@ from support.waiting import wait_until
 
 from adapters.base import Generation, RefitReader
 from adapters.engine import EngineWorker
-from adapters.manifest import Manifest
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
-from sidecar.cli.keygen import write_keypair
 from sidecar.client.client import RefitClient
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.errors import ErrorKind, HoldRevoked
 from sidecar.ops.metrics import MetricsObserver
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.run import convert
+from sidecar.protocol.manifest import Manifest
+from transport.curve import write_keypair
 from transport.epochs import EpochView
 from transport.shm import SHM_DIR
 

@@ -23,8 +23,9 @@ import pytest
 import torch
 import zmq
 
+from transport.layout import Layout
 from transport.nixl import Mem, NixlEndpoint, NixlError, _Ranges, _regions, available
-from transport.shm import Layout, ShmArena, segment_name
+from transport.shm import ShmArena, segment_name
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

@@ -24,7 +24,6 @@ from test_hostile_trainers import RawRank
 
 from adapters.base import RefitReader
 from adapters.engine import EngineWorker
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict, shard_for_rank
 from sidecar.cli.serve import render_status
 from sidecar.client.client import RefitClient, Shard, _without_skipped
@@ -33,6 +32,7 @@ from sidecar.config.sources import load_config
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.run import convert
+from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 from transport import nixl
 from transport.wire import Kind, ProtocolError
 

@@ -256,7 +256,7 @@ def test_node_config_file_reads_back_as_the_same_settings(tmp_path):
         "REFITD_FORMAT": "bf16",
         "REFITD_STEP_TIMEOUT_S": "7",
     }
-    from sidecar.cli.keygen import write_keypair
+    from transport.curve import write_keypair
 
     key, pub = write_keypair(tmp_path, "node")  # an inference node takes forwarding only over CURVE
     curve = ["--curve-secret-key", str(key), "--curve-allowed-keys", str(pub), "--curve-server-key", str(pub)]
@@ -453,7 +453,7 @@ def test_disaggregated_trainer_nodes_forward_to_inference_nodes_found_from_ray(c
     byte for byte by an engine actor on the inference node, from that node's own endpoint. When a
     second inference node joins, reconciliation gives it a daemon and restarts the trainer daemons
     with both peers: the next step reaches both."""
-    from sidecar.cli.keygen import write_keypair
+    from transport.curve import write_keypair
 
     key, pub = write_keypair(base, "node")
     keys = ["--curve-secret-key", str(key), "--curve-allowed-keys", str(pub), "--curve-server-key", str(pub)]

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.manifest import EngineKind, Manifest
 from adapters.reference import MOE_BACKEND, ReferenceEngine, next_token_kl, sample_inputs
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.numerics import reference as quant
@@ -22,6 +21,7 @@ from sidecar.numerics.formats import BLOCK, FP8_DTYPE, Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
 from sidecar.plan.models import SLAB_RE
 from sidecar.plan.run import convert
+from sidecar.protocol.manifest import EngineKind, Manifest
 
 MODEL = "qwen3_5_moe"
 SIZES = {"num_layers": 4, "num_experts": 8, "unaligned": True}

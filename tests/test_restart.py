@@ -34,12 +34,12 @@ from adapters.base import RefitReader
 from adapters.engine import EngineWorker
 from adapters.reference import ReferenceEngine
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
-from sidecar.cli.keygen import client_curve, write_keypair
 from sidecar.client.client import DaemonRestarted, RefitClient, Shard
 from sidecar.daemon.step import begin_rows
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.run import convert
+from transport.curve import client_curve, write_keypair
 from transport.wire import Kind, Limits, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transport.shm import SHM_DIR, Layout, ShmArena, ShmSegment, open_arena, segment_name
+from transport.layout import Layout
+from transport.shm import SHM_DIR, ShmArena, ShmSegment, open_arena, segment_name
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from sidecar.daemon.spans import SpanTable, check_span, run_span
 from sidecar.daemon.worker import QuantWorker, SpanJob, batches
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
-from transport.shm import ALIGN
+from transport.layout import ALIGN
 
 #: odd dtypes and sizes: padding of every length between the slots, zero-byte and 0-d tensors
 SPECS = [

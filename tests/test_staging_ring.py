@@ -37,7 +37,8 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.build import RefitPlan, RefitSpec, plan_from_hf_config
 from sidecar.plan.run import convert
 from transport import nixl
-from transport.shm import ALIGN, ShmSegment, shm_region
+from transport.layout import ALIGN
+from transport.shm import ShmSegment, shm_region
 from transport.wire import Kind
 
 DATA = Path(__file__).parent / "data"
@@ -554,7 +555,7 @@ def test_a_configured_staging_too_small_for_a_layer_group_stops_the_daemon_namin
     config = DaemonConfig(
         runtime_dir=tmp_path / "run", hf_config=cfg_path, staging_regions=4, staging_bytes=64 << 10
     )
-    prepare_runtime_dir(config)
+    prepare_runtime_dir(config.runtime_dir)
     instance = f"{random.getrandbits(64):016x}"
     monkeypatch.setattr("sidecar.daemon.loop.secrets.token_hex", lambda n: instance)
     made = []

@@ -1,6 +1,6 @@
 """What every arena is: the kind of memory it lives in, and the one interface all kinds implement.
 
-An arena is daemon-owned memory carved by a :class:`~transport.shm.Layout` into named tensors. Its
+An arena is daemon-owned memory carved by a :class:`~transport.layout.Layout` into named tensors. Its
 ``handle()`` is plain data (msgpack) that another process opens with
 ``transport.cuda_ipc.open_any_arena``; the handle's ``"kind"`` is an :class:`ArenaKind` value, so the
 enum's values are wire values and never change. Two kinds exist:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from transport.shm import Layout
+    from transport.layout import Layout
 
 
 class ArenaKind(str, enum.Enum):

@@ -48,7 +48,8 @@ from transport.gpus import (
     local_gpus,
     normalize_uuid,
 )
-from transport.shm import ALIGN, CarvedArena, Layout, ShmArena, nbytes_of
+from transport.layout import ALIGN, Layout, nbytes_of
+from transport.shm import CarvedArena, ShmArena
 from transport.shm import open_arena as open_shm_arena
 from transport.wire import ProtocolError
 

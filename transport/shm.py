@@ -22,8 +22,7 @@ import mmap
 import os
 import secrets
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,9 @@ import numpy as np
 import torch
 
 from transport.arena import ArenaKind, arena_kind
-from transport.wire import dtype_from_name, dtype_name
+from transport.layout import ALIGN, Layout, nbytes_of
 
 SHM_DIR = Path("/dev/shm")
-ALIGN = 256  # every tensor starts on a 256-byte boundary (vector loads, fp32 scales)
 
 
 def segment_name(prefix: str, role: str) -> str:
@@ -118,60 +116,6 @@ class ShmSegment:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(SHM_DIR / self.name)
-
-
-# --------------------------------------------------------------------------------------------------
-# layouts
-
-
-def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return torch.empty((), dtype=dtype).element_size() * int(np.prod(shape, dtype=np.int64))
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-class Layout:
-    """Names to aligned byte ranges of one arena, in a fixed order; travels as plain lists."""
-
-    def __init__(self, slots: Iterable[Slot]):
-        self.slots: dict[str, Slot] = {s.name: s for s in slots}
-        self.size = max((s.offset + s.nbytes for s in self.slots.values()), default=0)
-        self._wire: list[list[Any]] | None = None
-
-    @classmethod
-    def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
-        slots, offset = [], 0
-        for name, dtype, shape in specs:
-            nbytes = nbytes_of(dtype, shape)
-            slots.append(Slot(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
-            offset += -(-nbytes // align) * align
-        return cls(slots)
-
-    def to_wire(self) -> list[list[Any]]:
-        """The rows of every arena handle: made once (a layout never changes; a plan's lists every
-        tensor, and each READY and GENERATION carries it). Treat the result as read-only."""
-        if self._wire is None:
-            self._wire = [
-                [s.name, dtype_name(s.dtype), list(s.shape), s.offset, s.nbytes] for s in self.slots.values()
-            ]
-        return self._wire
-
-    @classmethod
-    def from_wire(cls, rows: list[list[Any]]) -> Layout:
-        return cls(Slot(n, dtype_from_name(d), tuple(shape), int(o), int(b)) for n, d, shape, o, b in rows)
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __iter__(self) -> Iterator[Slot]:
-        return iter(self.slots.values())
 
 
 # --------------------------------------------------------------------------------------------------

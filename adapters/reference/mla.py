@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from adapters.reference.parts import _Builder, _rms, _rope
 from adapters.reference.qwen import ENGINE_VERSION, MOE_BACKEND, ReferenceEngine
 from sidecar.numerics.formats import FP8_DTYPE, MX_BLOCK, Format
 from sidecar.numerics.reference import dequantize
 from sidecar.plan.models import get_model, model_type_of
+from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
 __all__ = ["DeepseekReferenceEngine"]
 

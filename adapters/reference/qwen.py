@@ -73,7 +73,6 @@ import torch
 import torch.nn.functional as F
 
 import sidecar
-from adapters.manifest import EngineKind, Manifest, ManifestTensor
 from adapters.reference.parts import (
     SUPPORTED_MODEL,
     _Builder,
@@ -86,6 +85,7 @@ from adapters.reference.parts import (
 )
 from sidecar.numerics.formats import MX_BLOCK, Format
 from sidecar.plan.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
+from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
 __all__ = ["ENGINE_VERSION", "MOE_BACKEND", "ReferenceEngine", "next_token_kl", "sample_inputs"]
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from adapters.trtllm.backends import (
     BLOCK_FP8_MOE_ALIGN,
     MXFP8_MOE_ALIGN,
@@ -18,6 +17,7 @@ from adapters.trtllm.backends import (
 from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, Format
 from sidecar.plan.build import Layer, layer_of_name
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
+from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 
 EngineParam = tuple[str, torch.dtype, tuple[int, ...]]
 #: a fused MoE module's parameters: ``<module>.experts[.backend].<param>``

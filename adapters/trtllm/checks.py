@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from adapters.manifest import Manifest
 from adapters.trtllm.backends import (
     backend_refusal,
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
+from sidecar.protocol.manifest import Manifest
 
 
 def _routed_weight(name: str) -> bool:

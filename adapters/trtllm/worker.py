@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import Manifest
 from adapters.trtllm.checkpoint import build_manifest
 from adapters.trtllm.checks import check_trtllm_constraints
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import Layer, layer_of_name
+from sidecar.protocol.manifest import Manifest
 
 log = logging.getLogger("adapters.trtllm")
 

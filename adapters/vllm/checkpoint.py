@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from adapters.vllm.quant import (
     BLOCK_FP8_ALIGN,
     ENGINE_TO_CHECKPOINT,
@@ -22,6 +21,7 @@ from adapters.vllm.quant import (
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import get_model, model_type_of
+from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.manifest import Manifest
 from adapters.vllm.quant import PARAM_SOURCE_LIVE
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitPlan
 from sidecar.plan.models import get_model, model_type_of
+from sidecar.protocol.manifest import Manifest
 
 
 def _moe_dims(plan_or_config: RefitPlan | Mapping[str, Any]) -> tuple[int, int]:

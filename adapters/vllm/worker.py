@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import Manifest
 from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
+from sidecar.protocol.manifest import Manifest
 
 log = logging.getLogger("adapters.vllm")
 

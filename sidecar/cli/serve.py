@@ -141,7 +141,7 @@ def make_observers(config) -> list:
 def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        prepare_runtime_dir(config)
+        prepare_runtime_dir(config.runtime_dir)
     except ConfigError as exc:
         print(f"refitd: configuration error:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG

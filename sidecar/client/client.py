@@ -43,12 +43,12 @@ from typing import Any
 import torch
 import zmq
 
-from sidecar.cli.keygen import curve_hint, set_client
 from sidecar.client.local import StagingWriter
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows
 from sidecar.client.remote import RemoteSender
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
+from transport.curve import curve_hint, set_client
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 
 __all__ = ["DaemonRestarted", "RefitClient", "RefitError", "Shard", "StepResult"]
@@ -77,7 +77,7 @@ class RefitClient:
         mover: str = "auto",
     ):
         """``curve``: (server public, client public, client secret) keys for a CURVE ``tcp://``
-        endpoint, e.g. ``sidecar.cli.keygen.client_curve("node.key.pub", "trainer.key")``.
+        endpoint, e.g. ``transport.curve.client_curve("node.key.pub", "trainer.key")``.
         ``mover``: ``"auto"`` lets a daemon that offers it pull remote shards over NIXL; ``"zmq"``
         always streams frames."""
         if mover not in ("auto", "zmq"):

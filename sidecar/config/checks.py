@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from sidecar.config.values import (
     CONTROL_SOCKET,
@@ -22,13 +22,14 @@ from sidecar.config.values import (
     tcp_host,
 )
 
-if TYPE_CHECKING:
-    from sidecar.config.settings import DaemonConfig
-
 _PLAN_SIZED = "too small; give a size such as 2GiB, or leave it unset to size it from the plan"
 
 
-def value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
+def value_problems(c: Any, bad: set[str]) -> Iterable[Problem]:
+    """The problems of DaemonConfig ``c`` that span fields or touch the file system, each naming its
+    settings and what to do; names in ``bad`` (already refused) are skipped. ``c`` is typed ``Any``:
+    settings.py imports this module to validate itself, so this one cannot import the class back."""
+
     def ok(*names: str) -> bool:
         return not bad.intersection(names)
 
@@ -103,7 +104,7 @@ def value_problems(c: DaemonConfig, bad: set[str]) -> Iterable[Problem]:
 _SHARE_KEYS = ("engine_ep", "engine_tp", "nodes", "node_rank")
 
 
-def _share_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+def _share_problems(c: Any, ok: Callable[..., bool]) -> Iterable[Problem]:
     """A node's share: a layout :class:`EngineLayout` accepts, and this node's index inside it."""
     if not ok(*_SHARE_KEYS) or (c.nodes == 1 and c.node_rank in (None, 0)):
         return
@@ -140,7 +141,7 @@ _KEYGEN_HINT = (
 )
 
 
-def _layout_problems(c: DaemonConfig, ok: Callable[..., bool]) -> Iterable[Problem]:
+def _layout_problems(c: Any, ok: Callable[..., bool]) -> Iterable[Problem]:
     """The disaggregated layout's settings, and CURVE wherever a TCP endpoint leaves the machine."""
     disaggregated = c.layout is NodeLayout.DISAGGREGATED
     if ok("layout", "role") and disaggregated and c.role is None:

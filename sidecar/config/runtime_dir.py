@@ -11,12 +11,8 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sidecar.config.values import CONTROL_SOCKET, ConfigError, Problem
-
-if TYPE_CHECKING:
-    from sidecar.config.settings import DaemonConfig
 
 
 def default_listen(runtime_dir: Path) -> str:
@@ -40,10 +36,10 @@ def _default_runtime_dir(env: Mapping[str, str], uid: int | None) -> tuple[Path,
     return Path(f"/tmp/refitd-{uid}"), "the default /tmp/refitd-<uid>"
 
 
-def prepare_runtime_dir(config: DaemonConfig, *, uid: int | None = None) -> Path:
-    """Create ``runtime_dir`` with mode 0700 if it is missing (its parent must exist), and check it:
+def prepare_runtime_dir(path: Path, *, uid: int | None = None) -> Path:
+    """Create the runtime directory ``path`` (a DaemonConfig's ``runtime_dir``) with mode 0700 if it is missing (its parent must exist), and check it:
     a directory, not a link, owned by ``uid`` (default: this process's), that nobody else can enter."""
-    path, uid = config.runtime_dir, os.geteuid() if uid is None else uid
+    uid = os.geteuid() if uid is None else uid
     where = "choose another directory with --runtime-dir or REFITD_RUNTIME_DIR"
     try:
         os.mkdir(path, 0o700)

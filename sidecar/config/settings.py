@@ -7,7 +7,7 @@ one per line, each naming where the bad value came from (``key 'world_size' in /
 ``environment variable REFITD_WORLD_SIZE``, ``flag --world-size``) and what to give instead::
 
     config = load_config()          # sys.argv[1:] and os.environ; --config / REFITD_CONFIG names the file
-    prepare_runtime_dir(config)     # creates runtime_dir 0700, or refuses one others can enter
+    prepare_runtime_dir(config.runtime_dir)     # creates runtime_dir 0700, or refuses one others can enter
 
 Each setting is declared once, as a field of :class:`DaemonConfig` whose metadata (a ``Knob``) carries
 its flag, converter, help and example; flags (``sidecar.config.sources``) and the example file

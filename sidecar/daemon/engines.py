@@ -13,7 +13,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from adapters.manifest import Manifest
 from sidecar.daemon.load_rounds import EngineState, LoadRound, new_round
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
@@ -22,6 +21,7 @@ from sidecar.ops.observers import notify
 from sidecar.plan.attach import check_manifest, engine_bf16_modules
 from sidecar.plan.build import RefitPlan
 from sidecar.protocol.enums import PeerRole, WaitMode
+from sidecar.protocol.manifest import Manifest
 from transport.wire import Kind, Message, ProtocolError, safe_repr
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.manifest import Manifest
+from sidecar.protocol.manifest import Manifest
 
 
 @dataclass(slots=True)

@@ -61,21 +61,21 @@ def bind(router: zmq.Socket, ctx: zmq.Context, config: DaemonConfig):
     """Bind the control endpoint: CURVE with the allow-list on tcp:// when keys are configured, and,
     beside a tcp:// endpoint, ``ipc://<runtime_dir>/control.sock`` for this node's engines.
     Returns ``(authenticator or None, the local ipc:// endpoint or None, the keys that may forward)``."""
-    from sidecar.cli import keygen
+    from transport import curve
 
     cfg, auth, local_listen, keys = config, None, None, frozenset()
     tcp = tcp_host(cfg.listen) is not None
     if tcp and cfg.curve_secret_key is not None:
         try:
-            public, secret = keygen.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
-            allowed = keygen.allowed_keys(cfg.curve_allowed_keys)
+            public, secret = curve.own_keypair(cfg.curve_secret_key, cfg.curve_public_key)
+            allowed = curve.allowed_keys(cfg.curve_allowed_keys)
             keys = forward_keys(cfg, allowed)
         except (OSError, ValueError) as exc:
             raise RefitError(f"CURVE keys: {exc}", kind=ErrorKind.INVALID) from None
-        auth = keygen.start_authenticator(ctx, allowed)
-        keygen.set_server(router, public, secret)
+        auth = curve.start_authenticator(ctx, allowed)
+        curve.set_server(router, public, secret)
         router.bind(cfg.listen)
-        keygen.unset_server(router)
+        curve.unset_server(router)
         log.info("CURVE on %s: %d allowed client key(s)", cfg.listen, len(allowed))
     else:
         try:

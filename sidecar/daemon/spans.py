@@ -28,7 +28,7 @@ import torch
 
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import RefitPlan, Unit
-from transport.shm import ALIGN, Layout
+from transport.layout import ALIGN, Layout
 
 #: passthrough units of at most this many bytes go into spans (larger ones run on their own, so
 #: the worker's progress stays visible at tensor granularity where a tensor is big)

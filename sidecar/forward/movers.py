@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from transport import nixl
-from transport.shm import Layout, shm_region
+from transport.layout import Layout
+from transport.shm import shm_region
 from transport.wire import Message, dtype_from_name
 
 if TYPE_CHECKING:  # pragma: no cover

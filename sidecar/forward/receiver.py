@@ -26,7 +26,7 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.movers import NixlSetupFailed, TargetSide, support
 from sidecar.forward.types import Inbound
 from sidecar.protocol.enums import Mover, PeerRole
-from transport.shm import Layout
+from transport.layout import Layout
 from transport.wire import Kind, Message, ProtocolError, dtype_from_name
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -55,12 +55,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import zmq
 
-from sidecar.cli.keygen import Curve, own_keypair, read_key_file, set_client
 from sidecar.config.settings import ForwardMover
 from sidecar.errors import RefitError
 from sidecar.forward.movers import NixlFailed, NixlMover, SourceSide, shm_region, support
 from sidecar.forward.types import ForwardFailed, Job, Link, Request, Superseded
 from sidecar.protocol.enums import Mover as MoverName
+from transport.curve import Curve, own_keypair, read_key_file, set_client
 from transport.epochs import fence
 from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
 

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from sidecar.protocol.enums import Mover
-from transport.shm import Layout, Slot
+from transport.layout import Layout, Slot
 from transport.wire import Kind, dtype_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,7 +124,7 @@ def curve_user_id(frame: Any) -> str | None:
 def forward_keys(config: DaemonConfig, allowed: set[bytes]) -> frozenset[str]:
     """The z85 public keys that may forward to this inference node: ``curve_trainer_keys`` when
     given, else every key allowed to connect."""
-    from sidecar.cli.keygen import allowed_keys
+    from transport.curve import allowed_keys
 
     keys = allowed if config.curve_trainer_keys is None else allowed_keys(config.curve_trainer_keys)
     return frozenset(k.decode() if isinstance(k, bytes) else str(k) for k in keys)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from adapters.manifest import Manifest
 from sidecar.numerics.formats import FP8_DTYPE, MX_BLOCK, Format
 from sidecar.plan.build import EngineLayout, ExpertProj, RefitPlan, RefitSpec, Role, TensorSpec
 from sidecar.plan.models import get_model
+from sidecar.protocol.manifest import Manifest
 
 MAX_LISTED = 40
 

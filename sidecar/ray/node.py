@@ -119,7 +119,7 @@ class NodeDaemon:
         self._stop = threading.Event()
         self._restart_now = threading.Event()
         self.config = self._make_config(peers)
-        prepare_runtime_dir(self.base)  # the parent: 0700, ours
+        prepare_runtime_dir(self.base.runtime_dir)  # the parent: 0700, ours
         swept = sweep_runtime_base(self.base.runtime_dir)
         if swept:
             log.warning("removed %d shared-memory segments left by dead daemons: %s", len(swept), swept)
@@ -222,7 +222,7 @@ class NodeDaemon:
         return f"{error}" + (f"; its last output:\n{tail}" if tail else "")
 
     def _spawn(self) -> subprocess.Popen:
-        prepare_runtime_dir(self.config)
+        prepare_runtime_dir(self.config.runtime_dir)
         config_file = Path(self.config.runtime_dir) / "refitd.toml"
         config_file.write_text(to_toml(self.config))
         cmd = [sys.executable, "-m", "sidecar.cli", "serve", "--config", str(config_file)]

@@ -41,7 +41,7 @@ class RunningDaemon:
             path.write_text(json.dumps(hf_config))
             settings.setdefault("hf_config", path)
         self.config = DaemonConfig(**{"runtime_dir": tmp_path / "run", **DEFAULTS, **settings})
-        prepare_runtime_dir(self.config)
+        prepare_runtime_dir(self.config.runtime_dir)
         self.daemon = Daemon(self.config, observers=list(observers))
         self.daemon.start()
         self.thread: threading.Thread | None = threading.Thread(

@@ -205,8 +205,8 @@ class Verifier:
 
     def __init__(self, endpoint: str, spec, kwargs: dict[str, Any]):
         from adapters.engine import EngineWorker
-        from adapters.manifest import EngineKind, Manifest, ManifestTensor
         from sidecar.plan.build import plan_from_hf_config
+        from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
         plan = plan_from_hf_config(hf_config(kwargs), spec)
         manifest = Manifest(

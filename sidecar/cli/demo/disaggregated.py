@@ -77,8 +77,8 @@ def _peers_at(status_reader, step: int, timeout: float = 120.0) -> dict[str, dic
 def run_disaggregated(args: argparse.Namespace) -> int:
     from adapters.base import RefitReader
     from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.cli.keygen import write_keypair
     from sidecar.plan.build import RefitSpec
+    from transport.curve import write_keypair
 
     kwargs = model_kwargs(args)
     spec = RefitSpec(model_type="qwen3_5_moe", fmt=args.format)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from sidecar.plan.build import RefitPlan
-from transport.shm import Layout
+from transport.layout import Layout
 
 __all__ = ["direct_offsets"]
 

@@ -20,7 +20,8 @@ from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_siz
 from sidecar.plan.build import RefitPlan
 from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
-from transport.shm import Layout, ShmArena, segment_name
+from transport.layout import Layout
+from transport.shm import ShmArena, segment_name
 
 log = logging.getLogger("refitd.generations")
 

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from transport.shm import ALIGN
+from transport.layout import ALIGN
 
 __all__ = ["RingError", "RingSlot", "SlotState", "StagingRing"]
 

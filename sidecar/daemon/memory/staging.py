@@ -30,7 +30,7 @@ import torch
 
 from sidecar.daemon.memory.ring import RingError, RingSlot, StagingRing
 from sidecar.plan.build import RefitPlan
-from transport.shm import ALIGN, Layout
+from transport.layout import ALIGN, Layout
 
 __all__ = ["ArenaTooSmall", "Group", "RingStaging", "ring_groups"]
 

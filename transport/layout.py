@@ -1,0 +1,69 @@
+"""Layouts: an arena's memory carved into named, aligned tensors, in a fixed order.
+
+A :class:`Layout` maps tensor names to byte ranges (:class:`Slot`) of one arena; it travels as plain
+lists inside every arena handle (``to_wire`` / ``from_wire``). Every kind of arena
+(``transport.shm``, ``transport.cuda_ipc``) is carved by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from transport.wire import dtype_from_name, dtype_name
+
+ALIGN = 256  # every tensor starts on a 256-byte boundary (vector loads, fp32 scales)
+
+
+def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.empty((), dtype=dtype).element_size() * int(np.prod(shape, dtype=np.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Layout:
+    """Names to aligned byte ranges of one arena, in a fixed order; travels as plain lists."""
+
+    def __init__(self, slots: Iterable[Slot]):
+        self.slots: dict[str, Slot] = {s.name: s for s in slots}
+        self.size = max((s.offset + s.nbytes for s in self.slots.values()), default=0)
+        self._wire: list[list[Any]] | None = None
+
+    @classmethod
+    def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
+        slots, offset = [], 0
+        for name, dtype, shape in specs:
+            nbytes = nbytes_of(dtype, shape)
+            slots.append(Slot(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+            offset += -(-nbytes // align) * align
+        return cls(slots)
+
+    def to_wire(self) -> list[list[Any]]:
+        """The rows of every arena handle: made once (a layout never changes; a plan's lists every
+        tensor, and each READY and GENERATION carries it). Treat the result as read-only."""
+        if self._wire is None:
+            self._wire = [
+                [s.name, dtype_name(s.dtype), list(s.shape), s.offset, s.nbytes] for s in self.slots.values()
+            ]
+        return self._wire
+
+    @classmethod
+    def from_wire(cls, rows: list[list[Any]]) -> Layout:
+        return cls(Slot(n, dtype_from_name(d), tuple(shape), int(o), int(b)) for n, d, shape, o, b in rows)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots.values())
