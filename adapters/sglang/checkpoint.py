@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from adapters.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from adapters.sglang.quant import (
     BLOCK_FP8_ALIGN,
     EXPERT_PROJS,
@@ -26,6 +25,7 @@ from adapters.sglang.quant import (
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import get_model, model_type_of
+from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
 
 #: ``manifest.info`` keys the attach check reads

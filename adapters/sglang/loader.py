@@ -25,10 +25,10 @@ import torch
 import zmq
 
 from adapters.engine import EngineWorker, LoadResult
-from adapters.manifest import Manifest
 from adapters.sglang.checkpoint import build_manifest, check_sglang_constraints
 from adapters.sglang.quant import CONTROL_NAME
 from sidecar.errors import ErrorKind, RefitError
+from sidecar.protocol.manifest import Manifest
 
 log = logging.getLogger("adapters.sglang")
 
