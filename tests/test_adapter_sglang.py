@@ -452,7 +452,7 @@ def test_refit_engine_drives_sglangs_session_and_leaves_a_failed_engine_paused(s
         daemon.close()
 
     engine.calls.clear()  # the daemon is gone: the rank reports a timeout, the engine stays paused
-    with pytest.raises(RefitError, match=r"sglang-tp0: RefitError: \[timeout\]"):
+    with pytest.raises(RefitError, match=r"sglang-\S+-pid\d+-tp0: RefitError: \[timeout\]"):
         refit_engine(engine, daemon.endpoint, min_step=2, timeout=2)
     assert engine.calls == ["pause", "begin", "update", "end"]
     detach_all()
