@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from adapters.sglang import LOADER, check_sglang_constraints, sglang_quantization_config
-from adapters.sglang.driver import collect_results
+from adapters.sglang.driver import collect_results, cpu_tensor_pickling
 from adapters.sglang.loader import control_tensors, detach_all, sglang_manifest
 from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
@@ -184,15 +184,19 @@ def _refit(updater, endpoint: str, step: int, reply: str, box: dict) -> None:
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    ("model_type", "linears"), [("qwen3_moe", False), ("deepseek_v3", False), ("deepseek_v3", True)]
+    ("model_type", "fmt", "linears"),
+    [
+        ("qwen3_moe", Format.BLOCK_FP8, False),
+        ("deepseek_v3", Format.BLOCK_FP8, False),
+        ("deepseek_v3", Format.BLOCK_FP8, True),
+    ],
 )
 def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_load(
-    sgl, tmp_path, model_type, linears
+    sgl, tmp_path, model_type, fmt, linears
 ):
     from sidecar.client.client import RefitClient
     from tests.support.daemons import RunningDaemon
 
-    fmt = Format.BLOCK_FP8
     config = CONFIGS[model_type]()
     steps = {1: _weights(config, 1), 2: _weights(config, 2)}
     dirs = {s: _checkpoint(tmp_path, f"step{s}", config, w, fmt, linears) for s, w in steps.items()}
@@ -204,7 +208,7 @@ def test_sglang_real_updater_loads_two_generations_byte_equal_to_sglangs_own_loa
     manifest = sglang_manifest(engine)
     assert manifest.expert_format is fmt and not check_sglang_constraints(manifest, config)
     names = {t.name for t in manifest.tensors}
-    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in names
+    assert f"model.layers.1.mlp.experts.3.down_proj.{fmt.scale_suffix}" in names
     assert not any("routed_experts" in n for n in names)
     if model_type == "qwen3_moe":  # the router stays BF16 under Fp8Config
         gate = manifest.by_name()["model.layers.0.mlp.gate.weight"]
@@ -280,10 +284,11 @@ def test_sglang_loader_reports_a_refused_attach_and_never_raises(sgl, tmp_path):
 @pytest.mark.engine
 def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
     """transformers 5.x's FineGrainedFP8 loader reads ``refitd convert``'s directory
-    (``FineGrainedFP8Config(dequantize=True)``) and every parameter it holds is finite and was filled
-    (not left at its initialisation: the BF16 ones equal the source bytes). Aligned shapes only:
-    transformers infers the block size from the scale grid, which is wrong for a ragged last block.
-    Not checked yet: the dequantized experts value by value (transformers 5.x fuses them)."""
+    (``FineGrainedFP8Config(dequantize=True)``): its fused experts (``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``) equal refitd's dequantization of the written bytes (FP8 x the FP32 scale
+    of each 128x128 block, rounded once to BF16), and the BF16 tensors equal the source. Aligned shapes
+    only: transformers infers the block size from the scale grid, which is wrong for a ragged last
+    block."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     config = _qwen3_moe()
@@ -293,6 +298,161 @@ def test_transformers_loads_the_converted_block_fp8_directory(sgl, tmp_path):
         str(out), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
     )
     state = model.state_dict()
-    assert all(torch.isfinite(t.float()).all() for t in state.values())
-    same = [n for n, t in weights.items() if n in state and torch.equal(_bytes(state[n]), _bytes(t))]
-    assert "model.layers.0.self_attn.q_proj.weight" in same and "model.embed_tokens.weight" in same
+    written = _read_checkpoint(out)
+
+    def dequant(name: str) -> torch.Tensor:
+        q, scale = written[f"{name}.weight"].float(), written[f"{name}.weight_scale_inv"]
+        blocks = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: q.shape[0], : q.shape[1]]
+        return (q * blocks).to(torch.bfloat16)
+
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        for e in range(4):
+            gate_up = torch.cat([dequant(f"{p}.{e}.gate_proj"), dequant(f"{p}.{e}.up_proj")])
+            assert torch.equal(_bytes(state[f"{p}.gate_up_proj"][e]), _bytes(gate_up)), (layer, e)
+            assert torch.equal(_bytes(state[f"{p}.down_proj"][e]), _bytes(dequant(f"{p}.{e}.down_proj"))), (
+                layer,
+                e,
+            )
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(_bytes(state[name]), _bytes(weights[name])), name
+
+
+def _read_checkpoint(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+class _Engine:
+    """The driver's view of ``sglang.Engine`` over SGLang's real scheduler-side weight-update manager
+    (``SchedulerWeightUpdaterManager``: the session rules) and ``WeightUpdater``, with the requests
+    built and serialized as ``Engine`` builds them (``io_struct`` inputs, ``MultiprocessingSerializer``
+    per TP rank). Only the process hops (tokenizer manager -> scheduler) are left out; pause and
+    continue are recorded."""
+
+    def __init__(self, updater):
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        def deserialize_own_rank(payloads):  # TpModelWorker.deserialize_own_rank (its module needs uvicorn)
+            monkey_patch_torch_reductions()
+            return MultiprocessingSerializer.deserialize(payloads[0])
+
+        runner = SimpleNamespace(weight_updater=updater)
+        worker = SimpleNamespace(
+            model_runner=runner,
+            weight_update_runners=lambda: [("target", runner)],
+            deserialize_own_rank=deserialize_own_rank,
+        )
+        self.manager = SchedulerWeightUpdaterManager(
+            tp_worker=worker,
+            draft_worker=None,
+            memory_saver_adapter=None,
+            flush_cache=lambda empty_cache=False: True,
+            is_fully_idle=lambda **kw: True,
+            scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: None),
+        )
+        self.server_args = SimpleNamespace(tp_size=1, pp_size=1)
+        self.calls: list[str] = []
+
+    def pause_generation(self):
+        self.calls.append("pause")
+
+    def continue_generation(self):
+        self.calls.append("continue")
+
+    def begin_weight_update(self, selector: str = "all"):
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        self.calls.append("begin")
+        return self.manager.begin_weight_update(BeginWeightUpdateReqInput(selector=selector))
+
+    def end_weight_update(self):
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        self.calls.append("end")
+        return self.manager.end_weight_update(EndWeightUpdateReqInput())
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        self.calls.append("update")
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(named_tensors)],
+            load_format=load_format,
+            flush_cache=flush_cache,
+        )
+        return self.manager.update_weights_from_tensor(req)
+
+
+@pytest.mark.engine
+def test_refit_engine_drives_sglangs_session_and_leaves_a_failed_engine_paused(sgl, tmp_path):
+    """``refit_engine``: pause -> begin -> update (refitd's loader) -> end -> continue through SGLang's
+    real session manager; the control payload is all that crosses SGLang's request path. An update
+    outside a session is refused by SGLang itself; a rank that fails is named, and the engine stays
+    paused."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from adapters.sglang import refit_engine
+    from sidecar.client.client import RefitClient
+    from sidecar.errors import RefitError
+    from tests.support.daemons import RunningDaemon
+
+    config = _qwen3_moe()
+    weights = _weights(config, 6)
+    out = _checkpoint(tmp_path, "drv", config, weights, Format.BLOCK_FP8)
+    engine = _Engine(sgl.weight_updater(sgl.build_model(out, load_format="dummy")))
+    control = control_tensors("ipc://unused", min_step=1)
+    assert sum(t.numel() for _, t in control) < 1024
+    with cpu_tensor_pickling():  # SGLang's reduction patch (installed by earlier updates) takes CUDA only
+        payload = MultiprocessingSerializer.serialize(control)
+    outside = engine.manager.update_weights_from_tensor(
+        UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload], load_format=LOADER)
+    )
+    assert not outside.success and "begin_weight_update" in outside.message
+
+    written = json.loads((out / "config.json").read_text())
+    (tmp_path / "daemon").mkdir()
+    daemon = RunningDaemon(tmp_path / "daemon", hf_config=written, format="block_fp8")
+    client = RefitClient(daemon.endpoint, 0, 1, timeout=120)
+    box: dict = {}
+
+    def drive():
+        try:
+            box["results"] = refit_engine(engine, daemon.endpoint, min_step=1, timeout=120)
+        except Exception as exc:  # the assertion below shows it
+            box["error"] = exc
+
+    try:
+        thread = threading.Thread(target=drive)
+        thread.start()
+        wait_until(
+            "the engine attached", lambda: daemon.status()["engines"] or not thread.is_alive(), timeout=120
+        )
+        client.push_step(1, weights)
+        thread.join(timeout=180)
+        assert "error" not in box, box
+        (result,) = box["results"]
+        assert result.ok and result.step == 1
+        assert engine.calls == ["pause", "begin", "update", "end", "continue"]
+        oracle = sgl.build_model(out, load_format="auto")
+        _assert_same_params(engine.manager.tp_worker.model_runner.weight_updater.get_model(), oracle)
+    finally:
+        client.close()
+        detach_all()
+        daemon.close()
+
+    engine.calls.clear()  # the daemon is gone: the rank reports a timeout, the engine stays paused
+    with pytest.raises(RefitError, match=r"sglang-\S+-pid\d+-tp0: RefitError: \[timeout\]"):
+        refit_engine(engine, daemon.endpoint, min_step=2, timeout=2)
+    assert engine.calls == ["pause", "begin", "update", "end"]
+    detach_all()

@@ -10,11 +10,12 @@ paused: its weights may be part-loaded and must not serve until a later refit su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -76,10 +77,12 @@ def refit_engine(
             engine.pause_generation()
         _ok(engine.begin_weight_update(), "begin_weight_update")
         try:
-            _ok(
-                engine.update_weights_from_tensor(
+            with cpu_tensor_pickling():
+                answer = engine.update_weights_from_tensor(
                     named_tensors=control, load_format=LOADER, flush_cache=True
-                ),
+                )
+            _ok(
+                answer,
                 f"update_weights_from_tensor(load_format={LOADER!r}) (is it listed in --custom-weight-loader?)",
             )
         finally:
@@ -94,6 +97,31 @@ def refit_engine(
     if pause and ended:
         engine.continue_generation()
     return checked
+
+
+@contextlib.contextmanager
+def cpu_tensor_pickling() -> Iterator[None]:
+    """Torch's own tensor pickling while the control payload is serialized in this process.
+
+    SGLang's ``monkey_patch_torch_reductions`` (installed in any process that ran its weight-sync
+    helpers or its ``WeightUpdater``) rewrites argument 6 of every tensor's reduction, which only CUDA
+    tensors have: pickling the CPU control tensor then fails with IndexError. Only this call's
+    serialization runs unpatched; the patch is put back after it.
+    """
+    from torch.multiprocessing import reductions
+
+    original = getattr(reductions, "_reduce_tensor_original", None)
+    if original is None or reductions.reduce_tensor is original:
+        yield
+        return
+    patched = reductions.reduce_tensor
+    reductions.reduce_tensor = original
+    reductions.init_reductions()
+    try:
+        yield
+    finally:
+        reductions.reduce_tensor = patched
+        reductions.init_reductions()
 
 
 def collect_results(sock: zmq.Socket, expected: int, *, deadline: float) -> list[LoadResult]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -159,8 +161,7 @@ def load_generation(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
 
 
 def _worker(model: torch.nn.Module, control: Mapping[str, Any]) -> EngineWorker:
-    rank = _parallel()["tp_rank"]
-    name = f"{control.get('name') or 'sglang'}-tp{rank}"
+    name = worker_name(control)
     key = (str(control["endpoint"]), name)
     with _lock:
         worker = _workers.get(key)
@@ -194,7 +195,7 @@ def refit_loader(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]
     except Exception as exc:  # reported, never raised: SGLang's scheduler dies on an exception here
         log.exception("refitd: loading a generation into SGLang failed")
         result = LoadResult(
-            worker=f"sglang-tp{_safe_rank()}",
+            worker=worker_name(control),
             step=None,
             ok=False,
             seconds=time.perf_counter() - t0,
@@ -203,11 +204,14 @@ def refit_loader(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]
     _reply(control.get("reply"), result)
 
 
-def _safe_rank() -> int | str:
+def worker_name(control: Mapping[str, Any]) -> str:
+    """``{name}-{host}-pid{scheduler pid}-tp{rank}``: unique per scheduler process, so two SGLang
+    engines on one node (or one restarted) never take each other's place at the daemon."""
     try:
-        return _parallel()["tp_rank"]
-    except Exception:
-        return "?"
+        rank: int | str = _parallel()["tp_rank"]
+    except Exception:  # SGLang's parallel state not set up: still name the failure
+        rank = "?"
+    return f"{control.get('name') or 'sglang'}-{socket.gethostname()}-pid{os.getpid()}-tp{rank}"
 
 
 def _reply(endpoint: Any, result: Mapping[str, Any]) -> None:

@@ -30,14 +30,22 @@ def _no_kernel(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("no kernel runs in refitd's CPU tests of SGLang (a rotary fallback kernel was called)")
 
 
-def import_sglang() -> Any:
-    """Import SGLang's loader and model modules on CPU (the shims above first); returns ``sglang``."""
+def cuda_free_torchvision() -> None:
+    """Define the ``torchvision::nms`` / ``qnms`` schemas the CUDA torchvision registers fake kernels
+    for, so that it imports without its CUDA op library (vLLM and SGLang import torchvision)."""
     if not _shims:
         lib = torch.library.Library("torchvision", "DEF")
         for op in ("nms", "qnms"):
             with contextlib.suppress(RuntimeError):  # already defined (a real torchvision op library)
                 lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         _shims.append(lib)
+
+
+def import_sglang() -> Any:
+    """Import SGLang's loader and model modules on CPU (the shims above first); returns ``sglang``."""
+    if len(_shims) < 2:
+        cuda_free_torchvision()
+        _shims.append(True)
         if "vllm" not in sys.modules:
             ops = types.ModuleType("vllm._custom_ops")
             ops.rotary_embedding = _no_kernel
