@@ -40,7 +40,7 @@ test: venv lint
 # fails, never skips, when that engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-engines: venv
 	tests/setup_engines.sh
-	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py
+	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_vllm_fourbit.py
 
 bench: venv
 	$(PY) bench/quant.py
