@@ -62,3 +62,38 @@ def test_vllm_decodes_an_expert_slab_with_per_expert_global_scales(dequantize_to
         torch.stack(qs), torch.stack(ss), torch.stack(gss), torch.float32, swizzle=False
     )
     assert torch.equal(out, torch.stack(want))
+
+
+# --------------------------------------------------------------------------------------------------
+# the engine's quantization config: parsed by vLLM's own config classes into the intended schemes
+
+
+def test_vllm_parses_the_four_bit_quantization_configs(dequantize_to_dtype):
+    import torch as _torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    from adapters.vllm.fourbit import four_bit_quantization
+    from sidecar.numerics.formats import Format
+
+    ignored = ["lm_head", "model.language_model.layers.0.mlp.experts"]
+    name, qc = four_bit_quantization(Format.NVFP4, ignored)
+    nv = ModelOptNvFp4Config.from_config(qc)
+    assert name == nv.get_name() == "modelopt_fp4"
+    assert nv.is_checkpoint_nvfp4_serialized and nv.group_size == 16 and list(nv.exclude_modules) == ignored
+    for fmt, want in ((Format.INT4_W4A16, ("int", None)), (Format.MXFP4, ("float", _torch.uint8))):
+        name, qc = four_bit_quantization(fmt, ignored)
+        ct = CompressedTensorsConfig.from_config(qc)
+        assert name == ct.get_name() == "compressed-tensors" and list(ct.ignore) == ignored
+        args = ct.target_scheme_map["Linear"]["weights"]
+        assert (args.num_bits, args.type, args.group_size, args.strategy, args.symmetric) == (
+            4,
+            want[0],
+            32,
+            "group",
+            True,
+        )
+        assert args.scale_dtype == want[1]
+        assert ct.target_scheme_map["Linear"]["input_activations"] is None  # weight-only
