@@ -167,3 +167,23 @@ def test_nan_in_one_expert_is_refused_naming_it():
         with pytest.raises(ValueError, match="NaN or Inf") as err:
             convert(state, RefitSpec(model_type="qwen3_moe", fmt=fmt))
         assert "experts.1" in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sqnr_tile_of_a_packed_weight(fmt):
+    """The daemon's SQNR probe dequantizes a tile of a published 4-bit weight: the same values as the
+    whole weight's dequantization, cut to the tile."""
+    from sidecar.numerics.reference import dequantize
+    from sidecar.ops.metrics import dequantize_tile
+
+    f = Format(fmt)
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = (
+        fourbit.quantize_nvfp4(w)
+        if f is Format.NVFP4
+        else (fourbit.quantize_mxfp4(w) if f is Format.MXFP4 else fourbit.quantize_int4(w))
+    )
+    extra = got[2] if f is Format.NVFP4 else None
+    whole = dequantize(got[0], got[1], f, global_scale=extra)
+    rows, cols = slice(128, 256), slice(128, 512)
+    assert torch.equal(dequantize_tile(got[0], got[1], f, rows, cols, extra), whole[rows, cols])

@@ -39,12 +39,21 @@ Parameters (engine-style, vLLM-like names, each under its checkpoint module path
   ``mxfp8``                 float8_e4m3fn       ``weight_scale`` uint8 ``[E, 2I, H/32]`` /
                                                 ``[E, H, I/32]``
   ``fp8_per_tensor``        float8_e4m3fn       ``weight_scale`` float32 ``[E, 2]`` (gate, up) / ``[E]``
+  ``nvfp4``                 uint8, 2 per byte   ``weight_scale`` float8_e4m3fn ``[E, 2I, H/16]`` /
+                                                ``[E, H, I/16]``; ``weight_scale_2`` float32
+                                                ``[E, 2]`` (gate, up) / ``[E]``
+  ``mxfp4``                 uint8, 2 per byte   ``weight_scale`` uint8 ``[E, 2I, H/32]`` / ``[E, H, I/32]``
+  ``int4_w4a16``            int32, 8 per word   ``weight_scale`` bfloat16 ``[E, 2I, H/32]`` /
+                                                ``[E, H, I/32]``; ``weight_shape`` int64 ``[E, 2, 2]`` /
+                                                ``[E, 2]``
   ``bf16`` (or kept BF16)   bfloat16            none; loaded from the slabs ``experts.gate_up_proj``
                                                 / ``experts.down_proj`` as published
   ========================  ==================  ====================================================
 
 The manifest is derived from these parameters: every checkpoint name is a view into one of them, and
-its dtype and shape are that view's. FP8 experts are dequantized with ``sidecar.numerics.reference.dequantize``
+its dtype and shape are that view's (the 4-bit formats' checkpoint names are SPEC §2.3's: ``.weight``
+for NVFP4, ``.weight_packed`` for MXFP4 and INT4). Quantized experts are dequantized with
+``sidecar.numerics.reference.dequantize``
 (part by part: gate, up and down each under their own scales) the first time a forward pass needs
 them after a load, and cached as float32.
 

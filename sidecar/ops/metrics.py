@@ -328,9 +328,10 @@ class MetricsObserver(Observer):
         src = staging.tensor(out.source) if ring is None else ring.resident_view(staging, out.source)
         src = out.source_view(src)
         q, scale = live.arena.tensor(out.name), live.arena.tensor(out.scale_name)
+        extra = None if out.extra_name is None else live.arena.tensor(out.extra_name)
         rows, cols = (self._window(n, edge) for n, edge in zip(src.shape[-2:], SQNR_TILE))
         db = sqnr_db(
-            src[rows, cols].to(q.device), dequantize_tile(q, scale, fmt, rows, cols)
+            src[rows, cols].to(q.device), dequantize_tile(q, scale, fmt, rows, cols, extra)
         )  # host tier: q on host
         if math.isnan(db):
             return
@@ -353,11 +354,23 @@ class MetricsObserver(Observer):
 
 
 def dequantize_tile(
-    q: torch.Tensor, scale: torch.Tensor, fmt: Format, rows: slice, cols: slice
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Format,
+    rows: slice,
+    cols: slice,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 values of ``q[rows, cols]`` (a 2-D weight) without dequantizing the rest. Both slices
     start on a multiple of the format's block (128 covers them all); ``cols`` ends on one, or at the
-    last column."""
+    last column. ``cols`` count unpacked elements for the 4-bit formats; ``extra`` is NVFP4's global
+    scale (``weight_scale_2``)."""
+    if fmt.four_bit:
+        per_value = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: 8}[fmt]
+        block = {Format.NVFP4: 16, Format.MXFP4: 32, Format.INT4_W4A16: 32}[fmt]
+        packed = q[rows, cols.start // per_value : -(-cols.stop // per_value)]
+        scales = scale[rows, cols.start // block : -(-cols.stop // block)]
+        return dequantize(packed, scales, fmt, global_scale=extra)
     if fmt is Format.BLOCK_FP8:
         scale = scale[
             rows.start // BLOCK : -(-rows.stop // BLOCK), cols.start // BLOCK : -(-cols.stop // BLOCK)

@@ -1,0 +1,64 @@
+"""The quantization configs a vLLM engine holding refitd's 4-bit experts is started with (SPEC §2.3's
+names are what these configs load): ModelOpt NVFP4 (``quantization="modelopt_fp4"``) and
+compressed-tensors ``pack-quantized`` INT4 W4A16 and ``mxfp4-pack-quantized`` MXFP4.
+
+Kept apart from ``adapters.vllm.args``: that module still refuses the 4-bit formats, because the
+refit path behind them (vLLM's layerwise reload of packed NVFP4/MXFP4/INT4 MoE parameters, the
+attach checks per MoE backend and GPU, NVFP4 W4A4's static ``input_scale`` carried over) is not
+verified yet. What is verified (tests/test_vllm_fourbit.py, ``make test-engines``): vLLM 0.33's own
+config classes parse these dicts into the intended schemes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
+
+__all__ = ["four_bit_quantization"]
+
+
+def _compressed_tensors(fmt_name: str, weights: dict[str, Any], ignored: Sequence[str]) -> dict[str, Any]:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt_name,
+        "ignore": list(ignored),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+    }
+
+
+def four_bit_quantization(fmt: Format, ignored: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """``(quantization, quantization_config)`` for ``LLM(quantization=..., hf_overrides={"quantization_config":
+    ...})`` with the routed experts in ``fmt`` and the modules in ``ignored`` left in BF16."""
+    if fmt is Format.NVFP4:
+        qc = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": NVFP4_BLOCK,
+            "exclude_modules": list(ignored),
+            "kv_cache_quant_algo": None,
+        }
+        return "modelopt_fp4", qc
+    if fmt is Format.INT4_W4A16:
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": INT4_GROUP,
+            "dynamic": False,
+        }
+        return "compressed-tensors", _compressed_tensors("pack-quantized", weights, ignored)
+    if fmt is Format.MXFP4:
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": MXFP4_BLOCK,
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        }
+        return "compressed-tensors", _compressed_tensors("mxfp4-pack-quantized", weights, ignored)
+    raise ValueError(f"{fmt.value} is not a 4-bit format")
