@@ -17,7 +17,10 @@ from support.daemons import RunningDaemon
 
 from adapters.base import RefitReader
 from sidecar.client.client import RefitClient
+from sidecar.daemon.pull import PullSide
+from sidecar.errors import ErrorKind, RefitError
 from transport import nixl
+from transport.shm import shm_region
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,3 +93,55 @@ def test_a_failed_nixl_setup_falls_back_to_frames(daemon, monkeypatch):
     monkeypatch.setattr("sidecar.daemon.pull.PullSide.start", broken)
     results = push_steps(daemon, [31], "auto")
     assert results[0].mover == "zmq" and "injected" in results[0].mover_reason
+
+
+class RecordingAgent:
+    """Stands in for the NIXL agent where NIXL is not installed: the daemon's own bookkeeping of
+    what it registered is under test here, not NIXL. Registrations are kept with the segment each
+    covered when it was made."""
+
+    def __init__(self, name: str):
+        self.calls: list[str] = []
+        self.live: dict[int, tuple[int, int]] = {}
+
+    def register(self, regions) -> object:
+        reg = object()
+        self.calls.append("register")
+        self.live[id(reg)] = tuple(regions[0])
+        return reg
+
+    def deregister(self, reg) -> None:
+        self.calls.append("deregister")
+        self.live.pop(id(reg))
+
+    def close(self) -> None:
+        self.live.clear()
+
+
+def test_a_retired_staging_arena_is_deregistered_and_its_successor_registered(daemons, monkeypatch):
+    """Staging is retired after a failed step (its memory unmapped) and the new arena is usually
+    mapped at the same address with the same size: the daemon must not keep the old arena's
+    NIXL registration for it (the pages it pinned are gone; a READ would land there, not in the
+    new staging). The registration goes before the memory does, and the next pull registers anew."""
+    monkeypatch.setattr("sidecar.daemon.pull.nixl.NixlEndpoint", RecordingAgent)
+    d = daemons(hf_config=procs.hf_config(), world_size=1, format=FMT)
+    side = PullSide("refitd-test")
+    side.endpoint(d.daemon.arenas.staging)  # as the loop does on a step's first pull (it is idle)
+    d.daemon.pulls.side = side
+    agent = side._ep
+    with RefitClient(d.endpoint, 0, 1, local=True, timeout=20) as client:
+        client.push_step(0, procs.state_dict(41))
+        bad = procs.state_dict(42)
+        name = next(iter(bad))
+        bad[name] = bad[name].clone()
+        bad[name].view(-1)[0] = float("nan")
+        with pytest.raises(RefitError) as err:
+            client.push_step(1, bad)
+        assert err.value.kind is ErrorKind.NON_FINITE, err.value
+        client.push_step(2, procs.state_dict(43))  # its BEGIN retires staging first
+    d.barrier()
+    assert d.status()["last_step"] == 2
+    assert agent.calls == ["register", "deregister"] and agent.live == {}, agent.calls
+    side.endpoint(d.daemon.arenas.staging)  # the next pull
+    assert agent.calls == ["register", "deregister", "register"], agent.calls
+    assert list(agent.live.values()) == [shm_region(d.daemon.arenas.staging)]

@@ -162,6 +162,14 @@ class PullSide:
             pull.transfer.release()
         self.inflight = []
 
+    def forget_region(self) -> None:
+        """Deregister the staging arena, which is about to be unmapped (retired after a failed
+        step). Its replacement is usually mapped at the very same address and size, so comparing
+        regions alone would keep this registration, of pages that are gone, for the new arena."""
+        if self._reg is not None:
+            self._ep.deregister(self._reg)
+        self._reg, self._region = None, None
+
     def close(self) -> None:
         self.cancel()
         if self._ep is not None:
@@ -338,6 +346,11 @@ class Pulls:
     def cancel(self) -> None:
         if self.side is not None:
             self.side.cancel()
+
+    def forget(self) -> None:
+        """The staging arena is being retired: nothing may stay registered on its memory."""
+        if self.side is not None:
+            self.side.forget_region()
 
     def close(self) -> None:
         if self.side is not None:

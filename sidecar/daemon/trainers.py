@@ -223,6 +223,7 @@ class Trainers:
         """The last step failed after its local ranks were handed staging: replace the arena before
         this one starts (nothing runs from staging now: no step, no unit in flight)."""
         self.pipeline.forget(self.ctx.arenas.staging)
+        self.pulls.forget()  # a NIXL registration of it goes before its memory does
         try:
             self.ctx.arenas.retire_staging()
         except Exception as exc:  # a full GPU or /dev/shm: the next BEGIN tries again
