@@ -45,8 +45,10 @@ PY
 )
 # --no-deps: each of these is listed with what it needs; nothing may pull a torch (a CUDA one)
 "$py" -m pip install -q --no-deps "${deps[@]}"
-if "$py" -m pip list 2>/dev/null | grep -qiE '^(nvidia-|torch .*\+cu)'; then
-    echo "setup_sglang: a CUDA package got into $SGLANG_VENV; remove it" >&2
+own=$("$py" -m pip list --path "$site" --format=freeze 2>/dev/null)
+bad=$(grep -iE '^(torch|nvidia-cu[a-z]*-cu[0-9]+|nvidia-cublas.*|flashinfer.*|sgl-kernel|sglang-kernel)==' <<<"$own" || true)
+if [ -n "$bad" ]; then
+    echo "setup_sglang: $SGLANG_VENV must use .venv's CPU torch and no CUDA packages; remove: $bad" >&2
     exit 1
 fi
 "$py" -c "import tests.support.sglang_cpu as s; s.import_sglang()" || {
