@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from sidecar.numerics import common, fourbit, native
+from sidecar.numerics import fourbit, native
 from sidecar.numerics import reference as ref
 from sidecar.numerics.formats import (
     BLOCK,
@@ -194,8 +194,8 @@ def quantize_block_fp8(
     lib = _lib_for(w)
     if lib is None or w.dim() < 2:
         return ref.quantize_block_fp8(w, out=out, name=name)
-    common._check_input(w, name, Format.BLOCK_FP8)
-    q, s = common._check_out(out, w, Format.BLOCK_FP8.scale_shape(tuple(w.shape)), torch.float32, name)
+    ref._check_input(w, name, Format.BLOCK_FP8)
+    q, s = ref._check_out(out, w, Format.BLOCK_FP8.scale_shape(tuple(w.shape)), torch.float32, name)
     split = w.dim() - 2
     xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
     if xv is None or qv is None or sv is None:
@@ -220,8 +220,8 @@ def quantize_mxfp8(
     lib = _lib_for(w)
     if lib is None or w.dim() < 1 or w.shape[-1] % MX_BLOCK:
         return ref.quantize_mxfp8(w, out=out, name=name)
-    common._check_input(w, name, Format.MXFP8)
-    q, s = common._check_out(out, w, Format.MXFP8.scale_shape(tuple(w.shape)), torch.uint8, name)
+    ref._check_input(w, name, Format.MXFP8)
+    q, s = ref._check_out(out, w, Format.MXFP8.scale_shape(tuple(w.shape)), torch.uint8, name)
     split = _row_split(w)
     xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
     if xv is None or qv is None or sv is None:
@@ -273,8 +273,8 @@ def quantize_fp8_per_tensor(
     lib = _lib_for(w)
     if lib is None or w.dim() == 0:
         return ref.quantize_fp8_per_tensor(w, scale=scale, out=out, name=name)
-    common._check_input(w, name, Format.FP8_PER_TENSOR)
-    q, s = common._check_out(out, w, (), torch.float32, name)
+    ref._check_input(w, name, Format.FP8_PER_TENSOR)
+    q, s = ref._check_out(out, w, (), torch.float32, name)
     split = _row_split(w)
     xv, qv = _view3(w, split), _view3(q, split)
     if xv is None or qv is None:
@@ -286,7 +286,7 @@ def quantize_fp8_per_tensor(
             _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, name=name), name)
         value = lib.refitd_scale_from_amax_bits(amax)
     else:
-        value = float(common.check_shared_scale(scale, name))
+        value = float(ref.check_shared_scale(scale, name))
         if not FLT_MIN <= value <= _FLT_MAX:  # 0, negative, subnormal, Inf or NaN: 1 / value is not
             # a finite positive multiplier, and the reference's NaN-producing arithmetic is the answer
             return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
@@ -345,9 +345,9 @@ def quantize_nvfp4(
     lib = _lib_for(w)
     if lib is None or w.dim() < 2 or w.shape[-1] % NVFP4_BLOCK:
         return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name)
-    common._check_input(w, name, Format.NVFP4)
+    ref._check_input(w, name, Format.NVFP4)
     shape = tuple(w.shape)
-    q, s, g = common._check_out_buffers(
+    q, s, g = ref._check_out_buffers(
         out,
         w,
         (
@@ -363,7 +363,7 @@ def quantize_nvfp4(
     if global_scale is None:
         gs = nvfp4_global_scale(w, name=name)
     else:
-        gs = common.check_shared_scale(global_scale, name, "global_scale")
+        gs = ref.check_shared_scale(global_scale, name, "global_scale")
     value = float(gs)
     (batch, n, k, xbs, xrs), qv, sv = views
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4], value)
@@ -381,9 +381,9 @@ def quantize_mxfp4(
     lib = _lib_for(w)
     if lib is None or w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK:
         return fourbit.quantize_mxfp4(w, out=out, name=name)
-    common._check_input(w, name, Format.MXFP4)
+    ref._check_input(w, name, Format.MXFP4)
     shape = tuple(w.shape)
-    q, s = common._check_out_buffers(
+    q, s = ref._check_out_buffers(
         out,
         w,
         (
@@ -416,10 +416,10 @@ def quantize_int4(
     kw = {"group": group, "scale_dtype": scale_dtype, "name": name}
     if lib is None or w.dim() < 2:
         return fourbit.quantize_int4(w, out=out, **kw)
-    common._check_input(w, name, Format.INT4_W4A16)
+    ref._check_input(w, name, Format.INT4_W4A16)
     fourbit._check_int4_args(w, group, scale_dtype, name)
     *lead, k = w.shape
-    packed, s, shape = common._check_out_buffers(
+    packed, s, shape = ref._check_out_buffers(
         out,
         w,
         (
@@ -475,7 +475,7 @@ def _raise_like_reference(run_reference: Callable[[], object], name: str | None)
     NonFiniteError naming the first bad block)."""
     run_reference()
     raise RuntimeError(
-        f"{common._label(name)}: the native quantizer saw NaN or Inf that the torch reference did not; "
+        f"{ref._label(name)}: the native quantizer saw NaN or Inf that the torch reference did not; "
         "this is a bug in sidecar/numerics/native/quant.c: report it, and set REFITD_NATIVE=0 meanwhile"
     )
 

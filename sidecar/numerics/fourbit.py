@@ -24,17 +24,6 @@ from collections.abc import Iterator
 
 import torch
 
-from sidecar.numerics.common import (
-    DEFAULT_CHUNK_ELEMS,
-    _check_input,
-    _check_out_buffers,
-    _flatten_lead,
-    _label,
-    _pow2_from_exponent,
-    _raise_non_finite,
-    _unravel,
-    check_shared_scale,
-)
 from sidecar.numerics.formats import (
     E2M1_MAX,
     E8M0_MAX_BYTE,
@@ -49,6 +38,17 @@ from sidecar.numerics.formats import (
     NVFP4_GLOBAL_DIVISOR,
     NVFP4_SCALE_MIN,
     Format,
+)
+from sidecar.numerics.reference import (
+    DEFAULT_CHUNK_ELEMS,
+    _check_input,
+    _check_out_buffers,
+    _flatten_lead,
+    _label,
+    _pow2_from_exponent,
+    _raise_non_finite,
+    _unravel,
+    check_shared_scale,
 )
 
 __all__ = [

@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics import common
 from sidecar.numerics.formats import BLOCK, Format
 from sidecar.numerics.kernels.slab import (
     DEFAULT_CONFIGS,
@@ -195,7 +194,9 @@ def device_scope(device: torch.device | str) -> contextlib.AbstractContextManage
 
 
 def _raise_non_finite(name: str, where: str) -> None:
-    common._raise_non_finite(name, where)
+    from sidecar.numerics import reference as quant
+
+    quant._raise_non_finite(name, where)
 
 
 def _non_finite_where(
@@ -442,12 +443,14 @@ def quantize(
     """The kernels' twin of ``sidecar.numerics.reference.quantize``: any shape the reference takes, same outputs
     (``(values, scales)``), same errors; one launch. For tests and checks: the daemon calls
     :func:`quantize_slab` (through ``sidecar.plan.launch.try_run_unit``) on whole slabs."""
+    from sidecar.numerics import reference as quant
+
     fmt = Format.parse(fmt)
     if not fmt.quantized:
         raise ValueError(f"format {fmt.value} is not a quantized format; nothing to quantize")
-    common._check_input(w, name, fmt)
+    quant._check_input(w, name, fmt)
     scale_shape = fmt.scale_shape(tuple(w.shape))
-    q, s = common._check_out(out, w, scale_shape, fmt.scale_dtype, name)
+    q, s = quant._check_out(out, w, scale_shape, fmt.scale_dtype, name)
     for what, t in (("values", q), ("scales", s)):
         if not t.is_contiguous():
             raise ValueError(

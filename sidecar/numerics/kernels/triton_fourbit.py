@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.numerics import common, fourbit
+from sidecar.numerics import fourbit
+from sidecar.numerics import reference as ref
 from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
 
 __all__ = ["quantize_int4", "quantize_mxfp4", "quantize_nvfp4"]
@@ -193,9 +194,9 @@ def quantize_nvfp4(
     w: torch.Tensor, *, global_scale: torch.Tensor | None = None, out=None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_nvfp4` in one Triton launch."""
-    common._check_input(w, name, Format.NVFP4)
+    ref._check_input(w, name, Format.NVFP4)
     shape = tuple(w.shape)
-    q, s, g = common._check_out_buffers(
+    q, s, g = ref._check_out_buffers(
         out,
         w,
         (
@@ -208,7 +209,7 @@ def quantize_nvfp4(
     gs = (
         fourbit.nvfp4_global_scale(w, name=name)
         if global_scale is None
-        else common.check_shared_scale(global_scale, name, "global_scale").to(w.device)
+        else ref.check_shared_scale(global_scale, name, "global_scale").to(w.device)
     )
     x2 = _rows(w)
     k = shape[-1]
@@ -238,9 +239,9 @@ def quantize_mxfp4(
     w: torch.Tensor, *, out=None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_mxfp4` in one Triton launch."""
-    common._check_input(w, name, Format.MXFP4)
+    ref._check_input(w, name, Format.MXFP4)
     shape = tuple(w.shape)
-    q, s = common._check_out_buffers(
+    q, s = ref._check_out_buffers(
         out,
         w,
         (
@@ -269,14 +270,12 @@ def quantize_int4(
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_int4` in one Triton launch (power-of-two groups)."""
-    common._check_input(w, name, Format.INT4_W4A16)
+    ref._check_input(w, name, Format.INT4_W4A16)
     fourbit._check_int4_args(w, group, scale_dtype, name)
     if group & (group - 1):
-        raise ValueError(
-            f"{common._label(name)}: the Triton int4 kernel takes power-of-two groups, not {group}"
-        )
+        raise ValueError(f"{ref._label(name)}: the Triton int4 kernel takes power-of-two groups, not {group}")
     *lead, k = w.shape
-    packed, s, shape = common._check_out_buffers(
+    packed, s, shape = ref._check_out_buffers(
         out,
         w,
         (
