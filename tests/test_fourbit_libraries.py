@@ -14,33 +14,50 @@ divides by ``1 / gs`` in bfloat16), the test says so and pins what is exact (the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from compressed_tensors.compressors import (
-    MXFP4PackedCompressor,
-    NVFP4PackedCompressor,
-    PackedQuantizationCompressor,
-)
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
-from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
 from sidecar.numerics import cpu, fourbit
 from sidecar.numerics.formats import FP8_DTYPE
 
-INT4_ARGS = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
-MXFP4_ARGS = QuantizationArgs(
-    num_bits=4, type="float", symmetric=True, strategy="group", group_size=32, scale_dtype=torch.uint8
-)
-NVFP4_ARGS = QuantizationArgs(
-    num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16
-)
 
+@pytest.fixture(scope="module")
+def ct() -> SimpleNamespace:
+    """compressed-tensors, imported when a test runs, not when pytest collects this file: it imports
+    Triton, which tests/test_kernels*.py must import first, in interpreter mode."""
+    from compressed_tensors.compressors import (
+        MXFP4PackedCompressor,
+        NVFP4PackedCompressor,
+        PackedQuantizationCompressor,
+    )
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-def _scheme(args: QuantizationArgs) -> QuantizationScheme:
-    return QuantizationScheme(targets=["Linear"], weights=args)
+    def scheme(**args) -> QuantizationScheme:
+        return QuantizationScheme(
+            targets=["Linear"], weights=QuantizationArgs(num_bits=4, symmetric=True, **args)
+        )
+
+    return SimpleNamespace(
+        MXFP4PackedCompressor=MXFP4PackedCompressor,
+        NVFP4PackedCompressor=NVFP4PackedCompressor,
+        PackedQuantizationCompressor=PackedQuantizationCompressor,
+        pack_fp4_to_uint8=pack_fp4_to_uint8,
+        unpack_fp4_from_uint8=unpack_fp4_from_uint8,
+        pack_to_int32=pack_to_int32,
+        unpack_from_int32=unpack_from_int32,
+        cast_to_fp4=cast_to_fp4,
+        generate_mx_scales=generate_mx_scales,
+        int4=scheme(type="int", strategy="group", group_size=32),
+        int4_g64=scheme(type="int", strategy="group", group_size=64),
+        mxfp4=scheme(type="float", strategy="group", group_size=32, scale_dtype=torch.uint8),
+        nvfp4=scheme(type="float", strategy="tensor_group", group_size=16),
+    )
 
 
 def _weights(seed: int, shape=(64, 256), dtype=torch.bfloat16) -> torch.Tensor:
@@ -62,29 +79,28 @@ QUANTIZE = {"reference": fourbit, "cpu": cpu}
 
 @pytest.mark.parametrize("path", list(QUANTIZE))
 @pytest.mark.parametrize("seed", range(3))
-def test_int4_decompressed_by_compressed_tensors(seed, path):
+def test_int4_decompressed_by_compressed_tensors(seed, path, ct):
     w = _weights(seed)
     packed, scale, shape = QUANTIZE[path].quantize_int4(w)
     spec = fourbit.dequantize_int4(packed, scale)  # q * s, exact in float32
     state = {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}
-    out = PackedQuantizationCompressor.decompress(state, _scheme(INT4_ARGS))["weight"]
+    out = ct.PackedQuantizationCompressor.decompress(state, ct.int4)["weight"]
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == tuple(w.shape)
     assert torch.equal(out, spec.bfloat16())  # the library's bf16 result is SPEC's value, rounded once
     state["weight_scale"] = scale.float()
-    out = PackedQuantizationCompressor.decompress(state, _scheme(INT4_ARGS))["weight"]
+    out = ct.PackedQuantizationCompressor.decompress(state, ct.int4)["weight"]
     assert out.dtype == torch.float32 and torch.equal(out, spec)  # and in float32, SPEC's value exactly
     # the layout: the library's packing of SPEC's codes is refitd's words, and its unpacking inverts it
     q = fourbit.unpack_int4(packed)
-    assert torch.equal(pack_to_int32(q, 4), packed)
-    assert torch.equal(unpack_from_int32(packed, 4, torch.Size(w.shape)), q)
+    assert torch.equal(ct.pack_to_int32(q, 4), packed)
+    assert torch.equal(ct.unpack_from_int32(packed, 4, torch.Size(w.shape)), q)
 
 
-def test_int4_float32_scales_decompressed_by_compressed_tensors():
+def test_int4_float32_scales_decompressed_by_compressed_tensors(ct):
     w = _weights(7, (32, 128))
     packed, scale, shape = cpu.quantize_int4(w, scale_dtype=torch.float32, group=64)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
     state = {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}
-    out = PackedQuantizationCompressor.decompress(state, _scheme(args))["weight"]
+    out = ct.PackedQuantizationCompressor.decompress(state, ct.int4_g64)["weight"]
     assert torch.equal(out, fourbit.dequantize_int4(packed, scale))
 
 
@@ -94,31 +110,29 @@ def test_int4_float32_scales_decompressed_by_compressed_tensors():
 
 @pytest.mark.parametrize("path", list(QUANTIZE))
 @pytest.mark.parametrize("seed", range(3))
-def test_mxfp4_decompressed_by_compressed_tensors(seed, path):
+def test_mxfp4_decompressed_by_compressed_tensors(seed, path, ct):
     w = _weights(seed)
     q, scale = QUANTIZE[path].quantize_mxfp4(w)
     spec = fourbit.dequantize_mxfp4(q, scale)
-    out = MXFP4PackedCompressor.decompress({"weight_packed": q, "weight_scale": scale}, _scheme(MXFP4_ARGS))[
-        "weight"
-    ]
+    out = ct.MXFP4PackedCompressor.decompress({"weight_packed": q, "weight_scale": scale}, ct.mxfp4)["weight"]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out.float(), spec)  # e2m1 * 2^k is exact in bfloat16: SPEC's value exactly
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_mxfp4_scale_bytes_are_compressed_tensors_rule(seed):
+def test_mxfp4_scale_bytes_are_compressed_tensors_rule(seed, ct):
     """SPEC §1.6 is compressed-tensors' rule (round the amax to a power of two, bumping at significand
     1.75, minus 2) except that byte 0 is never emitted; every block amax of a bf16 tensor, and the
     edges, give the library's bytes."""
     w = _weights(seed, (16, 1024))
     _, scale = fourbit.quantize_mxfp4(w)
     amax = w.float().unflatten(-1, (-1, 32)).abs().amax(-1)
-    theirs = generate_mx_scales(amax.bfloat16(), num_bits=4)
+    theirs = ct.generate_mx_scales(amax.bfloat16(), num_bits=4)
     keep = amax > 0
     assert torch.equal(scale[keep].long(), theirs[keep].long())
     every = (torch.arange(0x0080, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)  # every normal bf16
     ours = fourbit._mxfp4_bytes(every)
-    theirs = generate_mx_scales(every.bfloat16(), num_bits=4).float()
+    theirs = ct.generate_mx_scales(every.bfloat16(), num_bits=4).float()
     inside = (theirs >= 1) & (theirs <= 254)
     assert torch.equal(ours[inside].float(), theirs[inside])
     # below byte 1 the library's exponent goes on down (-1): SPEC clamps to byte 1; at the top its
@@ -127,7 +141,7 @@ def test_mxfp4_scale_bytes_are_compressed_tensors_rule(seed):
     assert int(inside.sum()) + int((theirs < 1).sum()) + int(theirs.isinf().sum()) == every.numel()
 
 
-def test_e2m1_rounding_is_compressed_tensors_cast():
+def test_e2m1_rounding_is_compressed_tensors_cast(ct):
     """RNE_e2m1 (ties to the even code, saturating at 6) against the library's own cast, on every
     float32 between the codes' midpoints and ties included, packed by the library into refitd's bytes."""
     grid = torch.cat(
@@ -138,10 +152,10 @@ def test_e2m1_rounding_is_compressed_tensors_cast():
     grid = grid[: grid.numel() // 2 * 2].reshape(1, -1)
     codes = fourbit.e2m1_codes(grid)
     values = fourbit._e2m1_decode(codes)
-    assert torch.equal(values, cast_to_fp4(grid.clone()))
+    assert torch.equal(values, ct.cast_to_fp4(grid.clone()))
     # the library's cast-then-pack (its CPU quantizer) gives refitd's bytes, a tiny negative included
     # (code 8: v < 0); the grid holds no -0.0, which SPEC makes code 0
-    assert torch.equal(fourbit.pack_e2m1(codes), pack_fp4_to_uint8(cast_to_fp4(grid.clone())))
+    assert torch.equal(fourbit.pack_e2m1(codes), ct.pack_fp4_to_uint8(ct.cast_to_fp4(grid.clone())))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,7 +195,7 @@ def test_nvfp4_gate_and_up_global_scale_is_modelopts_shared_amax():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_nvfp4_under_compressed_tensors_names(seed):
+def test_nvfp4_under_compressed_tensors_names(seed, ct):
     """An engine that loads compressed-tensors' NVFP4 names gets the same bytes with
     ``weight_global_scale = float32(1 / gs)``. The codes decode to the E2M1 values exactly and the block
     scales are the e4m3 bytes; the library then multiplies by ``s / (1 / gs)`` in bfloat16, which is not
@@ -190,9 +204,9 @@ def test_nvfp4_under_compressed_tensors_names(seed):
     q, s, gs = cpu.quantize_nvfp4(w)
     m, n = w.shape
     codes = fourbit.unpack_e2m1(q)
-    assert torch.equal(unpack_fp4_from_uint8(q, m, n, dtype=torch.float32), fourbit._e2m1_decode(codes))
+    assert torch.equal(ct.unpack_fp4_from_uint8(q, m, n, dtype=torch.float32), fourbit._e2m1_decode(codes))
     state = {"weight_packed": q, "weight_scale": s, "weight_global_scale": (1.0 / gs).reshape(1)}
-    out = NVFP4PackedCompressor.decompress(state, _scheme(NVFP4_ARGS))["weight"].float()
+    out = ct.NVFP4PackedCompressor.decompress(state, ct.nvfp4)["weight"].float()
     spec = fourbit.dequantize_nvfp4(q, s, gs)
     assert bool((out == 0).eq(spec == 0).all())
     assert bool(((out - spec).abs() <= spec.abs() * 2.0**-7).all())

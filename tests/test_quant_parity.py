@@ -9,6 +9,7 @@ import torch
 
 from sidecar.numerics import cpu, fourbit
 from sidecar.numerics import reference as ref
+from sidecar.numerics.checks import _overlaps_itself
 from sidecar.numerics.formats import Format
 
 ALL = [f for f in Format if f.quantized]
@@ -60,11 +61,11 @@ def test_overlap_check_is_exact():
     for them, the exact count decides."""
     base = torch.empty(64, dtype=torch.uint8)
     interleaved = base.as_strided((3, 2), (2, 3))  # offsets 0,3,2,5,4,7: distinct
-    assert not ref._overlaps_itself(interleaved)
-    assert ref._overlaps_itself(base.as_strided((3, 2), (1, 2)))  # 0,2,1,3,2,4: 2 twice
-    assert ref._overlaps_itself(base[:4].expand(2, 4))
-    assert not ref._overlaps_itself(base.view(8, 8)[:, 2:6])
-    assert not ref._overlaps_itself(base.view(8, 8).t())
+    assert not _overlaps_itself(interleaved)
+    assert _overlaps_itself(base.as_strided((3, 2), (1, 2)))  # 0,2,1,3,2,4: 2 twice
+    assert _overlaps_itself(base[:4].expand(2, 4))
+    assert not _overlaps_itself(base.view(8, 8)[:, 2:6])
+    assert not _overlaps_itself(base.view(8, 8).t())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

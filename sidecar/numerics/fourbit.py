@@ -24,6 +24,17 @@ from collections.abc import Iterator
 
 import torch
 
+from sidecar.numerics.checks import (
+    DEFAULT_CHUNK_ELEMS,
+    _check_input,
+    _check_out_buffers,
+    _flatten_lead,
+    _label,
+    _pow2_from_exponent,
+    _raise_non_finite,
+    _unravel,
+    check_shared_scale,
+)
 from sidecar.numerics.formats import (
     E2M1_MAX,
     E8M0_MAX_BYTE,
@@ -38,17 +49,6 @@ from sidecar.numerics.formats import (
     NVFP4_GLOBAL_DIVISOR,
     NVFP4_SCALE_MIN,
     Format,
-)
-from sidecar.numerics.reference import (
-    DEFAULT_CHUNK_ELEMS,
-    _check_input,
-    _check_out_buffers,
-    _flatten_lead,
-    _label,
-    _pow2_from_exponent,
-    _raise_non_finite,
-    _unravel,
-    check_shared_scale,
 )
 
 __all__ = [

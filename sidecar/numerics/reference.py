@@ -28,17 +28,33 @@ dequantization multiplier, checkpoint name ``weight_scale``).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 
 import torch
 
+# the shared checks, errors and helpers live one layer down (``checks``) so that the 4-bit reference
+# (``fourbit``) uses them without importing this module; they stay importable from here
+from sidecar.numerics import fourbit
+from sidecar.numerics.checks import (
+    _F32_EXP_MASK,
+    _F32_MANTISSA_BITS,
+    _F32_MANTISSA_MASK,
+    DEFAULT_CHUNK_ELEMS,
+    NonFiniteError,
+    _check_input,
+    _check_out_buffers,
+    _flatten_lead,
+    _label,
+    _pow2_from_exponent,
+    _raise_non_finite,
+    _unravel,
+    check_shared_scale,
+)
 from sidecar.numerics.formats import (
     BLOCK,
     E8M0_BIAS,
     E8M0_MAX_BYTE,
     E8M0_MIN_BYTE,
-    FLOAT_DTYPES,
     FLT_MIN,
     FP8_DTYPE,
     FP8_MAX,
@@ -49,6 +65,7 @@ from sidecar.numerics.formats import (
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "NonFiniteError",
+    "check_shared_scale",
     "dequantize",
     "fp8_per_tensor_scale",
     "quantize",
@@ -57,134 +74,9 @@ __all__ = [
     "quantize_mxfp8",
 ]
 
-#: float32 scratch elements per chunk (4 MiB): measured fastest on a 2-core CPU (bench/quant.py).
-DEFAULT_CHUNK_ELEMS = 1 << 20
-
-_F32_MANTISSA_BITS = 23
-_F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
-_F32_EXP_MASK = 0xFF
-_F32_TWO_POW_MINUS_127_BITS = 1 << (_F32_MANTISSA_BITS - 1)  # 2^-127 is a float32 subnormal
-
-
-class NonFiniteError(ValueError):
-    """A tensor to be quantized holds NaN or Inf (SPEC §1.4): it is refused, never made finite."""
-
 
 # --------------------------------------------------------------------------------------------------
 # validation
-
-
-def _label(name: str | None) -> str:
-    return f"tensor {name!r}" if name else "input tensor"
-
-
-def _check_input(w: torch.Tensor, name: str | None, fmt: Format) -> None:
-    if not isinstance(w, torch.Tensor):
-        raise ValueError(f"{_label(name)}: expected a torch.Tensor, got {type(w).__name__}")
-    if w.dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"{_label(name)} has dtype {w.dtype}; {fmt.value} quantizes bfloat16, float16 or float32 "
-            "weights only (pass the trainer's high-precision tensor, not an already quantized one)"
-        )
-    if fmt is Format.BLOCK_FP8 and w.dim() < 2:
-        raise ValueError(
-            f"{_label(name)} has shape {tuple(w.shape)}; block_fp8 needs at least 2 dims [..., N, K]"
-        )
-    if fmt in (Format.NVFP4, Format.INT4_W4A16) and w.dim() < 2:
-        raise ValueError(
-            f"{_label(name)} has shape {tuple(w.shape)}; {fmt.value} needs at least 2 dims [..., N, K]"
-        )
-    multiple = _LAST_DIM_MULTIPLE.get(fmt)
-    if multiple is not None:
-        if w.dim() < 1:
-            raise ValueError(f"{_label(name)} is 0-d; {fmt.value} needs at least 1 dim [..., K]")
-        if w.shape[-1] % multiple:
-            raise ValueError(
-                f"{_label(name)} has shape {tuple(w.shape)}: {fmt.value} needs the last dim K to be a "
-                f"multiple of {multiple}, and K={w.shape[-1]} is not; keep this tensor in bf16 "
-                "(ignore_patterns) or choose block_fp8"
-            )
-
-
-#: formats whose blocks run along the last dim: K must be a multiple of this (int4's group is
-#: checked by its quantizer, which knows the group)
-_LAST_DIM_MULTIPLE = {
-    Format.MXFP8: MX_BLOCK,
-    Format.NVFP4: 16,
-    Format.MXFP4: 32,
-    Format.INT4_W4A16: 8,
-}
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory (an ``expand``-ed or ``as_strided`` view).
-
-    Written into from several threads such a buffer is a data race, and what lands in it depends on
-    timing; torch's own ``copy_`` refuses the obvious cases only. Exact: a quick sufficient test on
-    the strides (each dim, by increasing stride, steps past everything the smaller ones reach), and
-    for layouts that fail it (rare, never the daemon's) a count of the distinct offsets.
-    """
-    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
-    reach = 0
-    for st, n in dims:
-        if st <= reach:
-            break
-        reach += (n - 1) * st
-    else:
-        return False
-    if any(st == 0 for st, _ in dims):
-        return True
-    offsets = torch.zeros((), dtype=torch.int64)
-    for st, n in dims:
-        offsets = (offsets[..., None] + torch.arange(n, dtype=torch.int64) * st).flatten()
-    return int(torch.unique(offsets).numel()) != int(offsets.numel())
-
-
-def _check_out_buffers(
-    out: tuple[torch.Tensor, ...] | None,
-    w: torch.Tensor,
-    wanted: tuple[tuple[str, tuple[int, ...], torch.dtype], ...],
-    name: str | None,
-) -> tuple[torch.Tensor, ...]:
-    """The caller's ``out=`` buffers, checked against ``wanted`` ((what, shape, dtype) each), or new
-    ones. Refused with a ValueError on every path alike: a wrong count, shape, dtype or device, and a
-    buffer whose elements overlap (the native kernels would race on it)."""
-    if out is None:
-        return tuple(torch.empty(shape, dtype=dtype, device=w.device) for _, shape, dtype in wanted)
-    names = ", ".join(what for what, _, _ in wanted)
-    if not (isinstance(out, (tuple, list)) and len(out) == len(wanted)):
-        raise ValueError(f"{_label(name)}: out= must be a tuple of {len(wanted)} tensors ({names})")
-    for (what, shape, dtype), t in zip(wanted, out):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{_label(name)}: out {what} buffer is a {type(t).__name__}, not a torch.Tensor")
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != w.device:
-            raise ValueError(
-                f"{_label(name)}: out {what} buffer is {t.dtype} {tuple(t.shape)} on {t.device}, "
-                f"expected {dtype} {tuple(shape)} on {w.device}"
-            )
-        if _overlaps_itself(t):
-            raise ValueError(
-                f"{_label(name)}: out {what} buffer {tuple(t.shape)} with strides {t.stride()} has elements "
-                "that share memory (an expand()-ed or as_strided view); pass a buffer with one location "
-                "per element (.clone() it, or allocate it from the plan)"
-            )
-    return tuple(out)
-
-
-def check_shared_scale(scale: object, name: str | None, what: str = "scale") -> torch.Tensor:
-    """A caller's shared scale, as a 0-d float32 tensor; anything else (a Python float included) is
-    refused with the same ValueError on every path."""
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
-        got = (
-            type(scale).__name__
-            if not isinstance(scale, torch.Tensor)
-            else f"{scale.dtype} {tuple(scale.shape)}"
-        )
-        raise ValueError(
-            f"{_label(name)}: a shared {what}= must be one float32 value in a torch.Tensor "
-            f"(torch.tensor(x, dtype=torch.float32)), got {got}"
-        )
-    return scale.reshape(())
 
 
 def _check_out(
@@ -199,32 +91,8 @@ def _check_out(
     return q, s
 
 
-def _raise_non_finite(name: str | None, where: str) -> None:
-    raise NonFiniteError(
-        f"{_label(name)} holds NaN or Inf ({where}); refusing to quantize it. The trainer sent "
-        "non-finite weights (a diverged step?): fix the source, or skip this step"
-    )
-
-
-def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for dim in reversed(shape):
-        out.append(index % dim if dim else 0)
-        index = index // dim if dim else 0
-    return tuple(reversed(out))
-
-
 # --------------------------------------------------------------------------------------------------
 # shared pieces
-
-
-def _flatten_lead(t: torch.Tensor, keep: int) -> torch.Tensor | None:
-    """View ``t`` with all but its last ``keep`` dims flattened into one, or None if strides forbid."""
-    lead = t.shape[: t.dim() - keep]
-    try:
-        return t.view(math.prod(lead), *t.shape[t.dim() - keep :])
-    except RuntimeError:
-        return None
 
 
 def _batched_views(
@@ -393,13 +261,6 @@ def _e8m0_bytes(amax: torch.Tensor) -> torch.Tensor:
     biased = (bits >> _F32_MANTISSA_BITS) & _F32_EXP_MASK
     ceil_biased = biased + ((bits & _F32_MANTISSA_MASK) != 0).to(torch.int32)
     return torch.clamp(ceil_biased, E8M0_MIN_BYTE, E8M0_MAX_BYTE)
-
-
-def _pow2_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
-    """Exact float32 ``2^exponent`` for int32 exponents in [-127, 127], built from bits."""
-    bits = (exponent + E8M0_BIAS) << _F32_MANTISSA_BITS
-    bits = torch.where(exponent == -E8M0_BIAS, torch.full_like(bits, _F32_TWO_POW_MINUS_127_BITS), bits)
-    return bits.view(torch.float32)
 
 
 def quantize_mxfp8(
@@ -576,8 +437,6 @@ def quantize(
     if fmt is Format.FP8_PER_TENSOR:
         return quantize_fp8_per_tensor(w, out=out, name=name)
     if fmt.four_bit:
-        from sidecar.numerics import fourbit  # it imports this module
-
         fn = {
             Format.NVFP4: fourbit.quantize_nvfp4,
             Format.MXFP4: fourbit.quantize_mxfp4,
@@ -594,8 +453,6 @@ def dequantize(
     ``global_scale`` (``weight_scale_2``) too."""
     fmt = Format.parse(fmt)
     if fmt.four_bit:
-        from sidecar.numerics import fourbit  # it imports this module
-
         if fmt is Format.NVFP4:
             if global_scale is None:
                 raise ValueError("dequantize: nvfp4 needs global_scale= (the .weight_scale_2 tensor)")
