@@ -34,11 +34,16 @@ def cuda_free_torchvision() -> None:
     """Define the ``torchvision::nms`` / ``qnms`` schemas the CUDA torchvision registers fake kernels
     for, so that it imports without its CUDA op library (vLLM and SGLang import torchvision)."""
     if not _shims:
-        lib = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            with contextlib.suppress(RuntimeError):  # already defined (a real torchvision op library)
-                lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _shims.append(lib)
+        try:  # defined already (.venv-engines' import shim, tests/engines/refitd_torchvision_shim.py)
+            torch.ops.torchvision.nms  # noqa: B018
+        except (AttributeError, RuntimeError):
+            lib = torch.library.Library("torchvision", "DEF")
+            for op in ("nms", "qnms"):
+                with contextlib.suppress(RuntimeError):  # already defined (a real torchvision op library)
+                    lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            _shims.append(lib)
+        else:
+            _shims.append(None)
 
 
 def import_sglang() -> Any:
