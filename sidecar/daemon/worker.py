@@ -259,7 +259,7 @@ class QuantWorker:
             return step in self._cancelled
 
     def _run_spans(self, job: SpanJob) -> None:
-        """Check and copy every span of ``job``; one result for all its units."""
+        """Copy every span of ``job``, then check the copy; one result for all its units."""
         if self._skipped(job.step):
             now = time.monotonic()
             self._unreported.append(Done(job.step, job.units[0], 0.0, None, True, now, units=job.units))
@@ -329,7 +329,7 @@ class QuantWorker:
 def run_spans(
     step: int, spans: list[tuple[Span, torch.Tensor, torch.Tensor]], units: tuple[int, ...] | None = None
 ) -> Done:
-    """Check and copy every ``(span, staging bytes, generation bytes)``: one result for all their
+    """Copy every ``(span, staging bytes, generation bytes)`` and check the copy: one result for all their
     units (the first error fails them all: the step fails on it anyway). The worker runs span jobs
     with it, and the serve loop small ones itself."""
     if units is None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -234,8 +235,12 @@ def _before_writing(client, then) -> None:
 
 
 def _stop(conn) -> None:
+    """SIGSTOP this process from the calling thread: every thread stops (no PING, no copy) until
+    SIGCONT. Directed at this thread, not the process: a process-directed SIGSTOP is taken by
+    whichever thread the kernel picks, and on a loaded machine the caller ran on for tens of
+    milliseconds meanwhile (enough to write and commit the whole step)."""
     conn.send({"ok": False, "kind": "stopping", "at": time.monotonic(), "pid": os.getpid()})
-    os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops: no PING, no copy, until SIGCONT
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def _hold(conn, writer, step: int, deadline: float) -> None:

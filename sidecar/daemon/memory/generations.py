@@ -99,7 +99,7 @@ class Arenas:
         #: a failed step handed this staging arena to ranks the daemon no longer trusts: it is
         #: replaced (:meth:`retire_staging`) before the next step reads anything from staging
         self.staging_tainted = False
-        self.retired_staging = 0  # staging arenas retired so far (status, tests)
+        self.retired_staging = 0  # staging arenas retired so far (logs, tests)
         self._staging_retired = False  # closed and unlinked, its successor not made yet
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
