@@ -55,6 +55,7 @@ def test_every_request_has_one_route_and_no_reply_kind_has_one(daemon):
         Kind.WELCOME, Kind.READY, Kind.CREDIT, Kind.ACK, Kind.RESULT, Kind.LOADED, Kind.PULLED,
         Kind.SLOT, Kind.ERROR, Kind.PONG, Kind.ATTACHED, Kind.GENERATION, Kind.STATUS_REPLY,
         Kind.FORWARD_READY, Kind.FORWARDED, Kind.REVOKED,
+        Kind.STREAM, Kind.GROUP, Kind.STREAM_FAILED,  # the daemon's streamed-refit notices to readers
     }  # fmt: skip
     assert set(routes) == set(Kind) - replies
     assert {k for k, (role, _) in routes.items() if role is PeerRole.READER} == {Kind.WAIT, Kind.RELEASE}

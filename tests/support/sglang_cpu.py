@@ -13,6 +13,7 @@ Everything else is SGLang's own code: ``ServerArgs``, ``publish``, its gloo proc
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import socket
 import sys
 import types
@@ -47,7 +48,11 @@ def cuda_free_torchvision() -> None:
 
 
 def import_sglang() -> Any:
-    """Import SGLang's loader and model modules on CPU (the shims above first); returns ``sglang``."""
+    """Import SGLang's loader and model modules on CPU (the shims above first); returns ``sglang``.
+    ImportError, with nothing of this process changed, where SGLang is not installed (``.venv``: the
+    stand-in ``vllm`` module below would otherwise stay behind for every later test)."""
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError("No module named 'sglang': run `make test-sglang`")
     if len(_shims) < 2:
         cuda_free_torchvision()
         _shims.append(True)
