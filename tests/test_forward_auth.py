@@ -90,14 +90,14 @@ def push_and_land(trainer: RunningDaemon, inference: RunningDaemon, step: int) -
         assert time.monotonic() < deadline, f"forwarded step {step} never went live on the inference node"
 
 
-def forge(endpoint: str, source: str, curve=None) -> list[Message]:
-    """FORWARD_BEGIN (step 10**9 under ``source``), DATA and COMMIT from a raw socket; the replies."""
+def forge(endpoint: str, source: str, curve=None, rows=(("w", "uint8", (4,)),)) -> list[Message]:
+    """FORWARD_BEGIN (step 10**9 under ``source``, ``rows``), DATA and COMMIT from a raw socket; the replies."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     set_client(sock, curve)
     sock.connect(endpoint)
-    begin = {"step": FORGED_STEP, "source": source, "transfer": "forged", "rows": [["w", "uint8", [4]]]}
+    begin = {"step": FORGED_STEP, "source": source, "transfer": "forged", "rows": [list(r) for r in rows]}
     replies = []
     try:
         for kind, fields, frames in (
@@ -168,3 +168,36 @@ def test_an_inference_node_without_curve_is_a_configuration_error(tmp_path):
     key.write_text("")
     with pytest.raises(ConfigError, match="curve_trainer_keys is only for"):
         DaemonConfig(curve_trainer_keys=key, **base)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [["w", "uint8", [-4, 8]]],  # a negative dim: a negative size, under any capacity
+        [["w", "int64", [1 << 62, 4]]],  # 2**67 bytes: wraps to 0 in int64 arithmetic
+        [["w", "int32", [4]], ["w", "uint8", [4096]]],  # one name twice: two slots, one survives
+        [["w", "uint8", [2.5]]],  # not an integer dim
+    ],
+    ids=["negative", "overflow", "duplicate", "fraction"],
+)
+def test_the_trainer_forwarding_an_impossible_layout_is_refused_and_nothing_changes(nodes, tmp_path, rows):
+    """The trainer node's own forwarder (its key, over CURVE) sends FORWARD_BEGIN rows no tensor can
+    have. The inference node refuses them as a protocol error naming the row, before it claims or
+    carves a generation; engines would otherwise be handed a layout their views overrun. The live
+    generation stays as it was, and the trainer's next step still lands."""
+    trainer, inference, _ = nodes
+    push_and_land(trainer, inference, 0)
+    local = inference.daemon.local_listen
+    before = status(local)
+    source = before["history"][-1]["forwarded_from"]
+    keys = tmp_path / "keys"
+    curve = client_curve(keys / "inference.key.pub", keys / "allowed" / "trainer.key")
+    begin = forge(inference.endpoint, source, curve, rows)[0]
+    assert begin.kind is Kind.ERROR, begin.fields
+    if begin.fields["kind"] == "capacity":  # a valid layout, only larger than any generation here
+        assert "--publish-bytes" in begin.fields["message"], begin.fields
+    else:
+        assert begin.fields["kind"] == "protocol" and "rows" in begin.fields["message"], begin.fields
+    after = status(local)
+    assert after["live"] == before["live"] and after["last_step"] == 0 and after["inbound"] is None
+    push_and_land(trainer, inference, 1)

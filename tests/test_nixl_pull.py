@@ -145,3 +145,29 @@ def test_a_retired_staging_arena_is_deregistered_and_its_successor_registered(da
     side.endpoint(d.daemon.arenas.staging)  # the next pull
     assert agent.calls == ["register", "deregister", "register"], agent.calls
     assert list(agent.live.values()) == [shm_region(d.daemon.arenas.staging)]
+
+
+def test_a_step_that_fails_with_a_pull_in_flight_retires_staging(daemons, monkeypatch):
+    """A remote rank's step fails while the daemon's NIXL READ of its pieces is in flight: the
+    transfer is released, but UCX may not be able to cancel it (NIXL keeps it on a leak list) and
+    its bytes may still land in staging. No local rank was handed staging, yet staging must be
+    retired before the next step as after any step whose writers the daemon stopped trusting, or
+    those bytes become the next step's inputs."""
+    d = daemons(hf_config=procs.hf_config(), world_size=1, format=FMT)
+    # a READ posted and never finished (NIXL is not installed here): the loop polls it for nothing
+    monkeypatch.setattr("sidecar.daemon.pull.Pulls.busy", property(lambda self: True))
+    monkeypatch.setattr("sidecar.daemon.pull.Pulls.progress", lambda self: None)
+    before = d.status()["staging"]["segment"]
+    with RefitClient(d.endpoint, 0, 1, local=False, timeout=20, mover="zmq") as client:
+        client.push_step(0, procs.state_dict(51))
+        assert d.status()["staging"]["segment"] == before  # a step that went well retires nothing
+        bad = procs.state_dict(52)
+        name = next(iter(bad))
+        bad[name] = bad[name].clone()
+        bad[name].view(-1)[0] = float("nan")
+        with pytest.raises(RefitError) as err:
+            client.push_step(1, bad)
+        assert err.value.kind is ErrorKind.NON_FINITE, err.value
+        client.push_step(2, procs.state_dict(53))
+    status = d.status()
+    assert status["last_step"] == 2 and status["staging"]["segment"] != before, status["staging"]

@@ -8,6 +8,7 @@ lists inside every arena handle (``to_wire`` / ``from_wire``). Every kind of are
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,17 @@ def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     DeepSeek-V3's size lays out ~100k tensors; a torch allocation and a NumPy reduction for each
     took seconds)."""
     return dtype.itemsize * math.prod(int(d) for d in shape)
+
+
+def _checked_shape(name: str, shape: Iterable[Any]) -> tuple[int, ...]:
+    """``shape`` as ints; ValueError naming ``name`` for a dim that is not a whole number >= 0. A
+    layout made from a peer's rows (a forwarded step) would otherwise carve negative or
+    wrapped-round sizes that every reader's views then overrun."""
+    dims = tuple(shape)
+    bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0]
+    if bad:
+        raise ValueError(f"tensor {name!r} has shape {list(dims)}: every dim must be an integer >= 0")
+    return tuple(int(d) for d in dims)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +57,14 @@ class Layout:
 
     @classmethod
     def build(cls, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], align: int = ALIGN) -> Layout:
-        slots, offset = [], 0
+        slots, offset, names = [], 0, set()
         for name, dtype, shape in specs:
+            if name in names:
+                raise ValueError(f"tensor {name!r} is listed twice: a layout names each tensor once")
+            names.add(name)
+            shape = _checked_shape(name, shape)
             nbytes = nbytes_of(dtype, shape)
-            slots.append(Slot(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+            slots.append(Slot(name, dtype, shape, offset, nbytes))
             offset += -(-nbytes // align) * align
         return cls(slots)
 

@@ -518,12 +518,14 @@ class Daemon:
         notify(self.observers, "on_step_failed", self, err)
         self.trainers.tell_failed(state, err)
         self.worker.cancel(state.step)
+        pulling = self.pulls.busy
         self.pulls.cancel()
         if state.target is not None:
             state.target.step = None  # half-written: never hand it out
-        if state.staged:
+        if state.staged or pulling:
             # ranks of this step hold staging mapped writable, and one the daemon gave up on (frozen,
-            # timed out) may write into it later: it is replaced before the next step (Trainers)
+            # timed out) may write into it later; a NIXL READ UCX could not cancel may still land in
+            # it: it is replaced before the next step (Trainers)
             self.arenas.staging_tainted = True
         if self.arenas.ring is not None:
             self.arenas.ring.reset()

@@ -115,7 +115,7 @@ class Receiver:
             )
             return
         try:
-            layout = Layout.build((str(n), dtype_from_name(d), tuple(int(x) for x in s)) for n, d, s in rows)
+            layout = Layout.build((str(n), dtype_from_name(d), tuple(s)) for n, d, s in rows)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"FORWARD_BEGIN rows are not [name, dtype, shape]: {exc}") from None
         capacity = min(g.arena.size for g in self.ctx.arenas.generations)

@@ -62,7 +62,7 @@ from sidecar.forward.types import ForwardFailed, Job, Link, Request, Superseded
 from sidecar.protocol.enums import Mover as MoverName
 from transport.curve import Curve, own_keypair, read_key_file, set_client
 from transport.epochs import fence
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
+from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode, safe_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.config.settings import DaemonConfig
@@ -105,6 +105,18 @@ class Mover(Protocol):
     ) -> int: ...
 
 
+def peer_count(msg: Message, key: str, default: int, *, least: int) -> int:
+    """Field ``key`` of the inference daemon's ``msg``, an integer >= ``least``; anything else is a
+    ProtocolError naming it, which fails this transfer (retried) and never the forwarder's thread."""
+    value = msg.get(key, default)
+    if type(value) is not int or value < least:
+        raise ProtocolError(
+            f"{msg.kind.name} from the inference daemon has {key}={safe_repr(value, 60)}: expected an integer "
+            f">= {least}; is it a refitd of another version?"
+        )
+    return value
+
+
 class ZmqMover:
     """Bytes as ZeroMQ frames on the control channel, in row order, under the peer's credits."""
 
@@ -113,8 +125,8 @@ class ZmqMover:
     def send(
         self, link: Link, job: Job, views: Mapping[str, torch.Tensor], ready: Message, deadline: float
     ) -> int:
-        credits = int(ready.get("credit_frames", 1))
-        limit = min(FRAME_LIMIT, int(ready.get("max_frame_bytes", FRAME_LIMIT)))
+        credits = peer_count(ready, "credit_frames", 1, least=0)
+        limit = min(FRAME_LIMIT, peer_count(ready, "max_frame_bytes", FRAME_LIMIT, least=1))
         sent = 0
         for index, (name, _dtype, _shape, nbytes) in enumerate(job.rows):
             flat = views[name]
@@ -313,7 +325,10 @@ class Forwarder:
                         self._forward(job)
                 except Superseded:
                     continue
-                except (ForwardFailed, RefitError, ProtocolError, zmq.ZMQError) as exc:
+                except Exception as exc:  # expected failures, and any other: never the end of this thread
+                    expected = isinstance(exc, (ForwardFailed, RefitError, ProtocolError, zmq.ZMQError))
+                    if not expected:
+                        log.exception("forwarder for %s met an unexpected error; it retries", self.endpoint)
                     if job is not None:
                         log.warning("forwarding step %d to %s failed: %s", job.step, self.endpoint, exc)
                         self._failures += 1
@@ -426,7 +441,7 @@ class Forwarder:
             self._other(msg)
 
     def await_credit(self, deadline: float) -> int:
-        return int(self._await({Kind.CREDIT}, deadline).get("frames", 1))
+        return peer_count(self._await({Kind.CREDIT}, deadline), "frames", 1, least=0)
 
     def poll_credit(self) -> int:
         credits = 0
@@ -434,7 +449,7 @@ class Forwarder:
         while sock.poll(0):
             msg = self._recv()
             if msg.kind is Kind.CREDIT and msg.get("transfer") == self.transfer:
-                credits += int(msg.get("frames", 1))
+                credits += peer_count(msg, "frames", 1, least=0)
             elif msg.kind is Kind.ERROR:
                 raise ForwardFailed(f"{self.endpoint} refused it: {RefitError.from_wire(msg.fields)}")
             else:
