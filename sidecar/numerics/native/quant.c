@@ -2,7 +2,7 @@
  * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, NVFP4, MXFP4 and INT4, byte-exact with
  * sidecar/numerics/reference.py and fourbit.py (../shared/SPEC.md section 1).
  *
- * Plain C99, no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
+ * C99 (plus GCC vector extensions, which gcc and clang take), no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
  * call), so several Python threads can each run a share of one tensor. Built at run time by
  * sidecar/numerics/native/__init__.py with
  *     -O3 -march=native -ffp-contract=off -fno-fast-math
@@ -336,6 +336,8 @@ static void pack_codes(const uint8_t *restrict c, uint8_t *restrict q, i64 len) 
    a binary search running that very division (15 steps each), once per distinct scale byte of a
    call; then an element needs eight 16-bit compares (NVFP4_NEVER: the test holds for no finite x). */
 #define NVFP4_NEVER 0x7F80u
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
 #define NVFP4_TESTS 8
 
 static inline int e2m1_test(int i, float v) {
@@ -383,7 +385,8 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
             const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
             const uint16_t *xp = xr + p0;
             uint16_t amax[FOUR_PIECE / NVFP4_BLOCK];
-            uint8_t codes[FOUR_PIECE], bytes[FOUR_PIECE / NVFP4_BLOCK];
+            uint16_t codes[FOUR_PIECE];
+            uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
             block_amax_bits(xp, m, 4, amax);
             uint32_t worst = 0;
             for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
@@ -408,21 +411,20 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                     have[byte] = 1;
                 }
             }
+            /* a block is one 16-lane vector of 16-bit values (GCC vector extensions: AVX2/AVX-512
+               where -march has them, else narrower); a comparison's lanes are -1 or 0 */
             for (i64 j = 0; j < m; j++) {
-                const uint16_t *restrict th = thr[codes32[j] & 0x7Fu];
-                const uint16_t t0 = th[0], t1 = th[1], t2 = th[2], t3 = th[3], t4 = th[4], t5 = th[5],
-                               t6 = th[6], t7 = th[7];
-                const uint16_t *restrict xb = xp + j * NVFP4_BLOCK;
-                uint8_t *restrict cb = codes + j * NVFP4_BLOCK;
-                for (i64 t = 0; t < NVFP4_BLOCK; t++) {
-                    const uint16_t a = xb[t] & MAG_MASK;
-                    uint16_t c = (uint16_t)((a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) +
-                                            (a >= t6));
-                    c |= (uint16_t)(((xb[t] >> 15) & (a >= t7)) << 3);
-                    cb[t] = (uint8_t)c;
-                }
+                const uint16_t *th = thr[codes32[j] & 0x7Fu];
+                u16x16 xv, a;
+                memcpy(&xv, xp + j * NVFP4_BLOCK, sizeof xv);
+                a = xv & MAG_MASK;
+                const i16x16 below = (a >= th[0]) + (a >= th[1]) + (a >= th[2]) + (a >= th[3]) + (a >= th[4]) +
+                                     (a >= th[5]) + (a >= th[6]);
+                const u16x16 c = (u16x16)(-below) | (((xv >> 15) & (u16x16)(a >= th[7])) << 3);
+                memcpy(codes + j * NVFP4_BLOCK, &c, sizeof c);
             }
-            pack_codes(codes, qr + p0 / 2, len);
+            uint8_t *restrict qp = qr + p0 / 2;
+            for (i64 t = 0; t < len / 2; t++) qp[t] = (uint8_t)(codes[2 * t] | (codes[2 * t + 1] << 4));
         }
     }
     return -1;
