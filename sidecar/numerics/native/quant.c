@@ -2,8 +2,9 @@
  * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, NVFP4, MXFP4 and INT4, byte-exact with
  * sidecar/numerics/reference.py and fourbit.py (../shared/SPEC.md section 1).
  *
- * C99 (plus GCC vector extensions, which gcc and clang take), no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
- * call), so several Python threads can each run a share of one tensor. Built at run time by
+ * C99 plus GCC vector extensions (gcc and clang take them; NVFP4's rounding), no torch headers, no
+ * Python C-API: loaded with ctypes (which drops the GIL for the call), so several Python threads can
+ * each run a share of one tensor. Built at run time by
  * sidecar/numerics/native/__init__.py with
  *     -O3 -march=native -ffp-contract=off -fno-fast-math
  * -ffp-contract=off is required: an FMA would round x * recip differently from torch.
