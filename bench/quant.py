@@ -13,7 +13,12 @@ The 4-bit formats (nvfp4, mxfp4, int4_w4a16) are measured the same way, against 
 Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
 reference and the native columns are timed round-robin, per format, so they share the same moments.
 
-    python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH]
+    python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH] [--formats F,..]
+                          [--baseline-lib PATH]
+
+``--baseline-lib`` adds a column "base": the native slab call run with another build of
+native/quant.c (e.g. the previous commit's, built with the same flags), timed in the same
+round-robin as the others, for a before/after comparison on the same moments of a shared machine.
 
 A full layer is gate_up [256, 1024, 2048] + down [256, 2048, 512] (1.5 GiB bf16); the default takes
 32 experts of it (192 MiB) so the run fits a 2-core, 24 GiB machine in well under a minute.
@@ -31,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sidecar.numerics import cpu, fourbit
+from sidecar.numerics import cpu, fourbit, native
 from sidecar.numerics import reference as quant
 from sidecar.numerics.formats import FLT_MIN, FOUR_BIT_FORMATS, FP8_DTYPE, FP8_MAX, Format
 
@@ -154,6 +159,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--formats", default=None, help="comma-separated formats to time (default: all)")
+    ap.add_argument("--baseline-lib", type=Path, default=None, help="another quant.c build to time alongside")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,7 +199,7 @@ def main() -> None:
         "mxfp4": fourbit.quantize_mxfp4,
         "int4_w4a16": fourbit.quantize_int4,
     }
-    native = {
+    kernels = {
         "block_fp8": cpu.quantize_block_fp8,
         "mxfp8": cpu.quantize_mxfp8,
         "fp8_per_tensor": cpu.quantize_fp8_per_tensor,
@@ -203,6 +209,17 @@ def main() -> None:
     }
     naive = {"block_fp8": naive_block_fp8, "mxfp8": naive_mxfp8, "fp8_per_tensor": naive_per_tensor}
     proj_calls = {fmt: per_projection_calls(fmt, slabs) for fmt in ours}
+    base_lib = native._open(args.baseline_lib) if args.baseline_lib else None
+
+    def with_base(fn):
+        """``fn`` run with the baseline build as the one cpu.py loads (bench-only swap)."""
+        load = native.load
+        native.load = lambda: base_lib
+        try:
+            return fn()
+        finally:
+            native.load = load
+
     done = cpu.warm_up()  # build + load before timing
     if done.impl != "native":
         print(f"warning: {done.reason}; the native columns time the torch reference")
@@ -212,15 +229,19 @@ def main() -> None:
         t_naive = float("nan")
         if fmt in naive:
             t_naive = timed(lambda fmt=fmt: [naive[fmt](t) for t in slabs.values()], max(1, args.repeat // 2))
-        t_copy, t_ours, t_native, t_proj = timed_together(
-            [
-                lambda: [copies[k].copy_(t) for k, t in slabs.items()],
-                lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
-                lambda fmt=fmt: [native[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
-                lambda fmt=fmt: [call() for call in proj_calls[fmt]],
-            ],
-            args.repeat,
-        )
+        fns = [
+            lambda: [copies[k].copy_(t) for k, t in slabs.items()],
+            lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+            lambda fmt=fmt: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
+            lambda fmt=fmt: [call() for call in proj_calls[fmt]],
+        ]
+        if base_lib is not None:
+            fns.append(
+                lambda fmt=fmt: with_base(
+                    lambda: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()]
+                )
+            )
+        t_copy, t_ours, t_native, t_proj, *t_base = timed_together(fns, args.repeat)
         rows.append(
             {
                 "format": fmt,
@@ -236,6 +257,8 @@ def main() -> None:
                 "native_vs_reference": t_ours / t_native,
             }
         )
+        if t_base:
+            rows[-1].update(base_gbps=nbytes / t_base[0] / 1e9, base_vs_copy=t_copy / t_base[0])
     print(
         f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU path: {done.impl}"
@@ -250,10 +273,16 @@ def main() -> None:
             f"{r['naive_gbps']:>8.2f}{r['copy_gbps']:>8.2f}        |{r['vs_copy'] * 100:>5.0f}%"
             f"{r['native_vs_copy'] * 100:>7.0f}%{r['native_proj_vs_copy'] * 100:>7.0f}%          |"
             f"{r['native_vs_reference']:>12.1f}x"
+            + (
+                f" | base {r['base_gbps']:.2f} GB/s, {r['base_vs_copy'] * 100:.0f}% of copy"
+                if "base_gbps" in r
+                else ""
+            )
         )
     if args.json:
         meta = {"bytes_in": nbytes, "threads": torch.get_num_threads(), "torch": torch.__version__}
         meta["machine"] = platform.machine()
+        meta["baseline_lib"] = str(args.baseline_lib) if args.baseline_lib else None
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 
 

@@ -332,6 +332,31 @@ def test_native_nvfp4_shared_global_scale_and_int4_f32_scales():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), group
 
 
+@pytest.mark.parametrize("global_scale", [None, 1.0, 2.0**-149, 1e-30, 0.37, 1e30, 1.1e35])
+def test_native_nvfp4_every_bf16_magnitude(global_scale):
+    """Every finite bfloat16 magnitude as a block's amax, with random smaller values and signs beside it,
+    under global scales down to ones where ``s * gs`` is subnormal or 0: the native kernel's rounding
+    (per-scale thresholds found with its own division, quant.c e2m1_thresholds) equals the reference."""
+    _native_or_skip()
+    g = torch.Generator().manual_seed(5)
+    amax = torch.randperm(0x7F80, generator=g, dtype=torch.int32)  # every finite non-negative bf16
+    others = (torch.rand(amax.numel(), 15, generator=g) * (amax[:, None].float() + 1)).to(torch.int32)
+    others = others.clamp(max=amax[:, None])
+    others[:, :5] = (amax[:, None] - torch.randint(0, 300, (amax.numel(), 5), generator=g)).clamp(min=0)
+    bits = torch.cat([amax[:, None], others], 1)
+    bits |= torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) << 15
+    w = bits.to(torch.int16).view(torch.bfloat16).reshape(-1, 64)
+    gs = None if global_scale is None else torch.tensor(global_scale, dtype=torch.float32)
+    with torch_threads(2):
+        got = cpu.quantize_nvfp4(w, global_scale=gs)
+    want = fourbit.quantize_nvfp4(w, global_scale=gs)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+            b.view(torch.uint8) if b.dtype == FP8_DTYPE else b,
+        )
+
+
 @pytest.mark.parametrize("fmt", list(FNS), ids=lambda f: f.value)
 def test_native_path_is_taken_for_bf16(fmt, monkeypatch):
     """A contiguous bfloat16 input (or a slab's per-expert view) never reaches the torch reference."""

@@ -2,8 +2,9 @@
  * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn, NVFP4, MXFP4 and INT4, byte-exact with
  * sidecar/numerics/reference.py and fourbit.py (../shared/SPEC.md section 1).
  *
- * Plain C99, no torch headers, no Python C-API: loaded with ctypes (which drops the GIL for the
- * call), so several Python threads can each run a share of one tensor. Built at run time by
+ * C99 plus GCC vector extensions (gcc and clang take them; NVFP4's rounding), no torch headers, no
+ * Python C-API: loaded with ctypes (which drops the GIL for the call), so several Python threads can
+ * each run a share of one tensor. Built at run time by
  * sidecar/numerics/native/__init__.py with
  *     -O3 -march=native -ffp-contract=off -fno-fast-math
  * -ffp-contract=off is required: an FMA would round x * recip differently from torch.
@@ -329,12 +330,53 @@ static void pack_codes(const uint8_t *restrict c, uint8_t *restrict q, i64 len) 
     for (i64 t = 0; t < len / 2; t++) q[t] = (uint8_t)(c[2 * t] | (c[2 * t + 1] << 4));
 }
 
+/* RNE_e2m1(x / d) for bf16 x and a float32 divisor d > 0 or == 0, without dividing per element:
+   v = RN(|x| / d) is monotone in |x| (a correctly rounded division), so each of e2m1_code's eight
+   tests on it ("v > 0.25", "v >= 0.75", ..., "v > 5", and "v > 0" for the sign: -0.0 is code 0) holds
+   exactly for |x|'s sign-cleared bf16 bits at or above some threshold. The thresholds are found by
+   a binary search running that very division (15 steps each), once per distinct scale byte of a
+   call; then an element needs eight 16-bit compares (NVFP4_NEVER: the test holds for no finite x). */
+#define NVFP4_NEVER 0x7F80u
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+#define NVFP4_TESTS 8
+
+static inline int e2m1_test(int i, float v) {
+    switch (i) {
+    case 0: return v > 0.25f;
+    case 1: return v >= 0.75f;
+    case 2: return v > 1.25f;
+    case 3: return v >= 1.75f;
+    case 4: return v > 2.5f;
+    case 5: return v >= 3.5f;
+    case 6: return v > 5.0f;
+    default: return v > 0.0f; /* the sign bit is set iff v < 0, i.e. x < 0 and RN(|x| / d) > 0 */
+    }
+}
+
+static void e2m1_thresholds(float d, uint16_t *restrict out) {
+    for (int i = 0; i < NVFP4_TESTS; i++) {
+        uint32_t lo = 0, hi = NVFP4_NEVER;
+        while (lo < hi) {
+            const uint32_t mid = (lo + hi) / 2;
+            const float v = bf16_to_f32((uint16_t)mid) / d; /* the kernel's exact float32 division */
+            if (e2m1_test(i, v)) hi = mid;
+            else lo = mid + 1;
+        }
+        out[i] = (uint16_t)lo;
+    }
+}
+
 /* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
    q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
 i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, float gs, i64 begin, i64 end) {
     const float six_gs = 6.0f * gs;
     const float lo = f32_from_bits(UINT32_C(0x3B000000)); /* 2^-9 */
+    /* thresholds of each positive e4m3 scale byte (1..126), filled as bytes first appear */
+    uint16_t thr[128][NVFP4_TESTS];
+    uint8_t have[128];
+    memset(have, 0, sizeof have);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
@@ -343,14 +385,14 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
         for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
             const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
             const uint16_t *xp = xr + p0;
-            float denom[FOUR_PIECE / NVFP4_BLOCK], spread[FOUR_PIECE];
             uint16_t amax[FOUR_PIECE / NVFP4_BLOCK];
-            uint8_t codes[FOUR_PIECE], bytes[FOUR_PIECE / NVFP4_BLOCK];
+            uint16_t codes[FOUR_PIECE];
+            uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
             block_amax_bits(xp, m, 4, amax);
             uint32_t worst = 0;
             for (i64 j = 0; j < m; j++) worst = amax[j] > worst ? amax[j] : worst;
             if (worst >= BF16_NONFINITE) return unit;
-            /* three simple loops (each vectorizes; one loop doing it all does not) */
+            /* simple loops (each vectorizes; one loop doing it all does not) */
             float sfs[FOUR_PIECE / NVFP4_BLOCK];
             uint32_t codes32[FOUR_PIECE / NVFP4_BLOCK];
             for (i64 j = 0; j < m; j++) {
@@ -361,15 +403,29 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
             }
             for (i64 j = 0; j < m; j++) codes32[j] = e4m3_from_f32_in_range(sfs[j]);
-            for (i64 j = 0; j < m; j++) {
-                bytes[j] = (uint8_t)codes32[j];
-                denom[j] = e4m3_value(codes32[j]) * gs;
-            }
+            for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes32[j];
             memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
-            for (i64 j = 0; j < m; j++)
-                for (i64 t = 0; t < NVFP4_BLOCK; t++) spread[j * NVFP4_BLOCK + t] = denom[j];
-            for (i64 t = 0; t < len; t++) codes[t] = e2m1_code(bf16_to_f32(xp[t]) / spread[t]);
-            pack_codes(codes, qr + p0 / 2, len);
+            for (i64 j = 0; j < m; j++) {
+                const uint32_t byte = codes32[j] & 0x7Fu;
+                if (!have[byte]) {
+                    e2m1_thresholds(e4m3_value(byte) * gs, thr[byte]);
+                    have[byte] = 1;
+                }
+            }
+            /* a block is one 16-lane vector of 16-bit values (GCC vector extensions: AVX2/AVX-512
+               where -march has them, else narrower); a comparison's lanes are -1 or 0 */
+            for (i64 j = 0; j < m; j++) {
+                const uint16_t *th = thr[codes32[j] & 0x7Fu];
+                u16x16 xv, a;
+                memcpy(&xv, xp + j * NVFP4_BLOCK, sizeof xv);
+                a = xv & MAG_MASK;
+                const i16x16 below = (a >= th[0]) + (a >= th[1]) + (a >= th[2]) + (a >= th[3]) + (a >= th[4]) +
+                                     (a >= th[5]) + (a >= th[6]);
+                const u16x16 c = (u16x16)(-below) | (((xv >> 15) & (u16x16)(a >= th[7])) << 3);
+                memcpy(codes + j * NVFP4_BLOCK, &c, sizeof c);
+            }
+            uint8_t *restrict qp = qr + p0 / 2;
+            for (i64 t = 0; t < len / 2; t++) qp[t] = (uint8_t)(codes[2 * t] | (codes[2 * t + 1] << 4));
         }
     }
     return -1;
