@@ -26,7 +26,7 @@ from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, M
 from transport.wire import dtype_from_name
 
 
-def _checkpoint_name(engine_name: str) -> str:
+def checkpoint_name(engine_name: str) -> str:
     name = engine_name.replace(".base_layer.", ".")
     for engine_prefix, ckpt_prefix in ENGINE_TO_CHECKPOINT:
         if name.startswith(engine_prefix):
@@ -39,11 +39,21 @@ def _dtype(value: torch.dtype | str) -> torch.dtype:
 
 
 def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A scale's checkpoint shape from the unpacked ``[out, in]`` weight shape it scales."""
     if leaf == "weight_scale_inv":
         return Format.BLOCK_FP8.scale_shape(weight_shape)
     if leaf == "weight_scale" and dtype == torch.uint8:
         return Format.MXFP8.scale_shape(weight_shape)
-    return ()  # per-tensor weight_scale, input_scale
+    if leaf == "weight_scale" and dtype == FP8_DTYPE:  # NVFP4's FP8 block scales, one per 16
+        return Format.NVFP4.scale_shape(weight_shape)
+    return ()  # per-tensor weight_scale, NVFP4's weight_scale_2, input_scale
+
+
+#: routed-expert parameter dtypes of an expert layer vLLM holds unquantized
+_UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
+#: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
+#: the engine's current values over into every reload (``adapters.vllm.worker``)
+CARRIED_LEAVES = frozenset({"input_scale"})
 
 
 class _Builder:
@@ -53,6 +63,9 @@ class _Builder:
         self.ckpt = ckpt
         self.dtypes = dtypes
         self.tensors: dict[str, ManifestTensor] = {}
+        #: the routed-expert format (NVFP4: ``.weight`` is packed uint8 ``[out, in/2]``)
+        self.fmt = Format.BF16
+        self.carried: list[str] = []
         self.keep_bf16: list[str] = []
         self.problems: list[str] = []
 
@@ -63,7 +76,7 @@ class _Builder:
         self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
-        name = _checkpoint_name(engine_name)
+        name = checkpoint_name(engine_name)
         module, _, leaf = name.rpartition(".")
         if leaf in KV_SCALE_LEAVES:
             return
@@ -100,9 +113,12 @@ class _Builder:
         if w13 is None or w2 is None or len(w13[1]) != 3 or len(w2[1]) != 3:
             self.problems.append(f"{moe}: expected 3-D w13_weight and w2_weight, got {w13} / {w2}")
             return
-        ckpt_moe = _checkpoint_name(moe)
-        e, i, h = self._expert_dims(ckpt_moe, w13[1], w2[1], **dims)
-        if w13[0] != FP8_DTYPE:  # held unquantized: the checkpoint form the loader takes
+        ckpt_moe = checkpoint_name(moe)
+        w13_shape, w2_shape = w13[1], w2[1]
+        if self.fmt is Format.NVFP4 and w13[0] not in _UNQUANTIZED:  # two E2M1 codes a byte along K
+            w13_shape, w2_shape = (*w13_shape[:2], 2 * w13_shape[2]), (*w2_shape[:2], 2 * w2_shape[2])
+        e, i, h = self._expert_dims(ckpt_moe, w13_shape, w2_shape, **dims)
+        if w13[0] in _UNQUANTIZED:  # held unquantized: the checkpoint form the loader takes
             slab = f"{ckpt_moe}.gate_up_proj"
             if slab in self.ckpt:
                 self.add(slab, w13[0], (e, 2 * i, h))
@@ -113,16 +129,21 @@ class _Builder:
             for w, projs in EXPERT_PROJS.items():
                 shape = (i, h) if w == "w13" else (h, i)
                 dtype = params[(w, "weight")][0]
+                packed = self.fmt.weight_shape(shape) if self.fmt is Format.NVFP4 else shape
                 for proj in projs:
                     module = f"{ckpt_moe}.{x}.{proj}"
-                    self.add(f"{module}.weight", dtype, shape)
-                    if dtype != FP8_DTYPE:
+                    self.add(f"{module}.weight", dtype, packed)
+                    if dtype in _UNQUANTIZED:
                         self.keep_bf16.append(module)
                         continue
                     for leaf in SCALE_LEAVES:
-                        if (w, leaf) in params:
-                            sdtype = params[(w, leaf)][0]
-                            self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
+                        if (w, leaf) not in params:
+                            continue
+                        if self.fmt is Format.NVFP4 and leaf in CARRIED_LEAVES:
+                            self.carried.append(f"{module}.{leaf}")
+                            continue
+                        sdtype = params[(w, leaf)][0]
+                        self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
 
     def _expert_dims(
         self,
@@ -205,6 +226,7 @@ def build_manifest(
     tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
+    b.fmt = quant.fmt
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
     for engine_name, dtype, shape in [*params, *drafted]:
@@ -243,6 +265,8 @@ def build_manifest(
             "keep_bf16": sorted(b.keep_bf16),
             "param_source": param_source,
             "deep_gemm_e8m0": deep_gemm_e8m0,
+            # NVFP4 W4A4's static input scales the worker carries over (not published, not refused)
+            "carried_input_scales": len(b.carried),
         },
     )
 
@@ -270,6 +294,7 @@ def _default_backend(quant: VllmQuant) -> str:
         Format.BLOCK_FP8: "Fp8MoEMethod",
         Format.FP8_PER_TENSOR: "Fp8MoEMethod",
         Format.MXFP8: "ModelOptMxFp8FusedMoE",
+        Format.NVFP4: "ModelOptNvFp4FusedMoE",
         Format.BF16: "UnquantizedFusedMoEMethod",
     }[quant.fmt]
 

@@ -2,11 +2,11 @@
 names are what these configs load): ModelOpt NVFP4 (``quantization="modelopt_fp4"``) and
 compressed-tensors ``pack-quantized`` INT4 W4A16 and ``mxfp4-pack-quantized`` MXFP4.
 
-Kept apart from ``adapters.vllm.args``: that module still refuses the 4-bit formats, because the
-refit path behind them (vLLM's layerwise reload of packed NVFP4/MXFP4/INT4 MoE parameters, the
-attach checks per MoE backend and GPU, NVFP4 W4A4's static ``input_scale`` carried over) is not
-verified yet. What is verified (tests/test_vllm_fourbit.py, ``make test-engines``): vLLM 0.33's own
-config classes parse these dicts into the intended schemes.
+``adapters.vllm.args.vllm_engine_args`` returns them. What is verified: vLLM 0.33's own config classes
+parse these dicts into the intended schemes (tests/test_vllm_fourbit.py), and for NVFP4 the real
+Qwen3-MoE attaches, loads and reloads refitd's generations (tests/test_engine_vllm_fourbit.py). The
+compressed-tensors engines are refused at attach (``adapters.vllm.quant.COMPRESSED_TENSORS_REFUSAL``):
+their MoE parameters' mapping to refitd's names is not verified yet.
 """
 
 from __future__ import annotations
