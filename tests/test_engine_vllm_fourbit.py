@@ -1,15 +1,18 @@
-"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4 loads refitd's NVFP4 generations on CPU (``make test-engines``).
+"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4 and compressed-tensors INT4 W4A16 loads refitd's
+4-bit generations on CPU (``make test-engines``).
 
 Built as tests/test_engine_vllm_models.py builds its engines (``tests/support/vllm_models.py``: the
 real ``Qwen3MoeForCausalLM``, ``ModelOptNvFp4Config`` from ``vllm_engine_args``' quantization config,
 ``ModelOptNvFp4FusedMoE``, the real weight loaders, ``process_weights_after_loading`` and layerwise
-reload). **What is replaced**: only the MoE kernel backend choice, as for FP8:
-``select_nvfp4_moe_backend`` answers EMULATION (vLLM's own Triton experts that dequantize NVFP4,
-its path on GPUs without native FP4; no kernel runs here), whose weight processing is pure torch.
+reload; ``CompressedTensorsWNA16MoEMethod`` for INT4). **What is replaced**: only the MoE kernel backend
+choice, as for FP8: ``select_nvfp4_moe_backend`` and ``select_wna16_moe_backend`` answer EMULATION
+(vLLM's own Triton experts that dequantize NVFP4 / INT4, its path on GPUs without native kernels; no
+kernel runs here), whose weight processing is pure torch.
 
-Checks: attach with the manifest of the real parameters (``.weight`` uint8 ``[I, H/2]``,
-``.weight_scale`` fp8 ``[I, H/16]``, ``.weight_scale_2`` float32 0-d per expert; the static
-``input_scale`` not published but carried); the real ``load_weights`` takes a refitd generation
+Checks: attach with the manifest of the real parameters (NVFP4: ``.weight`` uint8 ``[I, H/2]``,
+``.weight_scale`` fp8 ``[I, H/16]``, ``.weight_scale_2`` float32 0-d per expert, the static
+``input_scale`` not published but carried; INT4: ``.weight_packed`` int32 ``[I, H/8]``,
+``.weight_scale`` bf16 ``[I, H/32]``, ``.weight_shape`` int64 ``[2]``); the real ``load_weights`` takes a refitd generation
 byte for byte; two generations reloaded layerwise keep every parameter object and equal vLLM's own
 load of the generation plus the engine's calibrated activation scales; K multiples refused.
 """
@@ -33,6 +36,8 @@ from sidecar.plan.run import convert
 pytestmark = pytest.mark.engine
 
 EXPERTS = 4
+#: attention KV-cache scales (and compressed-tensors' zero points): engine state no checkpoint carries
+_KV = ("q_scale", "k_scale", "v_scale", "prob_scale", "q_zero_point", "k_zero_point", "v_zero_point")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +54,11 @@ def vm():
     return vllm_models
 
 
-def _calibrated(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _calibrated(model: torch.nn.Module, fmt: Format) -> dict[str, torch.Tensor]:
     """Static activation scales as a calibrated ModelOpt checkpoint holds them (they differ per expert)."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
+    if fmt is not Format.NVFP4:  # W4A16: no activation scales
+        return out
     for name, module in model.named_modules():
         if hasattr(module, "w13_input_scale"):
             moe = name.replace(".routed_experts", "")
@@ -63,20 +70,20 @@ def _calibrated(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class Nvfp4Engine:
-    def __init__(self, vm, root: Path):
-        self.vm, self.fmt = vm, Format.NVFP4
-        self.folder = vm.write_config(root, "qwen3_moe")
+class FourBitEngine:
+    def __init__(self, vm, root: Path, fmt: str):
+        self.vm, self.fmt = vm, Format.parse(fmt)
+        self.folder = vm.write_config(root / fmt, "qwen3_moe")
         self.hf = vm.config_dict(self.folder)
         self.plan_hf = normalize_hf_config(self.hf)
         self.layers = get_model(model_type_of(self.hf)).num_hidden_layers(self.hf)
-        self.spec = RefitSpec(model_type="qwen3_moe", fmt="nvfp4", num_hidden_layers=self.layers)
+        self.spec = RefitSpec(model_type="qwen3_moe", fmt=fmt, num_hidden_layers=self.layers)
         self.args = av.vllm_engine_args(self.spec, self.hf)
         self.config = vm.vllm_config(self.folder, self.args)
         vm.init_distributed(self.config)
         # the engine as a calibrated NVFP4 checkpoint leaves it: its first load is vLLM's own
         self.model = vm.build_model(self.config)
-        self.calibrated = _calibrated(self.model)
+        self.calibrated = _calibrated(self.model, self.fmt)
         self.model.load_weights(
             av.ordered_weights({**self._generation(0, manifest=False), **self.calibrated})
         )
@@ -100,9 +107,15 @@ class Nvfp4Engine:
     generation = _generation
 
 
-@pytest.fixture(scope="module")
-def engine(vm, tmp_path_factory) -> Nvfp4Engine:
-    return Nvfp4Engine(vm, tmp_path_factory.mktemp("vllm-nvfp4"))
+FORMATS = ("nvfp4", "int4_w4a16")
+_ENGINES: dict[str, FourBitEngine] = {}
+
+
+@pytest.fixture(params=FORMATS)
+def engine(vm, tmp_path_factory, request) -> FourBitEngine:
+    if request.param not in _ENGINES:
+        _ENGINES[request.param] = FourBitEngine(vm, tmp_path_factory.mktemp("vllm-4bit"), request.param)
+    return _ENGINES[request.param]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -113,35 +126,45 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
 
 
-def test_nvfp4_engine_args_and_manifest_of_the_real_parameters(engine):
-    assert engine.args["quantization"] == "modelopt_fp4"
-    assert engine.args["hf_overrides"]["quantization_config"]["quant_algo"] == "NVFP4"
+def test_four_bit_engine_args_and_manifest_of_the_real_parameters(engine):
+    qc = engine.args["hf_overrides"]["quantization_config"]
+    if engine.fmt is Format.NVFP4:
+        assert engine.args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
+        method = "ModelOptNvFp4FusedMoE"
+    else:
+        assert engine.args["quantization"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+        method = "CompressedTensorsWNA16MoEMethod"
     manifest = engine.manifest()
-    assert manifest.expert_format is Format.NVFP4
+    assert manifest.expert_format is engine.fmt
     assert manifest.info["param_source"] == av.PARAM_SOURCE_LAYERWISE
-    assert "ModelOptNvFp4FusedMoE" in manifest.moe_backend
+    assert method in manifest.moe_backend, manifest.moe_backend
     assert av.check_vllm_constraints(manifest, engine.hf) == []
     params = get_model("qwen3_moe").parameters(engine.plan_hf, include_mtp=True, include_vision=False)
     check = check_manifest(params, engine.spec, manifest)
     assert check.ok, check.message("vllm")
     by = manifest.by_name()
+
+    def has(name, dtype, shape):
+        assert (by[name].dtype, by[name].shape) == (dtype, shape), (name, by[name])
+
     h, i = engine.hf["hidden_size"], engine.hf["moe_intermediate_size"]
     for layer in range(engine.layers):
         for e in range(EXPERTS):
             for proj, (out, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
                 m = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
-                assert (by[f"{m}.weight"].dtype, by[f"{m}.weight"].shape) == (torch.uint8, (out, k // 2))
-                assert (by[f"{m}.weight_scale"].dtype, by[f"{m}.weight_scale"].shape) == (
-                    FP8_DTYPE,
-                    (out, k // 16),
-                )
-                assert (by[f"{m}.weight_scale_2"].dtype, by[f"{m}.weight_scale_2"].shape) == (
-                    torch.float32,
-                    (),
-                )
-                assert f"{m}.input_scale" not in by  # not published: carried over from the engine
-    assert manifest.info["carried_input_scales"] == engine.layers * EXPERTS * 3
-    # the attention, router and head stay BF16 (excluded from ModelOpt exactly as refitd keeps them)
+                if engine.fmt is Format.NVFP4:
+                    has(f"{m}.weight", torch.uint8, (out, k // 2))
+                    has(f"{m}.weight_scale", FP8_DTYPE, (out, k // 16))
+                    has(f"{m}.weight_scale_2", torch.float32, ())
+                    assert f"{m}.input_scale" not in by  # not published: carried over from the engine
+                else:
+                    has(f"{m}.weight_packed", torch.int32, (out, k // 8))
+                    has(f"{m}.weight_scale", torch.bfloat16, (out, k // 32))
+                    has(f"{m}.weight_shape", torch.int64, (2,))
+                    assert f"{m}.weight" not in by
+    carried = engine.layers * EXPERTS * 3 if engine.fmt is Format.NVFP4 else 0
+    assert manifest.info["carried_input_scales"] == carried
+    # the attention, router and head stay BF16 (excluded exactly as refitd keeps them)
     assert by["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert by["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
 
@@ -153,7 +176,7 @@ def _expected(name: str, param: torch.Tensor, gen: dict[str, torch.Tensor]) -> t
     if not sep:
         module, _, leaf = name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if leaf in ("q_scale", "k_scale", "v_scale", "prob_scale"):
+        if leaf in _KV:
             return None
         if proj == "qkv_proj":
             return torch.cat([gen[f"{parent}.{s}.{leaf}"] for s in ("q_proj", "k_proj", "v_proj")])
@@ -164,10 +187,12 @@ def _expected(name: str, param: torch.Tensor, gen: dict[str, torch.Tensor]) -> t
     rows = [[gen[f"{moe}.{x}.{p}.{leaf}"] for p in projs] for x in range(param.shape[0])]
     if leaf in ("weight_scale_2", "input_scale"):  # per expert 0-d: [E, 2] / [E]
         return torch.stack([torch.stack([t.reshape(()) for t in row]) for row in rows]).reshape(param.shape)
+    if leaf == "weight_shape":  # per expert int64 [2], copied into the engine's params_dtype [E, 2]
+        return torch.stack([row[0] for row in rows]).to(param.dtype)
     return torch.stack([torch.cat(row) for row in rows])
 
 
-def test_real_load_weights_takes_an_nvfp4_generation_byte_for_byte(engine):
+def test_real_load_weights_takes_a_four_bit_generation_byte_for_byte(engine):
     gen = {**engine.generation(1), **engine.calibrated}
     model = engine.vm.build_model(engine.config)
     model.load_weights(av.ordered_weights(gen))
@@ -183,20 +208,23 @@ def test_real_load_weights_takes_an_nvfp4_generation_byte_for_byte(engine):
             )
     assert not wrong, "\n".join(wrong)
     assert checked >= 20
-    w13 = dict(model.named_parameters())["model.layers.0.mlp.experts.routed_experts.w13_weight"]
-    assert w13.dtype == torch.uint8 and not torch.equal(w13, torch.zeros_like(w13))
+    params = dict(model.named_parameters())
+    w13 = params.get("model.layers.0.mlp.experts.routed_experts.w13_weight")
+    if w13 is None:
+        w13 = params["model.layers.0.mlp.experts.routed_experts.w13_weight_packed"]
+    assert w13.dtype in (torch.uint8, torch.int32) and not torch.equal(w13, torch.zeros_like(w13))
 
 
-def test_two_nvfp4_generations_reload_in_place_carrying_the_activation_scales(engine):
+def test_two_four_bit_generations_reload_in_place_carrying_the_activation_scales(engine):
     model = engine.model
     before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
     held = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("input_scale")}
-    assert held
     carried = carried_input_scales(model.named_modules())
-    assert len(carried) == engine.layers * EXPERTS * 3
+    nvfp4 = engine.fmt is Format.NVFP4
+    assert bool(held) == nvfp4 and len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
     for seed in (2, 3):
         gen = engine.generation(seed)
-        av.load_generation(engine.worker, gen, Format.NVFP4)
+        av.load_generation(engine.worker, gen, engine.fmt)
         after = dict(model.named_parameters())
         assert after.keys() == before.keys()
         moved = [n for n, (p, ptr) in before.items() if after[n] is not p or after[n].data_ptr() != ptr]
@@ -208,21 +236,19 @@ def test_two_nvfp4_generations_reload_in_place_carrying_the_activation_scales(en
         reference.load_weights(av.ordered_weights({**gen, **engine.calibrated}))
         engine.vm.process(engine.config, reference)
         ref = dict(reference.named_parameters())
-        differ = [
-            n
-            for n, p in after.items()
-            if not n.endswith(("q_scale", "k_scale", "v_scale", "prob_scale")) and not _same(p, ref[n])
-        ]
+        differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
         assert not differ, f"the reload differs from vLLM's own load of the same generation: {differ[:5]}"
 
 
-def test_nvfp4_k_multiples_are_refused_naming_the_fix(engine):
+def test_four_bit_k_multiples_are_refused_naming_the_fix(engine):
     manifest = engine.manifest()
-    bad_i = {**engine.hf, "moe_intermediate_size": 136}  # 136 % 16 == 8
+    k = 16 if engine.fmt is Format.NVFP4 else 32
+    bad_i = {**engine.hf, "moe_intermediate_size": 136}  # 136 % 16 == 136 % 32 == 8
     problems = av.check_vllm_constraints(manifest, bad_i)
-    assert any("nvfp4" in p and "multiple of 16" in p and "tensor_parallel_size" in p for p in problems), (
+    fmt = engine.fmt.value
+    assert any(fmt in p and f"multiple of {k}" in p and "tensor_parallel_size" in p for p in problems), (
         problems
     )
     bad_h = {**engine.hf, "hidden_size": 264}
     problems = av.check_vllm_constraints(manifest, bad_h)
-    assert any("hidden_size = 264" in p and "multiple of 16" in p for p in problems), problems
+    assert any("hidden_size = 264" in p and f"multiple of {k}" in p for p in problems), problems

@@ -109,6 +109,10 @@ def test_vllm_gives_four_bit_args_and_trtllm_refuses_plainly(fmt):
         assert args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
         assert resolve_quant(qc).fmt is Format.NVFP4 and resolve_quant(qc).static_activations
         ignored = qc["exclude_modules"]
+    elif fmt == "int4_w4a16":
+        assert args["quantization"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+        assert resolve_quant(qc).fmt is Format.INT4_W4A16
+        ignored = qc["ignore"]
     else:
         assert args["quantization"] == "compressed-tensors"
         with pytest.raises(ValueError, match="compressed-tensors") as exc:

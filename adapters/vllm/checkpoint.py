@@ -20,7 +20,7 @@ from adapters.vllm.quant import (
     VllmQuant,
     resolve_quant,
 )
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import FP8_DTYPE, INT4_PACK, Format
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
@@ -46,6 +46,10 @@ def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -
         return Format.MXFP8.scale_shape(weight_shape)
     if leaf == "weight_scale" and dtype == FP8_DTYPE:  # NVFP4's FP8 block scales, one per 16
         return Format.NVFP4.scale_shape(weight_shape)
+    if leaf == "weight_scale" and dtype in (torch.bfloat16, torch.float16):  # INT4's group scales
+        return Format.INT4_W4A16.scale_shape(weight_shape)
+    if leaf == "weight_shape":  # compressed-tensors' unpacked [out, in], int64
+        return (2,)
     return ()  # per-tensor weight_scale, NVFP4's weight_scale_2, input_scale
 
 
@@ -54,6 +58,8 @@ _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
 #: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
 #: the engine's current values over into every reload (``adapters.vllm.worker``)
 CARRIED_LEAVES = frozenset({"input_scale"})
+#: 4-bit values per stored element along K of an engine's packed expert weight
+_PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
 
 class _Builder:
@@ -109,14 +115,16 @@ class _Builder:
         self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]], **dims: Any
     ) -> None:
         """One MoE layer's ``w13_*`` / ``w2_*`` parameters -> per-expert checkpoint tensors."""
-        w13, w2 = params.get(("w13", "weight")), params.get(("w2", "weight"))
+        w13 = params.get(("w13", "weight")) or params.get(("w13", "weight_packed"))
+        w2 = params.get(("w2", "weight")) or params.get(("w2", "weight_packed"))
         if w13 is None or w2 is None or len(w13[1]) != 3 or len(w2[1]) != 3:
             self.problems.append(f"{moe}: expected 3-D w13_weight and w2_weight, got {w13} / {w2}")
             return
         ckpt_moe = checkpoint_name(moe)
         w13_shape, w2_shape = w13[1], w2[1]
-        if self.fmt is Format.NVFP4 and w13[0] not in _UNQUANTIZED:  # two E2M1 codes a byte along K
-            w13_shape, w2_shape = (*w13_shape[:2], 2 * w13_shape[2]), (*w2_shape[:2], 2 * w2_shape[2])
+        per = _PACKED_PER_ELEMENT.get(self.fmt, 1) if w13[0] not in _UNQUANTIZED else 1
+        if per > 1:  # two E2M1 codes a byte (NVFP4), eight INT4 nibbles an int32 (pack-quantized) along K
+            w13_shape, w2_shape = (*w13_shape[:2], per * w13_shape[2]), (*w2_shape[:2], per * w2_shape[2])
         e, i, h = self._expert_dims(ckpt_moe, w13_shape, w2_shape, **dims)
         if w13[0] in _UNQUANTIZED:  # held unquantized: the checkpoint form the loader takes
             slab = f"{ckpt_moe}.gate_up_proj"
@@ -128,11 +136,13 @@ class _Builder:
         for x in range(e):
             for w, projs in EXPERT_PROJS.items():
                 shape = (i, h) if w == "w13" else (h, i)
-                dtype = params[(w, "weight")][0]
-                packed = self.fmt.weight_shape(shape) if self.fmt is Format.NVFP4 else shape
+                dtype = (params.get((w, "weight")) or params[(w, "weight_packed")])[0]
+                four_bit = self.fmt.four_bit and dtype not in _UNQUANTIZED
+                packed = self.fmt.weight_shape(shape) if four_bit else shape
+                suffix = self.fmt.weight_suffix if four_bit else "weight"
                 for proj in projs:
                     module = f"{ckpt_moe}.{x}.{proj}"
-                    self.add(f"{module}.weight", dtype, packed)
+                    self.add(f"{module}.{suffix}", dtype, packed)
                     if dtype in _UNQUANTIZED:
                         self.keep_bf16.append(module)
                         continue
@@ -143,6 +153,8 @@ class _Builder:
                             self.carried.append(f"{module}.{leaf}")
                             continue
                         sdtype = params[(w, leaf)][0]
+                        if leaf == "weight_shape":  # held as params_dtype; the loader copies int64 in
+                            sdtype = torch.int64
                         self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
 
     def _expert_dims(
@@ -284,7 +296,7 @@ def _experts_match(engine_name: str) -> tuple[str, str, str] | None:
     if len(parts) != 1 or "_" not in parts[0]:
         return None
     w, _, leaf = parts[0].partition("_")
-    if w not in EXPERT_PROJS or leaf not in ("weight", *SCALE_LEAVES):
+    if w not in EXPERT_PROJS or leaf not in ("weight", "weight_packed", *SCALE_LEAVES):
         return None
     return f"{head}.mlp.experts", w, leaf
 
@@ -295,6 +307,7 @@ def _default_backend(quant: VllmQuant) -> str:
         Format.FP8_PER_TENSOR: "Fp8MoEMethod",
         Format.MXFP8: "ModelOptMxFp8FusedMoE",
         Format.NVFP4: "ModelOptNvFp4FusedMoE",
+        Format.INT4_W4A16: "CompressedTensorsWNA16MoEMethod",
         Format.BF16: "UnquantizedFusedMoEMethod",
     }[quant.fmt]
 

@@ -30,9 +30,21 @@ ENGINE_TO_CHECKPOINT = (
     ("visual.", "model.visual."),
 )
 #: attention KV-cache scales: engine parameters no refit publishes
-KV_SCALE_LEAVES = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "kv_scale"})
+KV_SCALE_LEAVES = frozenset(
+    # compressed-tensors' attention adds zero points (CompressedTensorsKVCacheMethod), no checkpoint's
+    {
+        "k_scale",
+        "v_scale",
+        "q_scale",
+        "prob_scale",
+        "kv_scale",
+        "q_zero_point",
+        "k_zero_point",
+        "v_zero_point",
+    }
+)
 EXPERT_PROJS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
-SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_scale_2")
+SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_scale_2", "weight_shape")
 MXFP8_ALIGN = 32  # vLLM ModelOpt MXFP8 MoE: H and I/tp multiples of 32
 BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: the whole I a multiple of block_n = 128
 #: vLLM 0.33.0 refines the 128-block of a TP shard to gcd(128, I/tp, H) when that is at least 32
@@ -70,9 +82,9 @@ PARAM_SOURCE_LIVE = "live_parameters"
 
 #: what an attach of a compressed-tensors (MXFP4 / INT4 W4A16) engine is refused with
 COMPRESSED_TENSORS_REFUSAL = (
-    "vLLM runs compressed-tensors (int4_w4a16 / mxfp4) experts, whose refit is not verified yet: the "
-    "manifest of its MoE parameters (w13_weight_packed, w13_weight_scale, w13_weight_shape) is not mapped "
-    "to refitd's names; refit this engine in nvfp4 (vllm_engine_args gives ModelOpt NVFP4) or in an FP8 format"
+    "vLLM runs compressed-tensors experts other than INT4 W4A16 (e.g. mxfp4), whose refit is not verified "
+    "yet: the manifest of their MoE parameters is not mapped to refitd's names; refit this engine in nvfp4 "
+    "(vllm_engine_args gives ModelOpt NVFP4), int4_w4a16 or an FP8 format"
 )
 
 
@@ -107,7 +119,11 @@ def resolve_quant(quant_config: Any) -> VllmQuant:
     if kind == "ModelOptMxFp8Config":
         return VllmQuant(Format.MXFP8, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ()))
     if kind == "CompressedTensorsConfig":
-        raise ValueError(COMPRESSED_TENSORS_REFUSAL)
+        schemes = getattr(quant_config, "target_scheme_map", {}) or {}
+        kinds = [
+            str(getattr(s.get("weights"), "type", "")) for s in schemes.values() if isinstance(s, Mapping)
+        ]
+        return _compressed_tensors(kinds, getattr(quant_config, "ignore", ()) or ())
     if kind == "ModelOptNvFp4Config":
         # W4A4: the experts hold static activation scales (w13/w2_input_scale), carried over per reload
         ignored = tuple(getattr(quant_config, "exclude_modules", ()) or ())
@@ -133,10 +149,20 @@ def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
             return VllmQuant(Format.NVFP4, "modelopt", ignored, static_activations=True)
         return VllmQuant(Format.MXFP8, "modelopt", ignored)
     if method == "compressed-tensors":
-        raise ValueError(COMPRESSED_TENSORS_REFUSAL)
+        groups = cfg.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
+        return _compressed_tensors([str(w.get("type", "")) for w in weights], cfg.get("ignore") or ())
     raise ValueError(
         f"quantization_config quant_method {method!r}: refitd's vLLM adapter knows fp8 and modelopt"
     )
+
+
+def _compressed_tensors(weight_types: list[str], ignored: Iterable[str]) -> VllmQuant:
+    """compressed-tensors: INT4 W4A16 (``pack-quantized``) is refitted; MXFP4 is refused (not verified)."""
+    types = {t.lower().rsplit(".", 1)[-1] for t in weight_types}
+    if types == {"int"}:
+        return VllmQuant(Format.INT4_W4A16, "compressed-tensors", tuple(ignored))
+    raise ValueError(COMPRESSED_TENSORS_REFUSAL)
 
 
 def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuant:

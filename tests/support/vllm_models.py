@@ -12,7 +12,8 @@ What is replaced, because vLLM cannot make the choice without a GPU (no kernel e
   CPU without AMX and ``unquantized_fused_moe_method.select_unquantized_moe_backend`` answers CPU
   (whose ops the CUDA wheel lacks); both are made to answer TRITON, the layout Hopper uses;
 * NVFP4's MoE backend choice (``oracle/nvfp4.py select_nvfp4_moe_backend``) answers EMULATION, vLLM's
-  Triton experts that dequantize on the fly (no NVFP4 kernel class reports a CPU as supported);
+  Triton experts that dequantize on the fly (no NVFP4 kernel class reports a CPU as supported); INT4
+  W4A16's (``oracle/int_wna16.py select_wna16_moe_backend``) answers EMULATION likewise;
 * per-tensor FP8's requantization of w1/w3 to one scale in ``process_weights_after_loading``
   (``_custom_ops.scaled_fp8_quant``, a ``vllm._C`` op that cannot load against the CPU torch) is the
   same arithmetic in torch;
@@ -96,6 +97,21 @@ def _replace_nvfp4_backend_choice() -> None:
         return backend, nvfp4_oracle.backend_to_kernel_cls(backend)[0]
 
     modelopt.select_nvfp4_moe_backend = nvfp4_emulation
+
+    # INT4 W4A16 the same: ``oracle/int_wna16.py select_wna16_moe_backend`` -> EMULATION
+    # (``Int4EmulationTritonExperts``: the int4 weights dequantized to BF16 in process_weights_after_loading)
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    def wna16_emulation(
+        config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False
+    ):
+        backend = int_wna16.WNA16MoEBackend.EMULATION
+        return backend, int_wna16.backend_to_kernel_cls(backend)[0]
+
+    ct_wna16.select_wna16_moe_backend = wna16_emulation
 
 
 def _replace_static_fp8_quant() -> None:
