@@ -252,3 +252,45 @@ def test_four_bit_k_multiples_are_refused_naming_the_fix(engine):
     bad_h = {**engine.hf, "hidden_size": 264}
     problems = av.check_vllm_constraints(manifest, bad_h)
     assert any("hidden_size = 264" in p and f"multiple of {k}" in p for p in problems), problems
+
+
+def test_mxfp4_manifest_and_load_weights_on_the_real_unprocessed_class(vm, tmp_path):
+    """compressed-tensors MXFP4: the real ``CompressedTensorsW4A4Mxfp4MoEMethod`` parameters map to
+    ``.weight_packed`` uint8 ``[I, H/2]`` + ``.weight_scale`` uint8 ``[I, H/32]``, attach passes the daemon's
+    check, and the real ``load_weights`` takes the generation byte for byte. Not run here: its
+    ``process_weights_after_loading`` (on a GPU without native FP4 it repacks for Marlin with
+    ``gptq_marlin_repack``, a ``vllm._C`` op that does not load against the CPU torch), hence no reload."""
+    folder = vm.write_config(tmp_path, "qwen3_moe")
+    hf = vm.config_dict(folder)
+    layers = get_model("qwen3_moe").num_hidden_layers(hf)
+    spec = RefitSpec(model_type="qwen3_moe", fmt="mxfp4", num_hidden_layers=layers)
+    args = av.vllm_engine_args(spec, hf)
+    config = vm.vllm_config(folder, args)
+    vm.init_distributed(config)
+    model = vm.build_model(config)
+    params = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
+    manifest = av.build_manifest(params, hf, config.quant_config)
+    assert manifest.expert_format is Format.MXFP4
+    assert av.check_vllm_constraints(manifest, hf) == []
+    plan_hf = normalize_hf_config(hf)
+    inputs = get_model("qwen3_moe").parameters(plan_hf, include_mtp=True, include_vision=False)
+    check = check_manifest(inputs, spec, manifest)
+    assert check.ok, check.message("vllm")
+    by = manifest.by_name()
+    h, i = hf["hidden_size"], hf["moe_intermediate_size"]
+    m = "model.layers.1.mlp.experts.3.down_proj"
+    assert (by[f"{m}.weight_packed"].dtype, by[f"{m}.weight_packed"].shape) == (torch.uint8, (h, i // 2))
+    assert (by[f"{m}.weight_scale"].dtype, by[f"{m}.weight_scale"].shape) == (torch.uint8, (h, i // 32))
+    g = torch.Generator().manual_seed(5)
+    state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in inputs}
+    gen = convert(state, spec, keep_bf16=check.keep_bf16)
+    model.load_weights(av.ordered_weights(gen))
+    wrong, checked = [], 0
+    for name, p in model.named_parameters():
+        want = _expected(name, p, gen)
+        if want is None:
+            continue
+        checked += 1
+        if not _same(p, want):
+            wrong.append(name)
+    assert not wrong and checked >= 20, wrong

@@ -109,16 +109,15 @@ def test_vllm_gives_four_bit_args_and_trtllm_refuses_plainly(fmt):
         assert args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
         assert resolve_quant(qc).fmt is Format.NVFP4 and resolve_quant(qc).static_activations
         ignored = qc["exclude_modules"]
-    elif fmt == "int4_w4a16":
-        assert args["quantization"] == "compressed-tensors" and qc["format"] == "pack-quantized"
-        assert resolve_quant(qc).fmt is Format.INT4_W4A16
-        ignored = qc["ignore"]
     else:
         assert args["quantization"] == "compressed-tensors"
-        with pytest.raises(ValueError, match="compressed-tensors") as exc:
-            resolve_quant(qc)  # the manifest of such an engine: refused at attach, naming the fix
-        assert str(exc.value) == COMPRESSED_TENSORS_REFUSAL and "nvfp4" in str(exc.value)
+        want = "pack-quantized" if fmt == "int4_w4a16" else "mxfp4-pack-quantized"
+        assert qc["format"] == want and resolve_quant(qc).fmt is Format.parse(fmt)
         ignored = qc["ignore"]
+        unknown = {**qc, "config_groups": {"g": {"weights": {"type": "other"}}}}
+        with pytest.raises(ValueError, match="compressed-tensors") as exc:
+            resolve_quant(unknown)  # a scheme refitd does not publish: refused at attach, naming the fix
+        assert str(exc.value) == COMPRESSED_TENSORS_REFUSAL and "nvfp4" in str(exc.value)
     assert "lm_head" in ignored and not any(".mlp.experts" in m for m in ignored)  # as for FP8
     with pytest.raises(ValueError, match=f"TensorRT-LLM adapter has no verified engine arguments.*{fmt}"):
         trtllm_llm_args(spec, CONFIG)

@@ -59,7 +59,7 @@ _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
 #: the engine's current values over into every reload (``adapters.vllm.worker``)
 CARRIED_LEAVES = frozenset({"input_scale"})
 #: 4-bit values per stored element along K of an engine's packed expert weight
-_PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.INT4_W4A16: INT4_PACK}
+_PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
 
 class _Builder:
@@ -308,6 +308,7 @@ def _default_backend(quant: VllmQuant) -> str:
         Format.MXFP8: "ModelOptMxFp8FusedMoE",
         Format.NVFP4: "ModelOptNvFp4FusedMoE",
         Format.INT4_W4A16: "CompressedTensorsWNA16MoEMethod",
+        Format.MXFP4: "CompressedTensorsW4A4Mxfp4MoEMethod",
         Format.BF16: "UnquantizedFusedMoEMethod",
     }[quant.fmt]
 

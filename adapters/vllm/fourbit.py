@@ -4,9 +4,9 @@ compressed-tensors ``pack-quantized`` INT4 W4A16 and ``mxfp4-pack-quantized`` MX
 
 ``adapters.vllm.args.vllm_engine_args`` returns them. What is verified: vLLM 0.33's own config classes
 parse these dicts into the intended schemes (tests/test_vllm_fourbit.py), and for NVFP4 the real
-Qwen3-MoE attaches, loads and reloads refitd's generations in NVFP4 and INT4 W4A16
-(tests/test_engine_vllm_fourbit.py). A compressed-tensors MXFP4 engine is refused at attach
-(``adapters.vllm.quant.COMPRESSED_TENSORS_REFUSAL``): its MoE parameters' mapping is not verified yet.
+Qwen3-MoE attaches, loads and reloads refitd's generations in NVFP4 and INT4 W4A16; in MXFP4 it
+attaches and ``load_weights`` takes them byte for byte, but its processing (Marlin repack, a compiled
+op) and so its reload do not run on CPU (tests/test_engine_vllm_fourbit.py).
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ PARAM_SOURCE_LIVE = "live_parameters"
 
 #: what an attach of a compressed-tensors (MXFP4 / INT4 W4A16) engine is refused with
 COMPRESSED_TENSORS_REFUSAL = (
-    "vLLM runs compressed-tensors experts other than INT4 W4A16 (e.g. mxfp4), whose refit is not verified "
-    "yet: the manifest of their MoE parameters is not mapped to refitd's names; refit this engine in nvfp4 "
-    "(vllm_engine_args gives ModelOpt NVFP4), int4_w4a16 or an FP8 format"
+    "vLLM runs a compressed-tensors scheme refitd does not publish (refitd's are int4_w4a16 "
+    "pack-quantized and mxfp4-pack-quantized); start the engine with vllm_engine_args() for nvfp4, "
+    "int4_w4a16, mxfp4 or an FP8 format"
 )
 
 
@@ -158,10 +158,12 @@ def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
 
 
 def _compressed_tensors(weight_types: list[str], ignored: Iterable[str]) -> VllmQuant:
-    """compressed-tensors: INT4 W4A16 (``pack-quantized``) is refitted; MXFP4 is refused (not verified)."""
+    """compressed-tensors: INT4 W4A16 (``pack-quantized``) or MXFP4 (``mxfp4-pack-quantized``) experts."""
     types = {t.lower().rsplit(".", 1)[-1] for t in weight_types}
     if types == {"int"}:
         return VllmQuant(Format.INT4_W4A16, "compressed-tensors", tuple(ignored))
+    if types == {"float"}:  # mxfp4-pack-quantized: E2M1 codes, E8M0 scales per 32
+        return VllmQuant(Format.MXFP4, "compressed-tensors", tuple(ignored))
     raise ValueError(COMPRESSED_TENSORS_REFUSAL)
 
 
