@@ -574,8 +574,12 @@ def test_resolve_quant_from_dicts_and_resolved_classes():
     assert av.resolve_quant(legacy).ignored == ("b",)
     with pytest.raises(ValueError, match="128x128"):
         av.resolve_quant({"quant_method": "fp8", "weight_block_size": [1, 128]})
-    with pytest.raises(ValueError, match="NVFP4"):
-        av.resolve_quant({"quant_method": "modelopt", "quant_algo": "NVFP4"})
+    nvfp4 = av.resolve_quant({"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["x"]})
+    assert (nvfp4.fmt, nvfp4.ignored, nvfp4.static_activations) == (Format.NVFP4, ("x",), True)
+    with pytest.raises(ValueError, match="W4A8_AWQ"):
+        av.resolve_quant({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"})
+    with pytest.raises(ValueError, match="compressed-tensors"):
+        av.resolve_quant({"quant_method": "compressed-tensors", "format": "pack-quantized"})
 
     Fp8Config = type(
         "Fp8Config",

@@ -92,18 +92,33 @@ def test_deepseek_engine_refuses_four_bit():
 
 
 # --------------------------------------------------------------------------------------------------
-# engines with no verified 4-bit loader arguments yet refuse them, naming the format
+# vLLM takes the 4-bit formats (ModelOpt NVFP4, compressed-tensors W4A16 / MXFP4); TensorRT-LLM refuses them
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_vllm_and_trtllm_adapters_refuse_four_bit_plainly(fmt):
+def test_vllm_gives_four_bit_args_and_trtllm_refuses_plainly(fmt):
     from adapters.trtllm.args import trtllm_llm_args
     from adapters.trtllm.backends import backend_refusal
     from adapters.vllm.args import vllm_engine_args
+    from adapters.vllm.quant import COMPRESSED_TENSORS_REFUSAL, resolve_quant
 
     spec = RefitSpec(model_type=MODEL, fmt=fmt)
-    with pytest.raises(ValueError, match=f"vLLM adapter has no verified engine arguments.*{fmt}"):
-        vllm_engine_args(spec, CONFIG)
+    args = vllm_engine_args(spec, CONFIG)
+    qc = args["hf_overrides"]["quantization_config"]
+    if fmt == "nvfp4":
+        assert args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
+        assert resolve_quant(qc).fmt is Format.NVFP4 and resolve_quant(qc).static_activations
+        ignored = qc["exclude_modules"]
+    else:
+        assert args["quantization"] == "compressed-tensors"
+        want = "pack-quantized" if fmt == "int4_w4a16" else "mxfp4-pack-quantized"
+        assert qc["format"] == want and resolve_quant(qc).fmt is Format.parse(fmt)
+        ignored = qc["ignore"]
+        unknown = {**qc, "config_groups": {"g": {"weights": {"type": "other"}}}}
+        with pytest.raises(ValueError, match="compressed-tensors") as exc:
+            resolve_quant(unknown)  # a scheme refitd does not publish: refused at attach, naming the fix
+        assert str(exc.value) == COMPRESSED_TENSORS_REFUSAL and "nvfp4" in str(exc.value)
+    assert "lm_head" in ignored and not any(".mlp.experts" in m for m in ignored)  # as for FP8
     with pytest.raises(ValueError, match=f"TensorRT-LLM adapter has no verified engine arguments.*{fmt}"):
         trtllm_llm_args(spec, CONFIG)
     assert "TensorRT-LLM adapter" in backend_refusal(fmt, "CutlassFusedMoE", 100)

@@ -9,8 +9,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from adapters.vllm.fourbit import four_bit_quantization
 from adapters.vllm.quant import WORKER_EXTENSION
-from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
+from sidecar.numerics.formats import BLOCK, Format
 from sidecar.plan.build import RefitSpec
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 
@@ -91,7 +92,8 @@ def vllm_engine_args(
         args["language_model_only"] = True
     fmt = spec.format
     if fmt.four_bit:
-        raise ValueError(FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="vLLM"))
+        quantization, qc4 = four_bit_quantization(fmt, ignored)
+        return {**args, "quantization": quantization, "hf_overrides": {"quantization_config": qc4}}
     if fmt is Format.BF16:
         return {**args, "quantization": None}
     if fmt is Format.MXFP8:

@@ -20,13 +20,13 @@ from adapters.vllm.quant import (
     VllmQuant,
     resolve_quant,
 )
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import FP8_DTYPE, INT4_PACK, Format
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
 
 
-def _checkpoint_name(engine_name: str) -> str:
+def checkpoint_name(engine_name: str) -> str:
     name = engine_name.replace(".base_layer.", ".")
     for engine_prefix, ckpt_prefix in ENGINE_TO_CHECKPOINT:
         if name.startswith(engine_prefix):
@@ -39,11 +39,27 @@ def _dtype(value: torch.dtype | str) -> torch.dtype:
 
 
 def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A scale's checkpoint shape from the unpacked ``[out, in]`` weight shape it scales."""
     if leaf == "weight_scale_inv":
         return Format.BLOCK_FP8.scale_shape(weight_shape)
     if leaf == "weight_scale" and dtype == torch.uint8:
         return Format.MXFP8.scale_shape(weight_shape)
-    return ()  # per-tensor weight_scale, input_scale
+    if leaf == "weight_scale" and dtype == FP8_DTYPE:  # NVFP4's FP8 block scales, one per 16
+        return Format.NVFP4.scale_shape(weight_shape)
+    if leaf == "weight_scale" and dtype in (torch.bfloat16, torch.float16):  # INT4's group scales
+        return Format.INT4_W4A16.scale_shape(weight_shape)
+    if leaf == "weight_shape":  # compressed-tensors' unpacked [out, in], int64
+        return (2,)
+    return ()  # per-tensor weight_scale, NVFP4's weight_scale_2, input_scale
+
+
+#: routed-expert parameter dtypes of an expert layer vLLM holds unquantized
+_UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
+#: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
+#: the engine's current values over into every reload (``adapters.vllm.worker``)
+CARRIED_LEAVES = frozenset({"input_scale"})
+#: 4-bit values per stored element along K of an engine's packed expert weight
+_PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
 
 class _Builder:
@@ -53,6 +69,9 @@ class _Builder:
         self.ckpt = ckpt
         self.dtypes = dtypes
         self.tensors: dict[str, ManifestTensor] = {}
+        #: the routed-expert format (NVFP4: ``.weight`` is packed uint8 ``[out, in/2]``)
+        self.fmt = Format.BF16
+        self.carried: list[str] = []
         self.keep_bf16: list[str] = []
         self.problems: list[str] = []
 
@@ -63,7 +82,7 @@ class _Builder:
         self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
-        name = _checkpoint_name(engine_name)
+        name = checkpoint_name(engine_name)
         module, _, leaf = name.rpartition(".")
         if leaf in KV_SCALE_LEAVES:
             return
@@ -96,13 +115,18 @@ class _Builder:
         self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]], **dims: Any
     ) -> None:
         """One MoE layer's ``w13_*`` / ``w2_*`` parameters -> per-expert checkpoint tensors."""
-        w13, w2 = params.get(("w13", "weight")), params.get(("w2", "weight"))
+        w13 = params.get(("w13", "weight")) or params.get(("w13", "weight_packed"))
+        w2 = params.get(("w2", "weight")) or params.get(("w2", "weight_packed"))
         if w13 is None or w2 is None or len(w13[1]) != 3 or len(w2[1]) != 3:
             self.problems.append(f"{moe}: expected 3-D w13_weight and w2_weight, got {w13} / {w2}")
             return
-        ckpt_moe = _checkpoint_name(moe)
-        e, i, h = self._expert_dims(ckpt_moe, w13[1], w2[1], **dims)
-        if w13[0] != FP8_DTYPE:  # held unquantized: the checkpoint form the loader takes
+        ckpt_moe = checkpoint_name(moe)
+        w13_shape, w2_shape = w13[1], w2[1]
+        per = _PACKED_PER_ELEMENT.get(self.fmt, 1) if w13[0] not in _UNQUANTIZED else 1
+        if per > 1:  # two E2M1 codes a byte (NVFP4), eight INT4 nibbles an int32 (pack-quantized) along K
+            w13_shape, w2_shape = (*w13_shape[:2], per * w13_shape[2]), (*w2_shape[:2], per * w2_shape[2])
+        e, i, h = self._expert_dims(ckpt_moe, w13_shape, w2_shape, **dims)
+        if w13[0] in _UNQUANTIZED:  # held unquantized: the checkpoint form the loader takes
             slab = f"{ckpt_moe}.gate_up_proj"
             if slab in self.ckpt:
                 self.add(slab, w13[0], (e, 2 * i, h))
@@ -112,17 +136,26 @@ class _Builder:
         for x in range(e):
             for w, projs in EXPERT_PROJS.items():
                 shape = (i, h) if w == "w13" else (h, i)
-                dtype = params[(w, "weight")][0]
+                dtype = (params.get((w, "weight")) or params[(w, "weight_packed")])[0]
+                four_bit = self.fmt.four_bit and dtype not in _UNQUANTIZED
+                packed = self.fmt.weight_shape(shape) if four_bit else shape
+                suffix = self.fmt.weight_suffix if four_bit else "weight"
                 for proj in projs:
                     module = f"{ckpt_moe}.{x}.{proj}"
-                    self.add(f"{module}.weight", dtype, shape)
-                    if dtype != FP8_DTYPE:
+                    self.add(f"{module}.{suffix}", dtype, packed)
+                    if dtype in _UNQUANTIZED:
                         self.keep_bf16.append(module)
                         continue
                     for leaf in SCALE_LEAVES:
-                        if (w, leaf) in params:
-                            sdtype = params[(w, leaf)][0]
-                            self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
+                        if (w, leaf) not in params:
+                            continue
+                        if self.fmt is Format.NVFP4 and leaf in CARRIED_LEAVES:
+                            self.carried.append(f"{module}.{leaf}")
+                            continue
+                        sdtype = params[(w, leaf)][0]
+                        if leaf == "weight_shape":  # held as params_dtype; the loader copies int64 in
+                            sdtype = torch.int64
+                        self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
 
     def _expert_dims(
         self,
@@ -205,6 +238,7 @@ def build_manifest(
     tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
+    b.fmt = quant.fmt
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
     for engine_name, dtype, shape in [*params, *drafted]:
@@ -243,6 +277,8 @@ def build_manifest(
             "keep_bf16": sorted(b.keep_bf16),
             "param_source": param_source,
             "deep_gemm_e8m0": deep_gemm_e8m0,
+            # NVFP4 W4A4's static input scales the worker carries over (not published, not refused)
+            "carried_input_scales": len(b.carried),
         },
     )
 
@@ -260,7 +296,7 @@ def _experts_match(engine_name: str) -> tuple[str, str, str] | None:
     if len(parts) != 1 or "_" not in parts[0]:
         return None
     w, _, leaf = parts[0].partition("_")
-    if w not in EXPERT_PROJS or leaf not in ("weight", *SCALE_LEAVES):
+    if w not in EXPERT_PROJS or leaf not in ("weight", "weight_packed", *SCALE_LEAVES):
         return None
     return f"{head}.mlp.experts", w, leaf
 
@@ -270,6 +306,9 @@ def _default_backend(quant: VllmQuant) -> str:
         Format.BLOCK_FP8: "Fp8MoEMethod",
         Format.FP8_PER_TENSOR: "Fp8MoEMethod",
         Format.MXFP8: "ModelOptMxFp8FusedMoE",
+        Format.NVFP4: "ModelOptNvFp4FusedMoE",
+        Format.INT4_W4A16: "CompressedTensorsWNA16MoEMethod",
+        Format.MXFP4: "CompressedTensorsW4A4Mxfp4MoEMethod",
         Format.BF16: "UnquantizedFusedMoEMethod",
     }[quant.fmt]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.vllm.quant import PARAM_SOURCE_LIVE
+from adapters.vllm.quant import FOUR_BIT_K_MULTIPLE, PARAM_SOURCE_LIVE
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitPlan
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
@@ -50,6 +50,7 @@ def check_vllm_constraints(
             "publishes to UE8M0 powers of two (Hopper too: the flag alone decides); start every vLLM process "
             "with VLLM_USE_DEEP_GEMM_E8M0=0 (adapters.vllm.VLLM_ENV)"
         )
+    problems += _four_bit_k_problems(fmt, h, i, manifest)
     static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
     if static:
         problems.append(
@@ -70,3 +71,27 @@ def fallback_note(manifest: Manifest) -> str:
         "the manifest was read from the live, post-processing parameters and a shape mismatch may be "
         "spurious; use a vLLM with model_loader/reload, e.g. 0.33.0)"
     )
+
+
+def _four_bit_k_problems(fmt: Format, h: int | None, i: int | None, manifest: Manifest) -> list[str]:
+    """4-bit MoE K multiples (:data:`FOUR_BIT_K_MULTIPLE`): H for w13, each rank's I for w2."""
+    multiple = FOUR_BIT_K_MULTIPLE.get(fmt)
+    if multiple is None:
+        return []
+    c = manifest.constraints
+    h = h if h is not None else c.hidden_size
+    i = i if i is not None else c.intermediate_size
+    tp = c.moe_tp_size or 1
+    problems = []
+    if h is not None and h % multiple:
+        problems.append(
+            f"vLLM's {fmt.value} MoE needs hidden_size = {h} to be a multiple of {multiple} (one scale per "
+            f"{multiple} along K of gate/up_proj); this model cannot run in {fmt.value}: pick an FP8 format"
+        )
+    if i is not None and (i % tp or (i // tp) % multiple):
+        problems.append(
+            f"vLLM's {fmt.value} MoE needs moe_intermediate_size / tp = {i}/{tp} to be a multiple of "
+            f"{multiple} (one scale per {multiple} along K of down_proj, within a rank's shard): pick a "
+            "tensor_parallel_size that keeps it aligned, or set enable_expert_parallel=True"
+        )
+    return problems

@@ -2,11 +2,11 @@
 names are what these configs load): ModelOpt NVFP4 (``quantization="modelopt_fp4"``) and
 compressed-tensors ``pack-quantized`` INT4 W4A16 and ``mxfp4-pack-quantized`` MXFP4.
 
-Kept apart from ``adapters.vllm.args``: that module still refuses the 4-bit formats, because the
-refit path behind them (vLLM's layerwise reload of packed NVFP4/MXFP4/INT4 MoE parameters, the
-attach checks per MoE backend and GPU, NVFP4 W4A4's static ``input_scale`` carried over) is not
-verified yet. What is verified (tests/test_vllm_fourbit.py, ``make test-engines``): vLLM 0.33's own
-config classes parse these dicts into the intended schemes.
+``adapters.vllm.args.vllm_engine_args`` returns them. What is verified: vLLM 0.33's own config classes
+parse these dicts into the intended schemes (tests/test_vllm_fourbit.py), and for NVFP4 the real
+Qwen3-MoE attaches, loads and reloads refitd's generations in NVFP4 and INT4 W4A16; in MXFP4 it
+attaches and ``load_weights`` takes them byte for byte, but its processing (Marlin repack, a compiled
+op) and so its reload do not run on CPU (tests/test_engine_vllm_fourbit.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.numerics.formats import BLOCK, Format
+from sidecar.numerics.formats import BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
 
 WORKER_EXTENSION = "adapters.vllm.RefitWorkerExtension"
 #: environment for every vLLM process (set before the engine starts): DeepGEMM on Blackwell would
@@ -30,17 +30,62 @@ ENGINE_TO_CHECKPOINT = (
     ("visual.", "model.visual."),
 )
 #: attention KV-cache scales: engine parameters no refit publishes
-KV_SCALE_LEAVES = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "kv_scale"})
+KV_SCALE_LEAVES = frozenset(
+    # compressed-tensors' attention adds zero points (CompressedTensorsKVCacheMethod), no checkpoint's
+    {
+        "k_scale",
+        "v_scale",
+        "q_scale",
+        "prob_scale",
+        "kv_scale",
+        "q_zero_point",
+        "k_zero_point",
+        "v_zero_point",
+    }
+)
 EXPERT_PROJS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
-SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
+SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_scale_2", "weight_shape")
 MXFP8_ALIGN = 32  # vLLM ModelOpt MXFP8 MoE: H and I/tp multiples of 32
 BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: the whole I a multiple of block_n = 128
 #: vLLM 0.33.0 refines the 128-block of a TP shard to gcd(128, I/tp, H) when that is at least 32
 #: (``oracle/fp8.py refine_fp8_moe_block_shape``; scales upsampled at load, Triton MoE kernels)
 BLOCK_FP8_REFINE = 32
+#: the K multiple each 4-bit MoE layer needs, of H (w13's K) and of I / moe_tp (w2's K): one scale
+#: block per 16 (NVFP4 ``group_size``), 32 (MXFP4) or the INT4 group along K, never straddling a rank's
+#: shard (vLLM 0.33.0 ``ModelOptNvFp4FusedMoE.create_weights`` sizes ``hidden_size // group_size`` scale
+#: columns, silently dropping a remainder; compressed-tensors' MoE methods the same per group)
+FOUR_BIT_K_MULTIPLE: Mapping[Format, int] = {
+    Format.NVFP4: NVFP4_BLOCK,
+    Format.MXFP4: MXFP4_BLOCK,
+    Format.INT4_W4A16: INT4_GROUP,
+}
+#: vLLM 0.33.0's NVFP4 MoE backends by GPU (``fused_moe/oracle/nvfp4.py select_nvfp4_moe_backend``,
+#: each kernel class's ``_supports_current_device`` / ``_supports_quant_scheme``): W4A4 (NVFP4
+#: activations, the static ``input_scale`` used) needs SM100+; on SM90 the auto choice lands on
+#: Marlin (``marlin_moe.py``: SM75+, NVFP4 weights with BF16 activations, ``input_scale`` unused) or
+#: the Triton EMULATION experts (dequantize on the fly)
+NVFP4_MOE_BACKENDS: Mapping[str, tuple[str, ...]] = {
+    "SM90": ("MARLIN", "EMULATION"),
+    "SM100": (
+        "FLASHINFER_TRTLLM",
+        "FLASHINFER_CUTEDSL",
+        "FLASHINFER_CUTLASS",
+        "VLLM_CUTLASS",
+        "MARLIN",
+        "EMULATION",
+    ),
+}
 #: where a manifest's parameter list came from (``adapters.vllm.worker.engine_parameters_and_source``)
 PARAM_SOURCE_LAYERWISE = "layerwise_metadata"
 PARAM_SOURCE_LIVE = "live_parameters"
+
+
+#: what an attach of a compressed-tensors (MXFP4 / INT4 W4A16) engine is refused with
+COMPRESSED_TENSORS_REFUSAL = (
+    "vLLM runs a compressed-tensors scheme refitd does not publish (refitd's are int4_w4a16 "
+    "pack-quantized and mxfp4-pack-quantized); start the engine with vllm_engine_args() for nvfp4, "
+    "int4_w4a16, mxfp4 or an FP8 format"
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,9 +118,19 @@ def resolve_quant(quant_config: Any) -> VllmQuant:
         )
     if kind == "ModelOptMxFp8Config":
         return VllmQuant(Format.MXFP8, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ()))
+    if kind == "CompressedTensorsConfig":
+        schemes = getattr(quant_config, "target_scheme_map", {}) or {}
+        kinds = [
+            str(getattr(s.get("weights"), "type", "")) for s in schemes.values() if isinstance(s, Mapping)
+        ]
+        return _compressed_tensors(kinds, getattr(quant_config, "ignore", ()) or ())
+    if kind == "ModelOptNvFp4Config":
+        # W4A4: the experts hold static activation scales (w13/w2_input_scale), carried over per reload
+        ignored = tuple(getattr(quant_config, "exclude_modules", ()) or ())
+        return VllmQuant(Format.NVFP4, "modelopt", ignored, static_activations=True)
     raise ValueError(
         f"vLLM resolved quantization {kind}; refitd publishes Fp8Config (block-FP8 or per-tensor FP8), "
-        "ModelOpt MXFP8 or unquantized experts: start the engine with vllm_engine_args()"
+        "ModelOpt MXFP8 or NVFP4, or unquantized experts: start the engine with vllm_engine_args()"
     )
 
 
@@ -87,14 +142,29 @@ def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
     if method == "modelopt":
         inner = cfg.get("quantization") if isinstance(cfg.get("quantization"), Mapping) else cfg
         algo = str(inner.get("quant_algo", "")).upper()
-        if algo != "MXFP8":
-            raise ValueError(f"ModelOpt quant_algo {algo!r}: refitd publishes MXFP8 only for ModelOpt")
-        return VllmQuant(
-            Format.MXFP8, "modelopt", tuple(inner.get("ignore", inner.get("exclude_modules", ())))
-        )
+        if algo not in ("MXFP8", "NVFP4"):
+            raise ValueError(f"ModelOpt quant_algo {algo!r}: refitd publishes MXFP8 and NVFP4 for ModelOpt")
+        ignored = tuple(inner.get("ignore", inner.get("exclude_modules", ())))
+        if algo == "NVFP4":
+            return VllmQuant(Format.NVFP4, "modelopt", ignored, static_activations=True)
+        return VllmQuant(Format.MXFP8, "modelopt", ignored)
+    if method == "compressed-tensors":
+        groups = cfg.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
+        return _compressed_tensors([str(w.get("type", "")) for w in weights], cfg.get("ignore") or ())
     raise ValueError(
         f"quantization_config quant_method {method!r}: refitd's vLLM adapter knows fp8 and modelopt"
     )
+
+
+def _compressed_tensors(weight_types: list[str], ignored: Iterable[str]) -> VllmQuant:
+    """compressed-tensors: INT4 W4A16 (``pack-quantized``) or MXFP4 (``mxfp4-pack-quantized``) experts."""
+    types = {t.lower().rsplit(".", 1)[-1] for t in weight_types}
+    if types == {"int"}:
+        return VllmQuant(Format.INT4_W4A16, "compressed-tensors", tuple(ignored))
+    if types == {"float"}:  # mxfp4-pack-quantized: E2M1 codes, E8M0 scales per 32
+        return VllmQuant(Format.MXFP4, "compressed-tensors", tuple(ignored))
+    raise ValueError(COMPRESSED_TENSORS_REFUSAL)
 
 
 def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuant:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from adapters.vllm.carry import carried_input_scales
+
 
 class WorkerAccess:
     """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
@@ -52,11 +54,21 @@ class LayerwiseGroups:
     def __init__(self, worker: Any, access: WorkerAccess, initialize: Callable, finalize: Callable):
         self.worker, self.access, self._initialize, self._finalize = worker, access, initialize, finalize
         self._open = False  # a session is in progress (initialized, not yet finalized)
+        #: NVFP4 W4A4's activation scales held when the session opened (adapters.vllm.carry)
+        self._carried: dict[str, torch.Tensor] = {}
 
     def __call__(self, gen: Any, names: Sequence[str]) -> None:
         worker, access = self.worker, self.access
         model = access.model(worker)
-        weights = access.order({n: gen.tensors[n] for n in names})
+        if not self._open:  # read before initialize puts the layers on the meta device
+            self._carried = carried_input_scales(model.named_modules())
+        tensors = {n: gen.tensors[n] for n in names}
+        if self._carried:  # NVFP4 W4A4: the held activation scales of this group's MoE layers
+            moes = {n.partition(".mlp.experts.")[0] for n in names if ".mlp.experts." in n}
+            tensors.update(
+                {n: t for n, t in self._carried.items() if n.partition(".mlp.experts.")[0] in moes}
+            )
+        weights = access.order(tensors)
         with access.config_context(worker), torch.device(worker.device):
             if not self._open:
                 self._initialize(model)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from adapters.vllm.carry import carried_input_scales
 from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
@@ -208,8 +209,11 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     ``model_runner.reload_weights``; one with neither can only take BF16 (loading FP8 into
     already-processed kernel parameters would corrupt them).
     """
-    runner, weights = worker.model_runner, ordered_weights(tensors)
     model = _model(worker)
+    if expert_format is Format.NVFP4:
+        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py)
+        tensors = {**tensors, **carried_input_scales(model.named_modules())}
+    runner, weights = worker.model_runner, ordered_weights(tensors)
     try:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
     except ImportError:

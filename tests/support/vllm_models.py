@@ -11,6 +11,9 @@ What is replaced, because vLLM cannot make the choice without a GPU (no kernel e
 * the MoE kernel backend choice: ``quantization/fp8.py select_fp8_moe_backend`` answers NONE on a
   CPU without AMX and ``unquantized_fused_moe_method.select_unquantized_moe_backend`` answers CPU
   (whose ops the CUDA wheel lacks); both are made to answer TRITON, the layout Hopper uses;
+* NVFP4's MoE backend choice (``oracle/nvfp4.py select_nvfp4_moe_backend``) answers EMULATION, vLLM's
+  Triton experts that dequantize on the fly (no NVFP4 kernel class reports a CPU as supported); INT4
+  W4A16's (``oracle/int_wna16.py select_wna16_moe_backend``) answers EMULATION likewise;
 * per-tensor FP8's requantization of w1/w3 to one scale in ``process_weights_after_loading``
   (``_custom_ops.scaled_fp8_quant``, a ``vllm._C`` op that cannot load against the CPU torch) is the
   same arithmetic in torch;
@@ -66,6 +69,7 @@ def _replace_backend_choice() -> None:
         return backend, unq_oracle.backend_to_kernel_cls(backend)[0]
 
     fp8_quant.select_fp8_moe_backend = fp8_triton
+    _replace_nvfp4_backend_choice()
     unq.select_unquantized_moe_backend = unquantized_triton
 
     class _NoPack:
@@ -78,6 +82,36 @@ def _replace_backend_choice() -> None:
     layer_utils.ops = _NoPack()
     _replace_static_fp8_quant()
     _PATCHED = True
+
+
+def _replace_nvfp4_backend_choice() -> None:
+    """NVFP4 MoE: ``oracle/nvfp4.py select_nvfp4_moe_backend`` finds no backend on a CPU (each
+    kernel class checks ``current_platform.is_cuda()``); made to answer EMULATION, vLLM's own Triton
+    experts that dequantize NVFP4 on the fly (its fallback on GPUs without native FP4), whose
+    ``convert_to_nvfp4_moe_kernel_format`` is pure torch (``input_scale`` -> ``1 / max``)."""
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as nvfp4_oracle
+    from vllm.model_executor.layers.quantization import modelopt
+
+    def nvfp4_emulation(config, weight_key=None, activation_key=None):
+        backend = nvfp4_oracle.NvFp4MoeBackend.EMULATION
+        return backend, nvfp4_oracle.backend_to_kernel_cls(backend)[0]
+
+    modelopt.select_nvfp4_moe_backend = nvfp4_emulation
+
+    # INT4 W4A16 the same: ``oracle/int_wna16.py select_wna16_moe_backend`` -> EMULATION
+    # (``Int4EmulationTritonExperts``: the int4 weights dequantized to BF16 in process_weights_after_loading)
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    def wna16_emulation(
+        config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False
+    ):
+        backend = int_wna16.WNA16MoEBackend.EMULATION
+        return backend, int_wna16.backend_to_kernel_cls(backend)[0]
+
+    ct_wna16.select_wna16_moe_backend = wna16_emulation
 
 
 def _replace_static_fp8_quant() -> None:

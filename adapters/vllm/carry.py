@@ -1,0 +1,101 @@
+"""NVFP4 W4A4's static activation scales, carried over from the engine into every reload (pure torch).
+
+vLLM 0.33.0's ``ModelOptNvFp4FusedMoE`` holds ``w13_input_scale [E, 2]`` / ``w2_input_scale [E]`` at
+load time; refitd publishes none (SPEC §2.3), and a layerwise reload that loads no value for them
+re-materializes them uninitialised and processes the layer with that. So every reload is given,
+per expert, the checkpoint tensors ``{moe}.{e}.{gate|up|down}_proj.input_scale`` that make vLLM's
+``process_weights_after_loading`` reproduce the activation scale the engine holds now, read from its
+current (processed) parameters. What processing makes of them (``oracle/nvfp4.py
+convert_to_nvfp4_moe_kernel_format``) decides the inverse:
+
+* EMULATION: ``1 / max(input_scale)``, a 0-d float32: every expert gets the float32 ``v`` with
+  ``1 / v == held`` exactly (checked; the reciprocal is tried, then its neighbours);
+* the FlashInfer / CUTLASS / CuteDSL / b12x paths: the maximum over the experts (or per expert),
+  repeated ``[E]`` (or 0-d): every expert gets its held value, whose maximum is itself;
+* Marlin (W4A16) and other activation-unquantized paths ignore the scale; the held value (or 1.0)
+  is given so that nothing is left uninitialised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from adapters.vllm.checkpoint import checkpoint_name
+
+NVFP4_MOE_METHOD = "ModelOptNvFp4FusedMoE"
+#: vLLM's NVFP4 MoE backends whose processing stores ``1 / max(input_scale)`` (oracle/nvfp4.py)
+RECIPROCAL_BACKENDS = frozenset({"EMULATION"})
+
+
+def _exact_reciprocal_preimage(held: torch.Tensor) -> torch.Tensor:
+    """A float32 ``v`` with ``float32(1 / v) == held`` bit for bit (vLLM computes ``1.0 / v``)."""
+    k = held.to(torch.float32).reshape(())
+    v = (1.0 / k).to(torch.float32)
+    candidates = [v]
+    up, down = v, v
+    for _ in range(4):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        candidates += [up, down]
+    for c in candidates:
+        if torch.equal((1.0 / c).to(torch.float32).view(torch.int32), k.view(torch.int32)):
+            return c.clone()
+    raise ValueError(
+        f"no float32 input_scale reproduces the held NVFP4 activation scale {float(k)!r} through 1/x; "
+        "the engine's activation scale cannot be carried over exactly"
+    )
+
+
+def _per_expert(held: torch.Tensor | None, experts: int, backend: str) -> torch.Tensor:
+    """``[E]`` float32 load-time input scales reproducing ``held`` under ``backend``'s processing."""
+    if held is None or held.numel() == 0:
+        return torch.ones(experts, dtype=torch.float32)
+    held = held.detach().to("cpu", torch.float32)
+    if backend in RECIPROCAL_BACKENDS:
+        return _exact_reciprocal_preimage(held.reshape(-1)[:1]).expand(experts).clone()
+    flat = held.reshape(-1)
+    if flat.numel() == 1:
+        return flat.expand(experts).clone()
+    if flat.numel() == experts:
+        return flat.clone()
+    if held.dim() == 2 and held.shape[0] == experts:  # [E, 2]: gate and up's, the maximum taken
+        return held.amax(dim=1)
+    raise ValueError(f"an NVFP4 MoE input scale of shape {tuple(held.shape)} for {experts} experts")
+
+
+def _backend_name(method: Any) -> str:
+    backend = getattr(method, "nvfp4_backend", None)
+    return str(getattr(backend, "name", backend or ""))
+
+
+def _global_ids(module: torch.nn.Module, experts: int) -> list[int]:
+    """The checkpoint expert index of each local expert: vLLM's ``expert_map`` (global -> local,
+    -1 elsewhere) under expert parallelism, else the identity."""
+    expert_map = getattr(module, "expert_map", None)
+    if expert_map is None:
+        return list(range(experts))
+    local = {int(loc): g for g, loc in enumerate(expert_map.tolist()) if int(loc) >= 0}
+    return [local[e] for e in range(experts)]
+
+
+def carried_input_scales(modules: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: float32 0-d}`` for every NVFP4 MoE layer among ``modules``
+    (``model.named_modules()``), naming each expert as refitd's generation names its weights."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in modules:
+        method = getattr(module, "quant_method", None)
+        if type(method).__name__ != NVFP4_MOE_METHOD or not hasattr(module, "w13_weight"):
+            continue
+        experts = int(module.w13_weight.shape[0])
+        backend = _backend_name(method)
+        a13 = _per_expert(getattr(module, "w13_input_scale", None), experts, backend)
+        a2 = _per_expert(getattr(module, "w2_input_scale", None), experts, backend)
+        moe = checkpoint_name(name.replace(".routed_experts", ""))
+        for e, x in enumerate(_global_ids(module, experts)):
+            out[f"{moe}.{x}.gate_proj.input_scale"] = a13[e].clone()
+            out[f"{moe}.{x}.up_proj.input_scale"] = a13[e].clone()
+            out[f"{moe}.{x}.down_proj.input_scale"] = a2[e].clone()
+    return out
