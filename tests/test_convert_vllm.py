@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from support.vllm_models import init_distributed
 
 from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
@@ -62,12 +62,8 @@ def _triton_backends(monkeypatch) -> None:
     )
 
 
-_world: list[bool] = []
-
-
 def _load(model_dir: Path, load_format: str):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -80,14 +76,8 @@ def _load(model_dir: Path, load_format: str):
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format=load_format),
     )
+    init_distributed(config)  # once per process: the vLLM model tests may have made the world already
     with set_current_vllm_config(config):
-        if not _world:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-            initialize_model_parallel(1, 1)
-            _world.append(True)
         # BaseModelLoader.load_model's steps, less its torch.accelerator.empty_cache() (no accelerator)
         loader = get_model_loader(config.load_config)
         with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
