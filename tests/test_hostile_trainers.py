@@ -578,28 +578,3 @@ def test_begins_repeated_for_a_later_step_are_kept_once(start, pool):
         assert raw.expect(Kind.RESULT).fields["step"] == 3 and honest.result(timeout=WAIT_S).step == 3
         raw.close()
     assert_published(d.endpoint, 3, nxt)
-
-
-# --------------------------------------------------------------------------------------------------
-# a late answer to a failed attempt, taken for the retry's own
-
-
-def test_a_late_error_about_a_failed_attempt_does_not_fail_its_retry(start):
-    """A rank sends PIECE_DONE and COMMIT without waiting for answers, so when a step fails while
-    they are on their way (NaN found in an early unit), the daemon answers the late COMMIT with an
-    ERROR about the same step number after the client has raised the real one. A retry of that
-    step must not take the stale ERROR for its own answer: on one connection, in order, it comes
-    before the retry's WELCOME. The retry publishes."""
-    d = start(world_size=1)
-    with RefitClient(d.endpoint, 0, 1, timeout=WAIT_S) as client:
-        client.push_step(1, weights(1), timeout=WAIT_S)
-        bad = weights(2)
-        name = next(iter(bad))
-        bad[name].view(-1)[0] = float("nan")
-        with pytest.raises(RefitError) as err:
-            client.push_step(2, bad, timeout=WAIT_S)
-        assert err.value.kind is ErrorKind.NON_FINITE, err.value
-        client._send(Kind.COMMIT, {"step": 2, "rank": 0})  # the failed attempt's COMMIT, still on its way
-        result = client.push_step(2, weights(3), timeout=WAIT_S)
-    assert result.step == 2
-    assert d.status()["last_step"] == 2

@@ -94,7 +94,6 @@ class RefitClient:
         self._welcome: dict[str, Any] = {}
         self.instance: str | None = None  # the daemon instance of the latest WELCOME
         self._step_instance: str | None = None  # this step's daemon (None until its WELCOME)
-        self._hello_pending = False  # a HELLO was sent and its WELCOME not yet taken in
         self._deadline = float("inf")  # the step in flight's: every wait and send ends by it
         self._last_heard = 0.0
         self._last_sent = 0.0
@@ -370,11 +369,7 @@ class RefitClient:
         )
         self._last_heard = time.monotonic()
         self._step_instance = None  # until WELCOME: stale replies to an earlier connection are ignored
-        self._hello_pending = True  # until WELCOME: an ERROR about a step answers an earlier attempt
-        try:
-            welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
-        finally:
-            self._hello_pending = False
+        welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
         instance = welcome.get("instance")
         if self.instance is not None and instance != self.instance:
             log.warning(
@@ -472,11 +467,6 @@ class RefitClient:
             return True
         if msg.kind is Kind.ERROR:
             err = RefitError.from_wire(msg.fields)
-            if self._hello_pending and err.step is not None:
-                # HELLO names no step, and the daemon answers in order: this answers a message an
-                # earlier attempt sent (a COMMIT still on its way when that attempt's step failed)
-                log.debug("rank %d ignored a stale error before WELCOME: %s", self.rank, err)
-                return True
             if err.step in (None, step):
                 raise err
             return True  # a stale error about an earlier step
