@@ -345,18 +345,7 @@ def quantize_nvfp4(
     lib = _lib_for(w)
     if lib is None or w.dim() < 2 or w.shape[-1] % NVFP4_BLOCK:
         return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name)
-    ref._check_input(w, name, Format.NVFP4)
-    shape = tuple(w.shape)
-    q, s, g = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.NVFP4.weight_shape(shape), torch.uint8),
-            ("scales", Format.NVFP4.scale_shape(shape), torch.float8_e4m3fn),
-            ("global scale", (), torch.float32),
-        ),
-        name,
-    )
+    q, s, g = fourbit.nvfp4_outputs(w, out, name)
     views = _rows_native(lib, w, (q, s))
     if views is None:
         return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=(q, s, g), name=name)
@@ -381,17 +370,7 @@ def quantize_mxfp4(
     lib = _lib_for(w)
     if lib is None or w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK:
         return fourbit.quantize_mxfp4(w, out=out, name=name)
-    ref._check_input(w, name, Format.MXFP4)
-    shape = tuple(w.shape)
-    q, s = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.MXFP4.weight_shape(shape), torch.uint8),
-            ("scales", Format.MXFP4.scale_shape(shape), torch.uint8),
-        ),
-        name,
-    )
+    q, s = fourbit.mxfp4_outputs(w, out, name)
     views = _rows_native(lib, w, (q, s))
     if views is None:
         return fourbit.quantize_mxfp4(w, out=(q, s), name=name)

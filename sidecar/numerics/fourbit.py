@@ -212,6 +212,39 @@ def nvfp4_global_scale(
     return torch.where(amax == 0, torch.ones_like(gs), gs)
 
 
+def nvfp4_outputs(w: torch.Tensor, out, name: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` checked for NVFP4 and its ``(q, s, gs)`` buffers: ``out``'s, checked, or new ones. Every
+    NVFP4 implementation (this reference, the native and Triton kernels) starts here, so all refuse
+    the same inputs with the same errors."""
+    _check_input(w, name, Format.NVFP4)
+    shape = tuple(w.shape)
+    return _check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.NVFP4.weight_shape(shape), torch.uint8),
+            ("scales", Format.NVFP4.scale_shape(shape), FP8_DTYPE),
+            ("global scale", (), torch.float32),
+        ),
+        name,
+    )
+
+
+def mxfp4_outputs(w: torch.Tensor, out, name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` checked for MXFP4 and its ``(q, scale)`` buffers, as :func:`nvfp4_outputs`."""
+    _check_input(w, name, Format.MXFP4)
+    shape = tuple(w.shape)
+    return _check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.MXFP4.weight_shape(shape), torch.uint8),
+            ("scales", Format.MXFP4.scale_shape(shape), torch.uint8),
+        ),
+        name,
+    )
+
+
 def quantize_nvfp4(
     w: torch.Tensor,
     *,
@@ -226,17 +259,7 @@ def quantize_nvfp4(
     ``global_scale=`` is a ``gs`` shared with other tensors (:func:`nvfp4_global_scale` over gate_proj
     and up_proj); ``out=(q, s, gs)`` writes into existing buffers.
     """
-    _check_input(w, name, Format.NVFP4)
-    q, s, g = _check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.NVFP4.weight_shape(tuple(w.shape)), torch.uint8),
-            ("scales", Format.NVFP4.scale_shape(tuple(w.shape)), FP8_DTYPE),
-            ("global scale", (), torch.float32),
-        ),
-        name,
-    )
+    q, s, g = nvfp4_outputs(w, out, name)
     if global_scale is None:
         gs = nvfp4_global_scale(w, name=name, chunk_elems=chunk_elems)
     else:
@@ -287,16 +310,7 @@ def quantize_mxfp4(
     Returns ``(q uint8 [..., K/2], scale uint8 [..., K/32])``: E2M1 codes two per byte, E8M0 biased
     exponents (never byte 0).
     """
-    _check_input(w, name, Format.MXFP4)
-    q, s = _check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.MXFP4.weight_shape(tuple(w.shape)), torch.uint8),
-            ("scales", Format.MXFP4.scale_shape(tuple(w.shape)), torch.uint8),
-        ),
-        name,
-    )
+    q, s = mxfp4_outputs(w, out, name)
     for row0, (x, qv, sv) in _row_chunks(chunk_elems, w, q, s):
         blocks = x.float().unflatten(-1, (-1, MXFP4_BLOCK))
         amax = blocks.abs().amax(dim=-1)

@@ -194,18 +194,8 @@ def quantize_nvfp4(
     w: torch.Tensor, *, global_scale: torch.Tensor | None = None, out=None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_nvfp4` in one Triton launch."""
-    ref._check_input(w, name, Format.NVFP4)
+    q, s, g = fourbit.nvfp4_outputs(w, out, name)
     shape = tuple(w.shape)
-    q, s, g = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.NVFP4.weight_shape(shape), torch.uint8),
-            ("scales", Format.NVFP4.scale_shape(shape), torch.float8_e4m3fn),
-            ("global scale", (), torch.float32),
-        ),
-        name,
-    )
     gs = (
         fourbit.nvfp4_global_scale(w, name=name)
         if global_scale is None
@@ -239,17 +229,8 @@ def quantize_mxfp4(
     w: torch.Tensor, *, out=None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_mxfp4` in one Triton launch."""
-    ref._check_input(w, name, Format.MXFP4)
+    q, s = fourbit.mxfp4_outputs(w, out, name)
     shape = tuple(w.shape)
-    q, s = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.MXFP4.weight_shape(shape), torch.uint8),
-            ("scales", Format.MXFP4.scale_shape(shape), torch.uint8),
-        ),
-        name,
-    )
     x2 = _rows(w)
     k = shape[-1]
     q2 = q if q.is_contiguous() else torch.empty_like(q)
