@@ -39,6 +39,10 @@ MANIFESTS = DATA / "manifests"
 SOURCES = {
     "moe_weights": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/modules/fused_moe/quantization.py "
     "(DeepSeekFP8BlockScalesFusedMoEMethod / FP8QDQFusedMoEMethod.create_weights; newest stored copy)",
+    "nvfp4_moe_weights": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/modules/fused_moe/quantization.py@a98a9061 "
+    "(NVFP4FusedMoEMethod / NVFP4CutlassFusedMoEMethod.create_weights: int64 w3_w1_weight [E, 2I, H/16], "
+    "int32 w3_w1_weight_scale [E, 2I, H/64], 0-d fc31/fc2_input_scale, [E] fc31/fc2_alpha; the newest "
+    "stored copy pads 2I to NVFP4_ROW_ALIGNMENT 128)",
     "moe_cls": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/modules/fused_moe/create_moe.py@01f8de52 (get_moe_cls)",
     "qwen3_moe": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/models/modeling_qwen3_moe.py@03441af1 "
     "(model.layers.L.mlp.{gate,experts}, self_attn.qkv_proj)",
@@ -62,6 +66,13 @@ CASES = {
         requested="TRTLLM",
         sm=90,
         sources=["moe_weights", "moe_cls", "qwen3_moe", "quant_config"],
+    ),
+    "trtllm_qwen3-30b-a3b_nvfp4": dict(
+        config="qwen3-30b-a3b.config.json",
+        spec=dict(model_type="qwen3_moe", fmt="nvfp4", num_last_layers_in_bf16=1),
+        requested="CUTLASS",
+        sm=100,
+        sources=["nvfp4_moe_weights", "moe_cls", "qwen3_moe", "quant_config"],
     ),
     "trtllm_qwen3.5-35b-a3b_block_fp8": dict(
         config="qwen3.5-35b-a3b.config.json",
@@ -87,6 +98,18 @@ def _moe_params(module: str, fmt: Format, e: int, h: int, i: int) -> list[list]:
         return [
             [f"{module}.w3_w1_weight", "bfloat16", [e, 2 * i, h]],
             [f"{module}.w2_weight", "bfloat16", [e, h, i]],
+        ]
+    if fmt is Format.NVFP4:  # NVFP4CutlassFusedMoEMethod: 16 E2M1 per int64, 4 float8 scales per int32
+        rows = -(-2 * i // 128) * 128  # NVFP4_ROW_ALIGNMENT
+        return [
+            [f"{module}.w3_w1_weight", "int64", [e, rows, h // 16]],
+            [f"{module}.w2_weight", "int64", [e, h, rows // 2 // 16]],
+            [f"{module}.w3_w1_weight_scale", "int32", [e, rows, h // 16 // 4]],
+            [f"{module}.w2_weight_scale", "int32", [e, h, rows // 2 // 16 // 4]],
+            [f"{module}.fc31_input_scale", "float32", []],
+            [f"{module}.fc2_input_scale", "float32", []],
+            [f"{module}.fc31_alpha", "float32", [e]],
+            [f"{module}.fc2_alpha", "float32", [e]],
         ]
     out = [
         [f"{module}.w3_w1_weight", "float8_e4m3fn", [e, 2 * i, h]],
@@ -519,11 +542,12 @@ def test_docs_table_is_what_the_code_enforces():
             assert verdict.removeprefix("refused: ") in [p.replace("|", "/") for p in problems]
         if fmt != "fp8_per_tensor":
             spec = RefitSpec(model_type="qwen3_moe", fmt=fmt)
+            load = "auto" if fmt == "nvfp4" else "dummy"  # NVFP4 needs a calibrated checkpoint
             if verdict == "allowed":
-                trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req)
+                trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req, load_format=load)
             else:
                 with pytest.raises(ValueError):
-                    trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req)
+                    trtllm_llm_args(spec, cfg, sm=sm, moe_backend=req, load_format=load)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.trtllm.backends import EXTENSION_QUALNAME, SM100F, backend_refusal, resolve_moe_backend
-from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, Format
+from sidecar.numerics.formats import BLOCK, NVFP4_BLOCK, Format
 from sidecar.plan.build import Layer, RefitSpec, UnitKind, plan_from_hf_config
 from sidecar.plan.models import get_model, model_type_of
 
@@ -86,18 +86,26 @@ def trtllm_llm_args(
     The quantization config is the Hugging Face form TRT-LLM reads from ``model_kwargs``; it lists in
     ``modules_to_not_convert`` every non-expert module and every MoE module the refit plan keeps in
     BF16. The MoE backend keeps FP32 block scales (TRTLLM on Blackwell, else CUTLASS; never DEEPGEMM).
-    ``load_format='dummy'`` leaves the weights for the first refit to fill; per-tensor FP8 needs a
-    calibrated checkpoint instead (its static input scales are not published by refitd).
+    ``load_format='dummy'`` leaves the weights for the first refit to fill; per-tensor FP8 and NVFP4
+    need a calibrated checkpoint instead (their static input scales are not published by refitd).
+    NVFP4 is ModelOpt's ``quant_algo: NVFP4`` (``model_config.py`` @008e0af8
+    ``_build_modelopt_quant_config``), on CUTLASS unless asked (AUTO's choice there); MXFP4 and INT4
+    W4A16 are refused, naming what TRT-LLM reads instead.
     """
     fmt = spec.format
-    if fmt.four_bit:
-        raise ValueError(FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="TensorRT-LLM"))
+    if fmt in (Format.MXFP4, Format.INT4_W4A16):
+        raise ValueError(backend_refusal(fmt, "", sm))
     if spec.model.model_type != get_model(model_type_of(hf_config)).model_type:
         raise ValueError(f"the spec is for {spec.model_type} but the config describes another model")
-    if fmt is Format.FP8_PER_TENSOR and load_format == "dummy":
+    if fmt in (Format.FP8_PER_TENSOR, Format.NVFP4) and load_format == "dummy":
+        what, ckpt = (
+            ("per-tensor FP8", "a per-tensor FP8 checkpoint")
+            if fmt is Format.FP8_PER_TENSOR
+            else ("NVFP4 (W4A4) MoE", "a ModelOpt NVFP4 checkpoint")
+        )
         raise ValueError(
-            "per-tensor FP8 MoE needs calibrated static input scales that refitd does not publish: load a "
-            "per-tensor FP8 checkpoint (load_format='auto'), whose input_scale tensors the adapter carries "
+            f"{what} needs calibrated static input scales that refitd does not publish: load "
+            f"{ckpt} (load_format='auto'), whose input_scale tensors the adapter carries "
             "over on every refit"
         )
     requested = (moe_backend or ("TRTLLM" if fmt is Format.BLOCK_FP8 and sm in SM100F else "CUTLASS")).upper()
@@ -125,6 +133,17 @@ def trtllm_llm_args(
         }
     elif fmt is Format.MXFP8:
         quant = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "modules_to_not_convert": not_convert}
+    elif fmt is Format.NVFP4:
+        # ModelOpt's flat form (read_modelopt_quant_config keeps quant_algo, group_size, exclude_modules,
+        # kv_cache_quant_algo): NVFP4 experts, one float8 scale per 16, BF16 KV cache (refitd
+        # publishes no KV scales), every module the plan keeps BF16 excluded
+        quant = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": NVFP4_BLOCK,
+            "exclude_modules": not_convert,
+            "kv_cache_quant_algo": None,
+        }
     else:
         quant = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": not_convert}
     args["model_kwargs"] = {"quantization_config": quant}

@@ -4,7 +4,7 @@ refuses (one source of truth for the code and docs/engines.md's table).
 
 from __future__ import annotations
 
-from sidecar.numerics.formats import BLOCK, FOUR_BIT_ENGINE_REFUSAL, FP8_FORMATS, Format
+from sidecar.numerics.formats import BLOCK, FP8_FORMATS, NVFP4_BLOCK, Format
 
 #: what ``LLM(ray_worker_extension_cls=...)`` names
 EXTENSION_QUALNAME = "adapters.trtllm.RefitWorkerExtension"
@@ -16,8 +16,18 @@ BLOCK_FP8_MOE_ALIGN = BLOCK
 SM100F = frozenset({100, 103})
 #: CUTLASS MXFP8 MoE kernels: SM100/SM103 only (SM107 is served by CuteDSL)
 MXFP8_CUTLASS_SMS = frozenset({100, 103})
+#: NVFP4 MoE kernels (W4A4) of CutlassFusedMoE: SM100/103/120/121 (MOE_DEVELOPER_GUIDE.md@04c2347b,
+#: "Backend Capability Matrix", row NVFP4); TRTLLMGenFusedMoE's are SM100f only
+NVFP4_CUTLASS_SMS = frozenset({100, 103, 120, 121})
+#: NVFP4 MoE K granularity: one float8 block scale per 16 along K (``scaling_vector_size=16``)
+NVFP4_MOE_K_MULTIPLE = NVFP4_BLOCK
 #: the GPU generations the backend table covers (docs/engines.md)
 TABLE_SMS = (90, 100, 103, 107, 120)
+#: the NVFP4 MoE quant methods whose loader reads refitd's names and whose reload refitd has read
+NVFP4_METHODS = {
+    "CutlassFusedMoE": "NVFP4CutlassFusedMoEMethod",
+    "TRTLLMGenFusedMoE": "NVFP4TRTLLMGenFusedMoEMethod",
+}
 _NO_INPUT_SCALES = "static input scales"
 
 
@@ -44,10 +54,11 @@ def resolve_moe_backend(requested: str, expert_format: Format | str, sm: int | N
     """The MoE class TRT-LLM builds for ``requested`` (``MoeConfig.backend``) and the experts' format.
 
     Transcribes ``get_moe_cls`` (``_torch/modules/fused_moe/create_moe.py`` @01f8de52), which looks at
-    the quant mode and never at the GPU: TRTLLM -> TRTLLMGenFusedMoE for fp8_block_scales on any SM
-    (else CutlassFusedMoE with a warning); CUTEDSL -> CuteDslFusedMoE for fp8_block_scales (else
-    Cutlass); DEEPGEMM -> DeepGemmFusedMoE whatever the format; AUTO is ``model_config.
-    resolve_moe_backend`` (@008e0af8): TRTLLM for FP8_BLOCK_SCALES on SM100f, else CUTLASS. Whether
+    the quant mode and never at the GPU: TRTLLM -> TRTLLMGenFusedMoE for fp8_block_scales or nvfp4 on
+    any SM (else CutlassFusedMoE with a warning); CUTEDSL -> CuteDslFusedMoE for fp8_block_scales or
+    nvfp4 (else Cutlass); DEEPGEMM -> DeepGemmFusedMoE whatever the format; AUTO is ``model_config.
+    resolve_moe_backend`` (@008e0af8): TRTLLM for FP8_BLOCK_SCALES on SM100f, else CUTLASS (NVFP4
+    included; only W4A16_NVFP4, which refitd does not configure, goes elsewhere). Whether
     the resolved class can keep what refitd publishes is :func:`backend_refusal`'s question.
     Raises ValueError for a backend refitd has no rule for.
     """
@@ -57,10 +68,10 @@ def resolve_moe_backend(requested: str, expert_format: Format | str, sm: int | N
         req = "TRTLLM" if fmt is Format.BLOCK_FP8 and sm in SM100F else "CUTLASS"
     if req == "CUTLASS":
         return MoeBackend.CUTLASS
-    if req == "TRTLLM":
-        return MoeBackend.TRTLLM_GEN if fmt is Format.BLOCK_FP8 else MoeBackend.CUTLASS
-    if req == "CUTEDSL":
-        return MoeBackend.CUTEDSL if fmt is Format.BLOCK_FP8 else MoeBackend.CUTLASS
+    if req == "TRTLLM":  # has_fp8_block_scales() or has_nvfp4() (or TRT-LLM's other 4-bit algos)
+        return MoeBackend.TRTLLM_GEN if fmt in (Format.BLOCK_FP8, Format.NVFP4) else MoeBackend.CUTLASS
+    if req == "CUTEDSL":  # has_fp8_block_scales() or has_nvfp4()
+        return MoeBackend.CUTEDSL if fmt in (Format.BLOCK_FP8, Format.NVFP4) else MoeBackend.CUTLASS
     if req == "DEEPGEMM":
         return MoeBackend.DEEPGEMM
     raise ValueError(
@@ -94,7 +105,7 @@ def backend_refusal(
     if not fmt.quantized:
         return None
     if fmt.four_bit:
-        return FOUR_BIT_ENGINE_REFUSAL.format(fmt=fmt.value, engine="TensorRT-LLM")
+        return _four_bit_refusal(fmt, backend, sm)
     if fmt is Format.BLOCK_FP8:
         if quant_method == _DEEPGEMM_METHOD and (sm is None or sm in SM100F or sm >= 120):
             return (
@@ -156,11 +167,76 @@ def backend_refusal(
     return None
 
 
+#: TRT-LLM's MXFP4 MoE methods and the checkpoint names they read (quantization.py@a98a9061)
+_MXFP4_REFUSAL = (
+    "TensorRT-LLM cannot load refitd's mxfp4 experts: refitd publishes compressed-tensors names "
+    "(.weight_packed uint8, .weight_scale E8M0 bytes; SPEC §2.3), but TRT-LLM's MXFP4 MoE methods read "
+    "'{e}.w1.weight' with '{e}.w1.weight_scale_inv' (WFP4A16FusedMoEMethod.load_quant_scales, W4A16_MXFP4, "
+    "SM90 only) or '{e}.w1.weight' with '{e}.w1.weight_scale' quantizing the activations too "
+    "(MXFP4WeightFusedMoEMethod / W4A8_MXFP4_*, which ModelConfig.get_mxfp4_quant_algo picks on SM100+): "
+    "refit TensorRT-LLM in nvfp4 (Blackwell) or block_fp8 instead (set the daemon's format to one of them)"
+)
+_INT4_REFUSAL = (
+    "TensorRT-LLM has no MoE that loads refitd's int4_w4a16 experts: its only INT4 MoE method is "
+    "WInt4AFP8FusedMoEMethod (W4A8 AWQ: FP8 activations, SM89/SM90, reads ModelOpt's '{e}.w1.weight' int8-"
+    "packed with .weight_scale, .weight_scale_2, .pre_quant_scale and .input_scale; quantization.py@a98a9061), "
+    "and MOE_DEVELOPER_GUIDE.md@04c2347b lists no backend for INT4 weight-only MoE; refitd publishes "
+    "compressed-tensors pack-quantized (.weight_packed int32, .weight_scale, .weight_shape): refit "
+    "TensorRT-LLM in nvfp4 (Blackwell) or block_fp8 instead (set the daemon's format to one of them)"
+)
+
+
+def _four_bit_refusal(fmt: Format, backend: str, sm: int | None) -> str | None:
+    """Why ``backend`` on ``sm`` cannot run refitd's 4-bit ``fmt`` experts (None: it can).
+
+    NVFP4 (W4A4, ModelOpt names, which TRT-LLM's NVFP4 MoE methods read): MOE_DEVELOPER_GUIDE.md
+    @04c2347b's capability matrix gives Cutlass SM100/103/120/121, TRTLLMGen SM100/103, DeepGemm none,
+    CuteDSL SM100/103/120/121 (CuteDslB12xFusedMoE on SM120/121), Marlin SM89-SM99 (W4A16 dequant);
+    refitd allows the two whose reload it has read: NVFP4CutlassFusedMoEMethod and
+    NVFP4TRTLLMGenFusedMoEMethod (quantization.py). MXFP4 and INT4 W4A16: no TRT-LLM loader reads
+    refitd's compressed-tensors names (the refusals quote what TRT-LLM reads instead).
+    """
+    if fmt is Format.MXFP4:
+        return _MXFP4_REFUSAL
+    if fmt is Format.INT4_W4A16:
+        return _INT4_REFUSAL
+    if sm is not None and sm not in NVFP4_CUTLASS_SMS:
+        hopper = (
+            "on SM89-SM99 TRT-LLM runs NVFP4 MoE only as MarlinFusedMoE (FP4 weights, BF16 activations), "
+            "whose repacked reload refitd has not verified"
+            if 89 <= sm < 100
+            else "TRT-LLM has no NVFP4 MoE kernel for it"
+        )
+        return (
+            f"TRT-LLM's NVFP4 MoE kernels need SM100/SM103/SM120/SM121 (CUTLASS) or SM100/SM103 (TRTLLM-Gen), "
+            f"not sm={sm} ({hopper}; MOE_DEVELOPER_GUIDE.md@04c2347b); serve nvfp4 on Blackwell or set the "
+            "daemon's format to block_fp8"
+        )
+    if backend == MoeBackend.CUTLASS:
+        return None
+    if backend == MoeBackend.TRTLLM_GEN:
+        if sm is not None and sm not in SM100F:
+            return (
+                f"{backend} NVFP4 kernels exist only for SM100/SM103, not sm={sm} (it raises on SM >= 120); set "
+                "moe_config backend='CUTLASS'"
+            )
+        return None
+    if backend == MoeBackend.DEEPGEMM:
+        return (
+            f"{backend} has no NVFP4 kernel (FP8 block scales only; MOE_DEVELOPER_GUIDE.md@04c2347b); set "
+            "moe_config backend='CUTLASS' (or 'TRTLLM' on SM100/SM103)"
+        )
+    return (
+        f"refitd has not verified the NVFP4 reload of {backend} (its quant method keeps its own scale layout); "
+        "set moe_config backend='CUTLASS' (or 'TRTLLM' on SM100/SM103)"
+    )
+
+
 def backend_table() -> list[tuple[str, str, int, str, str | None]]:
     """Every (format, requested backend, SM) -> (resolved class, refusal or None): the table
     docs/engines.md shows (``tests/test_adapter_trtllm.py`` checks the doc against it)."""
     rows = []
-    for fmt in (Format.BLOCK_FP8, Format.FP8_PER_TENSOR, Format.MXFP8):
+    for fmt in (Format.BLOCK_FP8, Format.FP8_PER_TENSOR, Format.MXFP8, Format.NVFP4):
         for req in REQUESTED_BACKENDS:
             for sm in TABLE_SMS:
                 resolved = resolve_moe_backend(req, fmt, sm)
@@ -181,11 +257,14 @@ def backend_table_markdown() -> str:
 
 
 def _unsupported_formats(moe_backend: str) -> list[str]:
-    quantized = [f.value for f in FP8_FORMATS]
+    """The expert formats the resolved class cannot hold at all (the daemon checks the manifest's
+    list; refitd's MXFP4 and INT4 names have no TRT-LLM loader, see :func:`_four_bit_refusal`)."""
+    quantized = [f.value for f in Format if f.quantized]
+    nvfp4 = Format.NVFP4.value
     supported = {
-        MoeBackend.CUTLASS: quantized,
-        MoeBackend.TRTLLM_GEN: [Format.BLOCK_FP8.value],
+        MoeBackend.CUTLASS: [f.value for f in FP8_FORMATS] + [nvfp4],
+        MoeBackend.TRTLLM_GEN: [Format.BLOCK_FP8.value, nvfp4],
         MoeBackend.CUTEDSL: [Format.BLOCK_FP8.value],
         MoeBackend.DEEPGEMM: [Format.BLOCK_FP8.value],
-    }.get(moe_backend, quantized)
+    }.get(moe_backend, [f.value for f in FP8_FORMATS])
     return [f for f in quantized if f not in supported]

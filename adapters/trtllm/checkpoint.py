@@ -14,7 +14,7 @@ from adapters.trtllm.backends import (
     MXFP8_MOE_ALIGN,
     _unsupported_formats,
 )
-from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, Format
+from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, NVFP4_BLOCK, Format
 from sidecar.plan.build import Layer, layer_of_name
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
 from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
@@ -63,17 +63,50 @@ def _coerce_params(params: Iterable[Any]) -> dict[str, tuple[torch.dtype, tuple[
     return out
 
 
+#: bits per element of a packed NVFP4 MoE tensor: CUTLASS packs 16 E2M1 values per int64 and 4 float8
+#: scales per int32, TRTLLM-Gen 2 values per uint8 and 1 scale per float8 (NVFP4*FusedMoEMethod)
+_PACKED_BITS = {torch.int64: 64, torch.uint8: 8, torch.int32: 32, FP8_DTYPE: 8}
+
+
+def _nvfp4_group(params: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> int | None:
+    """Elements of K per block scale of an NVFP4-shaped MoE module (16 for NVFP4, 32 for TRT-LLM's
+    W4A8_NVFP4_FP8), from ``w3_w1_weight`` and ``w3_w1_weight_scale``'s last dims; None if unreadable."""
+    (wd, ws), (sd, ss) = params["w3_w1_weight"], params["w3_w1_weight_scale"]
+    if wd not in _PACKED_BITS or sd not in _PACKED_BITS or not ws or not ss or not ss[-1]:
+        return None
+    k = ws[-1] * _PACKED_BITS[wd] // 4
+    scales = ss[-1] * _PACKED_BITS[sd] // 8
+    return k // scales if k % scales == 0 else None
+
+
 def _moe_format(module: str, params: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Format:
-    """The expert format a fused MoE module holds, from its parameter names and dtypes."""
+    """The expert format a fused MoE module holds, from its parameter names and dtypes.
+
+    NVFP4 (``NVFP4FusedMoEMethod.create_weights``): packed ``w3_w1_weight`` / ``w2_weight`` (int64 in
+    CUTLASS, uint8 in TRTLLM-Gen), ``w3_w1_weight_scale`` / ``w2_weight_scale``, 0-d
+    ``fc31_input_scale`` / ``fc2_input_scale`` and per-expert ``fc31_alpha`` / ``fc2_alpha``, one block
+    scale per 16 along K.
+    """
     lacking = [p for p in _MOE_WEIGHTS if p not in params]
     if lacking:
         raise ValueError(f"{module}: no {lacking} among its parameters; is it a TRT-LLM fused MoE module?")
     dtype = params["w3_w1_weight"][0]
     if dtype in FLOAT_DTYPES:
         return Format.BF16
+    if "fc31_alpha" in params and "fc31_input_scale" in params and "w3_w1_weight_scale" in params:
+        group = _nvfp4_group(params)
+        if group == NVFP4_BLOCK:
+            return Format.NVFP4
+        raise ValueError(
+            f"{module}: NVFP4-style experts with one scale per {group} along K (TRT-LLM's W4A8_NVFP4_FP8 "
+            "uses 32): refitd publishes NVFP4 with one scale per 16; configure quant_algo NVFP4 "
+            "(trtllm_llm_args does)"
+        )
     if dtype != FP8_DTYPE:
         raise ValueError(
-            f"{module}.w3_w1_weight is {dtype}: refitd handles bf16 and float8_e4m3fn experts only"
+            f"{module}.w3_w1_weight is {dtype} with {sorted(params)}: refitd's TRT-LLM adapter handles bf16, "
+            "float8_e4m3fn and NVFP4 experts only (TRT-LLM's MXFP4 / INT4 MoE methods read other names than "
+            "refitd publishes)"
         )
     if "w3_w1_weight_scaling_factor" in params:
         return Format.BLOCK_FP8
@@ -85,7 +118,10 @@ def _moe_format(module: str, params: Mapping[str, tuple[torch.dtype, tuple[int, 
 
 
 def _linear_format(scales: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Format:
-    """The format of an FP8 linear (non-expert) from its scale parameters."""
+    """The format of a quantized linear (non-expert) from its parameters: NVFP4LinearMethod holds a
+    uint8 ``weight`` [out, in/2] with ``alpha`` and ``input_scale`` (linear.py); FP8 ones a float8 one."""
+    if scales.get("weight", (None,))[0] == torch.uint8 and "alpha" in scales:
+        return Format.NVFP4
     if "weight_scale_inv" in scales:
         return Format.BLOCK_FP8
     dtype = scales.get("weight_scale", (torch.float32, ()))[0]
@@ -104,11 +140,16 @@ def _engine_module(ckpt_module: str) -> str:
 
 
 def _quantized(name: str, shape: tuple[int, ...], fmt: Format) -> list[ManifestTensor]:
-    scale_shape = fmt.scale_shape(shape)
-    return [
-        ManifestTensor(name, FP8_DTYPE, shape),
-        ManifestTensor(f"{name.removesuffix('.weight')}.{fmt.scale_suffix}", fmt.scale_dtype, scale_shape),
+    """A quantized weight's checkpoint tensors (SPEC §2.3): the values, the scale, NVFP4's
+    ``.weight_scale_2`` (ModelOpt's names, which TRT-LLM's NVFP4 loaders read)."""
+    module = name.removesuffix(".weight")
+    out = [
+        ManifestTensor(f"{module}.{fmt.weight_suffix}", fmt.weight_dtype, fmt.weight_shape(shape)),
+        ManifestTensor(f"{module}.{fmt.scale_suffix}", fmt.scale_dtype, fmt.scale_shape(shape)),
     ]
+    if fmt is Format.NVFP4:
+        out.append(ManifestTensor(f"{module}.weight_scale_2", torch.float32, ()))
+    return out
 
 
 def _expand_slab(name: str, shape: tuple[int, ...], fmt: Format) -> list[ManifestTensor]:
@@ -148,8 +189,9 @@ def build_manifest(
     publishes them; a module held in BF16 keeps the checkpoint's own expert tensors (a Qwen3.5 slab
     stays a slab). Everything else is the checkpoint's BF16 tensor, unless the engine holds its
     module in FP8 (then the manifest says so, and :func:`check_trtllm_constraints` objects).
-    Per-tensor FP8 ``input_scale`` tensors are not listed: refitd does not publish them; the worker
-    extension carries the engine's own static input scales into every reload (``constraints``).
+    Per-tensor FP8 and NVFP4 ``input_scale`` tensors are not listed: refitd does not publish them; the
+    worker extension carries the engine's own static input scales into every reload (``input_scales``
+    says whether it has usable ones; :func:`check_trtllm_constraints` refuses without).
     Layers the engine does not hold (pipeline parallelism, no MTP) are left out. ``quant_method`` is
     the MoE modules' resolved quant method class and ``mxfp8_reload_path`` whether the build has the
     MXFP8 reload path (both recorded in ``info``; :func:`backend_refusal` reads them).
@@ -172,7 +214,10 @@ def build_manifest(
         raise ValueError(f"the engine's routed experts mix formats {quantized}; refitd publishes one format")
     expert_format = Format(quantized[0]) if quantized else Format.BF16
     fp8_linears = {
-        mod: _linear_format(p) for mod, p in linear_params.items() if p.get("weight", (None,))[0] == FP8_DTYPE
+        mod: _linear_format(p)
+        for mod, p in linear_params.items()
+        if p.get("weight", (None,))[0] == FP8_DTYPE
+        or (p.get("weight", (None,))[0] == torch.uint8 and "alpha" in p)
     }
     held_layers = {layer_of_name(n) for n in engine} | {None}
     include_mtp = any(isinstance(layer, tuple) for layer in held_layers)

@@ -1,5 +1,6 @@
 """Every reason a TRT-LLM engine cannot take refitd's generations: the backend rules, the manifest's
-EngineConstraints, static input scales, FP8 non-expert modules. ``EngineWorker.attach`` runs it.
+EngineConstraints, NVFP4's K multiples, static input scales, quantized non-expert modules.
+``EngineWorker.attach`` runs it.
 """
 
 from __future__ import annotations
@@ -9,16 +10,16 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from adapters.trtllm.backends import (
-    backend_refusal,
-)
+import torch
+
+from adapters.trtllm.backends import NVFP4_MOE_K_MULTIPLE, backend_refusal
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
 from sidecar.protocol.manifest import Manifest
 
 
 def _routed_weight(name: str) -> bool:
-    base = re.sub(r"\.(weight_scale_inv|weight_scale|input_scale)$", ".weight", name)
+    base = re.sub(r"\.(weight_scale_inv|weight_scale_2|weight_scale|input_scale)$", ".weight", name)
     return bool(SLAB_RE.match(base) or PER_EXPERT_RE.match(base))
 
 
@@ -52,26 +53,53 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any] | Non
     # backend_refusal names the backend that cannot hold the format, with the setting that can
     shared = replace(manifest.constraints, unsupported_formats=frozenset())
     problems += shared.problems(hidden=hidden, intermediate=inter)
-    if fmt is Format.FP8_PER_TENSOR and manifest.info.get("input_scales") is not True:
+    if fmt is Format.NVFP4:
+        problems += _nvfp4_k_problems(manifest, hidden, inter)
+    if fmt in (Format.FP8_PER_TENSOR, Format.NVFP4) and manifest.info.get("input_scales") is not True:
+        what = "per-tensor FP8" if fmt is Format.FP8_PER_TENSOR else "NVFP4 (W4A4)"
         problems.append(
-            "per-tensor FP8 MoE needs a static input_scale for every expert, which refitd does not "
-            "publish: load a calibrated per-tensor FP8 checkpoint (load_format='auto') so the engine "
+            f"{what} MoE needs a static input_scale for every expert, which refitd does not "
+            f"publish: load a calibrated {what} checkpoint (load_format='auto') so the engine "
             "holds them, or pass input_scale= to refit_attach"
         )
-    fp8_modules = sorted(
-        {
-            t.name.removesuffix(".weight")
-            for t in manifest.tensors
-            if t.dtype == FP8_DTYPE and not _routed_weight(t.name)
-        }
-    )
-    if fp8_modules:
-        shown = ", ".join(fp8_modules[:8]) + (
-            f" and {len(fp8_modules) - 8} more" if len(fp8_modules) > 8 else ""
+    for label, dtype in (("FP8", FP8_DTYPE), ("NVFP4", torch.uint8)):
+        modules = sorted(
+            {
+                t.name.removesuffix(".weight")
+                for t in manifest.tensors
+                if t.dtype == dtype and t.name.endswith(".weight") and not _routed_weight(t.name)
+            }
         )
+        if modules:
+            shown = ", ".join(modules[:8]) + (f" and {len(modules) - 8} more" if len(modules) > 8 else "")
+            problems.append(
+                f"the engine holds {len(modules)} non-expert modules in {label} ({shown}), but refitd "
+                "publishes everything outside the routed experts in BF16; list them in "
+                "modules_to_not_convert / exclude_modules (trtllm_llm_args does)"
+            )
+    return problems
+
+
+def _nvfp4_k_problems(manifest: Manifest, hidden: int | None, inter: int | None) -> list[str]:
+    """NVFP4 MoE K multiples after TP slicing: one block scale per 16 along K, so H (gate/up's K) and
+    each rank's I (down_proj's K) must be multiples of 16. TRT-LLM allocates ``hidden_size //
+    scaling_vector_size`` and ``intermediate_size_per_partition // scaling_vector_size`` scales
+    (``NVFP4FusedMoEMethod.get_weights_shapes``) and row-splits the checkpoint's [H, I/16] down_proj
+    scale across the MoE TP ranks (``load_weight_shard``); expert parallelism splits no K."""
+    c = manifest.constraints
+    h = hidden if hidden is not None else c.hidden_size
+    i = inter if inter is not None else c.intermediate_size
+    tp, k, problems = c.moe_tp_size or 1, NVFP4_MOE_K_MULTIPLE, []
+    if h is not None and h % k:
         problems.append(
-            f"the engine holds {len(fp8_modules)} non-expert modules in FP8 ({shown}), but refitd publishes "
-            "everything outside the routed experts in BF16; list them in modules_to_not_convert "
-            "(trtllm_llm_args does)"
+            f"TRT-LLM's NVFP4 MoE needs hidden_size = {h} to be a multiple of {k} (one float8 block scale "
+            f"per {k} along K of gate/up_proj); this model cannot run in nvfp4: set the daemon's format to "
+            "block_fp8"
+        )
+    if i is not None and i % tp == 0 and (i // tp) % k:  # a ragged split: EngineConstraints says so
+        problems.append(
+            f"TRT-LLM's NVFP4 MoE needs moe_intermediate_size / tp = {i}/{tp} to be a multiple of {k} (one "
+            f"float8 block scale per {k} along K of down_proj, within a rank's shard): set "
+            "moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so that it is"
         )
     return problems

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from adapters.trtllm.carry import NVFP4_INPUT_PARAMS, nvfp4_input_scales
 from adapters.trtllm.checkpoint import build_manifest
 from adapters.trtllm.checks import check_trtllm_constraints
 from sidecar.numerics.formats import Format
@@ -93,8 +94,8 @@ class RefitWorkerExtension:
 
         ``hf_config`` is the config the daemon plans from (default: the engine's pretrained config);
         pass it when they differ in form (a Qwen3.5 multimodal config names its text weights
-        ``model.language_model.*``). ``input_scale`` gives per-tensor FP8 experts a calibrated static
-        activation scale when the engine holds none (dummy load).
+        ``model.language_model.*``). ``input_scale`` gives per-tensor FP8 or NVFP4 experts a calibrated
+        static activation scale (the checkpoint's ``input_scale``) when the engine holds none (dummy load).
         """
         from adapters.engine import EngineWorker
 
@@ -163,17 +164,26 @@ class RefitWorkerExtension:
         )
 
     def _refit_capture_input_scales(self, model: torch.nn.Module, override: float | None) -> dict:
-        """Per-tensor FP8 MoE modules' static input scales, read once at attach: {module: (fc31, fc2)}.
+        """MoE modules' static input scales, read once at attach: {module: (gate/up, down, experts)} in
+        checkpoint terms (the ``input_scale`` every expert is given on reload).
 
-        After loading only the maxima survive (``fc31_input_dequant``, ``1 / fc2_quant``); giving every
-        expert those values reproduces the same maxima on reload (``1 / fc2_quant`` to within one
-        rounding, taken once here, so it does not drift across refits). Dummy-loaded (uniform in
-        [-1e-3, 1e-3]) or non-positive scales are not usable: the manifest then says so and the attach
-        is refused, unless ``override`` gives a calibrated scale.
+        Per-tensor FP8: after loading only the maxima survive (``fc31_input_dequant``, ``1 /
+        fc2_quant``); giving every expert those values reproduces the same maxima on reload (``1 /
+        fc2_quant`` to within one rounding, taken once here, so it does not drift across refits).
+        NVFP4: ``fc31_input_scale`` / ``fc2_input_scale`` hold ``1 / max(input_scale)``; every expert
+        gets the exact float32 preimage (``adapters.trtllm.carry``), so the reload reproduces them bit
+        for bit. Dummy-loaded (uniform in [-1e-3, 1e-3]) or non-positive scales are not usable: the
+        manifest then says so and the attach is refused, unless ``override`` gives a calibrated scale.
         """
-        scales = {}
+        scales: dict = {}
         for name, layer in model.named_modules():
             m = _moe_impl(layer)  # ConfigurableMoE: the parameters live on its backend
+            if name.endswith(".experts") and all(hasattr(m, p) for p in NVFP4_INPUT_PARAMS):
+                carried = nvfp4_input_scales(m, override)
+                if carried is None:
+                    return {}
+                scales[name] = (*carried, int(m.num_experts))
+                continue
             if not (
                 name.endswith(".experts") and hasattr(m, "fc31_input_dequant") and hasattr(m, "fc2_quant")
             ):
@@ -193,7 +203,7 @@ class RefitWorkerExtension:
         with the weights; a TRT-LLM module name is also a valid checkpoint prefix for them)."""
         out = {}
         for module, (fc31, fc2, experts) in self._refit_fp8_input.items():
-            a, b = torch.tensor(fc31, dtype=torch.float32), torch.tensor(fc2, dtype=torch.float32)
+            a, b = (torch.as_tensor(x, dtype=torch.float32).reshape(()) for x in (fc31, fc2))
             for e in range(experts):
                 out[f"{module}.{e}.gate_proj.input_scale"] = a
                 out[f"{module}.{e}.up_proj.input_scale"] = a
@@ -221,7 +231,8 @@ class RefitWorkerExtension:
         groups: dict[Layer, list[str]] = defaultdict(list)
         for name in gen.tensors:
             groups[layer_of_name(name)].append(name)
-        extra = self._refit_input_scale_tensors() if self._refit_format is Format.FP8_PER_TENSOR else {}
+        static = self._refit_format in (Format.FP8_PER_TENSOR, Format.NVFP4)
+        extra = self._refit_input_scale_tensors() if static else {}
         for layer, names in groups.items():
             # one layer per call: Qwen3.5's mapper packs in_proj_qkv+z and in_proj_b+a within a call
             weights = {n: gen.tensors[n].to(device, non_blocking=True) for n in names}
