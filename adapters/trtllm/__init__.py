@@ -43,6 +43,14 @@ Facts this module relies on, by source file (NVIDIA/TensorRT-LLM as stored; comm
   (incl. DeepGemm) and NVFP4 methods only. ``MXFP8CutlassFusedMoEMethod`` (per a TRT-LLM unit test
   of it; path not resolved) holds int32-packed scales [E, 2*I_part, H/128] and
   [E, H, I_part/128] and needs SM100+.
+* NVFP4 (``quantization.py``@a98a9061; ``MOE_DEVELOPER_GUIDE.md``@04c2347b): ``NVFP4FusedMoEMethod``
+  holds packed ``w3_w1_weight`` / ``w2_weight`` (CUTLASS int64, 16 values each; TRTLLM-Gen uint8),
+  ``w3_w1_weight_scale`` / ``w2_weight_scale`` (CUTLASS int32, 4 float8 each; TRTLLM-Gen float8), 0-d
+  ``fc31_input_scale`` / ``fc2_input_scale`` (``max(input_scale).reciprocal()`` over every expert, whose
+  ``{e}.w1/w3/w2.input_scale`` it reads) and ``fc31_alpha`` / ``fc2_alpha`` [E]; it reads
+  ``{e}.w{1,3,2}.weight / weight_scale / weight_scale_2``. NVFP4 MoE kernels: CUTLASS SM100/103/120/121,
+  TRTLLM-Gen SM100/103, none in DeepGEMM; Marlin (W4A16) on SM89-99. ``NVFP4LinearMethod``
+  (``linear.py``) holds a uint8 ``weight`` [out, in/2] with ``input_scale`` and ``alpha``.
 * ``_torch/models/checkpoints/hf/qwen2_moe_weight_mapper.py`` (Qwen3 MoE) and
   ``qwen3_5_weight_mapper.py`` / ``qwen3_5_moe_weight_mapper.py``: per-expert names are renamed
   ``gate_proj -> w1``, ``up_proj -> w3``, ``down_proj -> w2`` (scale and input_scale suffixes ride
