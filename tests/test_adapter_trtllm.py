@@ -43,7 +43,8 @@ SOURCES = {
     "nvfp4_moe_weights": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/modules/fused_moe/quantization.py@a98a9061 "
     "(NVFP4FusedMoEMethod / NVFP4CutlassFusedMoEMethod.create_weights: int64 w3_w1_weight [E, 2I, H/16], "
     "int32 w3_w1_weight_scale [E, 2I, H/64], 0-d fc31/fc2_input_scale, [E] fc31/fc2_alpha; the newest "
-    "stored copy pads 2I to NVFP4_ROW_ALIGNMENT 128)",
+    "stored copy pads 2I to NVFP4_ROW_ALIGNMENT 128; NVFP4TRTLLMGenFusedMoEMethod: uint8 [E, 2I, H/2], "
+    "float8 scales [E, 2I, H/16], fc31_scale_c [E])",
     "moe_cls": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/modules/fused_moe/create_moe.py@01f8de52 (get_moe_cls)",
     "qwen3_moe": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/models/modeling_qwen3_moe.py@03441af1 "
     "(model.layers.L.mlp.{gate,experts}, self_attn.qkv_proj)",
@@ -75,6 +76,13 @@ CASES = {
         sm=100,
         sources=["nvfp4_moe_weights", "moe_cls", "qwen3_moe", "quant_config"],
     ),
+    "trtllm_qwen3.5-35b-a3b_nvfp4": dict(
+        config="qwen3.5-35b-a3b.config.json",
+        spec=dict(model_type="qwen3_5_moe", fmt="nvfp4", num_first_layers_in_bf16=1),
+        requested="TRTLLM",
+        sm=100,
+        sources=["nvfp4_moe_weights", "moe_cls", "qwen3_5", "quant_config"],
+    ),
     "trtllm_qwen3.5-35b-a3b_block_fp8": dict(
         config="qwen3.5-35b-a3b.config.json",
         spec=dict(model_type="qwen3_5_moe", fmt="block_fp8", num_last_layers_in_bf16=1),
@@ -93,12 +101,26 @@ def _config(name: str) -> dict:
 # the transcription: engine parameters as TRT-LLM allocates them
 
 
-def _moe_params(module: str, fmt: Format, e: int, h: int, i: int) -> list[list]:
+def _moe_params(
+    module: str, fmt: Format, e: int, h: int, i: int, backend: str = MoeBackend.CUTLASS
+) -> list[list]:
     """Fused MoE parameters of one module (tp = ep = 1), as the quant methods' create_weights."""
     if not fmt.quantized:
         return [
             [f"{module}.w3_w1_weight", "bfloat16", [e, 2 * i, h]],
             [f"{module}.w2_weight", "bfloat16", [e, h, i]],
+        ]
+    if fmt is Format.NVFP4 and backend == MoeBackend.TRTLLM_GEN:  # NVFP4TRTLLMGenFusedMoEMethod
+        return [
+            [f"{module}.w3_w1_weight", "uint8", [e, 2 * i, h // 2]],
+            [f"{module}.w2_weight", "uint8", [e, h, i // 2]],
+            [f"{module}.w3_w1_weight_scale", "float8_e4m3fn", [e, 2 * i, h // 16]],
+            [f"{module}.w2_weight_scale", "float8_e4m3fn", [e, h, i // 16]],
+            [f"{module}.fc31_input_scale", "float32", []],
+            [f"{module}.fc2_input_scale", "float32", []],
+            [f"{module}.fc31_alpha", "float32", [e]],
+            [f"{module}.fc2_alpha", "float32", [e]],
+            [f"{module}.fc31_scale_c", "float32", [e]],
         ]
     if fmt is Format.NVFP4:  # NVFP4CutlassFusedMoEMethod: 16 E2M1 per int64, 4 float8 scales per int32
         rows = -(-2 * i // 128) * 128  # NVFP4_ROW_ALIGNMENT
@@ -192,8 +214,9 @@ def transcribe(case: str) -> dict:
                 [f"{p}.mlp.shared_expert.down_proj.weight", "bfloat16", [h, s]],
                 [f"{p}.mlp.shared_expert_gate.weight", "bfloat16", [1, h]],
             ]
-        return out + _moe_params(f"{p}.mlp.experts", fmt, e, h, i)
+        return out + _moe_params(f"{p}.mlp.experts", fmt, e, h, i, backend)
 
+    backend = resolve_moe_backend(c["requested"], spec.format, c["sm"])
     types = t.get("layer_types") or ["full_attention"] * layers
     for n in range(layers):
         params += layer(f"model.layers.{n}", types[n], Format.BF16 if n in kept else spec.format)
