@@ -23,11 +23,6 @@ NVFP4_CUTLASS_SMS = frozenset({100, 103, 120, 121})
 NVFP4_MOE_K_MULTIPLE = NVFP4_BLOCK
 #: the GPU generations the backend table covers (docs/engines.md)
 TABLE_SMS = (90, 100, 103, 107, 120)
-#: the NVFP4 MoE quant methods whose loader reads refitd's names and whose reload refitd has read
-NVFP4_METHODS = {
-    "CutlassFusedMoE": "NVFP4CutlassFusedMoEMethod",
-    "TRTLLMGenFusedMoE": "NVFP4TRTLLMGenFusedMoEMethod",
-}
 _NO_INPUT_SCALES = "static input scales"
 
 
