@@ -1,6 +1,7 @@
 """Per-GPU work on a node with several GPUs (docs/multi_gpu.md, "Per-GPU work").
 
-With ``gpus`` naming several GPUs the daemon places layer group ``g`` on ``gpus[g mod N]``: each GPU
+With ``gpus`` naming several GPUs the daemon places each layer group on one of them (bytes balanced,
+round-robin where groups are alike): each GPU
 has its own staging and publish rings within ``device_budget``, its own grants (a GPU whose groups
 stall holds only its own regions) and its own quantization thread. Run against
 ``support.fake_cuda.FakeCuda`` with two to four GPUs (every allocation counted per device): a real
@@ -29,7 +30,7 @@ from sidecar.client.client import RefitClient, Shard
 from sidecar.client.local import StagingWriter
 from sidecar.client.placement import placed_row, ring_arenas
 from sidecar.config.settings import DEFAULT_DEVICE_BUDGET, ArenaKind
-from sidecar.daemon.memory.staging import RingStaging, region_size, ring_groups
+from sidecar.daemon.memory.staging import RingStaging, balanced_lanes, region_size, ring_groups
 from sidecar.daemon.memory.tiers import fit_device_tier
 from sidecar.daemon.worker import QuantWorker
 from sidecar.errors import ErrorKind, RefitError
@@ -156,19 +157,24 @@ def watch_workers(monkeypatch) -> list[tuple[str, int, list[torch.Tensor], list[
 # the ring's lanes: placement and grants per GPU
 
 
-def test_groups_are_placed_round_robin_and_each_gpu_grants_on_its_own():
-    """Two lanes of one region each: group g on lane g mod 2. Lane 0's first group never fills (its
-    GPU stalls); lane 1 is still granted, drains and is granted again, group after group, to its
-    end; lane 0 then goes on where it stopped. Deterministic: no threads, no sleeps."""
+def test_groups_are_balanced_over_gpus_and_each_gpu_grants_on_its_own():
+    """Two lanes of one region each: groups placed bytes-balanced in plan order. Lane 0's first
+    group never fills (its GPU stalls); lane 1 is still granted, drains and is granted again,
+    group after group, to its end; lane 0 then goes on where it stopped. Deterministic: no
+    threads, no sleeps."""
     plan = plan_from_hf_config(HF, SPEC)
     groups = ring_groups(plan)
     ring = RingStaging(plan, regions=1, capacity=region_size(groups), lanes=2)
     assert ring.lanes == 2 and ring.regions == 1 and ring.wire()["arenas"] == 2
+    lanes = [ring.lane_of(g.index) for g in ring.groups]
+    assert lanes == balanced_lanes([g.nbytes for g in ring.groups], 2) and set(lanes) == {0, 1}
     for g in ring.groups:
         name = g.inputs[0]
-        assert ring.placement(name) == (g.index, g.layout.slots[name].offset, g.index % 2)
+        assert ring.placement(name) == (g.index, g.layout.slots[name].offset, ring.lane_of(g.index))
     first = ring.start()
-    assert [(g, ring.lane_of(g)) for g, _ in first] == [(0, 0), (1, 1)]
+    lane0 = [g.index for g in ring.groups if ring.lane_of(g.index) == 0]
+    lane1 = [g.index for g in ring.groups if ring.lane_of(g.index) == 1]
+    assert [g for g, _ in first] == [lane0[0], lane1[0]] and ring.lane_groups(1) == len(lane1)
 
     def run(group: int) -> list:
         for name in ring.groups[group].inputs:
@@ -179,17 +185,19 @@ def test_groups_are_placed_round_robin_and_each_gpu_grants_on_its_own():
             grants += ring.unit_done(u)
         return grants
 
-    lane1 = [g.index for g in ring.groups if g.index % 2 == 1]
-    for k, group in enumerate(lane1):  # group 0 holds lane 0's only region all along
-        grants = run(group)
-        following = lane1[k + 1 : k + 2]
-        assert [g for g, _ in grants] == following, (group, grants)
-        assert ring.held(0) == [ring.groups[0].label]
+    for k, group in enumerate(lane1):  # lane 0's first group holds its only region all along
+        assert [g for g, _ in run(group)] == lane1[k + 1 : k + 2], group
+        assert ring.held(0) == [ring.groups[lane0[0]].label]
     assert ring.held(1) == []
-    lane0 = [g.index for g in ring.groups if g.index % 2 == 0]
     for k, group in enumerate(lane0):
         assert [g for g, _ in run(group)] == lane0[k + 1 : k + 2]
     assert ring.held() == []
+
+
+def test_balanced_lanes_are_round_robin_for_alike_groups_and_spread_unlike_ones():
+    assert balanced_lanes([5] * 7, 3) == [0, 1, 2, 0, 1, 2, 0]
+    assert balanced_lanes([10, 1, 1, 1, 10, 1], 2) == [0, 1, 1, 1, 1, 0]  # never 10 + 10 on one
+    assert balanced_lanes([3, 3], 1) == [0, 0]
 
 
 def test_one_gpu_ring_and_wire_are_as_before():
@@ -284,7 +292,7 @@ def test_groups_are_quantized_on_their_gpu_within_each_budget_byte_exact(tmp_pat
 def test_a_local_rank_writes_each_group_into_its_gpus_staging_arena(tmp_path, fake, monkeypatch):
     """gpus = 0,1,2 by index; a local rank (same node: D2D through the mapped handles) and a remote
     one: the local rank maps every GPU's staging arena READY lists and writes each granted group
-    into the arena SLOT names (group g on GPU g mod 3); two steps publish byte-exact."""
+    into the arena SLOT names (the GPU READY placed it on); two steps publish byte-exact."""
     writes: list[tuple[int, int]] = []
     real = StagingWriter.write_group
 

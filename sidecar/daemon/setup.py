@@ -59,7 +59,7 @@ def work_gpus(config: DaemonConfig, devices: list[int], regions: int) -> list[in
             )
             log.info("gpus = %s: one GPU does the work: %s", list(config.gpus), why)
         return None
-    log.info("layer groups spread round-robin over GPUs %s (gpus = %s)", devices, list(config.gpus))
+    log.info("layer groups spread over GPUs %s (gpus = %s)", devices, list(config.gpus))
     return devices
 
 

@@ -135,7 +135,7 @@ def _rings(arenas: Arenas) -> list[dict[str, Any]]:
             "staging_bytes": staging.size,
             "publish_bytes": None if pub is None else pub.size,
             "device_bytes": per_gpu[lane],
-            "groups": None if ring is None else len(range(lane, len(ring.groups), ring.lanes)),
+            "groups": None if ring is None else ring.lane_groups(lane),
             "held": [] if ring is None else ring.held(lane),
         }
         for lane, (staging, pub) in enumerate(zip(arenas.stagings, publish))

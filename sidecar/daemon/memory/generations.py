@@ -80,7 +80,7 @@ class Arenas:
         (BudgetTooSmall) to allocate more device memory than this, on each GPU.
 
         ``gpus`` (GPU arenas, host generations, a ring): the GPUs layer groups are spread over
-        round-robin (docs/multi_gpu.md, "Per-GPU work"), each with a staging ring and a publish
+        bytes balanced (docs/multi_gpu.md, "Per-GPU work"), each with a staging ring and a publish
         ring of its own, of the same sizes; default ``[gpu]``, one GPU as before."""
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.staging_regions = staging_regions

@@ -266,7 +266,7 @@ def fit_device_tier(
     regions first: they let the ranks fill one region while the kernels drain another).
     BudgetTooSmall names the part that cannot fit even alone and the bytes it needs.
 
-    ``gpus``: the groups are spread round-robin over that many GPUs (docs/multi_gpu.md), each with
+    ``gpus``: the groups are spread over that many GPUs (bytes balanced) (docs/multi_gpu.md), each with
     rings of its own: the tier is then what EACH of them holds (regions sized for the largest
     group, which bounds every GPU's share; no more regions than one GPU's share of groups), each
     within ``budget``; ``DeviceTier.groups`` still counts every group of the node."""
