@@ -239,6 +239,47 @@ def test_the_budget_holds_each_gpus_share_of_a_real_model(gpus):
     )
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fake", [4], indirect=True)
+@pytest.mark.parametrize("layers", [2, 6])
+def test_each_gpus_device_memory_stays_within_the_budget_whatever_the_model_size(layers, fake):
+    """Four GPUs, a model three times larger: each GPU allocates its staging and publish ring once,
+    within the budget, the same bytes whatever the model (the generations grow in host memory)."""
+    import random
+
+    from sidecar.daemon.memory.generations import Arenas
+
+    hf = make_hf_config("qwen3_5_moe", num_layers=layers, num_experts=8 * layers // 2, unaligned=True)
+    plan = plan_from_hf_config(hf, SPEC)
+    arenas = Arenas.for_plan(
+        f"refitd-test-{random.getrandbits(32):08x}",
+        plan,
+        kind=ArenaKind.CUDA_IPC,
+        staging_regions=4,
+        host_generations=True,
+        budget=BUDGET,
+        gpus=[0, 1, 2, 3],
+    )
+    try:
+        assert arenas.lanes == 4 and sorted(d for d, _ in fake.allocations) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(fake.peak[k] <= BUDGET for k in range(4))
+        assert arenas.device_bytes_per_gpu() == [fake.peak[k] for k in range(4)]
+        lanes = {arenas.ring.lane_of(g.index) for g in arenas.ring.groups}
+        assert lanes == {0, 1, 2, 3}
+    finally:
+        arenas.close()
+    assert fake.registered == {} and fake.device_bytes_now == 0
+
+
+def test_a_local_rank_refuses_a_ready_without_every_gpus_staging_handle(fake):
+    writer = StagingWriter(link=None)
+    for handles in (None, [{"kind": "cuda_ipc"}], "x"):
+        with pytest.raises(ProtocolError, match="spreads the staging ring over 2 GPU arenas"):
+            writer.open_lanes(handles, 2)
+    with pytest.raises(ProtocolError, match="no staging arena 1 is mapped"):
+        writer.lane(1)
+
+
 # --------------------------------------------------------------------------------------------------
 # the daemon on two (fake) GPUs
 
