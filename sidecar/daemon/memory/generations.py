@@ -157,10 +157,6 @@ class Arenas:
         """GPUs the layer groups are spread over (1: one GPU, or host memory)."""
         return len(self.gpus)
 
-    def staging_of(self, group: int) -> Arena:
-        """The staging arena ring group ``group`` is placed on."""
-        return self.stagings[0 if self.ring is None else self.ring.lane_of(group)]
-
     def _create(
         self, role: str, size: int, kind: ArenaKind | None = None, *, sealed: bool = False, lane: int = 0
     ) -> Arena:
