@@ -44,7 +44,10 @@ Four sections, each recorded even when another fails:
    (``--tiers-layers``, 4) with generations in page-locked host memory: the peak device memory
    against ``--tiers-budget`` (4 GiB) while a step streams through the staging and publish rings,
    byte-exactness of sampled groups, and the H2D rate of an engine load from the page-locked host
-   generation against a plain pinned ``copy_`` of the same bytes, in the same run. On CPU it plans only.
+   generation against a plain pinned ``copy_`` of the same bytes, in the same run. On a device with
+   several GPUs it then streams the same step on one GPU and on all of them (bench/gpu_spread.py:
+   groups round-robin, one thread per GPU) and compares the time, each GPU's arenas against the
+   budget and the two generations byte for byte; skipped on one GPU. On CPU it plans only.
 
 Prints a table and writes JSON (``--out``). Exit status 0 when every check that ran passed. This
 process imports neither pyzmq nor NIXL (the kernel and timing sections run without them); the

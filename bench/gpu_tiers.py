@@ -82,13 +82,31 @@ def tiers_section(device: torch.device, args) -> dict[str, Any]:
             "generation": plan.bytes_out,
         },
     }
+    spread = _spread(device, args, plan)
     if device.type != "cuda":
         result["status"] = "planned only: no CUDA device (the measurement needs a GPU)"
         result["ok"] = tier.device_bytes <= budget
+        result["spread"] = spread
         return result
     result.update(_measure(device, plan, budget, args))
     result["status"] = "ran"
+    result["spread"] = spread
+    if spread.get("ok") is False:
+        result["ok"] = False
     return result
+
+
+def _spread(device: torch.device, args, plan) -> dict[str, Any]:
+    """1 GPU against every GPU (bench/gpu_spread.py); skipped on one GPU; an error is recorded."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_spread", Path(__file__).with_name("gpu_spread.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        return module.spread_section(device, args, plan)
+    except Exception as exc:  # the one-GPU figures above stand on their own
+        return {"status": f"failed: {type(exc).__name__}: {exc}", "ok": False}
 
 
 def _measure(device: torch.device, plan, budget: int, args) -> dict[str, Any]:
@@ -232,3 +250,19 @@ def print_tiers(t: dict[str, Any]) -> None:
         )
         exact = all(s["exact"] for s in t["checked_groups"])
         print(f"  {len(t['checked_groups'])} groups re-checked: {'byte-exact' if exact else 'MISMATCH'}")
+    if "spread" in t:
+        s = t["spread"]
+        print(f"  all GPUs vs one: {s.get('status')}")
+        planned = s.get("planned_device_bytes_per_gpu", {})
+        if planned:
+            print(
+                "    planned device bytes per GPU: "
+                + ", ".join(f"{k} GPU(s) {v / GiB:.2f} GiB" for k, v in planned.items())
+            )
+        if s.get("status") == "ran":
+            one, every = s["one_gpu"], s["all_gpus"]
+            print(
+                f"    step on {every['gpus']} GPUs {every['seconds']:.3f} s vs 1 GPU {one['seconds']:.3f} s: "
+                f"{s['speedup']:.2f}x; per GPU {[round(b / GiB, 3) for b in every['device_bytes_per_gpu']]} GiB "
+                f"(within budget: {s['within_budget']}); generations identical: {s['identical']}"
+            )

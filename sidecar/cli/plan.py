@@ -260,10 +260,17 @@ def render_tiers(t: dict[str, Any], share: dict[str, Any] | None) -> list[str]:
             f"    in all {human_bytes(gpu['device_bytes'])} (as allocated) of a {human_bytes(t['budget'])} "
             f"budget: {ok}"
         )
-        lines.append(
-            f"    on 1 of the node's {shape['gpus']} GPUs (its --gpu; rings on each of --gpus: designed, "
-            "docs/multi_gpu.md); every engine GPU loads from host memory over its own link"
-        )
+        if gpu.get("gpus", 1) > 1:
+            lines.append(
+                f"    on each of the node's {gpu['gpus']} GPUs (gpus = all of them: ring groups spread, "
+                f"~{gpu['groups_per_gpu']} of {gpu['groups']} per GPU, each GPU quantizing and copying out "
+                "its own); every engine GPU loads from host memory over its own link"
+            )
+        else:
+            lines.append(
+                f"    on 1 of the node's {shape['gpus']} GPUs; every engine GPU loads from host memory over "
+                "its own link"
+            )
     host_ok = "fits" if t["host_generations"] <= shape["host_ram"] else "DOES NOT FIT"
     lines.append(
         f"  per node: {t['generations']} host generations x {human_bytes(t['generation'])} = "

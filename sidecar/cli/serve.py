@@ -293,10 +293,21 @@ def render_status(s: dict) -> str:
             if tiers["generations"] == "shm"
             else "GPU memory"
         )
-        lines.append(
-            f"device memory: {_mib(tiers['device_bytes'])} of a {_mib(tiers['device_budget'])} budget; "
-            f"generations in {where}"
+        rings = tiers.get("rings") or []
+        budget = _mib(tiers["device_budget"])
+        within = (
+            f"on {len(rings)} GPUs, each within a {budget} budget"
+            if len(rings) > 1
+            else f"of a {budget} budget"
         )
+        lines.append(f"device memory: {_mib(tiers['device_bytes'])} {within}; generations in {where}")
+        for r in rings if len(rings) > 1 else ():  # several GPUs: each one's rings (docs/multi_gpu.md)
+            publish = f" + publish {_mib(r['publish_bytes'])}" if r.get("publish_bytes") else ""
+            lines.append(
+                f"  cuda:{r['device']} ({r['gpu']}): staging {_mib(r['staging_bytes'])}{publish}, "
+                f"{_mib(r['device_bytes'])} of the budget; {r['groups']} groups; "
+                f"held now: {', '.join(r['held']) or 'none'}"
+            )
     lines.append(f"trainer ranks connected: {s.get('trainers')}; readers: {s.get('readers')}")
     for e in s.get("engines", []):
         lines.append(

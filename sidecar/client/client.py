@@ -45,6 +45,7 @@ import zmq
 
 from sidecar.client.local import StagingWriter
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
+from sidecar.client.placement import placed_row, ring_arenas
 from sidecar.client.remote import RemoteSender
 from sidecar.client.stream import StreamFeed, write_stream
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
@@ -100,6 +101,8 @@ class RefitClient:
         self._closed = False
         self.mover = mover
         self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
+        #: several GPUs: group -> the staging arena (index) its SLOT named; absent: arena 0
+        self._slot_arenas: dict[int, int] = {}
         self._step_pieces = StepPieces()  # the last step's pieces and BEGIN rows, while unchanged
         # the two data paths, given a narrow view of this connection (worker thread only)
         link = Link(send=self._send, keepalive=self._keepalive, poll=self._poll, heartbeat=self._heartbeat)
@@ -278,6 +281,7 @@ class RefitClient:
     ) -> StepResult:
         try:
             self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
+            self._slot_arenas = {}
             self._hello(step, deadline)
             # the rows packed once (StepPieces): the daemon compares them with the last step's
             begin = {
@@ -459,7 +463,10 @@ class RefitClient:
             return True
         if msg.kind is Kind.SLOT:
             if msg.get("step") == step:
-                self._slots[int(msg.require("group", int))] = int(msg.require("offset", int))
+                group = int(msg.require("group", int))
+                self._slots[group] = int(msg.require("offset", int))
+                if "arena" in msg.fields:  # several GPUs: the staging arena of the region
+                    self._slot_arenas[group] = int(msg.require("arena", int))
             return True
         if msg.kind is Kind.PULLED:
             if msg.get("step") == step:
@@ -506,6 +513,28 @@ class RefitClient:
 
     # ---- data
 
+    def open_staging(self, ready: dict) -> None:
+        """Map the staging arena READY names (a local rank), and, where the ring spreads over
+        several GPUs, every GPU's (``stagings``: the arena SLOT's ``arena`` indexes)."""
+        self._local.open(ready["staging"])
+        arenas = ring_arenas(ready)
+        if arenas > 1:
+            self._local.open_lanes(ready.get("stagings"), arenas)
+
+    def granted_region(self, group: int, placed: int, arenas: int) -> tuple[int, int]:
+        """(offset, staging arena) of the region SLOT granted ``group``: ProtocolError when SLOT
+        names an arena the ring does not have, or another than READY placed the group in (its
+        writes would land in a region nobody reads as that group's). The step then fails on every
+        rank (the client ABORTs it) and the last published generation stays live."""
+        arena = self._slot_arenas.get(group, 0)
+        if arena != placed or not 0 <= arena < arenas:
+            raise ProtocolError(
+                f"SLOT grants group {group} a region in staging arena {arena}, but READY placed it in "
+                f"arena {placed} of {arenas}: the daemon and the client disagree; run the same refitd "
+                "version on both"
+            )
+        return self._slots[group], arena
+
     def _write_ring(
         self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None, *, reg: Any = None
     ) -> tuple[str, str]:
@@ -522,16 +551,20 @@ class RefitClient:
             )
         local = "staging" in ready
         if local:
-            self._local.open(ready["staging"])
+            self.open_staging(ready)
         pull = set(ready.get("pull") or ()) if reg is not None and not local else set()
         groups: dict[int, list[tuple[Piece, int, int, Any]]] = {}
+        placed: dict[int, int] = {}  # group -> the staging arena READY places it in
         by_id: dict[int, tuple[Piece, Any]] = {}  # pulled pieces: sent as frames only if their READ fails
-        for i, (piece, pid, (group, rel)) in enumerate(zip(pieces, ids, placement)):
+        arenas = ring_arenas(ready)
+        for i, (piece, pid, row) in enumerate(zip(pieces, ids, placement)):
             src = srcs[i] if srcs is not None else None  # remote: the host copy made for the step
+            group, rel, arena = placed_row(row, arenas)
+            placed[group] = arena
             if pid in pull:
                 by_id[pid] = (piece, src)
             else:
-                groups.setdefault(int(group), []).append((piece, pid, int(rel), src))
+                groups.setdefault(group, []).append((piece, pid, rel, src))
         waiting, why = set(by_id), str(ready.get("mover_reason") or "")
         self._remote.pulled, self._remote.pulling = [], bool(waiting)
         framed = sum(len(rows) for rows in groups.values())
@@ -549,9 +582,11 @@ class RefitClient:
                     self._poll(step, 0.001 if self._remote.pulling else self._heartbeat())
                 continue
             for g in granted:
-                rows, offset = groups.pop(g), self._slots.pop(g)
+                offset, arena = self.granted_region(g, placed[g], arenas)
+                rows = groups.pop(g)
+                del self._slots[g]
                 if local:
-                    self._local.write_group(step, rows, offset, deadline)
+                    self._local.write_group(step, rows, offset, deadline, arena)
                 else:
                     host = [r[3] for r in rows] if srcs is not None else None
                     rps, rids = [r[0] for r in rows], [r[1] for r in rows]

@@ -94,6 +94,9 @@ class StagingWriter:
         #: step of the same pieces list with the same ids into the same views
         self._planned: tuple[list[Piece], Any, list[int], list[_Batch]] | None = None
         self._layout_id: str | None = None  # the mapped arena's layout (READY's layout_id)
+        #: several GPUs (docs/multi_gpu.md): the staging arenas of the other GPUs, by the index
+        #: READY's ``stagings`` and SLOT's ``arena`` give them (``arena`` is index 0)
+        self.others: dict[int, Any] = {}
 
     def open(self, handle: dict) -> None:
         """Map the arena READY names (again only when it is another one, or carved another way:
@@ -113,13 +116,48 @@ class StagingWriter:
         self.arena = open_any_arena(handle, writable=True)
         self._layout_id = layout_id
 
+    def open_lanes(self, handles: Any, count: int) -> None:
+        """Several GPUs: map the staging arena of each of the ``count`` GPUs READY's ``stagings``
+        lists (the first as :meth:`open` maps READY's ``staging``), each once while READY names
+        the same one. A list that is not ``count`` handles is a protocol error."""
+        if (
+            not isinstance(handles, list)
+            or len(handles) != count
+            or not all(isinstance(h, dict) for h in handles)
+        ):
+            shown = f"{len(handles)} entries" if isinstance(handles, list) else type(handles).__name__
+            raise ProtocolError(
+                f"READY spreads the staging ring over {count} GPU arenas but its stagings field holds "
+                f"{shown}, not {count} arena handles: the daemon and the client disagree on the "
+                "protocol; run the same refitd version on both"
+            )
+        for k, handle in enumerate(handles[1:], 1):
+            old = self.others.get(k)
+            if old is not None and old.name == handle.get("name"):
+                continue
+            if old is not None:
+                old.close()
+            self.others[k] = open_any_arena(handle, writable=True)
+        for k in [k for k in self.others if k >= count]:
+            self.others.pop(k).close()
+
+    def lane(self, index: int) -> Any:
+        """The mapped staging arena of GPU ``index`` (0: :attr:`arena`)."""
+        arena = self.arena if index == 0 else self.others.get(index)
+        if arena is None:
+            raise ProtocolError(f"no staging arena {index} is mapped: READY did not list it")
+        return arena
+
     def close(self) -> None:
-        """Unmap the arena (a restarted daemon's segments are never written again); idempotent."""
+        """Unmap the arenas (a restarted daemon's segments are never written again); idempotent."""
         self._planned = None  # its views are of this arena
         self._layout_id = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        for other in self.others.values():
+            other.close()
+        self.others = {}
 
     def write_step(
         self, step: int, pieces: list[Piece], ids: list[int], handle: dict, deadline: float
@@ -155,30 +193,40 @@ class StagingWriter:
         self._copy_in(step, ((p, pid, views[p.name]) for p, pid in zip(pieces, ids)), deadline)
 
     def write_group(
-        self, step: int, rows: list[tuple[Piece, int, int, Any]], offset: int, deadline: float
+        self,
+        step: int,
+        rows: list[tuple[Piece, int, int, Any]],
+        offset: int,
+        deadline: float,
+        arena: int = 0,
     ) -> None:
         """One granted ring region: each ``(piece, id, offset in the region, _)`` into its tensor's place
-        in the region at ``offset``."""
-        view = self.arena.view
+        in the region at ``offset`` of staging arena ``arena`` (the GPU the group is placed on)."""
+        target = self.lane(arena)
+        view = target.view
         dests = ((p, pid, view(offset + rel, p.tensor.dtype, p.global_shape)) for p, pid, rel, _ in rows)
-        self._copy_in(step, dests, deadline)
+        self._copy_in(step, dests, deadline, target)
 
-    def _copy_in(self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float) -> None:
+    def _copy_in(
+        self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float, arena: Any = None
+    ) -> None:
         """Copy each ``(piece, id, its global tensor in staging)``; PIECE_DONE every batch."""
         # many small copies make many small objects: no collections meanwhile
-        with gc_paused(), self._copy_stream():
-            self._copy_pieces(step, dests, deadline)
+        with gc_paused(), self._copy_stream(arena):
+            self._run(step, self._plan(dests, arena), deadline)
 
     @contextlib.contextmanager
-    def _copy_stream(self) -> Iterator[None]:
+    def _copy_stream(self, arena: Any = None) -> Iterator[None]:
         """GPU staging: the copies run on a stream of the client's own, which first waits for what
         the trainer had queued when it called push_step (the work that wrote the tensors). They then
         neither queue behind the trainer's later work nor hold it up, and PIECE_DONE waits for the
-        copies alone, not for the whole device."""
-        if self.arena is None or getattr(self.arena, "kind", "shm") == "shm":
+        copies alone, not for the whole device. ``arena``: the one written (default :attr:`arena`);
+        its GPU's stream."""
+        arena = self.arena if arena is None else arena
+        if arena is None or getattr(arena, "kind", "shm") == "shm":
             yield
             return
-        device = torch.device("cuda", self.arena.device)
+        device = torch.device("cuda", arena.device)
         stream = self._streams.get(device.index)
         if stream is None:
             stream = self._streams[device.index] = torch.cuda.Stream(device)
@@ -187,16 +235,12 @@ class StagingWriter:
         with torch.cuda.stream(stream):
             yield
 
-    def _copy_pieces(
-        self, step: int, dests: Iterable[tuple[Piece, int, torch.Tensor]], deadline: float
-    ) -> None:
-        self._run(step, self._plan(dests), deadline)
-
-    def _plan(self, dests: Iterable[tuple[Piece, int, torch.Tensor]]) -> list[_Batch]:
-        """The copies of ``dests`` in PIECE_DONE batches (every DONE_BATCH_BYTES or
-        DONE_BATCH_PIECES): small pieces of one dtype and device go in one foreach copy."""
+    def _plan(self, dests: Iterable[tuple[Piece, int, torch.Tensor]], arena: Any = None) -> list[_Batch]:
+        """The copies of ``dests`` (into ``arena``, default :attr:`arena`) in PIECE_DONE batches
+        (every DONE_BATCH_BYTES or DONE_BATCH_PIECES): small pieces of one dtype and device go in
+        one foreach copy."""
         batches, batch = [], _Batch()
-        device = getattr(self.arena, "device", -1)  # shm: the CPU, which get_device() calls -1
+        device = getattr(self.arena if arena is None else arena, "device", -1)  # shm: the CPU (-1)
         if not isinstance(device, int):
             device = -1
         for at, (piece, pid, full) in enumerate(dests):

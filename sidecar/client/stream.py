@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from sidecar.client.pieces import Piece, pieces
+from sidecar.client.placement import placed_row, ring_arenas
 
 #: the client (sidecar.client.client.RefitClient), typed loosely: that module imports this one
 RefitClient = Any
@@ -99,11 +100,16 @@ def write_stream(
         raise ValueError(f"READY places {len(placement or ())} pieces, this rank declared {len(declared)}")
     want: dict[Key, tuple[int, int, int]] = {}  # key -> (piece id, group, offset in the group's region)
     by_name: dict[str, list[Key]] = {}
+    arenas = ring_arenas(ready) if ring else 1
+    placed: dict[int, int] = {}  # group -> the staging arena READY places it in
     for i, (p, pid) in enumerate(zip(declared, ids)):
-        group, rel = (int(placement[i][0]), int(placement[i][1])) if ring else (-1, 0)
+        group, rel, arena = placed_row(placement[i], arenas) if ring else (-1, 0, 0)
+        placed[group] = arena
         want[_key(p)] = (pid, group, rel)
         by_name.setdefault(p.name, []).append(_key(p))
-    if local:
+    if local and ring:
+        client.open_staging(ready)
+    elif local:
         client._local.open(ready["staging"])
     pending: dict[int, list[tuple[Piece, int, int]]] = {}
     got: set[Key] = set()
@@ -112,8 +118,9 @@ def write_stream(
     def write(group: int, rows: list[tuple[Piece, int, int]]) -> None:
         ps, pids = [r[0] for r in rows], [r[1] for r in rows]
         if local and ring:
+            offset, arena = client.granted_region(group, placed[group], arenas)
             client._local.write_group(
-                step, [(p, pid, rel, None) for p, pid, rel in rows], client._slots[group], deadline
+                step, [(p, pid, rel, None) for p, pid, rel in rows], offset, deadline, arena
             )
         elif local:
             client._local.write_pieces(step, ps, pids, ready["staging"], deadline)

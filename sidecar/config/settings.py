@@ -339,8 +339,10 @@ class DaemonConfig:
 
     """The memory tiers (docs/multi_gpu.md). With ``arena = "cuda"`` the daemon allocates at most
     ``device_budget`` bytes on each GPU it uses (``gpus``: CUDA indices or UUIDs; default: ``gpu``,
-    else every visible GPU): the staging ring and the publish ring, cut into layer groups (or parts
-    of layers) small enough to fit. ``generation_residency`` puts the two generations in host
+    else CUDA's current device): the staging ring and the publish ring, cut into layer groups (or
+    parts of layers) small enough to fit. With several ``gpus`` (and ``gpu`` unset, generations in
+    host memory, a staging ring) the groups are spread over all of them, each GPU with
+    rings of its own under the budget (docs/multi_gpu.md, "Per-GPU work"). ``generation_residency`` puts the two generations in host
     memory (``host``, page-locked, the default) or on the GPU (``device``: only where both fit the
     budget too). A layout whose smallest group cannot fit the budget is refused at start."""
     device_budget: int = field(
@@ -360,9 +362,9 @@ class DaemonConfig:
             "--gpus",
             v.gpu_list,
             "LIST",
-            "arena=cuda: GPUs the daemon may use, indices or UUIDs (default: --gpu, else all)",
+            "arena=cuda: GPUs the daemon uses, indices or UUIDs; several: layer groups spread over them",
             example='["GPU-5c1e...", "1"]',
-            note="arena = cuda: the GPUs it may use (indices or UUIDs); default: gpu, else all",
+            note="arena = cuda: the GPUs it uses (indices or UUIDs); several: groups spread over them",
         ),
     )
     generation_residency: Residency = field(

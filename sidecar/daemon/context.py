@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.peers import Peers
     from sidecar.daemon.step import StepState
     from sidecar.daemon.worker import QuantWorker
+    from sidecar.daemon.workers import QuantWorkers
     from sidecar.errors import RefitError
     from sidecar.plan.build import RefitPlan, RefitSpec
 
@@ -47,7 +48,7 @@ class LoopContext(Protocol):
     def step(self) -> StepState | None: ...
 
     @property
-    def worker(self) -> QuantWorker | None: ...
+    def worker(self) -> QuantWorker | QuantWorkers | None: ...
 
     @property
     def draining(self) -> bool: ...

@@ -55,6 +55,7 @@ from sidecar.daemon.step import StepState
 from sidecar.daemon.streams import Streams
 from sidecar.daemon.trainers import Trainers
 from sidecar.daemon.worker import QuantWorker
+from sidecar.daemon.workers import QuantWorkers, make_worker
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.receiver import Receiver
 from sidecar.forward.sender import Forwarding
@@ -115,7 +116,7 @@ class Daemon:
         self.zmq_ctx = zmq.Context()  # (the components' ``ctx`` is this loop itself)
         self.router: zmq.Socket | None = None
         self.wake: zmq.Socket | None = None
-        self.worker: QuantWorker | None = None
+        self.worker: QuantWorker | QuantWorkers | None = None
         self.forwarding: Forwarding | None = None  # trainer node of a disaggregated layout
         self.auth = None  # the ZAP handler enforcing curve_allowed_keys
         self.local_listen: str | None = None  # ipc:// beside a tcp:// listen, for this node's engines
@@ -153,7 +154,7 @@ class Daemon:
         wake_endpoint = f"inproc://refitd-wake-{self.instance}"
         self.wake = self.zmq_ctx.socket(zmq.PULL)
         self.wake.bind(wake_endpoint)
-        self.worker = QuantWorker(self.zmq_ctx, wake_endpoint)
+        self.worker = make_worker(self.zmq_ctx, wake_endpoint, self.arenas.lanes)  # one per GPU
         self.quantizer = self._warm_up()
         if self.config.role is NodeRole.TRAINER:
             self.forwarding = Forwarding(self.zmq_ctx, wake_endpoint, self.config, self.instance)
@@ -577,11 +578,15 @@ class Daemon:
             self.start_pending()
 
     def _warm_up(self) -> kernels.WarmUp:
-        """Probe the kernels on the arenas' GPU and compile the plan's specialisations there, before
-        READY; on host arenas the native CPU kernels (else the torch reference, as when the probe fails)."""
+        """Probe the kernels on the arenas' GPU (each GPU the groups are spread over) and compile the
+        plan's specialisations there, before READY; on host arenas the native CPU kernels (else the
+        torch reference, as when the probe fails). Returns the first GPU's."""
         on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA_IPC
         device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
         done = launch.warm_up(self.plan, device)
+        for staging in self.arenas.stagings[1:] if on_gpu else ():
+            other = launch.warm_up(self.plan, torch.device("cuda", staging.device))
+            log.info("quantizing with %s on cuda:%d", other.impl, staging.device)
         if device.type == "cpu":  # build + load the native CPU kernels now, never on a step
             done = cpu.warm_up()
         log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")

@@ -168,9 +168,10 @@ class Pipeline:
         ctx = self.ctx
         state, ring = ctx.step, ctx.arenas.ring
         target = state.target.arena
-        sync, outputs, copies = False, None, ()
+        sync, outputs, copies, lane = False, None, (), 0
         if ring is not None:
             group = ring.unit_group[unit.index]
+            lane = ring.lane_of(group)  # the GPU the group is placed on: its worker thread runs it
             if not ring.granted(group):  # its bytes are all zero-sized: run it once the group is granted
                 state.parked.setdefault(group, []).append(unit)
                 return
@@ -194,6 +195,7 @@ class Pipeline:
             {o.name: target.tensor(o.name) for o in unit.outputs} if outputs is None else outputs,
             sync=sync,
             copies=copies,
+            lane=lane,
         )
 
     def staged(self, name: str) -> torch.Tensor:
@@ -203,7 +205,7 @@ class Pipeline:
         state = self.ctx.step
         if state is not None and name in state.direct:  # a remote rank's frames, the daemon's own writes
             return arenas.direct_view(state.target, name)
-        return arenas.staging.tensor(name) if ring is None else ring.view(arenas.staging, name)
+        return arenas.staging.tensor(name) if ring is None else ring.view(arenas.stagings, name)
 
     def check_granted(self, rank: int, name: str, state: StepState) -> None:
         ring = self.ctx.arenas.ring
@@ -221,10 +223,11 @@ class Pipeline:
         """Staging ring: tell every rank holding part of each newly granted group where to write it."""
         state, ring = self.ctx.step, self.ctx.arenas.ring
         for gi, slot in grants:
+            fields = {"step": state.step, "group": gi, "offset": slot.offset}
+            if ring.lanes > 1:  # several GPUs: the staging arena (READY's index) the region is in
+                fields["arena"] = ring.lane_of(gi)
             for rank in sorted(state.ring_ranks.get(gi, ())):
-                self.ctx.send(
-                    state.peers[rank], Kind.SLOT, {"step": state.step, "group": gi, "offset": slot.offset}
-                )
+                self.ctx.send(state.peers[rank], Kind.SLOT, fields)
             if self.pulls is not None and gi in state.ring_pulls:
                 self.pulls.granted(state, gi, ring)
             ring.preload(gi, state.complete)

@@ -25,24 +25,49 @@ from transport.control import bind_control
 log = logging.getLogger("refitd.daemon")
 
 
-def check_gpus(config: DaemonConfig) -> None:
+def check_gpus(config: DaemonConfig) -> list[int]:
     """Every GPU of ``gpus`` must be one this process sees (by index or UUID): a typo is a
-    configuration error at start, not a failure the first time a step needs that GPU."""
+    configuration error at start, not a failure the first time a step needs that GPU. Returns
+    their CUDA indices in this process, each once (an index and the UUID of the same GPU are one)."""
     if config.arena is not ArenaKind.CUDA_IPC or not config.gpus:
-        return
+        return []
     from transport.cuda_ipc import resolve_gpu
 
+    devices: list[int] = []
     for gpu in config.gpus:
         try:
-            resolve_gpu(int(gpu) if gpu.isdigit() else gpu)
+            device, _uuid = resolve_gpu(int(gpu) if gpu.isdigit() else gpu)
         except (LookupError, ValueError) as exc:
             raise RefitError(f"gpus = {list(config.gpus)}: {gpu!r}: {exc}", kind=ErrorKind.INVALID) from None
+        if device not in devices:
+            devices.append(device)
+    return devices
+
+
+def work_gpus(config: DaemonConfig, devices: list[int], regions: int) -> list[int] | None:
+    """The GPUs the layer groups are spread over (docs/multi_gpu.md, "Per-GPU work"): every GPU of
+    ``gpus`` when it names several, ``gpu`` does not pin the arenas to one, the generations are in
+    host memory and a staging ring streams the step; else None (one GPU, as before)."""
+    if len(devices) < 2 or config.gpu is not None or not config.host_generations or not regions:
+        if len(devices) > 1:
+            why = (
+                f"gpu = {config.gpu!r} pins the arenas"
+                if config.gpu is not None
+                else "generation_residency = 'device' keeps both generations on one GPU"
+                if not config.host_generations
+                else "whole-step staging (no staging ring) stages on one GPU"
+            )
+            log.info("gpus = %s: one GPU does the work: %s", list(config.gpus), why)
+        return None
+    log.info("layer groups spread over GPUs %s (gpus = %s)", devices, list(config.gpus))
+    return devices
 
 
 def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Arenas:
     """Staging and the generations: sized for ``plan``, or by the configured byte counts."""
-    check_gpus(config)
+    devices = check_gpus(config)
     regions = 0 if config.role is NodeRole.INFERENCE else config.ring_regions  # no trainers there
+    gpus = work_gpus(config, devices, regions)
     if plan is not None:
         return Arenas.for_plan(
             prefix,
@@ -54,6 +79,7 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_regions=regions,
             host_generations=config.host_generations,
             budget=config.device_budget,
+            gpus=gpus,
         )
     if config.publish_bytes is not None and (
         config.staging_bytes is not None or config.role is NodeRole.INFERENCE
@@ -67,6 +93,7 @@ def make_arenas(prefix: str, config: DaemonConfig, plan: RefitPlan | None) -> Ar
             staging_regions=regions,
             host_generations=config.host_generations,
             budget=config.device_budget,
+            gpus=gpus,
         )
     raise RefitError(
         "the daemon cannot size its arenas: give hf_config (the model's config.json) so it plans at "

@@ -17,6 +17,7 @@ from transport.gpus import arena_placements, local_gpus
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
+    from sidecar.daemon.memory.generations import Arenas
     from sidecar.daemon.pull import Pulls
     from sidecar.forward.receiver import Receiver
     from sidecar.forward.sender import Forwarding
@@ -89,6 +90,7 @@ def status(daemon: Observed) -> dict[str, Any]:
             "device_budget": None if arenas.kind is ArenaKind.SHM else config.device_budget,
             "publish_ring": None if arenas.publish_arena is None else arenas.publish_arena.size,
             "pinned_bytes": sum(p.nbytes for p in arenas.pins),
+            "rings": _rings(arenas),
         },
         "trainers": sorted(p.rank for p in peers.of_role(PeerRole.TRAINER)),
         "readers": [p.name for p in peers.of_role(PeerRole.READER)],
@@ -116,6 +118,28 @@ def status(daemon: Observed) -> dict[str, Any]:
         "blocked": None if step is None or step.target is not None else step.blocked,
         "revoked_holds": arenas.revoked_holds if arenas else 0,
     }
+
+
+def _rings(arenas: Arenas) -> list[dict[str, Any]]:
+    """Each GPU's rings (docs/multi_gpu.md, "Per-GPU work"): its staging and publish arenas, the
+    device bytes it holds (within ``device_budget`` each) and the ring groups holding a region
+    there now; [] on host arenas."""
+    if arenas.kind is ArenaKind.SHM:
+        return []
+    ring, per_gpu = arenas.ring, arenas.device_bytes_per_gpu()
+    publish = arenas.publish_arenas or [None] * arenas.lanes
+    return [
+        {
+            "gpu": getattr(staging, "gpu_uuid", None),
+            "device": getattr(staging, "device", None),
+            "staging_bytes": staging.size,
+            "publish_bytes": None if pub is None else pub.size,
+            "device_bytes": per_gpu[lane],
+            "groups": None if ring is None else ring.lane_groups(lane),
+            "held": [] if ring is None else ring.held(lane),
+        }
+        for lane, (staging, pub) in enumerate(zip(arenas.stagings, publish))
+    ]
 
 
 def _share_status(plan: RefitPlan) -> dict[str, Any] | None:

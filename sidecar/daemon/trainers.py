@@ -222,7 +222,8 @@ class Trainers:
     def _retire_staging(self, step: int) -> None:
         """The last step failed after its local ranks were handed staging: replace the arena before
         this one starts (nothing runs from staging now: no step, no unit in flight)."""
-        self.pipeline.forget(self.ctx.arenas.staging)
+        for arena in self.ctx.arenas.stagings:
+            self.pipeline.forget(arena)
         self.pulls.forget()  # a NIXL registration of it goes before its memory does
         try:
             self.ctx.arenas.retire_staging()
@@ -278,6 +279,8 @@ class Trainers:
                 fields["skip"] = skip  # pieces outside this node's share: the rank does not send them
             if peer is not None and peer.local:
                 fields["staging"] = staging_for(peer, staging)
+                if arenas.lanes > 1:  # every GPU's staging arena, indexed as placement and SLOT name them
+                    fields["stagings"] = self._staging_handles()
                 state.staged.add(rank)  # only a rank handed the staging handle may say PIECE_DONE
             elif peer is not None and ring is None:
                 fields.update(self.pulls.start(state, rank, identity, fields["pieces"]))
@@ -307,6 +310,11 @@ class Trainers:
             rows = msgpack.packb(arena.layout.to_wire(), use_bin_type=True)
             self._layout = (arena.layout, hashlib.blake2b(rows, digest_size=8).hexdigest())
         return {**arena.handle(), "layout_id": self._layout[1]}
+
+    def _staging_handles(self) -> list[dict[str, Any]]:
+        """Several GPUs: each GPU's staging arena handle, by lane (a ring's arenas carry no
+        layout: the handles are small, sent whole each step)."""
+        return [arena.handle() for arena in self.ctx.arenas.stagings]
 
     def _direct_inputs(self, state: StepState) -> dict[str, int]:
         """The passthrough inputs whose frames this step writes straight into its generation:

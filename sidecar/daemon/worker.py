@@ -138,19 +138,28 @@ def _synchronize(tensors: dict) -> None:
 class QuantWorker:
     """Runs ``run_unit`` for submitted units in order; ``close()`` joins the thread."""
 
-    def __init__(self, ctx: zmq.Context, wake_endpoint: str):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        wake_endpoint: str,
+        *,
+        results: queue.SimpleQueue | None = None,
+        name: str = "refitd-quant",
+    ):
+        """``results``: a queue shared with other workers (one per GPU, sidecar.daemon.workers);
+        by default its own."""
         #: (priority, order, job): cheap passthrough work (a span job, a small passthrough) ahead of
         #: quantization queued before it, in order within each priority; the close sentinel last
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
-        self.results: queue.SimpleQueue[Done] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[Done] = queue.SimpleQueue() if results is None else results
         self._ctx, self._wake_endpoint = ctx, wake_endpoint
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
         self._flags = kernels.FlagGroup()  # the kernels' NaN/Inf flags, read once per batch
         self._unreported: list[Done] = []  # run, waiting for their flags to be read
         self.inflight = 0  # submitted and not yet reported back; touched by the serve loop only
-        self._thread = threading.Thread(target=self._run, name="refitd-quant", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(
@@ -162,13 +171,17 @@ class QuantWorker:
         *,
         sync: bool = False,
         copies: list | tuple = (),
+        lane: int = 0,
     ) -> None:
         """Queue ``unit`` with its resolved tensors: ``inputs`` (name -> staged tensor) and ``outputs``
         (name -> its place in the target generation), views the serve loop made on its own thread (so
         no arena's view cache is touched from this worker). ``sync``: wait for its GPU work before
         reporting it done (the staging ring reuses the region it read as soon as it is reported).
         ``copies``: ``(device, host)`` byte pairs to copy after it ran (a group's publish region into
-        the host generation, at the group's last unit, see :func:`copy_out`)."""
+        the host generation, at the group's last unit, see :func:`copy_out`). ``lane``: the GPU the
+        unit's group is placed on; one worker serves one GPU, so it must be 0 here."""
+        if lane:
+            raise ValueError(f"this worker serves one GPU: lane {lane} needs sidecar.daemon.workers")
         self.inflight += 1
         self._put((step, unit, inputs, outputs, sync, copies))
 

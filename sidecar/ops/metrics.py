@@ -324,8 +324,11 @@ class MetricsObserver(Observer):
         out = self._rng.choice(weights)
         fmt = daemon.spec.fmt
         t0 = time.perf_counter()
-        staging = daemon.arenas.staging
-        src = staging.tensor(out.source) if ring is None else ring.resident_view(staging, out.source)
+        arenas = daemon.arenas
+        if ring is None:
+            src = arenas.staging.tensor(out.source)
+        else:  # several GPUs: in the staging arena of the GPU its group was placed on
+            src = ring.resident_view(arenas.stagings if ring.lanes > 1 else arenas.staging, out.source)
         src = out.source_view(src)
         q, scale = live.arena.tensor(out.name), live.arena.tensor(out.scale_name)
         extra = None if out.extra_name is None else live.arena.tensor(out.extra_name)

@@ -202,9 +202,16 @@ def memory_tiers(
         "cpu_path_host": staging.size + N_GENERATIONS * outputs.size,
         "problems": [],
     }
+    # host generations: the ring groups spread over the node's GPUs (docs/multi_gpu.md,
+    # "Per-GPU work", with ``gpus`` listing them), each GPU's rings within the budget
+    spread = shape.gpus if host_generations else 1
     try:
-        tier = fit_device_tier(plan, regions=regions, budget=budget, host_generations=host_generations)
+        tier = fit_device_tier(
+            plan, regions=regions, budget=budget, host_generations=host_generations, gpus=spread
+        )
         out["gpu"] = {
+            "gpus": spread,
+            "groups_per_gpu": -(-tier.groups // spread),
             "regions": tier.regions,
             "groups": tier.groups,
             "split": tier.max_group_bytes is not None,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.daemon.memory.direct import direct_offsets
-from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, region_size, ring_groups
+from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, lane_regions, region_size, ring_groups
 from sidecar.daemon.memory.tiers import (
     N_GENERATIONS,
     BudgetTooSmall,
@@ -68,6 +68,7 @@ class Arenas:
         publish_ring_bytes: int | None = None,
         max_group_bytes: int | None = None,
         budget: int | None = None,
+        gpus: list[str | int | None] | None = None,
     ):
         """``staging_regions``: 0 stages a whole step; N > 0 streams it through a ring of N regions
         (sidecar.daemon.memory.staging), carved once the plan is known.
@@ -76,18 +77,28 @@ class Arenas:
         page-locked, and a publish ring of ``publish_ring_bytes`` (default: staging's size) on the
         GPU takes each group's outputs before they are copied there (sidecar.daemon.memory.tiers);
         ``max_group_bytes`` cuts layers into parts that fit a region. ``budget``: refuse
-        (BudgetTooSmall) to allocate more device memory than this."""
+        (BudgetTooSmall) to allocate more device memory than this, on each GPU.
+
+        ``gpus`` (GPU arenas, host generations, a ring): the GPUs layer groups are spread over
+        bytes balanced (docs/multi_gpu.md, "Per-GPU work"), each with a staging ring and a publish
+        ring of its own, of the same sizes; default ``[gpu]``, one GPU as before."""
         self.prefix, self.kind, self.gpu = prefix, ArenaKind(kind), gpu
         self.staging_regions = staging_regions
         on_gpu = self.kind is ArenaKind.CUDA_IPC
         #: where the generations live: host shm on shm arenas, and on GPU arenas unless device-resident
         self.gen_kind = ArenaKind.SHM if host_generations or not on_gpu else ArenaKind.CUDA_IPC
+        #: the lanes: one GPU each (index or UUID; None: CUDA's current device), in placement order
+        self.gpus: list[str | int | None] = [gpu] if not gpus else list(gpus)
+        if len(self.gpus) > 1 and not (on_gpu and self.gen_kind is ArenaKind.SHM and staging_regions):
+            raise ValueError(
+                f"several GPUs ({self.gpus}) need GPU arenas, host-resident generations and a staging "
+                "ring: give one GPU otherwise"
+            )
         self.max_group_bytes = max_group_bytes
         self.ring: RingStaging | None = None
-        self.publish_arena: Arena | None = (
-            None  # the device publish ring's memory (GPU arenas, host generations)
-        )
-        self.publish_ring: PublishRing | None = None  # its layout for the plan
+        #: the device publish rings' memory, one per GPU (GPU arenas, host generations)
+        self.publish_arenas: list[Arena] = []
+        self.publish_ring: PublishRing | None = None  # its layout for the plan (the same on every GPU)
         self.pins: list = []  # page-locked host generations (transport.cuda_ipc.HostPin)
         self._publish_views: dict[tuple[int, int], dict] = {}
         #: inputs whose remote frames the daemon may write straight into the step's generation
@@ -99,8 +110,9 @@ class Arenas:
         #: a failed step handed this staging arena to ranks the daemon no longer trusts: it is
         #: replaced (:meth:`retire_staging`) before the next step reads anything from staging
         self.staging_tainted = False
-        self.retired_staging = 0  # staging arenas retired so far (logs, tests)
-        self._staging_retired = False  # closed and unlinked, its successor not made yet
+        self.retired_staging = 0  # staging retirements so far (logs, tests)
+        self._staging_retired: set[int] = set()  # lanes closed and unlinked, their successor not made yet
+        self.stagings: list[Arena] = []  # one per GPU (lane); one on shm
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
         #: called with (reader identity, generation, step it held) for each hold dropped by a claim
@@ -113,10 +125,11 @@ class Arenas:
             check_budget(
                 budget, staging_bytes, publish_ring, 0 if self.gen_kind is ArenaKind.SHM else publish_bytes
             )
-        self.staging = self._create("staging", staging_bytes)
         try:
-            if publish_ring:
-                self.publish_arena = self._create("publish", publish_ring)
+            for lane in range(len(self.gpus)):
+                self.stagings.append(self._create(_role("staging", lane), staging_bytes, lane=lane))
+                if publish_ring:
+                    self.publish_arenas.append(self._create(_role("publish", lane), publish_ring, lane=lane))
             self.epochs = EpochPage.create(segment_name(prefix, "epochs"), N_GENERATIONS)
             for i in range(N_GENERATIONS):
                 self.generations.append(
@@ -129,14 +142,33 @@ class Arenas:
             raise
         self.live: int | None = None
 
-    def _create(self, role: str, size: int, kind: ArenaKind | None = None, *, sealed: bool = False) -> Arena:
-        """A fresh arena of ``kind`` (default: the arenas' own); ``sealed``: its shm segment is
-        read-only on disk once mapped here (a generation: no other process may open it for writing)."""
+    @property
+    def staging(self) -> Arena:
+        """The (first GPU's) staging arena: the only one on shm and on one GPU."""
+        return self.stagings[0]
+
+    @property
+    def publish_arena(self) -> Arena | None:
+        """The (first GPU's) publish ring, or None (no device publish ring)."""
+        return self.publish_arenas[0] if self.publish_arenas else None
+
+    @property
+    def lanes(self) -> int:
+        """GPUs the layer groups are spread over (1: one GPU, or host memory)."""
+        return len(self.gpus)
+
+    def _create(
+        self, role: str, size: int, kind: ArenaKind | None = None, *, sealed: bool = False, lane: int = 0
+    ) -> Arena:
+        """A fresh arena of ``kind`` (default: the arenas' own), on GPU ``lane`` when it is a GPU
+        arena; ``sealed``: its shm segment is read-only on disk once mapped here (a generation: no
+        other process may open it for writing)."""
         name = segment_name(self.prefix, role)
         if (kind or self.kind) is ArenaKind.CUDA_IPC:
             from transport.cuda_ipc import CudaIpcArena  # cuda-bindings only where GPU arenas are asked for
 
-            gpu = int(self.gpu) if isinstance(self.gpu, str) and self.gpu.isdigit() else self.gpu
+            gpu = self.gpus[lane]
+            gpu = int(gpu) if isinstance(gpu, str) and gpu.isdigit() else gpu
             return CudaIpcArena.create(name, Layout([]), size=size, gpu=gpu)
         return ShmArena.create(name, Layout([]), size=size, read_only_on_disk=sealed)
 
@@ -151,25 +183,28 @@ class Arenas:
         and close the old one. Nothing may run from staging meanwhile (no step, no unit in flight).
         The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
         first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
-        stays set: the next call tries again, and no step starts before one succeeds."""
-        old = self.staging
+        stays set: the next call tries again, and no step starts before one succeeds. With several
+        GPUs every GPU's staging arena is retired (all were handed to the step's ranks)."""
         if not self._staging_retired:
-            old.close()
-            old.unlink()
-            self._staging_retired = True
-            log.info("staging arena %s retired after a failed step", old.name)
-        fresh = self._create("staging", old.size)
-        try:
-            fresh.relayout(old.layout)
-        except BaseException:
-            fresh.close()
-            fresh.unlink()
-            raise
-        self.staging = fresh
-        self._staging_retired = False
+            for old in self.stagings:
+                old.close()
+                old.unlink()
+                log.info("staging arena %s retired after a failed step", old.name)
+            self._staging_retired = set(range(len(self.stagings)))
+        for lane in sorted(self._staging_retired):
+            old = self.stagings[lane]
+            fresh = self._create(_role("staging", lane), old.size, lane=lane)
+            try:
+                fresh.relayout(old.layout)
+            except BaseException:
+                fresh.close()
+                fresh.unlink()
+                raise
+            self.stagings[lane] = fresh
+            self._staging_retired.discard(lane)
+            log.info("staging is now %s", fresh.name)
         self.staging_tainted = False
         self.retired_staging += 1
-        log.info("staging is now %s", fresh.name)
 
     def _pin(self, arena: Arena) -> None:
         """Page-lock a host generation on the arenas' GPU, so copies into it (and engines' copies out
@@ -181,9 +216,11 @@ class Arenas:
             self.pins.append(pin)
 
     def synchronize(self) -> None:
-        """Make every write into GPU arenas visible before a generation goes live (no-op on shm)."""
+        """Make every write into GPU arenas visible before a generation goes live (no-op on shm):
+        on every GPU the groups were spread over."""
         if self.kind is ArenaKind.CUDA_IPC:
-            self.staging.synchronize()
+            for staging in self.stagings:
+                staging.synchronize()
 
     @classmethod
     def for_plan(
@@ -191,24 +228,31 @@ class Arenas:
     ) -> Arenas:
         staging, outputs = layouts(plan)
         regions, groups = kw.get("staging_regions", 0), ring_groups(plan)
-        need = min(regions, len(groups)) * region_size(groups) if regions else staging.size
+        lanes = max(1, len(kw.get("gpus") or ()))
+        need = lane_regions(regions, len(groups), lanes) * region_size(groups) if regions else staging.size
         budget = kw.get("budget")
         on_gpu = ArenaKind(kw.get("kind", ArenaKind.SHM)) is ArenaKind.CUDA_IPC
         if on_gpu and budget is not None and regions and staging_bytes is None:
             tier = fit_device_tier(
-                plan, regions=regions, budget=budget, host_generations=kw.get("host_generations", False)
+                plan,
+                regions=regions,
+                budget=budget,
+                host_generations=kw.get("host_generations", False),
+                gpus=lanes,
             )
             need, kw["staging_regions"] = tier.staging, tier.regions
             kw.setdefault("publish_ring_bytes", tier.publish)
             kw.setdefault("max_group_bytes", tier.max_group_bytes)
             log.info(
-                "device tier: %d ring region(s) of %d B staging + %d B publish, %d groups, %d B of %d B budget",
+                "device tier: %d ring region(s) of %d B staging + %d B publish, %d groups, %d B of %d B "
+                "budget, on each of %d GPU(s)",
                 tier.regions,
                 tier.staging_region,
                 tier.publish_region,
                 tier.groups,
                 tier.device_bytes,
                 budget,
+                lanes,
             )
         arenas = cls(
             prefix,
@@ -229,10 +273,14 @@ class Arenas:
         if self.staging_regions:  # ArenaTooSmall when a region cannot hold the largest group
             cap = self.max_group_bytes
             if cap is None and self.kind is ArenaKind.CUDA_IPC:  # cut layers that would not fit a region
-                regions = min(self.staging_regions, max(1, len(ring_groups(plan))))
+                regions = lane_regions(self.staging_regions, len(ring_groups(plan)), self.lanes)
                 cap = (self.staging.size // regions) // ALIGN * ALIGN
             self.ring = RingStaging(
-                plan, regions=self.staging_regions, capacity=self.staging.size, max_group_bytes=cap
+                plan,
+                regions=self.staging_regions,
+                capacity=self.staging.size,
+                max_group_bytes=cap,
+                lanes=self.lanes,
             )
             self._publish_views = {}
             if self.publish_arena is not None:
@@ -244,7 +292,8 @@ class Arenas:
                     capacity=self.publish_arena.size,
                 )
         try:
-            self.staging.relayout(Layout([]) if self.staging_regions else staging)  # a ring places its own
+            for arena in self.stagings:  # a ring places its own
+                arena.relayout(Layout([]) if self.staging_regions else staging)
             for g in self.generations:
                 g.arena.relayout(outputs)
         except ValueError as exc:  # the one ValueError an arena's relayout raises: it is too small
@@ -275,28 +324,42 @@ class Arenas:
         key = (group, region)
         views = self._publish_views.get(key)
         if views is None:
-            views = self._publish_views[key] = self.publish_ring.outputs(self.publish_arena, group, region)
+            arena = self.publish_arenas[self.ring.lane_of(group)]  # the GPU its group is placed on
+            views = self._publish_views[key] = self.publish_ring.outputs(arena, group, region)
         return views
 
     def publish_copies(self, group: int, region: int, gen: Generation) -> list:
         """The ``(device, host)`` byte pairs that copy ``group``'s outputs from ``region`` into ``gen``."""
-        return self.publish_ring.copies(self.publish_arena, group, region, gen.arena)
+        arena = self.publish_arenas[self.ring.lane_of(group)]
+        return self.publish_ring.copies(arena, group, region, gen.arena)
 
     def device_bytes(self) -> int:
-        """Device memory these arenas hold (status, tests): what the budget bounds."""
+        """Device memory these arenas hold, on every GPU together (status, tests)."""
+        return sum(self.device_bytes_per_gpu())
+
+    def device_bytes_per_gpu(self) -> list[int]:
+        """Device memory on each GPU (lane) of :attr:`gpus`: what ``device_budget`` bounds, GPU by GPU.
+        Device-resident generations count on the first (the only one then)."""
         from transport.cuda_ipc import allocation_size
 
-        return sum(allocation_size(a.size) for a in self.all_arenas() if a.kind is ArenaKind.CUDA_IPC)
+        per = [0] * self.lanes
+        for lane, arenas in enumerate(zip(self.stagings, self.publish_arenas or [None] * self.lanes)):
+            per[lane] = sum(
+                allocation_size(a.size) for a in arenas if a is not None and a.kind is ArenaKind.CUDA_IPC
+            )
+        per[0] += sum(
+            allocation_size(g.arena.size) for g in self.generations if g.arena.kind is ArenaKind.CUDA_IPC
+        )
+        return per
 
     def segment_names(self) -> list[str]:
         """The POSIX shared-memory segments (crash clean-up of /dev/shm); GPU memory dies with us."""
-        arenas = [self.staging, *(g.arena for g in self.generations)]
+        arenas = [*self.stagings, *(g.arena for g in self.generations)]
         page = [] if self.epochs is None else [self.epochs.name]
         return [a.name for a in arenas if a.kind is ArenaKind.SHM] + page
 
     def all_arenas(self) -> list[Arena]:
-        publish = [] if self.publish_arena is None else [self.publish_arena]
-        return [self.staging, *publish, *(g.arena for g in self.generations)]
+        return [*self.stagings, *self.publish_arenas, *(g.arena for g in self.generations)]
 
     # ---- publish cycle
 
@@ -386,6 +449,11 @@ class Arenas:
         if self.epochs is not None:
             self.epochs.close()
             self.epochs.unlink()
+
+
+def _role(role: str, lane: int) -> str:
+    """An arena's role in its name: ``staging`` on the first GPU (as on one), ``staging-gpu1`` ..."""
+    return role if lane == 0 else f"{role}-gpu{lane}"
 
 
 def check_budget(budget: int, staging: int, publish_ring: int, generation: int) -> None:

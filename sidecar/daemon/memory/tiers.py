@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from sidecar.daemon.memory.staging import ArenaTooSmall, Group, group_atoms, layer_groups, pack
+from sidecar.daemon.memory.staging import (
+    ArenaTooSmall,
+    Group,
+    group_atoms,
+    lane_regions,
+    layer_groups,
+    pack,
+)
 from sidecar.plan.build import RefitPlan
 from transport.layout import ALIGN, Layout
 
@@ -243,17 +250,30 @@ class _Sizer:
         )
 
 
-def _tier(sizer: _Sizer, regions: int, cap: int | None, generations: int, budget: int) -> DeviceTier:
+def _tier(
+    sizer: _Sizer, regions: int, cap: int | None, generations: int, budget: int, gpus: int = 1
+) -> DeviceTier:
     groups, staging, publish = sizer.regions(cap)
-    regions = min(regions, max(1, groups))
+    regions = lane_regions(regions, groups, gpus)
     return DeviceTier(regions, cap, groups, staging, publish, generations, budget)
 
 
-def fit_device_tier(plan: RefitPlan, *, regions: int, budget: int, host_generations: bool) -> DeviceTier:
+def fit_device_tier(
+    plan: RefitPlan, *, regions: int, budget: int, host_generations: bool, gpus: int = 1
+) -> DeviceTier:
     """The device tier for ``plan`` within ``budget`` bytes: ``regions`` regions of whole layer
     groups where they fit, else layers cut into parts small enough, else fewer regions (more
     regions first: they let the ranks fill one region while the kernels drain another).
-    BudgetTooSmall names the part that cannot fit even alone and the bytes it needs."""
+    BudgetTooSmall names the part that cannot fit even alone and the bytes it needs.
+
+    ``gpus``: the groups are spread over that many GPUs (bytes balanced) (docs/multi_gpu.md), each with
+    rings of its own: the tier is then what EACH of them holds (regions sized for the largest
+    group, which bounds every GPU's share; no more regions than one GPU's share of groups), each
+    within ``budget``; ``DeviceTier.groups`` still counts every group of the node."""
+    if gpus < 1:
+        raise ValueError(f"fit_device_tier: gpus must be at least 1, got {gpus}")
+    if not host_generations and gpus > 1:
+        raise ValueError("device-resident generations live on one GPU: fit them with gpus=1")
     outputs = output_layout(plan)
     generations = 0 if host_generations else N_GENERATIONS * outputs.size
     if generations >= budget:
@@ -264,17 +284,17 @@ def fit_device_tier(plan: RefitPlan, *, regions: int, budget: int, host_generati
         )
     sizer = _Sizer(plan, outputs, host_generations)
     for r in range(max(1, regions), 0, -1):
-        tier = _tier(sizer, r, None, generations, budget)
+        tier = _tier(sizer, r, None, generations, budget, gpus)
         if tier.device_bytes <= budget:
             return tier
-        if _tier(sizer, r, ALIGN, generations, budget).device_bytes > budget:
+        if _tier(sizer, r, ALIGN, generations, budget, gpus).device_bytes > budget:
             continue  # not even the smallest parts fit r regions
         lo, hi, best = ALIGN, budget // r, None  # the largest part size that fits: bisect
         for _ in range(_FIT_ROUNDS):
             if lo > hi:
                 break
             mid = (lo + hi) // 2
-            tier = _tier(sizer, r, mid, generations, budget)
+            tier = _tier(sizer, r, mid, generations, budget, gpus)
             if tier.device_bytes <= budget:
                 best, lo = tier, mid + 1
             else:
