@@ -20,12 +20,12 @@ the daemon restarted.
 Attempts. Every push of a trainer rank is one attempt: its HELLO names ``"attempt"`` (an int the
 client numbers its pushes with, required) and ``"step"``, and every message after it on that
 connection belongs to that attempt (the client repeats the number in each; a message naming another
-is a PROTOCOL error). Every message the daemon sends a rank names ``"attempt"``: the attempt whose
-message it answers (a connection's messages are handled in order, answered at once). A step failure
-told a rank whose current attempt is not at that step names none: it concerns that rank's attempt at
-the step, whose HELLO has not arrived yet. A client ignores anything naming an attempt other than
-its current one (a late answer to the COMMIT of a push that failed must not fail its retry of the
-same step number) and takes what names none as before.
+is a PROTOCOL error). Every message the daemon sends a rank names ``"attempt"``: the one current on
+its connection, which is the attempt whose message it answers (a connection's messages are handled
+in order, answered at once). A step failure told a rank whose current attempt is not at that step
+names none: it concerns that rank's attempt at the step, whose HELLO has not arrived yet. A client
+ignores anything naming an attempt other than its current one (a late answer to the COMMIT of a push
+that failed must not fail its retry of the same step number) and takes what names none as before.
 """
 
 from __future__ import annotations
