@@ -23,7 +23,9 @@ from test_hostile_trainers import (
     WAIT_S,
     RawRank,
     assert_intact,
+    assert_published,
     begin_raw,
+    client_items,
     failure,
     honest_step,
     pool,  # noqa: F401  (a fixture)
@@ -76,6 +78,34 @@ def test_a_late_answer_to_a_failed_attempt_does_not_fail_its_retry(start):  # no
         result = client.push_step(2, weights(3), timeout=WAIT_S)
     assert result.step == 2
     assert d.status()["live"]["step"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_failure_told_before_the_ranks_hello_still_fails_its_attempt(start, pool):  # noqa: F811
+    """Step 2 fails (rank 0 aborts it) before rank 1 starts pushing it: the daemon tells rank 1 at
+    once, naming no attempt (rank 1's is at step 1), and the ERROR waits in rank 1's socket. Rank 1's
+    push of step 2 reads it before its WELCOME and raises it: it must not BEGIN a step 2 of its own,
+    which would hold step 3 until the step timeout. Step 3 then publishes on both ranks."""
+    d = start()
+    one, two = weights(1), weights(2)
+    with RefitClient(d.endpoint, 1, 2, timeout=WAIT_S) as c1:
+        with RefitClient(d.endpoint, 0, 2, timeout=WAIT_S) as c0:
+            futures = [push(pool, c0, 1, one), push(pool, c1, 1, one)]
+            assert [f.result(timeout=WAIT_S).step for f in futures] == [1, 1]
+        raw, _, _ = begin_raw(d, 2, two)
+        raw.send(Kind.ABORT, {"step": 2, "reason": "test"})
+        told = raw.error()
+        assert told.kind is ErrorKind.ABORTED
+        with pytest.raises(RefitError) as err:
+            c1.push_step(2, client_items(two, 1), timeout=WAIT_S)
+        assert (err.value.kind, err.value.message) == (told.kind, told.message)
+        raw.close()
+        assert d.status()["step_in_progress"] is None
+        three = weights(3)
+        with RefitClient(d.endpoint, 0, 2, timeout=WAIT_S) as c0:
+            futures = [push(pool, c0, 3, three), push(pool, c1, 3, three)]
+            assert [f.result(timeout=WAIT_S).step for f in futures] == [3, 3]
+    assert_published(d.endpoint, 3, three)
 
 
 def test_every_answer_names_the_attempt_it_answers(start):  # noqa: F811
