@@ -19,8 +19,8 @@ the daemon restarted.
 
 Attempts. Every push of a trainer rank is one attempt: its HELLO names ``"attempt"`` (an int the
 client numbers its pushes with, required) and ``"step"``, and every message after it on that
-connection belongs to that attempt (the client repeats the number in each; a message naming another
-is a PROTOCOL error). Every message the daemon sends a rank names ``"attempt"``: the one current on
+connection belongs to that attempt (the client repeats the number in each; a BEGIN, PIECE_DONE,
+SHARD, COMMIT or ABORT naming another is a PROTOCOL error). Every message the daemon sends a rank names ``"attempt"``: the one current on
 its connection, which is the attempt whose message it answers (a connection's messages are handled
 in order, answered at once). A step failure told a rank whose current attempt is not at that step
 names none: it concerns that rank's attempt at the step, whose HELLO has not arrived yet. A client
