@@ -9,35 +9,15 @@
 # pull a CUDA torch; pyproject's `vllm-model-test-nodeps` list), and the torchvision::nms schema shim
 # (tests/engines/refitd_torchvision_shim.py, imported by a .pth line in every process of the venv).
 set -euo pipefail
+source "$(dirname "$0")/engine_venv.sh"  # engine_venv_open, engine_wheel_install
 
-BASE_VENV=${BASE_VENV:-.venv}
 ENGINES_VENV=${ENGINES_VENV:-.venv-engines}
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 VLLM_WHEEL_DIR=${VLLM_WHEEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/refitd/wheels}
 
-base_py="$BASE_VENV/bin/python"
-if [ ! -x "$base_py" ]; then
-    echo "setup_engines: $base_py not found: run 'make venv' first" >&2
-    exit 1
-fi
 stamp="$ENGINES_VENV/.installed-vllm-$VLLM_VERSION"
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then
-    exit 0
-fi
-
-test -x "$ENGINES_VENV/bin/python" || "$base_py" -m venv "$ENGINES_VENV"
-py="$ENGINES_VENV/bin/python"
-base_site=$("$base_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$(cd "$base_site" && pwd)" > "$site/zz-refitd-base.pth"  # after the venv's own packages
-
-wheel=$(ls "$VLLM_WHEEL_DIR"/vllm-"$VLLM_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
-if [ -z "$wheel" ]; then
-    mkdir -p "$VLLM_WHEEL_DIR"
-    "$py" -m pip download -q --no-deps "vllm==$VLLM_VERSION" -d "$VLLM_WHEEL_DIR"
-    wheel=$(ls "$VLLM_WHEEL_DIR"/vllm-"$VLLM_VERSION"-*.whl | head -n 1)
-fi
-"$py" -m pip install -q --no-deps "$wheel"
+engine_venv_open setup_engines "$ENGINES_VENV" "$stamp"
+engine_wheel_install vllm "$VLLM_VERSION" "$VLLM_WHEEL_DIR"
 mapfile -t deps < <("$py" - <<'PY'
 import tomllib
 with open("pyproject.toml", "rb") as f:

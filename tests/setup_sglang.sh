@@ -1,48 +1,24 @@
 #!/usr/bin/env bash
 # Set up .venv-sglang for `make test-sglang`: SGLang's real model classes and weight updater on CPU.
 #
-# Like tests/setup_engines.sh (vLLM): a separate venv that sees the project venv's packages (torch 2.13
-# CPU, Triton, pyzmq, pytest: one .pth line) and adds the SGLang wheel installed with --no-deps (its
-# CUDA torch 2.14.1, flashinfer, sgl-kernel, DeepGEMM etc. are not installed) plus the light packages
-# `import sglang` and its model/loader modules need (pyproject's `sglang-test` extra). SGLang pins
-# torch 2.14.1; its loader and model code run on the CPU torch 2.13 of .venv, so no torch is installed
-# here at all (never a CUDA one). The wheel is downloaded once into $SGLANG_WHEEL_DIR and reused.
+# Like tests/setup_engines.sh (vLLM; the steps both take are tests/engine_venv.sh): a separate venv
+# that sees the project venv's packages (torch 2.13 CPU, Triton, pyzmq, pytest: one .pth line) and
+# adds the SGLang wheel installed with --no-deps (its CUDA torch 2.14.1, flashinfer, sgl-kernel,
+# DeepGEMM etc. are not installed) plus the light packages `import sglang` and its model/loader
+# modules need (pyproject's `sglang-test` extra). SGLang pins torch 2.14.1; its loader and model code
+# run on the CPU torch 2.13 of .venv, so no torch is installed here at all (never a CUDA one). The
+# wheel is downloaded once into $SGLANG_WHEEL_DIR and reused.
 set -euo pipefail
+source "$(dirname "$0")/engine_venv.sh"  # engine_venv_open, engine_wheel_install, pyproject_list
 
-BASE_VENV=${BASE_VENV:-.venv}
 SGLANG_VENV=${SGLANG_VENV:-.venv-sglang}
 SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 SGLANG_WHEEL_DIR=${SGLANG_WHEEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/refitd/wheels}
 
-base_py="$BASE_VENV/bin/python"
-if [ ! -x "$base_py" ]; then
-    echo "setup_sglang: $base_py not found: run 'make venv' first" >&2
-    exit 1
-fi
 stamp="$SGLANG_VENV/.installed-sglang-$SGLANG_VERSION"
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt "$0" ]; then
-    exit 0
-fi
-
-test -x "$SGLANG_VENV/bin/python" || "$base_py" -m venv "$SGLANG_VENV"
-py="$SGLANG_VENV/bin/python"
-base_site=$("$base_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$(cd "$base_site" && pwd)" > "$site/zz-refitd-base.pth"  # after the venv's own packages
-
-wheel=$(ls "$SGLANG_WHEEL_DIR"/sglang-"$SGLANG_VERSION"-*.whl 2>/dev/null | head -n 1 || true)
-if [ -z "$wheel" ]; then
-    mkdir -p "$SGLANG_WHEEL_DIR"
-    "$py" -m pip download -q --no-deps "sglang==$SGLANG_VERSION" -d "$SGLANG_WHEEL_DIR"
-    wheel=$(ls "$SGLANG_WHEEL_DIR"/sglang-"$SGLANG_VERSION"-*.whl | head -n 1)
-fi
-"$py" -m pip install -q --no-deps "$wheel"
-mapfile -t deps < <("$py" - <<'PY'
-import tomllib
-with open("pyproject.toml", "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["sglang-test"]))
-PY
-)
+engine_venv_open setup_sglang "$SGLANG_VENV" "$stamp"
+engine_wheel_install sglang "$SGLANG_VERSION" "$SGLANG_WHEEL_DIR"
+mapfile -t deps < <(pyproject_list project optional-dependencies sglang-test)
 # --no-deps: each of these is listed with what it needs; nothing may pull a torch (a CUDA one)
 "$py" -m pip install -q --no-deps "${deps[@]}"
 own=$("$py" -m pip list --path "$site" --format=freeze 2>/dev/null)

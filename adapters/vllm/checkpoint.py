@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from adapters.checkpoint import TensorCollector, engine_manifest, param_dtype
 from adapters.vllm.quant import (
     BLOCK_FP8_ALIGN,
     BLOCK_FP8_REFINE,
@@ -22,8 +23,7 @@ from adapters.vllm.quant import (
 )
 from sidecar.numerics.formats import FP8_DTYPE, INT4_PACK, Format
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
-from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
-from transport.wire import dtype_from_name
+from sidecar.protocol.manifest import EngineKind, Manifest
 
 
 def checkpoint_name(engine_name: str) -> str:
@@ -32,10 +32,6 @@ def checkpoint_name(engine_name: str) -> str:
         if name.startswith(engine_prefix):
             return ckpt_prefix + name[len(engine_prefix) :]
     return name
-
-
-def _dtype(value: torch.dtype | str) -> torch.dtype:
-    return value if isinstance(value, torch.dtype) else dtype_from_name(str(value).removeprefix("torch."))
 
 
 def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -62,24 +58,16 @@ CARRIED_LEAVES = frozenset({"input_scale"})
 _PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
 
-class _Builder:
+class _Builder(TensorCollector):
     """Collects manifest tensors, the BF16-held routed experts, and every problem found."""
 
     def __init__(self, ckpt: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]) -> None:
+        super().__init__()
         self.ckpt = ckpt
         self.dtypes = dtypes
-        self.tensors: dict[str, ManifestTensor] = {}
         #: the routed-expert format (NVFP4: ``.weight`` is packed uint8 ``[out, in/2]``)
         self.fmt = Format.BF16
         self.carried: list[str] = []
-        self.keep_bf16: list[str] = []
-        self.problems: list[str] = []
-
-    def add(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        have = self.tensors.get(name)
-        if have is not None and (have.dtype, have.shape) != (dtype, shape):
-            self.problems.append(f"{name}: two engine parameters expect it as {have.dtype} and {dtype}")
-        self.tensors.setdefault(name, ManifestTensor(name, dtype, shape))
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
         name = checkpoint_name(engine_name)
@@ -244,30 +232,25 @@ def build_manifest(
     for engine_name, dtype, shape in [*params, *drafted]:
         m = _experts_match(engine_name)
         if m is not None:
-            experts.setdefault(m[0], {})[(m[1], m[2])] = (_dtype(dtype), tuple(int(d) for d in shape))
+            experts.setdefault(m[0], {})[(m[1], m[2])] = (param_dtype(dtype), tuple(int(d) for d in shape))
         else:
-            b.dense(engine_name, _dtype(dtype), tied)
+            b.dense(engine_name, param_dtype(dtype), tied)
     for moe, group in experts.items():
         b.experts(moe, group, moe_tp=moe_tp, ep=ep_size, num_experts=text.get("num_experts"))
     if b.problems:
         raise ValueError("cannot map vLLM's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems))
-    return Manifest(
-        engine=EngineKind.VLLM,
+    return engine_manifest(
+        EngineKind.VLLM,
+        quant.fmt,
+        text,
+        b.tensors.values(),
         engine_version=engine_version,
         moe_backend=moe_backend or _default_backend(quant),
-        expert_format=quant.fmt,
-        tensors=tuple(b.tensors.values()),
-        constraints=EngineConstraints(
-            engine=EngineKind.VLLM,
-            expert_format=quant.fmt,
-            hidden_size=_size(text.get("hidden_size")),
-            intermediate_size=_size(text.get("moe_intermediate_size")),
-            moe_tp_size=moe_tp,
-            moe_ep_size=ep_size,
-            block_fp8_align=BLOCK_FP8_ALIGN,
-            block_fp8_refine=BLOCK_FP8_REFINE,
-            mxfp8_align=MXFP8_ALIGN,
-        ),
+        moe_tp_size=moe_tp,
+        moe_ep_size=ep_size,
+        block_fp8_align=BLOCK_FP8_ALIGN,
+        block_fp8_refine=BLOCK_FP8_REFINE,
+        mxfp8_align=MXFP8_ALIGN,
         info={
             "model_type": model.model_type,
             "tp_size": tp_size,
@@ -281,10 +264,6 @@ def build_manifest(
             "carried_input_scales": len(b.carried),
         },
     )
-
-
-def _size(value: Any) -> int | None:
-    return int(value) if value else None
 
 
 def _experts_match(engine_name: str) -> tuple[str, str, str] | None:

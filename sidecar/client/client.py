@@ -95,6 +95,9 @@ class RefitClient:
         self._welcome: dict[str, Any] = {}
         self.instance: str | None = None  # the daemon instance of the latest WELCOME
         self._step_instance: str | None = None  # this step's daemon (None until its WELCOME)
+        #: this push's number, in its HELLO and every message after it; the daemon names it in every
+        #: answer, and answers naming another (a late answer to a push that failed) are ignored
+        self._attempt = 0
         self._deadline = float("inf")  # the step in flight's: every wait and send ends by it
         self._last_heard = 0.0
         self._last_sent = 0.0
@@ -237,6 +240,8 @@ class RefitClient:
         self._send_within(kind, fields, (), wait=False)
 
     def _send_within(self, kind: Kind, fields: dict[str, Any], frames, *, wait: bool) -> None:
+        if "attempt" not in fields:
+            fields = {**fields, "attempt": self._attempt}
         sock, parts = self._socket(), encode(Message(kind, fields, list(frames)))
         while True:
             try:
@@ -361,6 +366,8 @@ class RefitClient:
             self._try_send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
 
     def _hello(self, step: int, deadline: float) -> None:
+        """Open a new attempt: what the daemon still sends about an earlier one is ignored from now on."""
+        self._attempt += 1
         self._send(
             Kind.HELLO,
             {
@@ -369,6 +376,8 @@ class RefitClient:
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
                 "local": self.want_local,
+                "attempt": self._attempt,
+                "step": step,
             },
         )
         self._last_heard = time.monotonic()
@@ -448,7 +457,20 @@ class RefitClient:
     def _handle_async(self, msg: Message, step: int) -> bool:
         """Credits and errors that may arrive at any time; True if consumed. Raises DaemonRestarted
         when a reply comes from another daemon instance than this step's, or the daemon no longer
-        knows this client."""
+        knows this client. A message naming an attempt other than this push's answers an earlier
+        push (its late COMMIT, say) and is ignored, an ERROR included; one naming none (a step's
+        failure told before this push's HELLO reached the daemon) is taken as before."""
+        attempt = msg.get("attempt")
+        if attempt is not None and attempt != self._attempt:
+            log.debug(
+                "rank %d ignored %s answering its attempt %r (now %d): %s",
+                self.rank,
+                msg.kind.name,
+                attempt,
+                self._attempt,
+                msg.get("message", ""),
+            )
+            return True
         instance = msg.get("instance")
         unknown = msg.kind is Kind.ERROR and msg.get("kind") == ErrorKind.UNKNOWN_PEER.value
         if self._step_instance is None:  # waiting for WELCOME: replies to what an earlier step sent

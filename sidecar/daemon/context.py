@@ -56,8 +56,8 @@ class LoopContext(Protocol):
     def send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
         """Send a reply (with this start's ``instance``); False if the peer is gone."""
 
-    def send_error(self, identity: bytes, err: RefitError) -> None:
-        """Answer ``identity`` with ``err``; never raises."""
+    def send_error(self, identity: bytes, err: RefitError, *, untagged: bool = False) -> None:
+        """Answer ``identity`` with ``err`` (``untagged``: naming no attempt); never raises."""
 
     def fail_step(self, err: RefitError) -> None:
         """Fail the step in progress on every rank and drop it."""

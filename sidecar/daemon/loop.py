@@ -318,8 +318,17 @@ class Daemon:
 
     def send(self, identity: bytes, kind: Kind, fields: dict[str, Any] | None = None, frames=()) -> bool:
         """Every reply carries this start's ``instance``: a client that sees a new one knows the daemon
-        restarted (and that the step it had in flight was lost)."""
+        restarted (and that the step it had in flight was lost). A reply to a trainer rank also carries
+        its connection's current ``attempt`` (the one its latest HELLO opened; ``fields`` may name
+        another, or None for none): messages on a connection are handled in order and answered at
+        once, so that is the attempt whose message is answered, and the rank ignores answers to an
+        attempt it gave up (a late COMMIT's)."""
         fields = {**(fields or {}), "instance": self.instance}
+        if "attempt" not in fields:
+            peer = self.peers.get(identity)
+            fields["attempt"] = peer.attempt if peer is not None else None
+        if fields["attempt"] is None:
+            del fields["attempt"]
         try:
             self.router.send_multipart([identity, *encode(Message(kind, fields, list(frames)))], zmq.NOBLOCK)
             return True
@@ -327,10 +336,11 @@ class Daemon:
             log.debug("cannot send %s to a peer: %s", kind.name, exc)
             return False
 
-    def send_error(self, identity: bytes, err: RefitError) -> None:
-        """Answer ``identity`` with ``err``; never raises (it runs inside error handling)."""
+    def send_error(self, identity: bytes, err: RefitError, *, untagged: bool = False) -> None:
+        """Answer ``identity`` with ``err``; never raises (it runs inside error handling).
+        ``untagged``: name no attempt (a step failure told a rank that has no attempt at the step yet)."""
         try:
-            fields = err.to_wire()
+            fields = {**err.to_wire(), **({"attempt": None} if untagged else {})}
             if len(fields["message"]) > MAX_ERROR_CHARS:
                 cut = len(fields["message"]) - MAX_ERROR_CHARS
                 fields["message"] = fields["message"][:MAX_ERROR_CHARS] + f"... ({cut} more characters)"

@@ -28,6 +28,10 @@ class Peer:
     waiting: WaitMode | None = None  # reader: what its outstanding WAIT asks for
     min_step: int | None = None  # reader: the step its outstanding WAIT (AT_LEAST) needs
     hello_seq: int = 0  # trainer: when (in daemon events) its latest HELLO arrived
+    #: trainer: the attempt its latest HELLO opened (every answer on this connection names it), and
+    #: the step that attempt pushes (its HELLO's, then its latest BEGIN's)
+    attempt: int | None = None
+    attempt_step: int | None = None
     #: local trainer: (arena name, layout id) of the staging handle a READY last gave it in full;
     #: later READYs on this connection name it by id (sidecar.daemon.trainers.staging_handle)
     staging: tuple[str, str] | None = None

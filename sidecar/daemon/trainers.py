@@ -30,7 +30,7 @@ from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest, with_engine_dtype
 from sidecar.plan.build import RefitPlan, layer_of_name
 from sidecar.protocol.enums import PeerRole
-from transport.wire import Kind, Message, ProtocolError
+from transport.wire import Kind, Message, ProtocolError, safe_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
@@ -72,20 +72,43 @@ class Trainers:
 
     def routes(self) -> dict[Kind, tuple[PeerRole | None, object]]:
         """The requests this component answers: ``{kind: (the role a peer must have, handler)}``."""
-        t = PeerRole.TRAINER
+        t, same = PeerRole.TRAINER, self._of_current_attempt
         return {
-            Kind.HELLO: (None, self.handle_hello),  # introduces a trainer rank
-            Kind.BEGIN: (t, self.handle_begin),
-            Kind.PIECE_DONE: (t, self.handle_piece_done),
-            Kind.SHARD: (t, self.handle_shard),
-            Kind.COMMIT: (t, self.handle_commit),
-            Kind.ABORT: (t, self.handle_abort),
+            Kind.HELLO: (None, self.handle_hello),  # introduces a trainer rank, opens an attempt
+            Kind.BEGIN: (t, same(self.handle_begin)),
+            Kind.PIECE_DONE: (t, same(self.handle_piece_done)),
+            Kind.SHARD: (t, same(self.handle_shard)),
+            Kind.COMMIT: (t, same(self.handle_commit)),
+            Kind.ABORT: (t, same(self.handle_abort)),
             Kind.PING: (None, self.handle_ping),  # anyone: ranks, readers, forwarders
         }
+
+    def _of_current_attempt(self, handler):
+        """``handler``, run only for a message that names no attempt or its connection's current
+        one: a rank's messages after a HELLO belong to the attempt it opened (ZeroMQ keeps them in
+        order), so one claiming another is forged or from a confused client. A PROTOCOL error (that
+        fails the step in progress on every rank if the sender is one of its ranks)."""
+
+        def checked(identity: bytes, msg: Message) -> None:
+            claimed = msg.get("attempt")
+            peer = self._peer(identity)
+            if claimed is not None and (type(claimed) is not int or claimed != peer.attempt):
+                raise ProtocolError(
+                    f"rank {peer.rank}'s {msg.kind.name} names attempt {safe_repr(claimed, 40)}, but its "
+                    f"connection's HELLO opened attempt {peer.attempt}: every message after a HELLO belongs "
+                    "to the attempt it opened; run the same refitd version on the client and the daemon"
+                )
+            handler(identity, msg)
+
+        return checked
 
     def handle_hello(self, identity: bytes, msg: Message) -> None:
         rank = msg.require("rank", int)
         world = msg.require("world_size", int)
+        attempt, step = hello_attempt(rank, msg)
+        known = self.ctx.peers.get(identity)  # every push says HELLO: the same connection
+        if known is not None and known.role is PeerRole.TRAINER:
+            known.attempt, known.attempt_step = attempt, step  # a refusal below answers this attempt
         if self.ctx.config.role is NodeRole.INFERENCE:
             raise RefitError(
                 "this daemon is an inference node of a disaggregated layout: trainers push to the trainer "
@@ -116,7 +139,6 @@ class Trainers:
                 f"(got {wire_type(host)}), local a bool (got {wire_type(asked_local)}): send them with those types"
             )
         local = asked_local and self.ctx.config.listen.startswith("ipc://")
-        known = self.ctx.peers.get(identity)  # every push says HELLO: the same connection
         self.ctx.peers[identity] = Peer(
             identity,
             PeerRole.TRAINER,
@@ -127,6 +149,8 @@ class Trainers:
             local=local,
             hello_seq=self.ctx.next_event(),
             staging=known.staging if known is not None and known.local == local else None,
+            attempt=attempt,
+            attempt_step=step,
         )
         self.ctx.send(
             identity,
@@ -148,6 +172,7 @@ class Trainers:
         peer = self._peer(identity)
         step = msg.require("step", int)
         rows = msg.require("pieces", (list, bytes))  # rows, or msgpack of them (step.begin_rows)
+        peer.attempt_step = step  # a failure of this step is news for this attempt
         failed = self.failures.get(step)
         if failed is not None:
             err, told, failed_at = failed
@@ -554,15 +579,42 @@ class Trainers:
 
     def tell_failed(self, state: StepState, err: RefitError) -> None:
         """Step ``state`` failed: every trainer rank hears ``err``; ranks that did not are told when
-        they BEGIN it again."""
+        they BEGIN it again. A rank whose current attempt pushes this step hears it as an answer to
+        that attempt (a retry it opens later ignores it); any other rank hears it naming no attempt:
+        its attempt at this step, whose HELLO is not here yet, has failed too (the other ranks'
+        did), and must not BEGIN a step of one rank that holds every later step until the timeout."""
         told = set()
         for peer in self.ctx.peers.of_role(PeerRole.TRAINER):
             if peer.rank is not None:
-                self.ctx.send_error(peer.identity, err)
+                self.ctx.send_error(peer.identity, err, untagged=peer.attempt_step != state.step)
                 told.add(peer.rank)
         self.failures[state.step] = (err, told, self.ctx.next_event())
         while len(self.failures) > MAX_REMEMBERED_FAILURES:
             self.failures.pop(next(iter(self.failures)))
+
+
+#: the largest attempt a HELLO may name: msgpack's int64
+MAX_ATTEMPT = (1 << 63) - 1
+
+
+def hello_attempt(rank: int, msg: Message) -> tuple[int, int]:
+    """HELLO's ``attempt`` (the client numbers its pushes; the daemon names it in every answer, so the
+    client can tell a late answer to an attempt it gave up from one to its retry of the same step)
+    and ``step`` (the step that attempt pushes). Absent or not a plain non-negative int: a client of
+    another refitd version, or a forged HELLO; a ProtocolError naming the field."""
+    if "attempt" not in msg.fields:
+        raise ProtocolError(
+            f"HELLO of rank {rank} lacks its attempt (an int the client numbers its pushes with, named in "
+            "every answer): a client older than attempts; run the same refitd version on the client and the daemon"
+        )
+    for name in ("attempt", "step"):
+        value = msg.get(name)
+        if type(value) is not int or not 0 <= value <= MAX_ATTEMPT:
+            raise ProtocolError(
+                f"HELLO of rank {rank}: {name} must be a non-negative int (at most {MAX_ATTEMPT}), got "
+                f"{wire_type(value)} {safe_repr(value, 40)}; run the same refitd version on the client and the daemon"
+            )
+    return msg.fields["attempt"], msg.fields["step"]
 
 
 def _refuse_without_mtp(plan: RefitPlan, state: StepState) -> None:

@@ -1,2 +1,3 @@
 """Formats, the torch reference quantizers, the GPU kernels and the native CPU kernels; imports
-nothing else of sidecar."""
+nothing else of sidecar but its environment knobs (sidecar.config.settings: NativeBuild, TRITON_INTERPRET),
+read where refitd reads its environment."""

@@ -33,7 +33,6 @@ import contextlib
 import functools
 import importlib.util
 import logging
-import os
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 
+from sidecar.config.settings import triton_interpret_env
 from sidecar.numerics.formats import BLOCK, Format
 from sidecar.numerics.kernels.slab import (
     DEFAULT_CONFIGS,
@@ -475,7 +475,7 @@ def _interpreting() -> bool:
     runtime = getattr(getattr(sys.modules["triton"], "knobs", None), "runtime", None)
     if runtime is not None:
         return bool(runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton before 3.4 had no knobs
+    return triton_interpret_env()  # Triton before 3.4 had no knobs
 
 
 # --------------------------------------------------------------------------------------------------

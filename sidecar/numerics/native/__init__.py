@@ -12,7 +12,7 @@ Nothing here is ever an error for the caller: no compiler, a failed compile or `
 gives one WARNING naming what failed, and :func:`load` returns None (the torch reference then runs,
 slower). Build ahead of time with ``python -m sidecar.numerics.native``.
 
-Environment (read here, and only here, because sidecar.numerics imports nothing else of sidecar):
+Environment (read by sidecar.config.settings.NativeBuild, where refitd reads its environment):
 
 ``REFITD_NATIVE``      ``0`` turns the native path off (the torch reference quantizes)
 ``REFITD_CC``          the C compiler command (default ``cc``; may carry words, e.g. ``ccache gcc``)
@@ -37,6 +37,8 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+
+from sidecar.config.settings import NativeBuild
 
 __all__ = [
     "ABI",
@@ -99,17 +101,12 @@ class NativeBuildError(RuntimeError):
 
 def compiler() -> list[str]:
     """The C compiler command: ``REFITD_CC`` split into words, else ``cc``."""
-    words = shlex.split(os.environ.get("REFITD_CC", "") or "cc")
-    return words or ["cc"]
+    return list(NativeBuild.from_env().compiler)
 
 
 def cache_dir() -> Path:
     """``REFITD_NATIVE_DIR``, else ``$XDG_CACHE_HOME/refitd``, else ``~/.cache/refitd``."""
-    explicit = os.environ.get("REFITD_NATIVE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "refitd"
+    return NativeBuild.from_env().cache_dir
 
 
 def _cpu_flags() -> str:
@@ -217,7 +214,7 @@ _state: dict[str, object] = {}  # "lib" (CDLL or None) and "reason" once load() 
 
 
 def _disabled() -> bool:
-    return os.environ.get("REFITD_NATIVE", "").strip().lower() in ("0", "false", "no", "off")
+    return NativeBuild.from_env().disabled
 
 
 def load() -> ctypes.CDLL | None:
