@@ -373,13 +373,14 @@ def test_backends_that_take_nvfp4(requested, sm):
 @pytest.mark.parametrize(
     ("hidden", "inter", "tp", "why"),
     [
-        (128, 72, 1, "moe_intermediate_size / tp = 72/1 to be a multiple of 16"),
-        (128, 64, 8, "moe_intermediate_size / tp = 64/8 to be a multiple of 16"),
-        (136, 64, 1, "hidden_size = 136 to be a multiple of 16"),
+        (128, 72, 1, "moe_intermediate_size / tp = 72/1 to be a multiple of 64"),
+        (128, 64, 8, "moe_intermediate_size / tp = 64/8 to be a multiple of 64"),
+        (136, 64, 1, "hidden_size = 136 to be a multiple of 64"),
     ],
 )
-def test_k_not_a_multiple_of_16_after_tp_is_refused(hidden, inter, tp, why):
-    """K multiples after TP slicing: HID for gate/up, each rank's INTER for down_proj (EP keeps INTER whole)."""
+def test_k_not_a_multiple_of_64_after_tp_is_refused_on_cutlass(hidden, inter, tp, why):
+    """K multiples after TP slicing: HID for gate/up, each rank's INTER for down_proj (EP keeps INTER
+    whole); 64 on CUTLASS (4 float8 scales per int32 word, see the test below)."""
     cfg = make_hf_config(MODEL, **{**SIZES, "hidden": hidden, "intermediate": inter})
     params = [(f"model.layers.0.mlp.experts.{n}", t) for n, t in nvfp4_cutlass_params(E, 128, 64).items()]
     manifest = build_manifest(
@@ -397,7 +398,7 @@ def test_k_not_a_multiple_of_16_after_tp_is_refused(hidden, inter, tp, why):
         moe_ep_size=tp,
         input_scales=True,
     )
-    assert (check_trtllm_constraints(ep, cfg) == []) == (inter % 16 == 0 and hidden % 16 == 0)
+    assert (check_trtllm_constraints(ep, cfg) == []) == (inter % 64 == 0 and hidden % 64 == 0)
 
 
 def test_nvfp4_linear_the_exclusions_missed_is_reported():
@@ -480,3 +481,37 @@ def test_mxfp4_and_int4_are_refused_naming_what_trtllm_reads(fmt, quoted):
         trtllm_llm_args(RefitSpec(model_type=MODEL, fmt=fmt), CONFIG, sm=90)
     why = backend_refusal(fmt, MoeBackend.CUTLASS, 100)
     assert quoted in why and "format to one of them" in why
+
+
+def test_cutlass_packs_four_scales_per_int32_so_k_must_be_a_multiple_of_64():
+    """``NVFP4CutlassFusedMoEMethod.create_weights`` (@a98a9061) allocates ``hidden_size //
+    scaling_vector_size // block_scales_vec_size`` int32 words (``block_scales_vec_size = 32 // 8 =
+    4``) and its ``load_expert_w3_w1_weight_scale_nvfp4`` does ``w3_weight_scale.view(int32)``: with
+    H = 160 (10 float8 scales per row) the view of refitd's ``[I, 10]`` scale raises, so the reload
+    would fail inside the engine. The attach refuses it on CUTLASS, naming 64; TRTLLM-Gen (one float8
+    per scale, ``block_scales_vec_size = 1``) needs only 16."""
+    sizes = {**SIZES, "hidden": 160}
+    cfg = make_hf_config(MODEL, **sizes)
+    published = convert(make_state_dict(MODEL, seed=0, **sizes), RefitSpec(model_type=MODEL, fmt="nvfp4"))
+    moe = "model.layers.0.mlp.experts"
+    carried = {
+        f"{moe}.{e}.{p}.input_scale": torch.tensor(0.5)
+        for e in range(E)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    experts = CutlassFusedMoE(E, 160, INTER)
+    assert experts.w3_w1_weight_scale.shape[-1] == 2  # 160 // 16 // 4: 8 scales' room for 10
+    with pytest.raises(RuntimeError):
+        load_weights(experts, engine_weights({**published, **carried}, moe))
+    params = [(f"{moe}.{n}", t) for n, t in nvfp4_cutlass_params(E, 160, INTER).items()]
+    cutlass = build_manifest(params, cfg, moe_backend=MoeBackend.CUTLASS, sm=100, input_scales=True)
+    (problem,) = check_trtllm_constraints(cutlass, cfg)
+    assert "hidden_size = 160 to be a multiple of 64" in problem and "CutlassFusedMoE" in problem
+    gen = build_manifest(params, cfg, moe_backend=MoeBackend.TRTLLM_GEN, sm=100, input_scales=True)
+    assert check_trtllm_constraints(gen, cfg) == []
+    # down_proj's K after the TP split: 128 / 4 = 32 is a multiple of 16, not of 64
+    wide = make_hf_config(MODEL, **{**SIZES, "intermediate": 128})
+    params = [(f"{moe}.{n}", t) for n, t in nvfp4_cutlass_params(E, HID, 32).items()]
+    tp4 = build_manifest(params, wide, moe_backend=MoeBackend.CUTLASS, sm=100, tp_size=4, input_scales=True)
+    (problem,) = check_trtllm_constraints(tp4, wide)
+    assert "moe_intermediate_size / tp = 128/4 to be a multiple of 64" in problem

@@ -422,3 +422,47 @@ def test_one_gpu_listed_twice_or_pinned_by_gpu_stays_one_gpu(tmp_path, fake):
             assert arenas.lanes == 1 and len(arenas.stagings) == 1, settings
         finally:
             arenas.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_failing_on_one_gpus_thread_fails_the_step_everywhere_and_retires_every_staging(
+    tmp_path, fake, monkeypatch
+):
+    """A quantization that raises on GPU 1's worker thread only: the step fails on both ranks
+    (the local one and the remote one), the last good generation stays live, every GPU's staging
+    arena is replaced before the next step (the local rank had all of them mapped writable), the
+    next step publishes byte-exact, and closing the daemon leaves no quantization thread behind."""
+    from sidecar.daemon import worker as worker_mod
+
+    real, armed, hit = worker_mod.run_unit, threading.Event(), []
+
+    def run_unit(unit, inputs, outputs):
+        if armed.is_set() and threading.current_thread().name == "refitd-quant-gpu1" and unit.fmt is not None:
+            hit.append(unit.index)
+            raise RuntimeError("a kernel fault on cuda:1")
+        return real(unit, inputs, outputs)
+
+    monkeypatch.setattr(worker_mod, "run_unit", run_unit)
+    d = start(tmp_path, "0,1", world_size=2)
+    try:
+        with (
+            RefitClient(d.endpoint, 0, 2, timeout=120) as c0,
+            RefitClient(d.endpoint, 1, 2, local=False, timeout=120) as c1,
+        ):
+            good = make_state_dict("qwen3_5_moe", seed=1, **MODEL)
+            assert all(r.step == 1 for r in push_all([c0, c1], 1, good))
+            before = [a.name for a in d.daemon.arenas.stagings]
+            armed.set()
+            results = push_all([c0, c1], 2, make_state_dict("qwen3_5_moe", seed=2, **MODEL))
+            armed.clear()
+            assert hit and all(isinstance(r, RefitError) for r in results), results
+            assert all("a kernel fault on cuda:1" in str(r) for r in results), results
+            assert_published(d.endpoint, 1, good)
+            again = make_state_dict("qwen3_5_moe", seed=3, **MODEL)
+            assert all(r.step == 3 for r in push_all([c0, c1], 3, again))
+            assert_published(d.endpoint, 3, again)
+            after = [a.name for a in d.daemon.arenas.stagings]
+            assert len(after) == 2 and all(a != b for a, b in zip(before, after)), (before, after)
+    finally:
+        d.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("refitd-quant")]

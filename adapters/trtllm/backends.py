@@ -21,6 +21,11 @@ MXFP8_CUTLASS_SMS = frozenset({100, 103})
 NVFP4_CUTLASS_SMS = frozenset({100, 103, 120, 121})
 #: NVFP4 MoE K granularity: one float8 block scale per 16 along K (``scaling_vector_size=16``)
 NVFP4_MOE_K_MULTIPLE = NVFP4_BLOCK
+#: NVFP4 scales per int32 word in CutlassFusedMoE (``block_scales_vec_size = 32 // 8``): it allocates
+#: ``hidden_size // 16 // 4`` words per row (floored, quantization.py@a98a9061 ``NVFP4FusedMoEMethod.
+#: create_weights``) and loads each scale with ``.view(int32)``, so K must be a multiple of 64 there
+NVFP4_CUTLASS_SCALES_PER_WORD = 4
+NVFP4_CUTLASS_K_MULTIPLE = NVFP4_BLOCK * NVFP4_CUTLASS_SCALES_PER_WORD
 #: the GPU generations the backend table covers (docs/engines.md)
 TABLE_SMS = (90, 100, 103, 107, 120)
 _NO_INPUT_SCALES = "static input scales"

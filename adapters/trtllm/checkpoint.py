@@ -12,6 +12,7 @@ import torch
 from adapters.trtllm.backends import (
     BLOCK_FP8_MOE_ALIGN,
     MXFP8_MOE_ALIGN,
+    NVFP4_CUTLASS_SCALES_PER_WORD,
     _unsupported_formats,
 )
 from sidecar.numerics.formats import FLOAT_DTYPES, FP8_DTYPE, NVFP4_BLOCK, Format
@@ -75,6 +76,8 @@ def _nvfp4_group(params: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> i
     if wd not in _PACKED_BITS or sd not in _PACKED_BITS or not ws or not ss or not ss[-1]:
         return None
     k = ws[-1] * _PACKED_BITS[wd] // 4
+    if sd == torch.int32:  # CUTLASS: hidden_size // 16 // 4 words, floored (checks.py refuses K % 64)
+        return NVFP4_BLOCK if k // NVFP4_BLOCK // NVFP4_CUTLASS_SCALES_PER_WORD == ss[-1] else None
     scales = ss[-1] * _PACKED_BITS[sd] // 8
     return k // scales if k % scales == 0 else None
 

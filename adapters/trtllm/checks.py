@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from adapters.trtllm.backends import NVFP4_MOE_K_MULTIPLE, backend_refusal
+from adapters.trtllm.backends import (
+    NVFP4_CUTLASS_K_MULTIPLE,
+    NVFP4_MOE_K_MULTIPLE,
+    MoeBackend,
+    backend_refusal,
+)
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.models import PER_EXPERT_RE, SLAB_RE, get_model, model_type_of
 from sidecar.protocol.manifest import Manifest
@@ -83,23 +88,34 @@ def check_trtllm_constraints(manifest: Manifest, config: Mapping[str, Any] | Non
 def _nvfp4_k_problems(manifest: Manifest, hidden: int | None, inter: int | None) -> list[str]:
     """NVFP4 MoE K multiples after TP slicing: one block scale per 16 along K, so H (gate/up's K) and
     each rank's I (down_proj's K) must be multiples of 16. TRT-LLM allocates ``hidden_size //
-    scaling_vector_size`` and ``intermediate_size_per_partition // scaling_vector_size`` scales
-    (``NVFP4FusedMoEMethod.get_weights_shapes``) and row-splits the checkpoint's [H, I/16] down_proj
-    scale across the MoE TP ranks (``load_weight_shard``); expert parallelism splits no K."""
+    scaling_vector_size // block_scales_vec_size`` and ``intermediate_size_per_partition //
+    scaling_vector_size // block_scales_vec_size`` scale elements (``NVFP4FusedMoEMethod.create_weights``
+    @a98a9061, floored) and row-splits the checkpoint's [H, I/16] down_proj scale across the MoE TP ranks
+    (``load_weight_shard``); expert parallelism splits no K. CutlassFusedMoE packs 4 float8 scales per
+    int32 (``block_scales_vec_size = 4``, loaded with ``.view(int32)``): K a multiple of 64 there;
+    TRTLLM-Gen keeps one float8 per scale: 16."""
     c = manifest.constraints
     h = hidden if hidden is not None else c.hidden_size
     i = inter if inter is not None else c.intermediate_size
-    tp, k, problems = c.moe_tp_size or 1, NVFP4_MOE_K_MULTIPLE, []
+    cutlass = MoeBackend.CUTLASS in str(manifest.moe_backend).split(",")
+    k = NVFP4_CUTLASS_K_MULTIPLE if cutlass else NVFP4_MOE_K_MULTIPLE
+    why = (
+        f"{MoeBackend.CUTLASS} packs 4 float8 block scales (one per {NVFP4_MOE_K_MULTIPLE}) per int32 word "
+        "along K"
+        if cutlass
+        else f"one float8 block scale per {k} along K"
+    )
+    fix = " (or moe_config backend='TRTLLM' on SM100/SM103, which needs 16)" if cutlass else ""
+    tp, problems = c.moe_tp_size or 1, []
     if h is not None and h % k:
         problems.append(
-            f"TRT-LLM's NVFP4 MoE needs hidden_size = {h} to be a multiple of {k} (one float8 block scale "
-            f"per {k} along K of gate/up_proj); this model cannot run in nvfp4: set the daemon's format to "
-            "block_fp8"
+            f"TRT-LLM's NVFP4 MoE needs hidden_size = {h} to be a multiple of {k} ({why}, gate/up_proj); "
+            f"this model cannot run in nvfp4 here: set the daemon's format to block_fp8{fix}"
         )
     if i is not None and i % tp == 0 and (i // tp) % k:  # a ragged split: EngineConstraints says so
         problems.append(
-            f"TRT-LLM's NVFP4 MoE needs moe_intermediate_size / tp = {i}/{tp} to be a multiple of {k} (one "
-            f"float8 block scale per {k} along K of down_proj, within a rank's shard): set "
-            "moe_tensor_parallel_size (or moe_expert_parallel_size, which keeps I whole) so that it is"
+            f"TRT-LLM's NVFP4 MoE needs moe_intermediate_size / tp = {i}/{tp} to be a multiple of {k} ({why}, "
+            "down_proj, within a rank's shard): set moe_tensor_parallel_size (or moe_expert_parallel_size, "
+            f"which keeps I whole) so that it is{fix}"
         )
     return problems
