@@ -1,20 +1,25 @@
-"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4 and compressed-tensors INT4 W4A16 loads refitd's
-4-bit generations on CPU (``make test-engines``).
+"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4, compressed-tensors INT4 W4A16 and compressed-tensors
+MXFP4 loads and reloads refitd's 4-bit generations on CPU (``make test-engines``).
 
 Built as tests/test_engine_vllm_models.py builds its engines (``tests/support/vllm_models.py``: the
 real ``Qwen3MoeForCausalLM``, ``ModelOptNvFp4Config`` from ``vllm_engine_args``' quantization config,
 ``ModelOptNvFp4FusedMoE``, the real weight loaders, ``process_weights_after_loading`` and layerwise
-reload; ``CompressedTensorsWNA16MoEMethod`` for INT4). **What is replaced**: only the MoE kernel backend
-choice, as for FP8: ``select_nvfp4_moe_backend`` and ``select_wna16_moe_backend`` answer EMULATION
-(vLLM's own Triton experts that dequantize NVFP4 / INT4, its path on GPUs without native kernels; no
-kernel runs here), whose weight processing is pure torch.
+reload; ``CompressedTensorsWNA16MoEMethod`` for INT4, ``CompressedTensorsW4A4Mxfp4MoEMethod`` for MXFP4).
+**What is replaced**: NVFP4 / INT4: only the MoE kernel backend choice, as for FP8:
+``select_nvfp4_moe_backend`` and ``select_wna16_moe_backend`` answer EMULATION (vLLM's own Triton
+experts that dequantize NVFP4 / INT4, its path on GPUs without native kernels; no kernel runs here),
+whose weight processing is pure torch. MXFP4 keeps vLLM's own choice for a GPU without native FP4,
+Marlin, with two parts of it replaced (``tests/support/vllm_marlin.py``): the compiled
+``torch.ops._C.gptq_marlin_repack`` is vLLM's own pure-torch reference of the Marlin layout
+(``marlin_utils_test.marlin_weights``), and ``MarlinExperts``' device check answers True.
 
 Checks: attach with the manifest of the real parameters (NVFP4: ``.weight`` uint8 ``[I, H/2]``,
 ``.weight_scale`` fp8 ``[I, H/16]``, ``.weight_scale_2`` float32 0-d per expert, the static
 ``input_scale`` not published but carried; INT4: ``.weight_packed`` int32 ``[I, H/8]``,
-``.weight_scale`` bf16 ``[I, H/32]``, ``.weight_shape`` int64 ``[2]``); the real ``load_weights`` takes a refitd generation
+``.weight_scale`` bf16 ``[I, H/32]``, ``.weight_shape`` int64 ``[2]``; MXFP4: ``.weight_packed`` uint8
+``[I, H/2]``, ``.weight_scale`` uint8 ``[I, H/32]``); the real ``load_weights`` takes a refitd generation
 byte for byte; two generations reloaded layerwise keep every parameter object and equal vLLM's own
-load of the generation plus the engine's calibrated activation scales; K multiples refused.
+load of the generation (plus, for NVFP4, the engine's calibrated activation scales); K multiples refused.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ class FourBitEngine:
     generation = _generation
 
 
-FORMATS = ("nvfp4", "int4_w4a16")
+FORMATS = ("nvfp4", "int4_w4a16", "mxfp4")
 _ENGINES: dict[str, FourBitEngine] = {}
 
 
@@ -131,9 +136,12 @@ def test_four_bit_engine_args_and_manifest_of_the_real_parameters(engine):
     if engine.fmt is Format.NVFP4:
         assert engine.args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
         method = "ModelOptNvFp4FusedMoE"
-    else:
+    elif engine.fmt is Format.INT4_W4A16:
         assert engine.args["quantization"] == "compressed-tensors" and qc["format"] == "pack-quantized"
         method = "CompressedTensorsWNA16MoEMethod"
+    else:
+        assert engine.args["quantization"] == "compressed-tensors" and qc["format"] == "mxfp4-pack-quantized"
+        method = "CompressedTensorsW4A4Mxfp4MoEMethod"
     manifest = engine.manifest()
     assert manifest.expert_format is engine.fmt
     assert manifest.info["param_source"] == av.PARAM_SOURCE_LAYERWISE
@@ -157,6 +165,10 @@ def test_four_bit_engine_args_and_manifest_of_the_real_parameters(engine):
                     has(f"{m}.weight_scale", FP8_DTYPE, (out, k // 16))
                     has(f"{m}.weight_scale_2", torch.float32, ())
                     assert f"{m}.input_scale" not in by  # not published: carried over from the engine
+                elif engine.fmt is Format.MXFP4:
+                    has(f"{m}.weight_packed", torch.uint8, (out, k // 2))
+                    has(f"{m}.weight_scale", torch.uint8, (out, k // 32))
+                    assert f"{m}.weight" not in by
                 else:
                     has(f"{m}.weight_packed", torch.int32, (out, k // 8))
                     has(f"{m}.weight_scale", torch.bfloat16, (out, k // 32))
@@ -222,11 +234,17 @@ def test_two_four_bit_generations_reload_in_place_carrying_the_activation_scales
     carried = carried_input_scales(model.named_modules())
     nvfp4 = engine.fmt is Format.NVFP4
     assert bool(held) == nvfp4 and len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
+    w13 = next(
+        n for n in before if n.endswith(("routed_experts.w13_weight", "routed_experts.w13_weight_packed"))
+    )
+    previous = _bytes(before[w13][0]).clone()
     for seed in (2, 3):
         gen = engine.generation(seed)
         av.load_generation(engine.worker, gen, engine.fmt)
         after = dict(model.named_parameters())
         assert after.keys() == before.keys()
+        assert not torch.equal(_bytes(after[w13]), previous), "the processed experts did not change"
+        previous = _bytes(after[w13]).clone()
         moved = [n for n, (p, ptr) in before.items() if after[n] is not p or after[n].data_ptr() != ptr]
         assert not moved, f"parameters replaced by the reload: {moved[:5]}"
         # the activation scales the engine held stay, bit for bit, through every reload
@@ -254,43 +272,37 @@ def test_four_bit_k_multiples_are_refused_naming_the_fix(engine):
     assert any("hidden_size = 264" in p and f"multiple of {k}" in p for p in problems), problems
 
 
-def test_mxfp4_manifest_and_load_weights_on_the_real_unprocessed_class(vm, tmp_path):
-    """compressed-tensors MXFP4: the real ``CompressedTensorsW4A4Mxfp4MoEMethod`` parameters map to
-    ``.weight_packed`` uint8 ``[I, H/2]`` + ``.weight_scale`` uint8 ``[I, H/32]``, attach passes the daemon's
-    check, and the real ``load_weights`` takes the generation byte for byte. Not run here: its
-    ``process_weights_after_loading`` (on a GPU without native FP4 it repacks for Marlin with
-    ``gptq_marlin_repack``, a ``vllm._C`` op that does not load against the CPU torch), hence no reload."""
-    folder = vm.write_config(tmp_path, "qwen3_moe")
-    hf = vm.config_dict(folder)
-    layers = get_model("qwen3_moe").num_hidden_layers(hf)
-    spec = RefitSpec(model_type="qwen3_moe", fmt="mxfp4", num_hidden_layers=layers)
-    args = av.vllm_engine_args(spec, hf)
-    config = vm.vllm_config(folder, args)
-    vm.init_distributed(config)
-    model = vm.build_model(config)
-    params = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
-    manifest = av.build_manifest(params, hf, config.quant_config)
-    assert manifest.expert_format is Format.MXFP4
-    assert av.check_vllm_constraints(manifest, hf) == []
-    plan_hf = normalize_hf_config(hf)
-    inputs = get_model("qwen3_moe").parameters(plan_hf, include_mtp=True, include_vision=False)
-    check = check_manifest(inputs, spec, manifest)
-    assert check.ok, check.message("vllm")
-    by = manifest.by_name()
-    h, i = hf["hidden_size"], hf["moe_intermediate_size"]
-    m = "model.layers.1.mlp.experts.3.down_proj"
-    assert (by[f"{m}.weight_packed"].dtype, by[f"{m}.weight_packed"].shape) == (torch.uint8, (h, i // 2))
-    assert (by[f"{m}.weight_scale"].dtype, by[f"{m}.weight_scale"].shape) == (torch.uint8, (h, i // 32))
-    g = torch.Generator().manual_seed(5)
-    state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in inputs}
-    gen = convert(state, spec, keep_bf16=check.keep_bf16)
-    model.load_weights(av.ordered_weights(gen))
-    wrong, checked = [], 0
-    for name, p in model.named_parameters():
-        want = _expected(name, p, gen)
-        if want is None:
-            continue
-        checked += 1
-        if not _same(p, want):
-            wrong.append(name)
-    assert not wrong and checked >= 20, wrong
+def test_mxfp4_engine_holds_vllm_marlin_layout_after_processing(vm):
+    """The MXFP4 engine above is processed by vLLM's own Marlin preparation (not left as loaded):
+    ``w13_weight_packed`` renamed and repacked to int32 Marlin tiles, the E8M0 scales permuted."""
+    engine = _ENGINES.get("mxfp4")
+    if engine is None:
+        pytest.skip("runs after the mxfp4 engine tests")
+    params = dict(engine.model.named_parameters())
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    assert f"{moe}.w13_weight_packed" not in params
+    assert (
+        type(engine.model.get_submodule(moe).quant_method.moe_kernel.fused_experts).__name__
+        == "MarlinExperts"
+    )
+    h, i = engine.hf["hidden_size"], engine.hf["moe_intermediate_size"]
+    # marlin_utils_fp4._repack_marlin_experts: [E, K / 16, N * 16 / 8] int32 per expert
+    assert (params[f"{moe}.w13_weight"].dtype, tuple(params[f"{moe}.w13_weight"].shape)) == (
+        torch.int32,
+        (EXPERTS, h // 16, 2 * i * 16 // 8),
+    )
+    assert params[f"{moe}.w13_weight_scale"].dtype == torch.float8_e8m0fnu
+
+
+def test_repack_stub_unpacks_exactly_what_vllm_packs(vm):
+    """tests/support/vllm_marlin.py's one transcribed step: the inverse of vLLM's ``quant_utils.pack_rows``
+    (the rest of the stub is vLLM's ``marlin_weights``)."""
+    from support import vllm_marlin
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows
+
+    g = torch.Generator().manual_seed(0)
+    for bits, (k, n) in ((4, (64, 128)), (8, (32, 64))):
+        q = torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+        assert torch.equal(vllm_marlin.unpack_rows(pack_rows(q, bits, k, n), bits, k, n), q)
+    with pytest.raises(ValueError, match="size_n"):
+        vllm_marlin.gptq_marlin_repack(pack_rows(q, 8, 32, 64)[:, :48].contiguous(), 32, 48, 8)
