@@ -306,3 +306,28 @@ def test_repack_stub_unpacks_exactly_what_vllm_packs(vm):
         assert torch.equal(vllm_marlin.unpack_rows(pack_rows(q, bits, k, n), bits, k, n), q)
     with pytest.raises(ValueError, match="size_n"):
         vllm_marlin.gptq_marlin_repack(pack_rows(q, 8, 32, 64)[:, :48].contiguous(), 32, 48, 8)
+
+
+@pytest.mark.parametrize(("capability", "refused"), [((7, 0), True), ((9, 0), False), ((10, 0), False)])
+def test_worker_records_the_gpu_and_attach_refuses_what_vllm_cannot_run_there(
+    vm, tmp_path_factory, monkeypatch, capability, refused
+):
+    """The real worker's manifest records ``current_platform.get_device_capability()`` (faked: this is a
+    CPU) and ``check_vllm_constraints`` applies adapters/vllm/backends.py's per-GPU MXFP4 rule to it."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    if "mxfp4" not in _ENGINES:
+        _ENGINES["mxfp4"] = FourBitEngine(vm, tmp_path_factory.mktemp("vllm-4bit"), "mxfp4")
+    engine = _ENGINES["mxfp4"]
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(
+        current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(*capability)
+    )
+    manifest = engine.manifest()
+    assert manifest.info["device_capability"] == capability[0] * 10 + capability[1]
+    assert manifest.moe_backend.endswith("/MarlinExperts"), manifest.moe_backend  # the experts class built
+    problems = av.check_vllm_constraints(manifest, engine.hf)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "no MXFP4 MoE backend on SM70" in problems[0] and "int4_w4a16" in problems[0]

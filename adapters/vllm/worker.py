@@ -5,6 +5,7 @@ so this module imports on a machine without vLLM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -240,22 +241,44 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
         model.load_weights(weights)
 
 
+#: the attribute each vLLM 0.33.0 MoE quant method keeps its resolved kernel backend in
+_BACKEND_ATTRS = (
+    "fp8_backend",
+    "mxfp8_backend",
+    "nvfp4_backend",
+    "wna16_backend",
+    "mxfp4_backend",
+    "backend",
+)
+
+
 def _resolved_backend(model: torch.nn.Module) -> str:
-    """The first MoE layer's resolved quant method class (and its kernel backend, if it says)."""
+    """The first MoE layer's resolved quant method class, its kernel backend if it says, and its
+    experts class (``experts_cls``: compressed-tensors MXFP4 keeps ``mxfp4_backend = MARLIN`` while
+    choosing ``CutlassExpertsMxfp4`` on SM100)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(module, "w13_weight"):
-            backend = next(
-                (
-                    getattr(method, a)
-                    for a in ("fp8_backend", "mxfp8_backend", "backend")
-                    if getattr(method, a, None)
-                ),
-                None,
-            )
+        if method is not None and any(hasattr(module, w) for w in ("w13_weight", "w13_weight_packed")):
+            backend = next((getattr(method, a) for a in _BACKEND_ATTRS if getattr(method, a, None)), None)
             kind = type(method).__name__
-            return f"{kind}/{getattr(backend, 'name', backend)}" if backend is not None else kind
+            if backend is not None:
+                kind = f"{kind}/{getattr(backend, 'name', backend)}"
+            experts = getattr(method, "experts_cls", None)
+            return f"{kind}/{experts.__name__}" if isinstance(experts, type) else kind
     return ""
+
+
+def _device_capability() -> int | None:
+    """``current_platform.get_device_capability().to_int()`` on CUDA (90 = Hopper), else None: the GPU
+    :func:`adapters.vllm.backends.four_bit_gpu_problems` checks the 4-bit MoE backends against."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    return int(capability.to_int()) if capability is not None else None
 
 
 class RefitWorkerExtension:
@@ -283,7 +306,7 @@ class RefitWorkerExtension:
             model = _model(self)
             params, source = engine_parameters_and_source(model)
             draft = _draft(self)
-            return build_manifest(
+            manifest = build_manifest(
                 params,
                 self.model_config.hf_config.to_dict(),
                 self.vllm_config.quant_config,
@@ -295,6 +318,10 @@ class RefitWorkerExtension:
                 param_source=source,
                 deep_gemm_e8m0=_deep_gemm_e8m0(),
             )
+        # the GPU the 4-bit MoE backend rules are checked against (check_vllm_constraints)
+        return dataclasses.replace(
+            manifest, info={**manifest.info, "device_capability": _device_capability()}
+        )
 
     def refit_attach(self, endpoint: str, name: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
         """Attach with this worker's manifest: refused locally (:func:`check_vllm_constraints`, naming
