@@ -331,3 +331,65 @@ def test_worker_records_the_gpu_and_attach_refuses_what_vllm_cannot_run_there(
     assert bool(problems) == refused, problems
     if refused:
         assert "no MXFP4 MoE backend on SM70" in problems[0] and "int4_w4a16" in problems[0]
+
+
+def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_path):
+    """DeepSeek-V3 in NVFP4 with its MTP drafter (``DeepSeekMTP``, its own ``ModelOptNvFp4FusedMoE`` at
+    ``model.layers.2.mtp_block.mlp.experts``): ``load_generation`` carries the drafter's calibrated W4A4
+    input scales (distinct from the target model's) into its reload under the names its
+    ``load_weights`` reads (``model.layers.2.mlp.experts.{e}.*.input_scale``), bit for bit, and the
+    reloaded drafter equals vLLM's own load + processing of the generation with those scales."""
+    folder = vm.write_config(tmp_path, "deepseek_v3")
+    hf = vm.config_dict(folder)
+    registry = get_model(model_type_of(hf))
+    layers = registry.num_hidden_layers(hf)
+    spec = RefitSpec(model_type="deepseek_v3", fmt="nvfp4", num_hidden_layers=layers)
+    config = vm.vllm_config(folder, av.vllm_engine_args(spec, hf, include_vision=False), mtp=True)
+    vm.init_distributed(config)
+    params = registry.parameters(normalize_hf_config(hf), include_mtp=True, include_vision=False)
+
+    def generation(seed):
+        g = torch.Generator().manual_seed(seed)
+        state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in params}
+        for n in state:  # DeepSeek's MTP layer holds a copy of the embedding
+            if n.endswith(".embed_tokens.weight") and n.startswith("model.layers."):
+                state[n] = state["model.embed_tokens.weight"]
+        return convert(state, spec)
+
+    # calibrated scales: the target's MoE layer (model.layers.1) and the drafter's (checkpoint layer 2)
+    calibrated = {}
+    for layer, base in ((1, 0.02), (layers, 0.07)):
+        for e in range(EXPERTS):
+            for proj, v in (("gate_proj", base), ("up_proj", base), ("down_proj", base + 0.01)):
+                calibrated[f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"] = torch.tensor(
+                    v + 0.001 * e
+                )
+
+    def built(gen, *, draft):
+        m = vm.build_model(config, draft=draft)
+        m.load_weights(av.ordered_weights({**gen, **calibrated}))
+        vm.process(config, m, draft=draft)
+        return m
+
+    first = generation(0)
+    model, draft = built(first, draft=False), built(first, draft=True)
+    worker = vm.worker(config, model, draft)
+    moe = f"model.layers.{layers}.mtp_block.mlp.experts.routed_experts"
+    held = {n: p.detach().clone() for n, p in draft.named_parameters() if n.endswith("input_scale")}
+    assert held and all(n.startswith(moe) for n in held), sorted(held)
+    carried = carried_input_scales(model.named_modules())
+    assert all(n.startswith("model.layers.1.") for n in carried)  # the target's only
+    manifest = av.RefitWorkerExtension.refit_manifest(worker)
+    assert manifest.info["carried_input_scales"] == 2 * EXPERTS * 3  # target and drafter
+    check = check_manifest(params, spec, manifest)
+    assert check.ok, check.message("vllm")
+    before = dict(draft.named_parameters())
+    for seed in (2, 3):
+        gen = generation(seed)
+        av.load_generation(worker, gen, Format.NVFP4)
+        after = dict(draft.named_parameters())
+        assert all(after[n] is p for n, p in before.items())
+        assert all(_same(after[n], t) for n, t in held.items()), {n: (after[n], t) for n, t in held.items()}
+        ref = dict(built(gen, draft=True).named_parameters())
+        differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
+        assert not differ, f"the drafter's reload differs from vLLM's own load: {differ[:5]}"

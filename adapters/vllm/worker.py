@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from adapters.vllm.carry import carried_input_scales
+from adapters.vllm.carry import carried_input_scales, draft_checkpoint_namer
 from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
@@ -211,16 +211,21 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     already-processed kernel parameters would corrupt them).
     """
     model = _model(worker)
+    draft = _draft(worker)
     if expert_format is Format.NVFP4:
-        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py)
-        tensors = {**tensors, **carried_input_scales(model.named_modules())}
+        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py),
+        # the MTP drafter's too (its load_weights picks its own names out of the same generation)
+        carried = carried_input_scales(model.named_modules())
+        if draft is not None:
+            namer = draft_checkpoint_namer(worker.model_config.hf_config.to_dict())
+            carried.update(carried_input_scales(draft[0].named_modules(), namer))
+        tensors = {**tensors, **carried}
     runner, weights = worker.model_runner, ordered_weights(tensors)
     try:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
     except ImportError:
         pass
     else:
-        draft = _draft(worker)
         with _config_context(worker), torch.device(worker.device):
             _layerwise_reload(model, weights, worker.model_config)
             if draft is not None:
