@@ -393,3 +393,66 @@ def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_pat
         ref = dict(built(gen, draft=True).named_parameters())
         differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
         assert not differ, f"the drafter's reload differs from vLLM's own load: {differ[:5]}"
+
+
+def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):
+    """tensor_parallel_size 2 (I = 128: I/tp = 64, whole NVFP4 / INT4 / MXFP4 groups per rank): two gloo
+    processes (tests/support/vllm_tp.py, the block-FP8 tp-2 harness) build the real Qwen3-MoE in each
+    4-bit format in turn, attach (no refusal), load refitd's generation with every rank's slice of every
+    expert's 4-bit codes and group scales where vLLM's sharding puts them, and reload two generations
+    in place, each byte-equal to vLLM's own load + processing on that rank (NVFP4: with the engine's
+    calibrated activation scales carried over)."""
+    import json
+    import subprocess
+    import sys
+
+    from support.net import free_port
+
+    folder = vm.write_config(tmp_path, "qwen3_moe", moe_intermediate_size=128)
+    port = free_port()
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    outs = [tmp_path / f"tp2-rank{rank}.json" for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "support.vllm_tp",
+                str(rank),
+                "2",
+                str(port),
+                str(folder),
+                ",".join(FORMATS),
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank, out in enumerate(outs)
+    ]
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err.decode(errors="replace")[-3000:])
+    assert not errors, errors
+    for out in outs:
+        result = json.loads(out.read_text())
+        assert "error" not in result, result.get("trace")
+        assert sorted(result["by_format"]) == sorted(FORMATS)
+        for fmt, r in result["by_format"].items():
+            assert r["moe_tp_size"] == 2 and r["constraints"] == [], (fmt, r)
+            assert r["expert_slices_wrong"] == [], (fmt, r["expert_slices_wrong"][:5])
+            # codes and group scales of w13 and w2, every expert of both MoE layers
+            assert r["expert_slices_checked"] == 2 * 2 * EXPERTS * 2, (fmt, r)
+            for reload in r["reloads"]:
+                assert reload["moved"] == [] and reload["differ"] == [] and reload["compared"] > 0, (
+                    fmt,
+                    reload,
+                )
