@@ -32,6 +32,7 @@ import torch
 
 import adapters.vllm as av
 from adapters.vllm.carry import carried_input_scales
+from adapters.vllm.worker import streamed_group_loader
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitSpec
@@ -381,6 +382,9 @@ def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_pat
     assert all(n.startswith("model.layers.1.") for n in carried)  # the target's only
     manifest = av.RefitWorkerExtension.refit_manifest(worker)
     assert manifest.info["carried_input_scales"] == 2 * EXPERTS * 3  # target and drafter
+    # streamed refit (layer groups into the target's layerwise session) would skip the drafter: off
+    assert streamed_group_loader(worker) is None
+    assert streamed_group_loader(vm.worker(config, model)) is not None
     check = check_manifest(params, spec, manifest)
     assert check.ok, check.message("vllm")
     before = dict(draft.named_parameters())

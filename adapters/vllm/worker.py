@@ -286,6 +286,19 @@ def _device_capability() -> int | None:
     return int(capability.to_int()) if capability is not None else None
 
 
+def streamed_group_loader(worker: Any) -> Any:
+    """The streaming ``load_group`` for ``worker``, or None (whole generations through
+    :func:`load_generation`): a vLLM without layerwise reload, or a worker with an MTP drafter,
+    which the streamed path (``adapters.vllm.stream.LayerwiseGroups``: layer groups into the target
+    model's layerwise session) would leave holding the previous step's weights (and, in NVFP4, its
+    activation scales uncarried); :func:`load_generation` reloads the drafter too."""
+    from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
+
+    if _draft(worker) is not None:
+        return None
+    return layerwise_group_loader(worker, WorkerAccess(_model, _config_context, ordered_weights))
+
+
 class RefitWorkerExtension:
     """Mixed into every vLLM worker by ``LLM(worker_extension_cls="adapters.vllm.RefitWorkerExtension")``.
 
@@ -333,7 +346,6 @@ class RefitWorkerExtension:
         the engine setting that works) or by the daemon (listing every mismatch)."""
         _require_vllm("RefitWorkerExtension.refit_attach")
         from adapters.engine import EngineWorker
-        from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
         manifest = self.refit_manifest()
         hf_config = self.model_config.hf_config.to_dict()
@@ -343,8 +355,8 @@ class RefitWorkerExtension:
             name=name or f"vllm-rank{self.rank}",
             manifest=manifest,
             load=lambda gen: load_generation(self, gen.tensors, fmt),
-            # streamed refit through layerwise reload (None: this vLLM loads whole generations)
-            load_group=layerwise_group_loader(self, WorkerAccess(_model, _config_context, ordered_weights)),
+            # streamed refit through layerwise reload (None: whole generations, see streamed_group_loader)
+            load_group=streamed_group_loader(self),
             timeout=timeout,
             check=lambda m: check_vllm_constraints(m, hf_config),
         )
