@@ -406,48 +406,10 @@ def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, t
     expert's 4-bit codes and group scales where vLLM's sharding puts them, and reload two generations
     in place, each byte-equal to vLLM's own load + processing on that rank (NVFP4: with the engine's
     calibrated activation scales carried over)."""
-    import json
-    import subprocess
-    import sys
-
-    from support.net import free_port
+    from support.vllm_tp import run_ranks
 
     folder = vm.write_config(tmp_path, "qwen3_moe", moe_intermediate_size=128)
-    port = free_port()
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
-    outs = [tmp_path / f"tp2-rank{rank}.json" for rank in range(2)]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "support.vllm_tp",
-                str(rank),
-                "2",
-                str(port),
-                str(folder),
-                ",".join(FORMATS),
-                str(out),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank, out in enumerate(outs)
-    ]
-    errors = []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode:
-            errors.append(err.decode(errors="replace")[-3000:])
-    assert not errors, errors
-    for out in outs:
-        result = json.loads(out.read_text())
+    for result in run_ranks(folder, ",".join(FORMATS), tmp_path):
         assert "error" not in result, result.get("trace")
         assert sorted(result["by_format"]) == sorted(FORMATS)
         for fmt, r in result["by_format"].items():

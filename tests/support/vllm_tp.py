@@ -16,6 +16,8 @@ checked as this rank's slice along the split dimension (w13 rows, w2 columns = K
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -217,6 +219,52 @@ def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, A
             }
         )
     return out
+
+
+def run_ranks(
+    folder: Path, fmt: str, out_dir: Path, world: int = 2, timeout: float = 600.0
+) -> list[dict[str, Any]]:
+    """Run ``world`` ranks of this module as child processes on a free port (the test side); every
+    rank's JSON result, or an AssertionError with the stderr tail of each rank that failed."""
+    from support.net import free_port
+
+    port = free_port()
+    tests = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    outs = [
+        out_dir / f"tp{world}-{folder.name}-{fmt.replace(',', '-')}-rank{rank}.json" for rank in range(world)
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "support.vllm_tp",
+                str(rank),
+                str(world),
+                str(port),
+                str(folder),
+                fmt,
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank, out in enumerate(outs)
+    ]
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err.decode(errors="replace")[-3000:])
+    if errors:
+        raise AssertionError(errors)
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def main() -> None:
