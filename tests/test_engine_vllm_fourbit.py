@@ -229,6 +229,10 @@ def test_real_load_weights_takes_a_four_bit_generation_byte_for_byte(engine):
 
 
 def test_two_four_bit_generations_reload_in_place_carrying_the_activation_scales(engine):
+    _two_reloads_equal_vllms_own_load(engine)
+
+
+def _two_reloads_equal_vllms_own_load(engine: FourBitEngine) -> None:
     model = engine.model
     before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
     held = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("input_scale")}
@@ -422,3 +426,32 @@ def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, t
                     fmt,
                     reload,
                 )
+
+
+def test_mxfp4_sm100_cutlass_w4a4_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """compressed-tensors MXFP4 as vLLM builds it on SM100-SM119 (``mxfp4_experts_quant_supported``):
+    ``CutlassExpertsMxfp4`` (W4A4), whose processing swizzles the E8M0 scales into CUTLASS tiles
+    (``swizzle_mxfp4_scales``, pure torch). Replaced: only its device check (True on this CPU).
+    Two in-place reloads equal vLLM's own load + processing of the same generation."""
+    from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsMxfp4
+
+    monkeypatch.setattr(CutlassExpertsMxfp4, "_supports_current_device", staticmethod(lambda: True))
+    engine = FourBitEngine(vm, tmp_path, "mxfp4")
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    method = engine.model.get_submodule(moe).quant_method
+    assert method.use_cutlass_mxfp4 and type(method.moe_kernel.fused_experts) is CutlassExpertsMxfp4
+    assert engine.manifest().moe_backend.endswith("/CutlassExpertsMxfp4"), engine.manifest().moe_backend
+    # processed: the scales are in CUTLASS's tiled order, not the checkpoint's (same shape)
+    gen = engine.generation(1)
+    loaded = torch.stack(
+        [
+            torch.cat(
+                [gen[f"model.layers.0.mlp.experts.{e}.{p}.weight_scale"] for p in ("gate_proj", "up_proj")]
+            )
+            for e in range(EXPERTS)
+        ]
+    )
+    av.load_generation(engine.worker, gen, engine.fmt)
+    held = dict(engine.model.named_parameters())[f"{moe}.w13_weight_scale"]
+    assert held.shape == loaded.shape and not torch.equal(held, loaded)
+    _two_reloads_equal_vllms_own_load(engine)
