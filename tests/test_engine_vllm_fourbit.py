@@ -455,3 +455,27 @@ def test_mxfp4_sm100_cutlass_w4a4_path_reloads_in_place(vm, tmp_path, monkeypatc
     held = dict(engine.model.named_parameters())[f"{moe}.w13_weight_scale"]
     assert held.shape == loaded.shape and not torch.equal(held, loaded)
     _two_reloads_equal_vllms_own_load(engine)
+
+
+def test_int4_w4a16_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """INT4 W4A16 as vLLM builds it on SM75+ GPUs at Marlin-aligned shapes (``oracle/int_wna16.py``:
+    MARLIN ahead of Triton; the fixture's EMULATION answer replaced by MARLIN here): the int4 codes
+    repacked into Marlin tiles (``gptq_marlin_repack`` = vLLM's reference layout, tests/support/vllm_marlin.py)
+    and the BF16 group scales permuted. Two in-place reloads equal vLLM's own load + processing."""
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    def marlin(config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False):
+        backend = int_wna16.WNA16MoEBackend.MARLIN
+        return backend, int_wna16.backend_to_kernel_cls(backend)[0]
+
+    monkeypatch.setattr(ct_wna16, "select_wna16_moe_backend", marlin)
+    engine = FourBitEngine(vm, tmp_path, "int4_w4a16")
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    assert engine.manifest().moe_backend.endswith("/MARLIN/MarlinExperts"), engine.manifest().moe_backend
+    h, i = engine.hf["hidden_size"], engine.hf["moe_intermediate_size"]
+    w13 = dict(engine.model.named_parameters())[f"{moe}.w13_weight_packed"]
+    assert (w13.dtype, tuple(w13.shape)) == (torch.int32, (EXPERTS, h // 16, 2 * i * 16 // 8))  # Marlin tiles
+    _two_reloads_equal_vllms_own_load(engine)
