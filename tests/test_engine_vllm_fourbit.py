@@ -232,13 +232,17 @@ def test_two_four_bit_generations_reload_in_place_carrying_the_activation_scales
     _two_reloads_equal_vllms_own_load(engine)
 
 
-def _two_reloads_equal_vllms_own_load(engine: FourBitEngine) -> None:
+def _two_reloads_equal_vllms_own_load(engine: FourBitEngine, *, holds_input_scales: bool = True) -> None:
+    """Two generations through ``load_generation``: parameters kept, the held activation scales
+    kept (``holds_input_scales=False``: the backend's processing drops them, Marlin), everything
+    equal to vLLM's own load + processing of the same generation (with the calibrated scales)."""
     model = engine.model
     before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
     held = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("input_scale")}
     carried = carried_input_scales(model.named_modules())
     nvfp4 = engine.fmt is Format.NVFP4
-    assert bool(held) == nvfp4 and len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
+    assert bool(held) == (nvfp4 and holds_input_scales)
+    assert len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
     w13 = next(
         n for n in before if n.endswith(("routed_experts.w13_weight", "routed_experts.w13_weight_packed"))
     )
@@ -479,3 +483,24 @@ def test_int4_w4a16_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
     w13 = dict(engine.model.named_parameters())[f"{moe}.w13_weight_packed"]
     assert (w13.dtype, tuple(w13.shape)) == (torch.int32, (EXPERTS, h // 16, 2 * i * 16 // 8))  # Marlin tiles
     _two_reloads_equal_vllms_own_load(engine)
+
+
+def test_nvfp4_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """NVFP4 as vLLM builds it on Hopper (``oracle/nvfp4.py``: no W4A4 kernel below SM100, Marlin W4A16;
+    the fixture's EMULATION answer replaced by MARLIN here): codes repacked into Marlin tiles, the FP8
+    group scales and global scales reprocessed (``prepare_nvfp4_moe_layer_for_marlin``), the
+    activation scales dropped (carry.py gives 1.0 for them, unused). Two in-place reloads equal vLLM's
+    own load + processing of the same generation and calibrated scales."""
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as nvfp4_oracle
+    from vllm.model_executor.layers.quantization import modelopt
+
+    def marlin(config, weight_key=None, activation_key=None):
+        backend = nvfp4_oracle.NvFp4MoeBackend.MARLIN
+        return backend, nvfp4_oracle.backend_to_kernel_cls(backend)[0]
+
+    monkeypatch.setattr(modelopt, "select_nvfp4_moe_backend", marlin)
+    engine = FourBitEngine(vm, tmp_path, "nvfp4")
+    assert engine.manifest().moe_backend.endswith("/MARLIN/MarlinExperts"), engine.manifest().moe_backend
+    w13 = dict(engine.model.named_parameters())["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+    assert w13.dtype == torch.int32  # Marlin tiles (the checkpoint's codes are uint8)
+    _two_reloads_equal_vllms_own_load(engine, holds_input_scales=False)
