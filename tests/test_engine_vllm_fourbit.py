@@ -20,6 +20,12 @@ Checks: attach with the manifest of the real parameters (NVFP4: ``.weight`` uint
 ``[I, H/2]``, ``.weight_scale`` uint8 ``[I, H/32]``); the real ``load_weights`` takes a refitd generation
 byte for byte; two generations reloaded layerwise keep every parameter object and equal vLLM's own
 load of the generation (plus, for NVFP4, the engine's calibrated activation scales); K multiples refused.
+
+Backend variants, each with only the named choice or device check replaced: NVFP4 and INT4 through the
+Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN), MXFP4 through SM100's
+``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
+DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales; all three formats at tp 2 in two gloo
+processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations
