@@ -1,20 +1,31 @@
-"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4 and compressed-tensors INT4 W4A16 loads refitd's
-4-bit generations on CPU (``make test-engines``).
+"""vLLM 0.33.0's REAL Qwen3-MoE in ModelOpt NVFP4, compressed-tensors INT4 W4A16 and compressed-tensors
+MXFP4 loads and reloads refitd's 4-bit generations on CPU (``make test-engines``).
 
 Built as tests/test_engine_vllm_models.py builds its engines (``tests/support/vllm_models.py``: the
 real ``Qwen3MoeForCausalLM``, ``ModelOptNvFp4Config`` from ``vllm_engine_args``' quantization config,
 ``ModelOptNvFp4FusedMoE``, the real weight loaders, ``process_weights_after_loading`` and layerwise
-reload; ``CompressedTensorsWNA16MoEMethod`` for INT4). **What is replaced**: only the MoE kernel backend
-choice, as for FP8: ``select_nvfp4_moe_backend`` and ``select_wna16_moe_backend`` answer EMULATION
-(vLLM's own Triton experts that dequantize NVFP4 / INT4, its path on GPUs without native kernels; no
-kernel runs here), whose weight processing is pure torch.
+reload; ``CompressedTensorsWNA16MoEMethod`` for INT4, ``CompressedTensorsW4A4Mxfp4MoEMethod`` for MXFP4).
+**What is replaced**: NVFP4 / INT4: only the MoE kernel backend choice, as for FP8:
+``select_nvfp4_moe_backend`` and ``select_wna16_moe_backend`` answer EMULATION (vLLM's own Triton
+experts that dequantize NVFP4 / INT4, its path on GPUs without native kernels; no kernel runs here),
+whose weight processing is pure torch. MXFP4 keeps vLLM's own choice for a GPU without native FP4,
+Marlin, with two parts of it replaced (``tests/support/vllm_marlin.py``): the compiled
+``torch.ops._C.gptq_marlin_repack`` is vLLM's own pure-torch reference of the Marlin layout
+(``marlin_utils_test.marlin_weights``), and ``MarlinExperts``' device check answers True.
 
 Checks: attach with the manifest of the real parameters (NVFP4: ``.weight`` uint8 ``[I, H/2]``,
 ``.weight_scale`` fp8 ``[I, H/16]``, ``.weight_scale_2`` float32 0-d per expert, the static
 ``input_scale`` not published but carried; INT4: ``.weight_packed`` int32 ``[I, H/8]``,
-``.weight_scale`` bf16 ``[I, H/32]``, ``.weight_shape`` int64 ``[2]``); the real ``load_weights`` takes a refitd generation
+``.weight_scale`` bf16 ``[I, H/32]``, ``.weight_shape`` int64 ``[2]``; MXFP4: ``.weight_packed`` uint8
+``[I, H/2]``, ``.weight_scale`` uint8 ``[I, H/32]``); the real ``load_weights`` takes a refitd generation
 byte for byte; two generations reloaded layerwise keep every parameter object and equal vLLM's own
-load of the generation plus the engine's calibrated activation scales; K multiples refused.
+load of the generation (plus, for NVFP4, the engine's calibrated activation scales); K multiples refused.
+
+Backend variants, each with only the named choice or device check replaced: NVFP4 and INT4 through the
+Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN), MXFP4 through SM100's
+``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
+DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales; all three formats at tp 2 in two gloo
+processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import torch
 
 import adapters.vllm as av
 from adapters.vllm.carry import carried_input_scales
+from adapters.vllm.worker import streamed_group_loader
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitSpec
@@ -107,7 +119,7 @@ class FourBitEngine:
     generation = _generation
 
 
-FORMATS = ("nvfp4", "int4_w4a16")
+FORMATS = ("nvfp4", "int4_w4a16", "mxfp4")
 _ENGINES: dict[str, FourBitEngine] = {}
 
 
@@ -131,9 +143,12 @@ def test_four_bit_engine_args_and_manifest_of_the_real_parameters(engine):
     if engine.fmt is Format.NVFP4:
         assert engine.args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
         method = "ModelOptNvFp4FusedMoE"
-    else:
+    elif engine.fmt is Format.INT4_W4A16:
         assert engine.args["quantization"] == "compressed-tensors" and qc["format"] == "pack-quantized"
         method = "CompressedTensorsWNA16MoEMethod"
+    else:
+        assert engine.args["quantization"] == "compressed-tensors" and qc["format"] == "mxfp4-pack-quantized"
+        method = "CompressedTensorsW4A4Mxfp4MoEMethod"
     manifest = engine.manifest()
     assert manifest.expert_format is engine.fmt
     assert manifest.info["param_source"] == av.PARAM_SOURCE_LAYERWISE
@@ -157,6 +172,10 @@ def test_four_bit_engine_args_and_manifest_of_the_real_parameters(engine):
                     has(f"{m}.weight_scale", FP8_DTYPE, (out, k // 16))
                     has(f"{m}.weight_scale_2", torch.float32, ())
                     assert f"{m}.input_scale" not in by  # not published: carried over from the engine
+                elif engine.fmt is Format.MXFP4:
+                    has(f"{m}.weight_packed", torch.uint8, (out, k // 2))
+                    has(f"{m}.weight_scale", torch.uint8, (out, k // 32))
+                    assert f"{m}.weight" not in by
                 else:
                     has(f"{m}.weight_packed", torch.int32, (out, k // 8))
                     has(f"{m}.weight_scale", torch.bfloat16, (out, k // 32))
@@ -216,17 +235,31 @@ def test_real_load_weights_takes_a_four_bit_generation_byte_for_byte(engine):
 
 
 def test_two_four_bit_generations_reload_in_place_carrying_the_activation_scales(engine):
+    _two_reloads_equal_vllms_own_load(engine)
+
+
+def _two_reloads_equal_vllms_own_load(engine: FourBitEngine, *, holds_input_scales: bool = True) -> None:
+    """Two generations through ``load_generation``: parameters kept, the held activation scales
+    kept (``holds_input_scales=False``: the backend's processing drops them, Marlin), everything
+    equal to vLLM's own load + processing of the same generation (with the calibrated scales)."""
     model = engine.model
     before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
     held = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("input_scale")}
     carried = carried_input_scales(model.named_modules())
     nvfp4 = engine.fmt is Format.NVFP4
-    assert bool(held) == nvfp4 and len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
+    assert bool(held) == (nvfp4 and holds_input_scales)
+    assert len(carried) == (engine.layers * EXPERTS * 3 if nvfp4 else 0)
+    w13 = next(
+        n for n in before if n.endswith(("routed_experts.w13_weight", "routed_experts.w13_weight_packed"))
+    )
+    previous = _bytes(before[w13][0]).clone()
     for seed in (2, 3):
         gen = engine.generation(seed)
         av.load_generation(engine.worker, gen, engine.fmt)
         after = dict(model.named_parameters())
         assert after.keys() == before.keys()
+        assert not torch.equal(_bytes(after[w13]), previous), "the processed experts did not change"
+        previous = _bytes(after[w13]).clone()
         moved = [n for n, (p, ptr) in before.items() if after[n] is not p or after[n].data_ptr() != ptr]
         assert not moved, f"parameters replaced by the reload: {moved[:5]}"
         # the activation scales the engine held stay, bit for bit, through every reload
@@ -254,43 +287,226 @@ def test_four_bit_k_multiples_are_refused_naming_the_fix(engine):
     assert any("hidden_size = 264" in p and f"multiple of {k}" in p for p in problems), problems
 
 
-def test_mxfp4_manifest_and_load_weights_on_the_real_unprocessed_class(vm, tmp_path):
-    """compressed-tensors MXFP4: the real ``CompressedTensorsW4A4Mxfp4MoEMethod`` parameters map to
-    ``.weight_packed`` uint8 ``[I, H/2]`` + ``.weight_scale`` uint8 ``[I, H/32]``, attach passes the daemon's
-    check, and the real ``load_weights`` takes the generation byte for byte. Not run here: its
-    ``process_weights_after_loading`` (on a GPU without native FP4 it repacks for Marlin with
-    ``gptq_marlin_repack``, a ``vllm._C`` op that does not load against the CPU torch), hence no reload."""
-    folder = vm.write_config(tmp_path, "qwen3_moe")
+def test_mxfp4_engine_holds_vllm_marlin_layout_after_processing(vm):
+    """The MXFP4 engine above is processed by vLLM's own Marlin preparation (not left as loaded):
+    ``w13_weight_packed`` renamed and repacked to int32 Marlin tiles, the E8M0 scales permuted."""
+    engine = _ENGINES.get("mxfp4")
+    if engine is None:
+        pytest.skip("runs after the mxfp4 engine tests")
+    params = dict(engine.model.named_parameters())
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    assert f"{moe}.w13_weight_packed" not in params
+    assert (
+        type(engine.model.get_submodule(moe).quant_method.moe_kernel.fused_experts).__name__
+        == "MarlinExperts"
+    )
+    h, i = engine.hf["hidden_size"], engine.hf["moe_intermediate_size"]
+    # marlin_utils_fp4._repack_marlin_experts: [E, K / 16, N * 16 / 8] int32 per expert
+    assert (params[f"{moe}.w13_weight"].dtype, tuple(params[f"{moe}.w13_weight"].shape)) == (
+        torch.int32,
+        (EXPERTS, h // 16, 2 * i * 16 // 8),
+    )
+    assert params[f"{moe}.w13_weight_scale"].dtype == torch.float8_e8m0fnu
+
+
+def test_repack_stub_unpacks_exactly_what_vllm_packs(vm):
+    """tests/support/vllm_marlin.py's one transcribed step: the inverse of vLLM's ``quant_utils.pack_rows``
+    (the rest of the stub is vLLM's ``marlin_weights``)."""
+    from support import vllm_marlin
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_rows
+
+    g = torch.Generator().manual_seed(0)
+    for bits, (k, n) in ((4, (64, 128)), (8, (32, 64))):
+        q = torch.randint(0, 1 << bits, (k, n), generator=g, dtype=torch.int32)
+        assert torch.equal(vllm_marlin.unpack_rows(pack_rows(q, bits, k, n), bits, k, n), q)
+    with pytest.raises(ValueError, match="size_n"):
+        vllm_marlin.gptq_marlin_repack(pack_rows(q, 8, 32, 64)[:, :48].contiguous(), 32, 48, 8)
+
+
+@pytest.mark.parametrize(("capability", "refused"), [((7, 0), True), ((9, 0), False), ((10, 0), False)])
+def test_worker_records_the_gpu_and_attach_refuses_what_vllm_cannot_run_there(
+    vm, tmp_path_factory, monkeypatch, capability, refused
+):
+    """The real worker's manifest records ``current_platform.get_device_capability()`` (faked: this is a
+    CPU) and ``check_vllm_constraints`` applies adapters/vllm/backends.py's per-GPU MXFP4 rule to it."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    if "mxfp4" not in _ENGINES:
+        _ENGINES["mxfp4"] = FourBitEngine(vm, tmp_path_factory.mktemp("vllm-4bit"), "mxfp4")
+    engine = _ENGINES["mxfp4"]
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(
+        current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(*capability)
+    )
+    manifest = engine.manifest()
+    assert manifest.info["device_capability"] == capability[0] * 10 + capability[1]
+    assert manifest.moe_backend.endswith("/MarlinExperts"), manifest.moe_backend  # the experts class built
+    problems = av.check_vllm_constraints(manifest, engine.hf)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "no MXFP4 MoE backend on SM70" in problems[0] and "int4_w4a16" in problems[0]
+
+
+def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_path):
+    """DeepSeek-V3 in NVFP4 with its MTP drafter (``DeepSeekMTP``, its own ``ModelOptNvFp4FusedMoE`` at
+    ``model.layers.2.mtp_block.mlp.experts``): ``load_generation`` carries the drafter's calibrated W4A4
+    input scales (distinct from the target model's) into its reload under the names its
+    ``load_weights`` reads (``model.layers.2.mlp.experts.{e}.*.input_scale``), bit for bit, and the
+    reloaded drafter equals vLLM's own load + processing of the generation with those scales."""
+    folder = vm.write_config(tmp_path, "deepseek_v3")
     hf = vm.config_dict(folder)
-    layers = get_model("qwen3_moe").num_hidden_layers(hf)
-    spec = RefitSpec(model_type="qwen3_moe", fmt="mxfp4", num_hidden_layers=layers)
-    args = av.vllm_engine_args(spec, hf)
-    config = vm.vllm_config(folder, args)
+    registry = get_model(model_type_of(hf))
+    layers = registry.num_hidden_layers(hf)
+    spec = RefitSpec(model_type="deepseek_v3", fmt="nvfp4", num_hidden_layers=layers)
+    config = vm.vllm_config(folder, av.vllm_engine_args(spec, hf, include_vision=False), mtp=True)
     vm.init_distributed(config)
-    model = vm.build_model(config)
-    params = [(n, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()]
-    manifest = av.build_manifest(params, hf, config.quant_config)
-    assert manifest.expert_format is Format.MXFP4
-    assert av.check_vllm_constraints(manifest, hf) == []
-    plan_hf = normalize_hf_config(hf)
-    inputs = get_model("qwen3_moe").parameters(plan_hf, include_mtp=True, include_vision=False)
-    check = check_manifest(inputs, spec, manifest)
+    params = registry.parameters(normalize_hf_config(hf), include_mtp=True, include_vision=False)
+
+    def generation(seed):
+        g = torch.Generator().manual_seed(seed)
+        state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in params}
+        for n in state:  # DeepSeek's MTP layer holds a copy of the embedding
+            if n.endswith(".embed_tokens.weight") and n.startswith("model.layers."):
+                state[n] = state["model.embed_tokens.weight"]
+        return convert(state, spec)
+
+    # calibrated scales: the target's MoE layer (model.layers.1) and the drafter's (checkpoint layer 2)
+    calibrated = {}
+    for layer, base in ((1, 0.02), (layers, 0.07)):
+        for e in range(EXPERTS):
+            for proj, v in (("gate_proj", base), ("up_proj", base), ("down_proj", base + 0.01)):
+                calibrated[f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"] = torch.tensor(
+                    v + 0.001 * e
+                )
+
+    def built(gen, *, draft):
+        m = vm.build_model(config, draft=draft)
+        m.load_weights(av.ordered_weights({**gen, **calibrated}))
+        vm.process(config, m, draft=draft)
+        return m
+
+    first = generation(0)
+    model, draft = built(first, draft=False), built(first, draft=True)
+    worker = vm.worker(config, model, draft)
+    moe = f"model.layers.{layers}.mtp_block.mlp.experts.routed_experts"
+    held = {n: p.detach().clone() for n, p in draft.named_parameters() if n.endswith("input_scale")}
+    assert held and all(n.startswith(moe) for n in held), sorted(held)
+    carried = carried_input_scales(model.named_modules())
+    assert all(n.startswith("model.layers.1.") for n in carried)  # the target's only
+    manifest = av.RefitWorkerExtension.refit_manifest(worker)
+    assert manifest.info["carried_input_scales"] == 2 * EXPERTS * 3  # target and drafter
+    # streamed refit (layer groups into the target's layerwise session) would skip the drafter: off
+    assert streamed_group_loader(worker) is None
+    assert streamed_group_loader(vm.worker(config, model)) is not None
+    check = check_manifest(params, spec, manifest)
     assert check.ok, check.message("vllm")
-    by = manifest.by_name()
-    h, i = hf["hidden_size"], hf["moe_intermediate_size"]
-    m = "model.layers.1.mlp.experts.3.down_proj"
-    assert (by[f"{m}.weight_packed"].dtype, by[f"{m}.weight_packed"].shape) == (torch.uint8, (h, i // 2))
-    assert (by[f"{m}.weight_scale"].dtype, by[f"{m}.weight_scale"].shape) == (torch.uint8, (h, i // 32))
-    g = torch.Generator().manual_seed(5)
-    state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in inputs}
-    gen = convert(state, spec, keep_bf16=check.keep_bf16)
-    model.load_weights(av.ordered_weights(gen))
-    wrong, checked = [], 0
-    for name, p in model.named_parameters():
-        want = _expected(name, p, gen)
-        if want is None:
-            continue
-        checked += 1
-        if not _same(p, want):
-            wrong.append(name)
-    assert not wrong and checked >= 20, wrong
+    before = dict(draft.named_parameters())
+    for seed in (2, 3):
+        gen = generation(seed)
+        av.load_generation(worker, gen, Format.NVFP4)
+        after = dict(draft.named_parameters())
+        assert all(after[n] is p for n, p in before.items())
+        assert all(_same(after[n], t) for n, t in held.items()), {n: (after[n], t) for n, t in held.items()}
+        ref = dict(built(gen, draft=True).named_parameters())
+        differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
+        assert not differ, f"the drafter's reload differs from vLLM's own load: {differ[:5]}"
+
+
+def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):
+    """tensor_parallel_size 2 (I = 128: I/tp = 64, whole NVFP4 / INT4 / MXFP4 groups per rank): two gloo
+    processes (tests/support/vllm_tp.py, the block-FP8 tp-2 harness) build the real Qwen3-MoE in each
+    4-bit format in turn, attach (no refusal), load refitd's generation with every rank's slice of every
+    expert's 4-bit codes and group scales where vLLM's sharding puts them, and reload two generations
+    in place, each byte-equal to vLLM's own load + processing on that rank (NVFP4: with the engine's
+    calibrated activation scales carried over)."""
+    from support.vllm_tp import run_ranks
+
+    folder = vm.write_config(tmp_path, "qwen3_moe", moe_intermediate_size=128)
+    for result in run_ranks(folder, ",".join(FORMATS), tmp_path):
+        assert "error" not in result, result.get("trace")
+        assert sorted(result["by_format"]) == sorted(FORMATS)
+        for fmt, r in result["by_format"].items():
+            assert r["moe_tp_size"] == 2 and r["constraints"] == [], (fmt, r)
+            assert r["expert_slices_wrong"] == [], (fmt, r["expert_slices_wrong"][:5])
+            # codes and group scales of w13 and w2, every expert of both MoE layers
+            assert r["expert_slices_checked"] == 2 * 2 * EXPERTS * 2, (fmt, r)
+            for reload in r["reloads"]:
+                assert reload["moved"] == [] and reload["differ"] == [] and reload["compared"] > 0, (
+                    fmt,
+                    reload,
+                )
+
+
+def test_mxfp4_sm100_cutlass_w4a4_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """compressed-tensors MXFP4 as vLLM builds it on SM100-SM119 (``mxfp4_experts_quant_supported``):
+    ``CutlassExpertsMxfp4`` (W4A4), whose processing swizzles the E8M0 scales into CUTLASS tiles
+    (``swizzle_mxfp4_scales``, pure torch). Replaced: only its device check (True on this CPU).
+    Two in-place reloads equal vLLM's own load + processing of the same generation."""
+    from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsMxfp4
+
+    monkeypatch.setattr(CutlassExpertsMxfp4, "_supports_current_device", staticmethod(lambda: True))
+    engine = FourBitEngine(vm, tmp_path, "mxfp4")
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    method = engine.model.get_submodule(moe).quant_method
+    assert method.use_cutlass_mxfp4 and type(method.moe_kernel.fused_experts) is CutlassExpertsMxfp4
+    assert engine.manifest().moe_backend.endswith("/CutlassExpertsMxfp4"), engine.manifest().moe_backend
+    # processed: the scales are in CUTLASS's tiled order, not the checkpoint's (same shape)
+    gen = engine.generation(1)
+    loaded = torch.stack(
+        [
+            torch.cat(
+                [gen[f"model.layers.0.mlp.experts.{e}.{p}.weight_scale"] for p in ("gate_proj", "up_proj")]
+            )
+            for e in range(EXPERTS)
+        ]
+    )
+    av.load_generation(engine.worker, gen, engine.fmt)
+    held = dict(engine.model.named_parameters())[f"{moe}.w13_weight_scale"]
+    assert held.shape == loaded.shape and not torch.equal(held, loaded)
+    _two_reloads_equal_vllms_own_load(engine)
+
+
+def test_int4_w4a16_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """INT4 W4A16 as vLLM builds it on SM75+ GPUs at Marlin-aligned shapes (``oracle/int_wna16.py``:
+    MARLIN ahead of Triton; the fixture's EMULATION answer replaced by MARLIN here): the int4 codes
+    repacked into Marlin tiles (``gptq_marlin_repack`` = vLLM's reference layout, tests/support/vllm_marlin.py)
+    and the BF16 group scales permuted. Two in-place reloads equal vLLM's own load + processing."""
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
+
+    def marlin(config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False):
+        backend = int_wna16.WNA16MoEBackend.MARLIN
+        return backend, int_wna16.backend_to_kernel_cls(backend)[0]
+
+    monkeypatch.setattr(ct_wna16, "select_wna16_moe_backend", marlin)
+    engine = FourBitEngine(vm, tmp_path, "int4_w4a16")
+    moe = "model.layers.0.mlp.experts.routed_experts"
+    assert engine.manifest().moe_backend.endswith("/MARLIN/MarlinExperts"), engine.manifest().moe_backend
+    h, i = engine.hf["hidden_size"], engine.hf["moe_intermediate_size"]
+    w13 = dict(engine.model.named_parameters())[f"{moe}.w13_weight_packed"]
+    assert (w13.dtype, tuple(w13.shape)) == (torch.int32, (EXPERTS, h // 16, 2 * i * 16 // 8))  # Marlin tiles
+    _two_reloads_equal_vllms_own_load(engine)
+
+
+def test_nvfp4_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
+    """NVFP4 as vLLM builds it on Hopper (``oracle/nvfp4.py``: no W4A4 kernel below SM100, Marlin W4A16;
+    the fixture's EMULATION answer replaced by MARLIN here): codes repacked into Marlin tiles, the FP8
+    group scales and global scales reprocessed (``prepare_nvfp4_moe_layer_for_marlin``), the
+    activation scales dropped (carry.py gives 1.0 for them, unused). Two in-place reloads equal vLLM's
+    own load + processing of the same generation and calibrated scales."""
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as nvfp4_oracle
+    from vllm.model_executor.layers.quantization import modelopt
+
+    def marlin(config, weight_key=None, activation_key=None):
+        backend = nvfp4_oracle.NvFp4MoeBackend.MARLIN
+        return backend, nvfp4_oracle.backend_to_kernel_cls(backend)[0]
+
+    monkeypatch.setattr(modelopt, "select_nvfp4_moe_backend", marlin)
+    engine = FourBitEngine(vm, tmp_path, "nvfp4")
+    assert engine.manifest().moe_backend.endswith("/MARLIN/MarlinExperts"), engine.manifest().moe_backend
+    w13 = dict(engine.model.named_parameters())["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+    assert w13.dtype == torch.int32  # Marlin tiles (the checkpoint's codes are uint8)
+    _two_reloads_equal_vllms_own_load(engine, holds_input_scales=False)

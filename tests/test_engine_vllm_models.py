@@ -303,44 +303,10 @@ def test_tp2_block_fp8_with_i_128_loads_refined_in_two_gloo_ranks(vm, root, mode
     processes build the real model, attach (no refusal), load refitd's generation with every rank's
     slice of every expert weight and scale where vLLM's sharding puts it, and reload two generations
     in place, each byte-equal to vLLM's own first load + processing on that rank."""
-    import json
-    import subprocess
-    import sys
-
-    from support.net import free_port
+    from support.vllm_tp import run_ranks
 
     folder = vm.write_config(root, model_type, moe_intermediate_size=128)
-    port = free_port()
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
-    procs, outs = [], []
-    for rank in range(2):
-        out = root / f"tp2-{model_type}-rank{rank}.json"
-        outs.append(out)
-        args = [
-            sys.executable,
-            "-m",
-            "support.vllm_tp",
-            str(rank),
-            "2",
-            str(port),
-            str(folder),
-            "block_fp8",
-            str(out),
-        ]
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    errors = []
-    for proc in procs:
-        try:
-            _, err = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode:
-            errors.append(err.decode(errors="replace")[-3000:])
-    assert not errors, errors
-    for out in outs:
-        result = json.loads(out.read_text())
+    for result in run_ranks(folder, "block_fp8", root):
         assert "error" not in result, result.get("trace")
         assert result["moe_tp_size"] == 2 and result["constraints"] == []
         w13 = {tuple(v) for n, v in result["scale_shapes"].items() if "experts.routed_experts.w13" in n}

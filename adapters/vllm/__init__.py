@@ -2,8 +2,9 @@
 
 Three parts, and only the last one imports vLLM (inside its functions, so ``import adapters.vllm``
 works on a machine without vLLM). Modules: ``quant`` (the quantization config in force, the loader's
-constants), ``checkpoint`` (part 1), ``checks`` (the constraint check), ``args`` (part 2), ``worker``
-(part 3); this package re-exports the public names.
+constants), ``checkpoint`` (part 1), ``checks`` (the constraint check), ``backends`` (the 4-bit MoE
+backends per GPU the check applies), ``carry`` (NVFP4's carried activation scales), ``args`` (part 2),
+``worker`` (part 3); this package re-exports the public names.
 
 1. :func:`build_manifest` (pure): vLLM's load-time parameters ``(name, dtype, shape)``, the model's
    Hugging Face config and the quantization config in force -> the :class:`Manifest` of checkpoint

@@ -14,16 +14,22 @@ convert_to_nvfp4_moe_kernel_format``) decides the inverse:
   repeated ``[E]`` (or 0-d): every expert gets its held value, whose maximum is itself;
 * Marlin (W4A16) and other activation-unquantized paths ignore the scale; the held value (or 1.0)
   is given so that nothing is left uninitialised.
+
+The MTP drafter (``get_draft_model()``) holds its own NVFP4 MoE layers with their own activation
+scales; :func:`draft_checkpoint_namer` names them as its ``load_weights`` takes them from the
+generation (DeepSeek ``model.layers.N.mtp_block.mlp.experts`` <- ``model.layers.N.mlp.experts``,
+Qwen3.5 ``model.layers.0.mlp.experts`` <- ``mtp.layers.0.mlp.experts``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from adapters.vllm.checkpoint import checkpoint_name
+from adapters.vllm.checkpoint import _draft_checkpoint_name, checkpoint_name
+from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 
 NVFP4_MOE_METHOD = "ModelOptNvFp4FusedMoE"
 #: vLLM's NVFP4 MoE backends whose processing stores ``1 / max(input_scale)`` (oracle/nvfp4.py)
@@ -81,9 +87,19 @@ def _global_ids(module: torch.nn.Module, experts: int) -> list[int]:
     return [local[e] for e in range(experts)]
 
 
-def carried_input_scales(modules: Iterable[tuple[str, torch.nn.Module]]) -> dict[str, torch.Tensor]:
+def draft_checkpoint_namer(hf_config: Mapping[str, Any]) -> Callable[[str], str]:
+    """The drafter's engine module name -> the checkpoint name its ``load_weights`` reads (the
+    mapping ``build_manifest`` lists the drafter's parameters under)."""
+    in_layers = get_model(model_type_of(normalize_hf_config(hf_config))).mtp_in_layers
+    return lambda name: _draft_checkpoint_name(name, {}, in_layers)
+
+
+def carried_input_scales(
+    modules: Iterable[tuple[str, torch.nn.Module]], to_checkpoint: Callable[[str], str] = checkpoint_name
+) -> dict[str, torch.Tensor]:
     """``{checkpoint name: float32 0-d}`` for every NVFP4 MoE layer among ``modules``
-    (``model.named_modules()``), naming each expert as refitd's generation names its weights."""
+    (``model.named_modules()``), naming each expert as refitd's generation names its weights;
+    ``to_checkpoint`` maps a module name (:func:`draft_checkpoint_namer` for the MTP drafter)."""
     out: dict[str, torch.Tensor] = {}
     for name, module in modules:
         method = getattr(module, "quant_method", None)
@@ -93,7 +109,7 @@ def carried_input_scales(modules: Iterable[tuple[str, torch.nn.Module]]) -> dict
         backend = _backend_name(method)
         a13 = _per_expert(getattr(module, "w13_input_scale", None), experts, backend)
         a2 = _per_expert(getattr(module, "w2_input_scale", None), experts, backend)
-        moe = checkpoint_name(name.replace(".routed_experts", ""))
+        moe = to_checkpoint(name.replace(".routed_experts", ""))
         for e, x in enumerate(_global_ids(module, experts)):
             out[f"{moe}.{x}.gate_proj.input_scale"] = a13[e].clone()
             out[f"{moe}.{x}.up_proj.input_scale"] = a13[e].clone()

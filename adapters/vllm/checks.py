@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from adapters.vllm.backends import four_bit_gpu_problems
 from adapters.vllm.quant import FOUR_BIT_K_MULTIPLE, PARAM_SOURCE_LIVE
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitPlan
@@ -51,6 +52,7 @@ def check_vllm_constraints(
             "with VLLM_USE_DEEP_GEMM_E8M0=0 (adapters.vllm.VLLM_ENV)"
         )
     problems += _four_bit_k_problems(fmt, h, i, manifest)
+    problems += _four_bit_gpu_problems(fmt, h, i, manifest)
     static = sorted(t.name for t in manifest.tensors if t.name.endswith(".input_scale"))
     if static:
         problems.append(
@@ -71,6 +73,18 @@ def fallback_note(manifest: Manifest) -> str:
         "the manifest was read from the live, post-processing parameters and a shape mismatch may be "
         "spurious; use a vLLM with model_loader/reload, e.g. 0.33.0)"
     )
+
+
+def _four_bit_gpu_problems(fmt: Format, h: int | None, i: int | None, manifest: Manifest) -> list[str]:
+    """No vLLM MoE backend for this 4-bit format on the worker's GPU (``info["device_capability"]``,
+    recorded by ``refit_manifest``; :mod:`adapters.vllm.backends`)."""
+    c = manifest.constraints
+    h = h if h is not None else c.hidden_size
+    i = i if i is not None else c.intermediate_size
+    tp = c.moe_tp_size or 1
+    capability = manifest.info.get("device_capability")
+    per_rank = i // tp if i is not None else None
+    return four_bit_gpu_problems(fmt, int(capability) if capability is not None else None, h, per_rank)
 
 
 def _four_bit_k_problems(fmt: Format, h: int | None, i: int | None, manifest: Manifest) -> list[str]:

@@ -3,10 +3,10 @@ names are what these configs load): ModelOpt NVFP4 (``quantization="modelopt_fp4
 compressed-tensors ``pack-quantized`` INT4 W4A16 and ``mxfp4-pack-quantized`` MXFP4.
 
 ``adapters.vllm.args.vllm_engine_args`` returns them. What is verified: vLLM 0.33's own config classes
-parse these dicts into the intended schemes (tests/test_vllm_fourbit.py), and for NVFP4 the real
-Qwen3-MoE attaches, loads and reloads refitd's generations in NVFP4 and INT4 W4A16; in MXFP4 it
-attaches and ``load_weights`` takes them byte for byte, but its processing (Marlin repack, a compiled
-op) and so its reload do not run on CPU (tests/test_engine_vllm_fourbit.py).
+parse these dicts into the intended schemes (tests/test_vllm_fourbit.py), and the real Qwen3-MoE
+attaches, loads and reloads refitd's generations in all three (tests/test_engine_vllm_fourbit.py);
+MXFP4 through vLLM's Marlin preparation with the compiled repack op replaced by vLLM's own pure-torch
+reference of its layout (tests/support/vllm_marlin.py).
 """
 
 from __future__ import annotations

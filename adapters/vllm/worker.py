@@ -5,6 +5,7 @@ so this module imports on a machine without vLLM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from adapters.vllm.carry import carried_input_scales
+from adapters.vllm.carry import carried_input_scales, draft_checkpoint_namer
 from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
@@ -210,16 +211,21 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     already-processed kernel parameters would corrupt them).
     """
     model = _model(worker)
+    draft = _draft(worker)
     if expert_format is Format.NVFP4:
-        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py)
-        tensors = {**tensors, **carried_input_scales(model.named_modules())}
+        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py),
+        # the MTP drafter's too (its load_weights picks its own names out of the same generation)
+        carried = carried_input_scales(model.named_modules())
+        if draft is not None:
+            namer = draft_checkpoint_namer(worker.model_config.hf_config.to_dict())
+            carried.update(carried_input_scales(draft[0].named_modules(), namer))
+        tensors = {**tensors, **carried}
     runner, weights = worker.model_runner, ordered_weights(tensors)
     try:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
     except ImportError:
         pass
     else:
-        draft = _draft(worker)
         with _config_context(worker), torch.device(worker.device):
             _layerwise_reload(model, weights, worker.model_config)
             if draft is not None:
@@ -240,22 +246,57 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
         model.load_weights(weights)
 
 
+#: the attribute each vLLM 0.33.0 MoE quant method keeps its resolved kernel backend in
+_BACKEND_ATTRS = (
+    "fp8_backend",
+    "mxfp8_backend",
+    "nvfp4_backend",
+    "wna16_backend",
+    "mxfp4_backend",
+    "backend",
+)
+
+
 def _resolved_backend(model: torch.nn.Module) -> str:
-    """The first MoE layer's resolved quant method class (and its kernel backend, if it says)."""
+    """The first MoE layer's resolved quant method class, its kernel backend if it says, and its
+    experts class (``experts_cls``: compressed-tensors MXFP4 keeps ``mxfp4_backend = MARLIN`` while
+    choosing ``CutlassExpertsMxfp4`` on SM100)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(module, "w13_weight"):
-            backend = next(
-                (
-                    getattr(method, a)
-                    for a in ("fp8_backend", "mxfp8_backend", "backend")
-                    if getattr(method, a, None)
-                ),
-                None,
-            )
+        if method is not None and any(hasattr(module, w) for w in ("w13_weight", "w13_weight_packed")):
+            backend = next((getattr(method, a) for a in _BACKEND_ATTRS if getattr(method, a, None)), None)
             kind = type(method).__name__
-            return f"{kind}/{getattr(backend, 'name', backend)}" if backend is not None else kind
+            if backend is not None:
+                kind = f"{kind}/{getattr(backend, 'name', backend)}"
+            experts = getattr(method, "experts_cls", None)
+            return f"{kind}/{experts.__name__}" if isinstance(experts, type) else kind
     return ""
+
+
+def _device_capability() -> int | None:
+    """``current_platform.get_device_capability().to_int()`` on CUDA (90 = Hopper), else None: the GPU
+    :func:`adapters.vllm.backends.four_bit_gpu_problems` checks the 4-bit MoE backends against."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    return int(capability.to_int()) if capability is not None else None
+
+
+def streamed_group_loader(worker: Any) -> Any:
+    """The streaming ``load_group`` for ``worker``, or None (whole generations through
+    :func:`load_generation`): a vLLM without layerwise reload, or a worker with an MTP drafter,
+    which the streamed path (``adapters.vllm.stream.LayerwiseGroups``: layer groups into the target
+    model's layerwise session) would leave holding the previous step's weights (and, in NVFP4, its
+    activation scales uncarried); :func:`load_generation` reloads the drafter too."""
+    from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
+
+    if _draft(worker) is not None:
+        return None
+    return layerwise_group_loader(worker, WorkerAccess(_model, _config_context, ordered_weights))
 
 
 class RefitWorkerExtension:
@@ -283,7 +324,7 @@ class RefitWorkerExtension:
             model = _model(self)
             params, source = engine_parameters_and_source(model)
             draft = _draft(self)
-            return build_manifest(
+            manifest = build_manifest(
                 params,
                 self.model_config.hf_config.to_dict(),
                 self.vllm_config.quant_config,
@@ -295,13 +336,16 @@ class RefitWorkerExtension:
                 param_source=source,
                 deep_gemm_e8m0=_deep_gemm_e8m0(),
             )
+        # the GPU the 4-bit MoE backend rules are checked against (check_vllm_constraints)
+        return dataclasses.replace(
+            manifest, info={**manifest.info, "device_capability": _device_capability()}
+        )
 
     def refit_attach(self, endpoint: str, name: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
         """Attach with this worker's manifest: refused locally (:func:`check_vllm_constraints`, naming
         the engine setting that works) or by the daemon (listing every mismatch)."""
         _require_vllm("RefitWorkerExtension.refit_attach")
         from adapters.engine import EngineWorker
-        from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
         manifest = self.refit_manifest()
         hf_config = self.model_config.hf_config.to_dict()
@@ -311,8 +355,8 @@ class RefitWorkerExtension:
             name=name or f"vllm-rank{self.rank}",
             manifest=manifest,
             load=lambda gen: load_generation(self, gen.tensors, fmt),
-            # streamed refit through layerwise reload (None: this vLLM loads whole generations)
-            load_group=layerwise_group_loader(self, WorkerAccess(_model, _config_context, ordered_weights)),
+            # streamed refit through layerwise reload (None: whole generations, see streamed_group_loader)
+            load_group=streamed_group_loader(self),
             timeout=timeout,
             check=lambda m: check_vllm_constraints(m, hf_config),
         )

@@ -17,6 +17,9 @@ What is replaced, because vLLM cannot make the choice without a GPU (no kernel e
 * per-tensor FP8's requantization of w1/w3 to one scale in ``process_weights_after_loading``
   (``_custom_ops.scaled_fp8_quant``, a ``vllm._C`` op that cannot load against the CPU torch) is the
   same arithmetic in torch;
+* compressed-tensors MXFP4's Marlin preparation: ``torch.ops._C.gptq_marlin_repack`` registered as
+  vLLM's own pure-torch reference of the layout, and ``MarlinExperts``' device check answers True
+  (``tests/support/vllm_marlin.py``);
 * Qwen3.5's CPU-only ``causal_conv1d_weight_pack`` (an AVX-512-BF16 prepack of the conv weight that
   a GPU never does) is made a no-op;
 * ``torchvision::nms`` / ``qnms`` get their schemas defined before torchvision imports
@@ -81,6 +84,9 @@ def _replace_backend_choice() -> None:
     layer_utils.__dict__["_real_ops"] = layer_utils.ops
     layer_utils.ops = _NoPack()
     _replace_static_fp8_quant()
+    from support import vllm_marlin
+
+    vllm_marlin.install()  # MXFP4's Marlin repack and MarlinExperts' device check (vllm_marlin.py)
     _PATCHED = True
 
 

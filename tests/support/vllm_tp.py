@@ -1,15 +1,23 @@
 """One tensor-parallel rank of a vLLM engine built from its real classes on CPU (gloo), as a child
-process of tests/test_engine_vllm_models.py::test_tp2_*: ``python -m support.vllm_tp RANK WORLD
-PORT FOLDER FORMAT OUT``. It writes its findings as JSON to OUT (errors as data; no tensor leaves the
+process of tests/test_engine_vllm_models.py::test_tp2_* and tests/test_engine_vllm_fourbit.py::test_tp2_*:
+``python -m support.vllm_tp RANK WORLD PORT FOLDER FORMAT[,FORMAT...] OUT`` (several formats: one
+engine after another in the same gloo world, the results under ``"by_format"``). It writes its findings as JSON to OUT (errors as data; no tensor leaves the
 process): what the adapter's manifest and constraint check said, whether ``load_weights`` put the
 rank's slice of every routed expert (and its refined, upsampled block scales) where vLLM's own
 sharding puts it, and whether two generations through ``load_generation`` kept every parameter
 object and match vLLM's own first load + processing of the same generation on this rank.
+
+A 4-bit engine's first load is vLLM's own load of a generation plus, for NVFP4, calibrated W4A4
+activation scales (as a ModelOpt checkpoint leaves it; refitd carries them into every reload), so
+the reference loads carry the same scales; the routed experts' 4-bit codes and group scales are
+checked as this rank's slice along the split dimension (w13 rows, w2 columns = K, whole groups).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -19,7 +27,7 @@ import torch
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -46,7 +54,13 @@ def generation(hf: dict[str, Any], spec, manifest, seed: int) -> dict[str, torch
     return convert(state, spec, keep_bf16=check.keep_bf16)
 
 
-def _expert_slices(model: torch.nn.Module, gen: dict[str, torch.Tensor], rank: int, world: int) -> list[str]:
+def _expert_slices(
+    model: torch.nn.Module,
+    gen: dict[str, torch.Tensor],
+    rank: int,
+    world: int,
+    checked: list[str] | None = None,
+) -> list[str]:
     """Routed experts at load time on this rank: w13 rows = this rank's part of gate then up, w2
     columns = its part of down; block scales on the engine's (refined) grid, each holding the
     checkpoint scale of the 128-block it lies in."""
@@ -59,7 +73,20 @@ def _expert_slices(model: torch.nn.Module, gen: dict[str, torch.Tensor], rank: i
         moe = f"{head}.mlp.experts"
         projs = ("gate_proj", "up_proj") if w == "w13" else ("down_proj",)
         for e in range(p.shape[0]):
+            if leaf in ("weight_packed", "weight_scale"):  # 4-bit codes / group scales (K packed whole)
+                parts = [
+                    gen[f"{moe}.{e}.{x}.{leaf}"].chunk(world, 0 if w == "w13" else 1)[rank] for x in projs
+                ]
+                if checked is not None:
+                    checked.append(f"{name}[{e}]")
+                if not _same(p[e], torch.cat(parts)):
+                    wrong.append(f"{name}[{e}]")
+                continue
+            if leaf not in ("weight", "weight_scale_inv"):
+                continue  # per-expert 0-d scales, INT4's weight_shape: not split
             weights = [gen[f"{moe}.{e}.{x}.weight"] for x in projs]
+            if checked is not None:
+                checked.append(f"{name}[{e}]")
             if leaf == "weight":
                 parts = [t.chunk(world, 0 if w == "w13" else 1)[rank] for t in weights]
                 want = torch.cat(parts)
@@ -94,13 +121,27 @@ def _on_grid(scale, weight_shape, param_shape, w: str, rank: int, world: int) ->
     return scale[r][:, c]
 
 
+def _calibrated(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """NVFP4 W4A4's static activation scales as a calibrated checkpoint holds them (per expert)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "w13_input_scale"):
+            moe = name.replace(".routed_experts", "")
+            for e in range(int(module.w13_weight.shape[0])):
+                for proj, v in (("gate_proj", 0.02), ("up_proj", 0.02), ("down_proj", 0.05)):
+                    out[f"{moe}.{e}.{proj}.input_scale"] = torch.tensor(v + 0.001 * e)
+    return out
+
+
 def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, Any]:
     from support import vllm_models as vm
 
     vm.import_vllm()
     import adapters.vllm as av
+    from sidecar.numerics.formats import Format
     from sidecar.plan.build import RefitSpec
-    from sidecar.plan.models import get_model, model_type_of
+    from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
+    from sidecar.plan.run import convert
 
     hf = vm.config_dict(folder)
     layers = get_model(model_type_of(hf)).num_hidden_layers(hf)
@@ -109,6 +150,8 @@ def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, A
     config = vm.vllm_config(folder, args, tp=world)
     vm.init_distributed(config, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     out: dict[str, Any] = {"rank": rank}
+
+    calibrated: dict[str, torch.Tensor] = {}
 
     def fresh(processed: bool) -> torch.nn.Module:
         model = vm.build_model(config)
@@ -119,20 +162,38 @@ def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, A
             vm.process(config, model)
         return model
 
-    model = fresh(processed=True)
+    if spec.format.four_bit:  # the engine as a (calibrated) 4-bit checkpoint leaves it: vLLM's own load
+        model = vm.build_model(config)
+        if spec.format is Format.NVFP4:
+            calibrated = _calibrated(model)
+        inputs = get_model(model_type_of(hf)).parameters(
+            normalize_hf_config(hf), include_mtp=True, include_vision=False
+        )
+        g = torch.Generator().manual_seed(10)
+        first = convert({n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in inputs}, spec)
+        model.load_weights(av.ordered_weights({**first, **calibrated}))
+        vm.process(config, model)
+    else:
+        model = fresh(processed=True)
     worker = vm.worker(config, model, rank=rank)
     manifest = av.RefitWorkerExtension.refit_manifest(worker)
     out["constraints"] = av.check_vllm_constraints(manifest, hf)
     out["moe_tp_size"] = manifest.constraints.moe_tp_size
-    out["scale_shapes"] = {
-        n: list(p.shape)
-        for n, p in fresh(processed=False).named_parameters()
-        if n.endswith("weight_scale_inv")
-    }
+    out["scale_shapes"] = (
+        {}
+        if spec.format.four_bit
+        else {
+            n: list(p.shape)
+            for n, p in fresh(processed=False).named_parameters()
+            if n.endswith("weight_scale_inv")
+        }
+    )
     gen = generation(hf, spec, manifest, seed=11)
     loaded = fresh(processed=False)
     loaded.load_weights(av.ordered_weights(gen))
-    out["expert_slices_wrong"] = _expert_slices(loaded, gen, rank, world)
+    checked: list[str] = []
+    out["expert_slices_wrong"] = _expert_slices(loaded, gen, rank, world, checked)
+    out["expert_slices_checked"] = len(checked)
     before = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
     out["reloads"] = []
     for seed in (12, 13):
@@ -140,7 +201,7 @@ def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, A
         av.load_generation(worker, gen, spec.format)
         after = dict(model.named_parameters())
         reference = fresh(processed=False)
-        reference.load_weights(av.ordered_weights(gen))
+        reference.load_weights(av.ordered_weights({**gen, **calibrated}))
         vm.process(config, reference)
         ref = dict(reference.named_parameters())
         out["reloads"].append(
@@ -160,10 +221,60 @@ def run(rank: int, world: int, port: int, folder: Path, fmt: str) -> dict[str, A
     return out
 
 
+def run_ranks(
+    folder: Path, fmt: str, out_dir: Path, world: int = 2, timeout: float = 600.0
+) -> list[dict[str, Any]]:
+    """Run ``world`` ranks of this module as child processes on a free port (the test side); every
+    rank's JSON result, or an AssertionError with the stderr tail of each rank that failed."""
+    from support.net import free_port
+
+    port = free_port()
+    tests = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    outs = [
+        out_dir / f"tp{world}-{folder.name}-{fmt.replace(',', '-')}-rank{rank}.json" for rank in range(world)
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "support.vllm_tp",
+                str(rank),
+                str(world),
+                str(port),
+                str(folder),
+                fmt,
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank, out in enumerate(outs)
+    ]
+    errors = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err.decode(errors="replace")[-3000:])
+    if errors:
+        raise AssertionError(errors)
+    return [json.loads(out.read_text()) for out in outs]
+
+
 def main() -> None:
     rank, world, port, folder, fmt, path = sys.argv[1:7]
     try:
-        result = run(int(rank), int(world), int(port), Path(folder), fmt)
+        if "," in fmt:
+            by = {f: run(int(rank), int(world), int(port), Path(folder), f) for f in fmt.split(",")}
+            result = {"rank": int(rank), "by_format": by}
+        else:
+            result = run(int(rank), int(world), int(port), Path(folder), fmt)
     except BaseException as exc:  # reported as data: the test names the rank and the error
         result = {"rank": int(rank), "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     Path(path).write_text(json.dumps(result))
