@@ -1,0 +1,88 @@
+"""The daemon publishes in the format parameters the attached engine's manifest says (INT4 group and
+scale dtype, NVFP4's names): planned from the config with the defaults, it re-plans when the engine
+attaches; planned from the first step, it plans with them. An engine holding other parameters than
+the one attached is refused naming both, and the daemon serves on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
+from sidecar.numerics.formats import Format, FormatParams
+from sidecar.plan.build import RefitPlan, RefitSpec
+from sidecar.plan.run import convert
+from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
+
+MODEL = "qwen3_moe"
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def manifest_for(state: dict[str, torch.Tensor], fmt: str, params: FormatParams) -> Manifest:
+    plan = RefitPlan.build(list(state.items()), RefitSpec(model_type=MODEL, fmt=fmt, params=params))
+    return Manifest(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format=fmt,
+        tensors=tuple(ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs),
+        format_params=params,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fmt", "params", "with_config"),
+    [
+        ("int4_w4a16", FormatParams(int4_group=128, int4_scale_dtype="float32"), True),
+        ("nvfp4", FormatParams(nvfp4_names="compressed_tensors"), False),
+    ],
+    ids=["int4-g128-f32-from-config", "nvfp4-ct-names-from-step"],
+)
+def test_the_daemon_publishes_what_the_engine_holds(daemons, fmt, params, with_config):
+    from adapters.base import RefitReader
+    from sidecar.client import RefitClient
+    from sidecar.errors import ErrorKind, RefitError
+
+    state = make_state_dict(MODEL, num_layers=2, num_experts=2, seed=6)
+    settings = {"world_size": 1, "format": fmt, "staging_bytes": 16 << 20, "publish_bytes": 8 << 20}
+    if with_config:
+        settings["hf_config"] = make_hf_config(MODEL, num_layers=2, num_experts=2)
+    else:
+        settings["model_type"] = MODEL
+    d = daemons(**settings)
+    with (
+        RefitReader(d.endpoint, name="engine-0", manifest=manifest_for(state, fmt, params)) as engine,
+        RefitClient(d.endpoint, rank=0, world_size=1) as client,
+    ):
+        engine.attach(timeout=30)
+        client.push_step(0, state)
+        gen = engine.wait(min_step=0)
+        try:
+            expected = convert(state, RefitSpec(model_type=MODEL, fmt=fmt, params=params))
+            assert set(gen.tensors) == set(expected)
+            bad = [n for n, t in expected.items() if not same_bytes(gen.tensors[n], t)]
+        finally:
+            engine.release(gen)
+        assert not bad, bad[:5]
+        # a second engine holding the defaults cannot share this plan: refused naming both
+        with (
+            RefitReader(
+                d.endpoint, name="engine-1", manifest=manifest_for(state, fmt, FormatParams())
+            ) as other,
+            pytest.raises(RefitError) as err,
+        ):
+            other.attach(timeout=30)
+        assert err.value.kind is ErrorKind.ENGINE
+        assert params.describe(Format(fmt)) in str(err.value)
+        # the daemon serves on, in the first engine's parameters
+        client.push_step(1, state)
+        gen = engine.wait(min_step=1)
+        try:
+            assert all(same_bytes(gen.tensors[n], t) for n, t in expected.items())
+        finally:
+            engine.release(gen)
