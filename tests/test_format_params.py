@@ -256,3 +256,55 @@ def test_the_engines_manifest_decides_the_parameters(fmt, params):
     stale = check_manifest(inputs, spec, manifest_of(engine_plan))
     assert not stale.ok
     assert any("the plan does not publish it" in e or "the plan publishes" in e for e in stale.errors)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM's engine arguments from the same choice
+
+
+def test_vllm_engine_args_follow_the_plans_parameters():
+    """INT4's ``group_size`` and NVFP4's compressed-tensors scheme come from the spec the daemon plans
+    with; the config parses back (``resolve_quant``) to the same format parameters. float32 INT4
+    scales are refused: vLLM's WNA16 MoE holds its scales in the model dtype."""
+    from adapters.vllm.args import vllm_engine_args
+    from adapters.vllm.quant import resolve_quant
+    from sidecar.cli.demo.synthetic import make_hf_config
+    from sidecar.numerics.formats import Format
+
+    cfg = make_hf_config("qwen3_moe", num_layers=2, num_experts=2)
+    g128 = FormatParams(int4_group=128)
+    args = vllm_engine_args(RefitSpec(model_type="qwen3_moe", fmt="int4_w4a16", params=g128), cfg)
+    qc = args["hf_overrides"]["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 128
+    q = resolve_quant(qc)
+    assert (q.fmt, q.params) == (Format.INT4_W4A16, g128)
+    with pytest.raises(
+        ValueError, match="CompressedTensorsWNA16MoEMethod holds the group scales in the model dtype"
+    ):
+        vllm_engine_args(RefitSpec(model_type="qwen3_moe", fmt="int4_w4a16", params=G128_F32), cfg)
+
+    modelopt = vllm_engine_args(RefitSpec(model_type="qwen3_moe", fmt="nvfp4"), cfg)
+    args = vllm_engine_args(RefitSpec(model_type="qwen3_moe", fmt="nvfp4", params=CT_NAMES), cfg)
+    qc = args["hf_overrides"]["quantization_config"]
+    assert args["quantization"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "tensor_group" and group["weights"]["group_size"] == 16
+    assert group["input_activations"] is None  # NVFP4 weights, BF16 activations: nothing to carry over
+    assert qc["ignore"] == modelopt["hf_overrides"]["quantization_config"]["exclude_modules"]
+    q = resolve_quant(qc)
+    assert (q.fmt, q.params, q.static_activations) == (Format.NVFP4, CT_NAMES, False)
+    mx = {
+        **qc,
+        "config_groups": {
+            "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}
+        },
+    }
+    assert resolve_quant(mx).fmt is Format.MXFP4
+    odd = {
+        **qc,
+        "config_groups": {
+            "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 12}}
+        },
+    }
+    with pytest.raises(ValueError, match="nvfp4-pack-quantized"):
+        resolve_quant(odd)  # a group refitd cannot publish: refused naming what refitd publishes
