@@ -86,3 +86,73 @@ def test_the_daemon_publishes_what_the_engine_holds(daemons, fmt, params, with_c
             assert all(same_bytes(gen.tensors[n], t) for n, t in expected.items())
         finally:
             engine.release(gen)
+
+
+def test_a_forwarded_generation_keeps_the_trainer_nodes_parameters(tmp_path):
+    """Disaggregated: the engines attach to the inference node's daemon, not to the trainer node's, so
+    the trainer node's settings give the parameters (``int4_group``, ``int4_scale_dtype``); the inference
+    node publishes the forwarded group-128, float32-scale generation byte for byte."""
+    from support.daemons import RunningDaemon
+    from support.net import free_port
+    from support.waiting import wait_until
+
+    from adapters.base import RefitReader
+    from sidecar.client import RefitClient
+    from transport.curve import write_keypair
+
+    keys = tmp_path / "keys"
+    allowed = keys / "allowed"
+    allowed.mkdir(parents=True)
+    trainer_key, _ = write_keypair(allowed, "trainer")
+    inference_key, inference_pub = write_keypair(keys, "inference")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    params = FormatParams(int4_group=128, int4_scale_dtype="float32")
+    common = dict(layout="disaggregated", forward_timeout_s=10.0, reader_timeout_s=30.0, format="int4_w4a16")
+    state = make_state_dict(MODEL, num_layers=2, num_experts=2, seed=8)
+    inference = RunningDaemon(
+        tmp_path,
+        runtime_dir=tmp_path / "inference",
+        role="inference",
+        model_type=MODEL,
+        publish_bytes=8 << 20,
+        listen=endpoint,
+        curve_secret_key=inference_key,
+        curve_allowed_keys=allowed,
+        curve_trainer_keys=allowed / "trainer.key.pub",
+        **common,
+    )
+    trainer = RunningDaemon(
+        tmp_path,
+        runtime_dir=tmp_path / "trainer",
+        hf_config=make_hf_config(MODEL, num_layers=2, num_experts=2),
+        role="trainer",
+        world_size=1,
+        peers=[endpoint],
+        curve_secret_key=trainer_key,
+        curve_server_key=inference_pub,
+        int4_group=params.int4_group,
+        int4_scale_dtype=params.int4_scale_dtype,
+        **common,
+    )
+    try:
+        with RefitReader(inference.daemon.local_listen, name="inference-engine", timeout=20.0) as reader:
+            with RefitClient(trainer.endpoint, 0, 1, timeout=20.0) as client:
+                client.push_step(0, state)
+
+            def live() -> bool:
+                return reader.status(timeout=20.0)["last_step"] == 0
+
+            wait_until("the forwarded step live on the inference node", live, timeout=60.0)
+            gen = reader.wait(min_step=0)
+            try:
+                expected = convert(state, RefitSpec(model_type=MODEL, fmt="int4_w4a16", params=params))
+                assert set(gen.tensors) == set(expected)
+                bad = [n for n, t in expected.items() if not same_bytes(gen.tensors[n], t)]
+                scale = next(t for n, t in gen.tensors.items() if n.endswith("down_proj.weight_scale"))
+            finally:
+                reader.release(gen)
+            assert not bad, bad[:5]
+            assert scale.dtype == torch.float32
+    finally:
+        trainer.close()
+        inference.close()
