@@ -308,3 +308,56 @@ def test_vllm_engine_args_follow_the_plans_parameters():
     }
     with pytest.raises(ValueError, match="nvfp4-pack-quantized"):
         resolve_quant(odd)  # a group refitd cannot publish: refused naming what refitd publishes
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference engine holding a variant
+
+
+@pytest.mark.parametrize(
+    ("fmt", "params"),
+    [("int4_w4a16", FormatParams(int4_group=64, int4_scale_dtype="float32")), ("nvfp4", CT_NAMES)],
+    ids=["int4-g64-f32", "nvfp4-ct"],
+)
+def test_the_reference_engine_holds_a_variant_and_decodes_it(fmt, params):
+    """The reference engine built with format parameters says them in its manifest, the attach check
+    re-plans a default spec to them, the generation loads byte for byte, the forward pass multiplies by
+    SPEC's values (NVFP4's ``gs`` recovered from compressed-tensors' reciprocal, as vLLM does) and the
+    next-token KL against BF16 stays small."""
+    from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
+    from sidecar.cli.demo.synthetic import make_hf_config
+
+    sizes = {"num_layers": 2, "num_experts": 4}  # H = I = 128
+    cfg = make_hf_config("qwen3_5_moe", **sizes)
+    state = make_state_dict("qwen3_5_moe", seed=3, **sizes)
+    engine = ReferenceEngine.from_config(cfg, expert_format=fmt, format_params=params)
+    manifest = engine.manifest(version="t")
+    assert manifest.format_params == params
+    inputs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+    check = check_manifest(inputs, RefitSpec(model_type="qwen3_5_moe", fmt=fmt), manifest)
+    assert check.ok, check.errors
+    published = convert(state, check.plan.spec)
+    engine.load(published)
+    p = "model.language_model.layers.1.mlp.experts"
+    w13 = engine.compute_weight(f"{p}.w13_weight")
+    inter = 128
+    for e in (0, 3):
+        for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
+            m = f"{p}.{e}.{proj}"
+            if fmt == "nvfp4":
+                q, s, g = (
+                    published[f"{m}.{leaf}"]
+                    for leaf in ("weight_packed", "weight_scale", "weight_global_scale")
+                )
+                want = fourbit.dequantize_nvfp4(q, s, 1.0 / g.reshape(()))
+            else:
+                want = fourbit.dequantize_int4(
+                    published[f"{m}.weight_packed"], published[f"{m}.weight_scale"]
+                )
+            assert torch.equal(w13[e, rows], want), m
+    bf16 = ReferenceEngine.from_config(cfg, expert_format="bf16")
+    bf16.load_bf16(state)
+    ids = sample_inputs(cfg["text_config"]["vocab_size"], seed=0)
+    assert 0 < next_token_kl(bf16.forward(ids), engine.forward(ids)) < 0.02
+    with pytest.raises(ValueError, match="applies to another format"):
+        ReferenceEngine.from_config(cfg, expert_format="mxfp4", format_params=params)
