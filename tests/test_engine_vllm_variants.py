@@ -152,6 +152,7 @@ def test_the_real_engines_manifest_decides_the_variant(engine):
             (1,),
         )
         assert f"{m}.weight" not in by and f"{m}.input_global_scale" not in by
+        assert manifest.info["carried_input_scales"] == 0  # NVFP4A16: no activation scale to carry
 
 
 def test_the_real_load_weights_takes_the_variant_byte_for_byte(engine):

@@ -76,7 +76,11 @@ def _scale_shape(
 _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
 #: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
 #: the engine's current values over into every reload (``adapters.vllm.worker``)
-CARRIED_LEAVES = frozenset({"input_scale", "input_global_scale"})
+CARRIED_LEAVES = frozenset({"input_scale"})
+#: compressed-tensors NVFP4A16's activation global scales (``adapters.vllm.compressed_nvfp4``): vLLM
+#: creates them, no checkpoint fills them and its kernels never read them (``use_a16``): not published,
+#: nothing to carry
+ENGINE_ONLY_LEAVES = frozenset({"input_global_scale"})
 #: 4-bit values per stored element along K of an engine's packed expert weight
 _PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
@@ -173,6 +177,8 @@ class _Builder:
                         continue
                     for leaf in SCALE_LEAVES:
                         if (w, leaf) not in params:
+                            continue
+                        if self.fmt is Format.NVFP4 and leaf in ENGINE_ONLY_LEAVES:
                             continue
                         if self.fmt is Format.NVFP4 and leaf in CARRIED_LEAVES:
                             self.carried.append(f"{module}.{leaf}")
