@@ -361,3 +361,43 @@ def test_the_reference_engine_holds_a_variant_and_decodes_it(fmt, params):
     assert 0 < next_token_kl(bf16.forward(ids), engine.forward(ids)) < 0.02
     with pytest.raises(ValueError, match="applies to another format"):
         ReferenceEngine.from_config(cfg, expert_format="mxfp4", format_params=params)
+
+
+# --------------------------------------------------------------------------------------------------
+# refitd plan
+
+
+def test_refitd_plan_takes_the_parameters(capsys, tmp_path):
+    """``refitd plan --int4-group 128 --int4-scale-dtype float32`` plans float32 scales per 128 (0.25
+    bits a value against bf16 per 32's 0.5: fewer bytes out) and says so; a flag of another format is
+    refused naming it (exit 1)."""
+    import argparse
+    import json
+
+    from sidecar.cli import plan as plan_cli
+    from sidecar.cli.demo.synthetic import make_hf_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(make_hf_config("qwen3_moe", num_layers=2, num_experts=4)))
+
+    def run(*argv: str) -> int:
+        parser = argparse.ArgumentParser(prog="refitd")
+        plan_cli.add_parser(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(["plan", str(config), *argv])
+        return args.run(args)
+
+    assert run("--format", "int4_w4a16", "--json") == 0
+    default = json.loads(capsys.readouterr().out)
+    assert (
+        run("--format", "int4_w4a16", "--int4-group", "128", "--int4-scale-dtype", "float32", "--json") == 0
+    )
+    g128 = json.loads(capsys.readouterr().out)
+    assert (default["format_params"], g128["format_params"]) == (
+        "group 32, bfloat16 scales",
+        "group 128, float32 scales",
+    )
+    assert g128["quantized"]["bytes_out"] < default["quantized"]["bytes_out"]
+    assert run("--format", "nvfp4", "--nvfp4-names", "compressed_tensors") == 0
+    assert "routed experts -> nvfp4 (compressed_tensors names)" in capsys.readouterr().out
+    assert run("--format", "nvfp4", "--int4-group", "128") == 1
+    assert "int4_group = 128 applies to another format than nvfp4" in capsys.readouterr().err
