@@ -156,3 +156,33 @@ def test_a_forwarded_generation_keeps_the_trainer_nodes_parameters(tmp_path):
     finally:
         trainer.close()
         inference.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--format", "int4_w4a16", "--int4-scale-dtype", "float32"],
+        ["--format", "nvfp4", "--nvfp4-names", "compressed_tensors"],
+    ],
+    ids=["int4-f32", "nvfp4-ct"],
+)
+def test_the_demo_runs_an_engine_holding_a_variant(argv):
+    """``refitd demo`` with the reference engine holding a variant: every generation byte for byte into
+    it, decoded, the KL against BF16 small."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli.main", "demo", *argv, "--steps", "2", "--layers", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["verified"] and summary["steps"] == 2
+    assert summary["format_params"] in ("group 32, float32 scales", "compressed_tensors names")
+    for row in summary["per_step"]:
+        assert row["published_exact"] and row["engine_exact"] and 0 < row["kl"] < 0.05
