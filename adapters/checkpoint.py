@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.protocol.manifest import EngineConstraints, EngineKind, Manifest, ManifestTensor
 from transport.wire import dtype_from_name
 
@@ -58,6 +58,7 @@ def engine_manifest(
     moe_tp_size: int,
     moe_ep_size: int,
     info: Mapping[str, Any],
+    format_params: FormatParams = DEFAULT_FORMAT_PARAMS,
     **constraints: Any,
 ) -> Manifest:
     """The manifest of an engine whose routed experts are held in ``fmt``: ``text`` is the model's
@@ -68,6 +69,7 @@ def engine_manifest(
         engine_version=engine_version,
         moe_backend=moe_backend,
         expert_format=fmt,
+        format_params=format_params,
         tensors=tuple(tensors),
         constraints=EngineConstraints(
             engine=engine,

@@ -126,3 +126,8 @@ def test_shared_global_scale_and_int4_options():
         got = k[Format.INT4_W4A16](up.to(DEVICE), group=group, scale_dtype=dtype)
         want = fourbit.quantize_int4(up, group=group, scale_dtype=dtype)
         assert all(_same(g_, r) for g_, r in zip(got, want))
+    wide = torch.cat([gate, up, 3 * gate, up / 5], dim=1)  # K = 256: group 128, as an engine may hold it
+    for dtype in (torch.float32, torch.bfloat16):
+        got = k[Format.INT4_W4A16](wide.to(DEVICE), group=128, scale_dtype=dtype)
+        want = fourbit.quantize_int4(wide, group=128, scale_dtype=dtype)
+        assert all(_same(g_, r) for g_, r in zip(got, want))

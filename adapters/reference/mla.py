@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from adapters.reference.parts import _Builder, _rms, _rope
 from adapters.reference.qwen import ENGINE_VERSION, MOE_BACKEND, ReferenceEngine
-from sidecar.numerics.formats import FP8_DTYPE, MX_BLOCK, Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, FP8_DTYPE, MX_BLOCK, Format, FormatParams
 from sidecar.numerics.reference import dequantize
 from sidecar.plan.models import get_model, model_type_of
 from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
@@ -121,7 +121,15 @@ class DeepseekReferenceEngine(ReferenceEngine):
     """A pure-torch DeepSeek-V3 engine (see the module doc); the same load/manifest/forward surface
     as :class:`~adapters.reference.ReferenceEngine`."""
 
-    def __init__(self, config: Mapping[str, Any], fmt: Format, keep_bf16: frozenset[str]) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        fmt: Format,
+        keep_bf16: frozenset[str],
+        params: FormatParams = DEFAULT_FORMAT_PARAMS,
+    ) -> None:
+        params.check_for(fmt)  # FP8 / BF16 only (refused below otherwise): no parameters to take
+        self.format_params = params
         if get_model(model_type_of(config)).model_type != MODEL:
             raise ValueError(f"DeepseekReferenceEngine runs {MODEL} configs only")
         d = self.mla = _MlaDims.read(config)

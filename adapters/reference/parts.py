@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import BLOCK, FP8_DTYPE, MX_BLOCK, Format
+from sidecar.numerics.formats import (
+    BLOCK,
+    DEFAULT_FORMAT_PARAMS,
+    FP8_DTYPE,
+    MX_BLOCK,
+    Format,
+    FormatParams,
+    Nvfp4Names,
+)
 from sidecar.numerics.reference import dequantize
 
 BF16 = torch.bfloat16
@@ -169,7 +177,9 @@ def _linear_attention(b: _Builder, p: str, d: _Dims) -> None:
     b.whole(f"{a}.out_proj.weight", (d.hidden, value))
 
 
-def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts:
+def _routed_experts(
+    b: _Builder, prefix: str, d: _Dims, fmt: Format, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> _Experts:
     """``w13``/``w2`` (and their scales) of one MoE layer; per-expert slots, or the slabs if BF16."""
     e, i, h = d.experts, d.inter, d.hidden
     w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
@@ -178,7 +188,7 @@ def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts
         b.slot(f"{prefix}.down_proj", b.param(w2, (e, h, i)))
         return _Experts(prefix, fmt, i)
     if fmt.four_bit:
-        return _four_bit_experts(b, prefix, d, fmt)
+        return _four_bit_experts(b, prefix, d, fmt, params)
     b.param(w13, (e, 2 * i, h), FP8_DTYPE)
     b.param(w2, (e, h, i), FP8_DTYPE)
     s13, s2 = f"{prefix}.w13_{fmt.scale_suffix}", f"{prefix}.w2_{fmt.scale_suffix}"
@@ -207,26 +217,38 @@ def _routed_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts
     return _Experts(prefix, fmt, i)
 
 
-#: a 4-bit format's third tensor per projection (SPEC §2.3): leaf, dtype, shape of one
+#: a 4-bit format's third tensor per projection (SPEC §2.3): dtype, shape of one; NVFP4's leaf is
+#: ``FormatParams.global_scale_leaf()`` (ModelOpt's ``weight_scale_2``, compressed-tensors'
+#: ``weight_global_scale`` [1])
 FOUR_BIT_EXTRA = {
-    Format.NVFP4: ("weight_scale_2", torch.float32, ()),
-    Format.INT4_W4A16: ("weight_shape", torch.int64, (2,)),
+    (Format.NVFP4, Nvfp4Names.MODELOPT): ("weight_scale_2", torch.float32, ()),
+    (Format.NVFP4, Nvfp4Names.COMPRESSED_TENSORS): ("weight_global_scale", torch.float32, (1,)),
+    (Format.INT4_W4A16, None): ("weight_shape", torch.int64, (2,)),
 }
 
 
-def _four_bit_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Experts:
-    """``w13``/``w2`` held packed (SPEC §1.5-1.7), their ``weight_scale`` row for row, and NVFP4's
-    global scales ``w13_weight_scale_2 [E, 2]`` (gate, up) / ``w2_weight_scale_2 [E]`` or INT4's
-    ``weight_shape`` ``[E, 2, 2]`` / ``[E, 2]``. Checkpoint names are SPEC's: ``.weight`` (NVFP4) or
-    ``.weight_packed`` (MXFP4, INT4)."""
+def four_bit_extra(fmt: Format, params: FormatParams) -> tuple[str, torch.dtype, tuple[int, ...]] | None:
+    """A 4-bit format's third tensor per projection under ``params``: leaf, dtype, shape of one."""
+    return FOUR_BIT_EXTRA.get((fmt, params.nvfp4_names if fmt is Format.NVFP4 else None))
+
+
+def _four_bit_experts(
+    b: _Builder, prefix: str, d: _Dims, fmt: Format, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> _Experts:
+    """``w13``/``w2`` held packed (SPEC §1.5-1.7), their ``weight_scale`` row for row (INT4's per
+    ``params.int4_group`` in ``params.int4_scale_dtype``), and NVFP4's global scales
+    ``w13_weight_scale_2 [E, 2]`` (gate, up) / ``w2_weight_scale_2 [E]`` (under compressed-tensors'
+    names ``w13_weight_global_scale [E, 2, 1]``, their reciprocals) or INT4's ``weight_shape``
+    ``[E, 2, 2]`` / ``[E, 2]``. Checkpoint names are SPEC's: ``.weight`` (NVFP4 under ModelOpt's names)
+    or ``.weight_packed``."""
     e, i, h = d.experts, d.inter, d.hidden
     w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
     b.param(w13, (e, *fmt.weight_shape((2 * i, h))), fmt.weight_dtype)
     b.param(w2, (e, *fmt.weight_shape((h, i))), fmt.weight_dtype)
     s13, s2 = f"{prefix}.w13_{fmt.scale_suffix}", f"{prefix}.w2_{fmt.scale_suffix}"
-    b.param(s13, (e, *fmt.scale_shape((2 * i, h))), fmt.scale_dtype)
-    b.param(s2, (e, *fmt.scale_shape((h, i))), fmt.scale_dtype)
-    extra = FOUR_BIT_EXTRA.get(fmt)
+    b.param(s13, (e, *params.scale_shape(fmt, (2 * i, h))), params.scale_dtype(fmt))
+    b.param(s2, (e, *params.scale_shape(fmt, (h, i))), params.scale_dtype(fmt))
+    extra = four_bit_extra(fmt, params)
     x13 = x2 = ""
     if extra is not None:
         leaf, dtype, shape = extra
@@ -241,17 +263,19 @@ def _four_bit_experts(b: _Builder, prefix: str, d: _Dims, fmt: Format) -> _Exper
             ("down_proj", w2, s2, x2, None, None),
         ):
             name, index = f"{prefix}.{x}.{proj}", ((x,) if rows is None else (x, rows))
-            b.slot(f"{name}.{fmt.weight_suffix}", param, *index)
+            b.slot(f"{name}.{params.weight_suffix(fmt)}", param, *index)
             b.slot(f"{name}.{fmt.scale_suffix}", scale, *index)
             if extra is not None:
                 b.slot(f"{name}.{extra[0]}", xparam, *((x,) if part is None else (x, part)))
     return _Experts(prefix, fmt, i)
 
 
-def _decoder_layer(b: _Builder, p: str, d: _Dims, full: bool, fmt: Format) -> _Experts:
+def _decoder_layer(
+    b: _Builder, p: str, d: _Dims, full: bool, fmt: Format, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> _Experts:
     (_full_attention if full else _linear_attention)(b, p, d)
     b.whole(f"{p}.mlp.gate.weight", (d.experts, d.hidden))
-    experts = _routed_experts(b, f"{p}.mlp.experts", d, fmt)
+    experts = _routed_experts(b, f"{p}.mlp.experts", d, fmt, params)
     s = f"{p}.mlp.shared_expert"
     parts = [(f"{s}.gate_proj.weight", d.shared_inter), (f"{s}.up_proj.weight", d.shared_inter)]
     b.fused(f"{s}.gate_up_proj.weight", parts, d.hidden)
@@ -285,11 +309,18 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: floa
 
 
 def _dequantize_rows(
-    q: torch.Tensor, scale: torch.Tensor, fmt: Format, rows: list[int], extra: torch.Tensor | None = None
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: Format,
+    rows: list[int],
+    extra: torch.Tensor | None = None,
+    *,
+    reciprocal: bool = False,
 ) -> torch.Tensor:
     """Float32 ``[E, R, C]`` of fused FP8 or 4-bit weights ``q`` whose rows are ``rows`` projections
     stacked, each under its own scales (block-FP8 block-rows / MXFP8, NVFP4, MXFP4, INT4 rows / one
-    per-tensor scale each); ``extra`` holds NVFP4's global scales (``[E, parts]`` or ``[E]``)."""
+    per-tensor scale each); ``extra`` holds NVFP4's global scales (``[E, parts]`` or ``[E]``), their
+    reciprocals with ``reciprocal`` (compressed-tensors' ``weight_global_scale``)."""
     parts, start, block_start = [], 0, 0
     for j, n in enumerate(rows):
         qp = q[:, start : start + n]
@@ -297,6 +328,8 @@ def _dequantize_rows(
             sp = scale[:, start : start + n]
             if fmt is Format.NVFP4:
                 gs = (extra[:, j] if extra.dim() == 2 else extra)[:, None, None]
+                if reciprocal:  # compressed-tensors' weight_global_scale: 1 / gs, inverted as vLLM does
+                    gs = 1.0 / gs
                 parts.append(dequantize(qp, sp, fmt, global_scale=gs))
             else:
                 parts.append(dequantize(qp, sp, fmt))

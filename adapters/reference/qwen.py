@@ -92,7 +92,7 @@ from adapters.reference.parts import (
     _rms,
     _rope,
 )
-from sidecar.numerics.formats import MX_BLOCK, Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams, Nvfp4Names
 from sidecar.plan.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
 from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
@@ -115,7 +115,15 @@ class ReferenceEngine:
     #: engines for other model families, by model_type (``adapters.reference`` registers MLA's)
     families: ClassVar[dict[str, type[ReferenceEngine]]] = {}
 
-    def __init__(self, config: Mapping[str, Any], fmt: Format, keep_bf16: frozenset[str]) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        fmt: Format,
+        keep_bf16: frozenset[str],
+        params: FormatParams = DEFAULT_FORMAT_PARAMS,
+    ) -> None:
+        params.check_for(fmt)
+        self.format_params = params
         model = get_model(model_type_of(config))
         if model.model_type != SUPPORTED_MODEL:
             raise ValueError(f"the reference engine runs {SUPPORTED_MODEL} only, not {model.model_type}")
@@ -127,9 +135,7 @@ class ReferenceEngine:
         self.expert_format = fmt
         self.layer_types = qwen3_5_layer_types(text)
         self.num_mtp_layers = int(text.get("mtp_num_hidden_layers", 0) or 0)
-        multiple = {Format.MXFP8: MX_BLOCK, Format.NVFP4: 16, Format.MXFP4: 32, Format.INT4_W4A16: 32}.get(
-            fmt
-        )
+        multiple = params.k_multiple(fmt)
         if multiple is not None and (d.hidden % multiple or d.inter % multiple):
             raise ValueError(
                 f"{fmt.value} experts need hidden ({d.hidden}) and moe_intermediate_size ({d.inter}) to be "
@@ -168,7 +174,7 @@ class ReferenceEngine:
     def _add_layer(self, b: _Builder, p: str, full: bool) -> None:
         module = f"{p}.mlp.experts"
         fmt = Format.BF16 if module in self.keep_bf16 else self.expert_format
-        self._experts[module] = _decoder_layer(b, p, self.dims, full, fmt)
+        self._experts[module] = _decoder_layer(b, p, self.dims, full, fmt, self.format_params)
 
     @classmethod
     def from_config(
@@ -177,18 +183,23 @@ class ReferenceEngine:
         *,
         expert_format: Format | str = Format.BLOCK_FP8,
         keep_bf16: Collection[str] = (),
+        format_params: FormatParams = DEFAULT_FORMAT_PARAMS,
     ) -> ReferenceEngine:
         """An empty engine for the model ``config`` (a ``config.json`` dict) describes.
 
         ``keep_bf16`` names routed-experts modules (``…layers.L.mlp.experts``, ``mtp.layers.N.mlp.
         experts``) this engine holds in BF16 whatever ``expert_format`` says; its manifest then lists
-        their slabs ``…experts.gate_up_proj`` / ``…experts.down_proj`` in BF16.
+        their slabs ``…experts.gate_up_proj`` / ``…experts.down_proj`` in BF16. ``format_params``
+        (INT4 group and scale dtype, NVFP4 names) are what it holds and its manifest says.
         """
         keep = (keep_bf16,) if isinstance(keep_bf16, str) else tuple(keep_bf16)
         family = (
             cls.families.get(get_model(model_type_of(config)).model_type) if cls is ReferenceEngine else None
         )
-        return (family or cls)(config, Format.parse(expert_format), frozenset(keep))
+        fmt = Format.parse(expert_format)
+        if format_params == DEFAULT_FORMAT_PARAMS:
+            return (family or cls)(config, fmt, frozenset(keep))
+        return (family or cls)(config, fmt, frozenset(keep), format_params)
 
     # ---- what it holds
 
@@ -214,6 +225,7 @@ class ReferenceEngine:
             engine_version=version,
             moe_backend=MOE_BACKEND,
             expert_format=self.expert_format,
+            format_params=self.format_params,
             tensors=tensors,
             info={
                 "model_type": SUPPORTED_MODEL,
@@ -321,8 +333,13 @@ class ReferenceEngine:
         fmt = experts.fmt
         scale = self._params[f"{prefix}.{leaf.removesuffix('weight')}{fmt.scale_suffix}"]
         rows = [experts.inter, experts.inter] if leaf == "w13_weight" else [self.dims.hidden]
-        extra = self._params.get(f"{name}_scale_2") if fmt is Format.NVFP4 else None
-        return _dequantize_rows(self._params[name], scale, fmt, rows, extra)
+        extra, reciprocal = None, False
+        if fmt is Format.NVFP4:
+            leaf = self.format_params.global_scale_leaf()  # weight_scale_2, or weight_global_scale [..., 1]
+            extra = self._params[f"{name.removesuffix('weight')}{leaf}"]
+            reciprocal = self.format_params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+            extra = extra.reshape(extra.shape[:-1]) if reciprocal else extra
+        return _dequantize_rows(self._params[name], scale, fmt, rows, extra, reciprocal=reciprocal)
 
     # ---- forward
 

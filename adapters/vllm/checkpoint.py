@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from adapters.checkpoint import TensorCollector, engine_manifest, param_dtype
+from adapters.vllm.compressed_nvfp4 import CT_NVFP4_MOE_METHOD
 from adapters.vllm.quant import (
     BLOCK_FP8_ALIGN,
     BLOCK_FP8_REFINE,
@@ -21,7 +22,14 @@ from adapters.vllm.quant import (
     VllmQuant,
     resolve_quant,
 )
-from sidecar.numerics.formats import FP8_DTYPE, INT4_PACK, Format
+from sidecar.numerics.formats import (
+    DEFAULT_FORMAT_PARAMS,
+    FP8_DTYPE,
+    INT4_PACK,
+    Format,
+    FormatParams,
+    Nvfp4Names,
+)
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 from sidecar.protocol.manifest import EngineKind, Manifest
 
@@ -34,8 +42,19 @@ def checkpoint_name(engine_name: str) -> str:
     return name
 
 
-def _scale_shape(leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A scale's checkpoint shape from the unpacked ``[out, in]`` weight shape it scales."""
+def _scale_shape(
+    leaf: str,
+    dtype: torch.dtype,
+    weight_shape: tuple[int, ...],
+    fmt: Format | None = None,
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
+) -> tuple[int, ...]:
+    """A scale's checkpoint shape from the unpacked ``[out, in]`` weight shape it scales; an INT4
+    expert's per ``params.int4_group`` (bf16 or float32), compressed-tensors' NVFP4 global scale [1]."""
+    if leaf == "weight_scale" and fmt is Format.INT4_W4A16:
+        return params.scale_shape(fmt, weight_shape)
+    if leaf == "weight_global_scale":  # compressed-tensors' one-element global scale
+        return (1,)
     if leaf == "weight_scale_inv":
         return Format.BLOCK_FP8.scale_shape(weight_shape)
     if leaf == "weight_scale" and dtype == torch.uint8:
@@ -54,6 +73,10 @@ _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
 #: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
 #: the engine's current values over into every reload (``adapters.vllm.worker``)
 CARRIED_LEAVES = frozenset({"input_scale"})
+#: compressed-tensors NVFP4A16's activation global scales (``adapters.vllm.compressed_nvfp4``): vLLM
+#: creates them, no checkpoint fills them and its kernels never read them (``use_a16``): not published,
+#: nothing to carry
+ENGINE_ONLY_LEAVES = frozenset({"input_global_scale"})
 #: 4-bit values per stored element along K of an engine's packed expert weight
 _PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
@@ -67,6 +90,10 @@ class _Builder(TensorCollector):
         self.dtypes = dtypes
         #: the routed-expert format (NVFP4: ``.weight`` is packed uint8 ``[out, in/2]``)
         self.fmt = Format.BF16
+        #: its parameters: the config's (INT4 group, NVFP4 names), INT4's scale dtype from the engine's
+        #: ``weight_scale`` parameter (vLLM holds it in the model dtype)
+        self.params = DEFAULT_FORMAT_PARAMS
+        self.int4_layers = 0
         self.carried: list[str] = []
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
@@ -114,6 +141,8 @@ class _Builder(TensorCollector):
         if per > 1:  # two E2M1 codes a byte (NVFP4), eight INT4 nibbles an int32 (pack-quantized) along K
             w13_shape, w2_shape = (*w13_shape[:2], per * w13_shape[2]), (*w2_shape[:2], per * w2_shape[2])
         e, i, h = self._expert_dims(ckpt_moe, w13_shape, w2_shape, **dims)
+        if self.fmt is Format.INT4_W4A16 and w13[0] not in _UNQUANTIZED:
+            self._int4_params(ckpt_moe, params.get(("w13", "weight_scale")), h)
         if w13[0] in _UNQUANTIZED:  # held unquantized: the checkpoint form the loader takes
             slab = f"{ckpt_moe}.gate_up_proj"
             if slab in self.ckpt:
@@ -127,7 +156,7 @@ class _Builder(TensorCollector):
                 dtype = (params.get((w, "weight")) or params[(w, "weight_packed")])[0]
                 four_bit = self.fmt.four_bit and dtype not in _UNQUANTIZED
                 packed = self.fmt.weight_shape(shape) if four_bit else shape
-                suffix = self.fmt.weight_suffix if four_bit else "weight"
+                suffix = self.params.weight_suffix(self.fmt) if four_bit else "weight"
                 for proj in projs:
                     module = f"{ckpt_moe}.{x}.{proj}"
                     self.add(f"{module}.{suffix}", dtype, packed)
@@ -137,13 +166,49 @@ class _Builder(TensorCollector):
                     for leaf in SCALE_LEAVES:
                         if (w, leaf) not in params:
                             continue
+                        if self.fmt is Format.NVFP4 and leaf in ENGINE_ONLY_LEAVES:
+                            continue
                         if self.fmt is Format.NVFP4 and leaf in CARRIED_LEAVES:
                             self.carried.append(f"{module}.{leaf}")
                             continue
                         sdtype = params[(w, leaf)][0]
                         if leaf == "weight_shape":  # held as params_dtype; the loader copies int64 in
                             sdtype = torch.int64
-                        self.add(f"{module}.{leaf}", sdtype, _scale_shape(leaf, sdtype, shape))
+                        self.add(
+                            f"{module}.{leaf}",
+                            sdtype,
+                            _scale_shape(leaf, sdtype, shape, self.fmt, self.params),
+                        )
+
+    def _int4_params(
+        self, ckpt_moe: str, scale: tuple[torch.dtype, tuple[int, ...]] | None, hidden: int
+    ) -> None:
+        """INT4's format parameters as the engine holds them: the group the config says, checked
+        against the scale columns of ``w13_weight_scale [E, 2I, H / group]``, and that parameter's
+        dtype (vLLM 0.33.0 ``CompressedTensorsWNA16MoEMethod.create_weights``: ``params_dtype``)."""
+        if scale is None or len(scale[1]) != 3:
+            self.problems.append(f"{ckpt_moe}: an INT4 MoE layer without a 3-D w13_weight_scale: {scale}")
+            return
+        dtype, cols = scale[0], scale[1][2]
+        group = self.params.int4_group
+        if cols * group != hidden:
+            self.problems.append(
+                f"{ckpt_moe}: w13_weight_scale has {cols} groups along H = {hidden}, not one per {group} "
+                "(the config's group_size)"
+            )
+        name = str(dtype).removeprefix("torch.")
+        try:
+            params = FormatParams(int4_group=group, int4_scale_dtype=name)
+        except ValueError:
+            self.problems.append(
+                f"{ckpt_moe}: vLLM holds the INT4 group scales in {name} (the model dtype); refitd publishes "
+                "bfloat16 or float32 scales: start the engine with dtype='bfloat16'"
+            )
+            return
+        if self.int4_layers and self.params != params:
+            self.problems.append(f"{ckpt_moe}: INT4 scales in {name}, other MoE layers' in another dtype")
+        self.int4_layers += 1
+        self.params = params
 
     def _expert_dims(
         self,
@@ -226,7 +291,7 @@ def build_manifest(
     tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
-    b.fmt = quant.fmt
+    b.fmt, b.params = quant.fmt, quant.params
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
     for engine_name, dtype, shape in [*params, *drafted]:
@@ -248,6 +313,7 @@ def build_manifest(
         moe_backend=moe_backend or _default_backend(quant),
         moe_tp_size=moe_tp,
         moe_ep_size=ep_size,
+        format_params=b.params,
         block_fp8_align=BLOCK_FP8_ALIGN,
         block_fp8_refine=BLOCK_FP8_REFINE,
         mxfp8_align=MXFP8_ALIGN,
@@ -285,7 +351,9 @@ def _default_backend(quant: VllmQuant) -> str:
         Format.BLOCK_FP8: "Fp8MoEMethod",
         Format.FP8_PER_TENSOR: "Fp8MoEMethod",
         Format.MXFP8: "ModelOptMxFp8FusedMoE",
-        Format.NVFP4: "ModelOptNvFp4FusedMoE",
+        Format.NVFP4: CT_NVFP4_MOE_METHOD
+        if quant.params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+        else "ModelOptNvFp4FusedMoE",
         Format.INT4_W4A16: "CompressedTensorsWNA16MoEMethod",
         Format.MXFP4: "CompressedTensorsW4A4Mxfp4MoEMethod",
         Format.BF16: "UnquantizedFusedMoEMethod",

@@ -88,8 +88,9 @@ def _four_bit_gpu_problems(fmt: Format, h: int | None, i: int | None, manifest: 
 
 
 def _four_bit_k_problems(fmt: Format, h: int | None, i: int | None, manifest: Manifest) -> list[str]:
-    """4-bit MoE K multiples (:data:`FOUR_BIT_K_MULTIPLE`): H for w13, each rank's I for w2."""
-    multiple = FOUR_BIT_K_MULTIPLE.get(fmt)
+    """4-bit MoE K multiples (:data:`FOUR_BIT_K_MULTIPLE`, INT4's the manifest's group): H for w13,
+    each rank's I for w2."""
+    multiple = FOUR_BIT_K_MULTIPLE.get(fmt) and manifest.format_params.k_multiple(fmt)
     if multiple is None:
         return []
     c = manifest.constraints

@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
+from adapters.vllm.compressed_nvfp4 import compressed_tensors_nvfp4
+from sidecar.numerics.formats import (
+    DEFAULT_FORMAT_PARAMS,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Format,
+    FormatParams,
+    Nvfp4Names,
+)
 
 __all__ = ["four_bit_quantization"]
 
@@ -28,9 +36,14 @@ def _compressed_tensors(fmt_name: str, weights: dict[str, Any], ignored: Sequenc
     }
 
 
-def four_bit_quantization(fmt: Format, ignored: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def four_bit_quantization(
+    fmt: Format, ignored: Sequence[str], params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> tuple[str, dict[str, Any]]:
     """``(quantization, quantization_config)`` for ``LLM(quantization=..., hf_overrides={"quantization_config":
-    ...})`` with the routed experts in ``fmt`` and the modules in ``ignored`` left in BF16."""
+    ...})`` with the routed experts in ``fmt`` and the modules in ``ignored`` left in BF16; ``params``
+    (the plan's) give INT4's ``group_size`` and NVFP4's names (``adapters.vllm.compressed_nvfp4``)."""
+    if fmt is Format.NVFP4 and params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
+        return compressed_tensors_nvfp4(ignored)
     if fmt is Format.NVFP4:
         qc = {
             "quant_method": "modelopt",
@@ -46,7 +59,7 @@ def four_bit_quantization(fmt: Format, ignored: Sequence[str]) -> tuple[str, dic
             "type": "int",
             "symmetric": True,
             "strategy": "group",
-            "group_size": INT4_GROUP,
+            "group_size": params.int4_group,
             "dynamic": False,
         }
         return "compressed-tensors", _compressed_tensors("pack-quantized", weights, ignored)

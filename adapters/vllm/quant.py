@@ -8,7 +8,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.numerics.formats import BLOCK, INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
+from adapters.vllm.compressed_nvfp4 import compressed_tensors_scheme
+from sidecar.numerics.formats import (
+    BLOCK,
+    DEFAULT_FORMAT_PARAMS,
+    INT4_GROUP,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Format,
+    FormatParams,
+)
 
 WORKER_EXTENSION = "adapters.vllm.RefitWorkerExtension"
 #: environment for every vLLM process (set before the engine starts): DeepGEMM on Blackwell would
@@ -44,7 +53,16 @@ KV_SCALE_LEAVES = frozenset(
     }
 )
 EXPERT_PROJS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
-SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale", "weight_scale_2", "weight_shape")
+SCALE_LEAVES = (
+    "weight_scale_inv",
+    "weight_scale",
+    "input_scale",
+    "weight_scale_2",
+    "weight_shape",
+    # compressed-tensors' NVFP4 (adapters.vllm.compressed_nvfp4): 1 / weight_scale_2, and the activations'
+    "weight_global_scale",
+    "input_global_scale",
+)
 MXFP8_ALIGN = 32  # vLLM ModelOpt MXFP8 MoE: H and I/tp multiples of 32
 BLOCK_FP8_ALIGN = BLOCK  # vLLM Fp8MoEMethod: the whole I a multiple of block_n = 128
 #: vLLM 0.33.0 refines the 128-block of a TP shard to gcd(128, I/tp, H) when that is at least 32
@@ -80,11 +98,11 @@ PARAM_SOURCE_LAYERWISE = "layerwise_metadata"
 PARAM_SOURCE_LIVE = "live_parameters"
 
 
-#: what an attach of a compressed-tensors (MXFP4 / INT4 W4A16) engine is refused with
+#: what an attach of a compressed-tensors (MXFP4 / INT4 W4A16 / NVFP4) engine is refused with
 COMPRESSED_TENSORS_REFUSAL = (
     "vLLM runs a compressed-tensors scheme refitd does not publish (refitd's are int4_w4a16 "
-    "pack-quantized and mxfp4-pack-quantized); start the engine with vllm_engine_args() for nvfp4, "
-    "int4_w4a16, mxfp4 or an FP8 format"
+    "pack-quantized with one group size, mxfp4-pack-quantized and nvfp4-pack-quantized); start the "
+    "engine with vllm_engine_args() for nvfp4, int4_w4a16, mxfp4 or an FP8 format"
 )
 
 
@@ -100,6 +118,9 @@ class VllmQuant:
     method: str | None  # "fp8", "modelopt" or None (unquantized)
     ignored: tuple[str, ...] = ()
     static_activations: bool = False
+    #: the format's parameters the config says (INT4 group, NVFP4 names; the manifest adds the
+    #: INT4 scale dtype the engine's parameters hold)
+    params: FormatParams = DEFAULT_FORMAT_PARAMS
 
 
 def resolve_quant(quant_config: Any) -> VllmQuant:
@@ -120,10 +141,8 @@ def resolve_quant(quant_config: Any) -> VllmQuant:
         return VllmQuant(Format.MXFP8, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ()))
     if kind == "CompressedTensorsConfig":
         schemes = getattr(quant_config, "target_scheme_map", {}) or {}
-        kinds = [
-            str(getattr(s.get("weights"), "type", "")) for s in schemes.values() if isinstance(s, Mapping)
-        ]
-        return _compressed_tensors(kinds, getattr(quant_config, "ignore", ()) or ())
+        weights = [s.get("weights") for s in schemes.values() if isinstance(s, Mapping)]
+        return _compressed_tensors(weights, getattr(quant_config, "ignore", ()) or ())
     if kind == "ModelOptNvFp4Config":
         # W4A4: the experts hold static activation scales (w13/w2_input_scale), carried over per reload
         ignored = tuple(getattr(quant_config, "exclude_modules", ()) or ())
@@ -151,20 +170,20 @@ def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
     if method == "compressed-tensors":
         groups = cfg.get("config_groups") or {}
         weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
-        return _compressed_tensors([str(w.get("type", "")) for w in weights], cfg.get("ignore") or ())
+        return _compressed_tensors(weights, cfg.get("ignore") or ())
     raise ValueError(
         f"quantization_config quant_method {method!r}: refitd's vLLM adapter knows fp8 and modelopt"
     )
 
 
-def _compressed_tensors(weight_types: list[str], ignored: Iterable[str]) -> VllmQuant:
-    """compressed-tensors: INT4 W4A16 (``pack-quantized``) or MXFP4 (``mxfp4-pack-quantized``) experts."""
-    types = {t.lower().rsplit(".", 1)[-1] for t in weight_types}
-    if types == {"int"}:
-        return VllmQuant(Format.INT4_W4A16, "compressed-tensors", tuple(ignored))
-    if types == {"float"}:  # mxfp4-pack-quantized: E2M1 codes, E8M0 scales per 32
-        return VllmQuant(Format.MXFP4, "compressed-tensors", tuple(ignored))
-    raise ValueError(COMPRESSED_TENSORS_REFUSAL)
+def _compressed_tensors(weights: list[Any], ignored: Iterable[str]) -> VllmQuant:
+    """compressed-tensors: INT4 W4A16 (``pack-quantized``, its group size), MXFP4
+    (``mxfp4-pack-quantized``) or NVFP4 under compressed-tensors' names (``nvfp4-pack-quantized``)."""
+    scheme = compressed_tensors_scheme(weights) if weights else None
+    if scheme is None:
+        raise ValueError(COMPRESSED_TENSORS_REFUSAL)
+    fmt, params = scheme
+    return VllmQuant(fmt, "compressed-tensors", tuple(ignored), params=params)
 
 
 def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuant:

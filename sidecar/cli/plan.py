@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import INT4_SCALE_DTYPE_NAMES, Format, FormatParams, Nvfp4Names
 from sidecar.plan.build import EngineLayout, RefitSpec, plan_from_hf_config
 from sidecar.plan.models import model_type_of
 from sidecar.plan.summary import NODE_SHAPES, NodeShape, memory_tiers, summarize
@@ -93,6 +93,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=_format_arg,
         metavar="FMT",
         help=f"target format of the routed experts: {', '.join(f.value for f in Format)}",
+    )
+    parser.add_argument(
+        "--int4-group",
+        type=_positive_arg,
+        default=None,
+        metavar="G",
+        help="int4_w4a16: the group size along K the engine loads (32 by default; 64, 128)",
+    )
+    parser.add_argument(
+        "--int4-scale-dtype",
+        choices=INT4_SCALE_DTYPE_NAMES,
+        default=None,
+        help="int4_w4a16: the dtype of the engine's weight_scale (bfloat16 by default)",
+    )
+    parser.add_argument(
+        "--nvfp4-names",
+        choices=[n.value for n in Nvfp4Names],
+        default=None,
+        help="nvfp4: ModelOpt's names (default) or compressed-tensors' (weight_packed, weight_global_scale)",
     )
     parser.add_argument(
         "--first-bf16", type=_count_arg, default=0, metavar="N", help="first N layers in BF16"
@@ -191,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             num_last_layers_in_bf16=args.last_bf16,
             ignore_patterns=tuple(args.ignore),
             quantize_linears={"checkpoint": None, "yes": True, "no": False}[args.linears],
+            params=format_params_of(args),
         )
         node_plan = plan_from_hf_config(config, spec)
         summary = summarize(node_plan)
@@ -215,6 +235,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_text(summary))
     return EXIT_OK
+
+
+def format_params_of(args: argparse.Namespace) -> FormatParams:
+    """The format parameters the flags give (``--int4-group``, ``--int4-scale-dtype``,
+    ``--nvfp4-names``), the defaults for those not given; ValueError for one of another format."""
+    given = {
+        "int4_group": args.int4_group,
+        "int4_scale_dtype": args.int4_scale_dtype,
+        "nvfp4_names": args.nvfp4_names,
+    }
+    return FormatParams(**{k: v for k, v in given.items() if v is not None})
 
 
 def _shape(args: argparse.Namespace) -> NodeShape:
@@ -290,7 +321,8 @@ def render_text(s: dict[str, Any]) -> str:
     ignore = ", ".join(s["ignore_patterns"]) or "none"
     lines = [
         f"refitd plan: {s['config']}",
-        f"model {s['model_type']}, {s['num_hidden_layers']} layers; routed experts -> {s['format']}",
+        f"model {s['model_type']}, {s['num_hidden_layers']} layers; routed experts -> {s['format']}"
+        + (f" ({s['format_params']})" if s.get("format_params") else ""),
         f"BF16 exclusions: first {s['num_first_layers_in_bf16']}, last {s['num_last_layers_in_bf16']} "
         f"layers; ignore patterns: {ignore}",
         "",

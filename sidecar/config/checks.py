@@ -89,6 +89,12 @@ def value_problems(c: Any, bad: set[str]) -> Iterable[Problem]:
             f"num_hidden_layers ({layers}): lower one of them, or use format = 'bf16'",
             keys,
         )
+    keys = ("format", "int4_group", "int4_scale_dtype", "nvfp4_names")
+    if ok(*keys):
+        try:
+            c.format_params.check_for(c.format)
+        except ValueError as exc:
+            yield Problem(f"{exc} (int4_group, int4_scale_dtype, nvfp4_names)", keys)
     yield from _layout_problems(c, ok)
     yield from _share_problems(c, ok)
     yield from _tier_problems(c, ok)

@@ -51,7 +51,7 @@ from sidecar.config.values import (
 from sidecar.config.values import is_loopback_host as is_loopback_host  # re-exported
 from sidecar.config.values import split_host_port as split_host_port  # re-exported
 from sidecar.config.values import tcp_host as tcp_host  # re-exported
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import INT4_GROUP, Format, FormatParams, Nvfp4Names
 from transport.arena import ArenaKind
 
 #: Settings SIGHUP may change in a running daemon; everything else needs a restart.
@@ -161,6 +161,38 @@ class DaemonConfig:
     format: Format = field(
         default=Format.BLOCK_FP8,
         metadata=knob("--format", v.fmt, "FMT", f"routed experts' format: {_FORMATS}", note=_FORMATS),
+    )
+    #: the format's parameters for a plan made before any engine attaches (and for what a forwarder
+    #: sends to engines on other nodes): an engine's manifest decides at attach (SPEC §1.7, §2.3)
+    int4_group: int = field(
+        default=INT4_GROUP,
+        metadata=knob(
+            "--int4-group",
+            v.count,
+            "G",
+            "int4_w4a16 group size along K (an attached engine's manifest decides)",
+            note="32, 64 or 128; an attached engine's manifest decides",
+        ),
+    )
+    int4_scale_dtype: str = field(
+        default="bfloat16",
+        metadata=knob(
+            "--int4-scale-dtype",
+            v.text,
+            "DTYPE",
+            "int4_w4a16 scale dtype: bfloat16 or float32 (an attached engine's manifest decides)",
+            note="bfloat16 or float32; an attached engine's manifest decides",
+        ),
+    )
+    nvfp4_names: Nvfp4Names = field(
+        default=Nvfp4Names.MODELOPT,
+        metadata=knob(
+            "--nvfp4-names",
+            v.choice(Nvfp4Names),
+            "NAMES",
+            "nvfp4 names: modelopt or compressed_tensors (an attached engine's manifest decides)",
+            note="modelopt or compressed_tensors; an attached engine's manifest decides",
+        ),
     )
     num_hidden_layers: int | None = field(
         default=None,
@@ -632,6 +664,14 @@ class DaemonConfig:
         from sidecar.plan.build import EngineLayout
 
         return EngineLayout(ep=self.engine_ep, tp=self.engine_tp, nodes=self.nodes), int(self.node_rank or 0)
+
+    @property
+    def format_params(self) -> FormatParams:
+        """The format's parameters these settings give (``int4_group``, ``int4_scale_dtype``,
+        ``nvfp4_names``); the config checks made sure they are valid for ``format``."""
+        return FormatParams(
+            int4_group=self.int4_group, int4_scale_dtype=self.int4_scale_dtype, nvfp4_names=self.nvfp4_names
+        )
 
     @property
     def ring_regions(self) -> int:

@@ -133,7 +133,10 @@ class Engines:
         check = check_manifest(self.ctx.plan.source, self.ctx.plan.spec, manifest, share=self.ctx.plan.share)
         if not check.ok:
             raise RefitError(check.message(f"engine worker {name!r}"), kind=ErrorKind.ENGINE)
-        if check.plan.keep_bf16 != self.ctx.plan.keep_bf16:
+        if (check.plan.keep_bf16, check.plan.spec.params) != (
+            self.ctx.plan.keep_bf16,
+            self.ctx.plan.spec.params,
+        ):
             self._replan_for(name, check.plan)
         self.engines[identity] = EngineState(identity, name, manifest, check.plan.keep_bf16)
         if check.warnings:
@@ -141,7 +144,12 @@ class Engines:
         return check.warnings
 
     def _replan_for(self, name: str, plan: RefitPlan) -> None:
-        """Publish in BF16 what engine ``name`` holds in BF16 (the manifest wins), if nothing forbids it."""
+        """Publish in BF16 what engine ``name`` holds in BF16, and in the format parameters it holds
+        (INT4 group and scale dtype, NVFP4's names): the manifest wins, if nothing forbids it."""
+        if plan.spec.params != self.ctx.plan.spec.params:
+            self._replan_params(name, plan)
+            if plan.keep_bf16 == self.ctx.plan.keep_bf16:
+                return
         kept = sorted(plan.keep_bf16 - self.ctx.plan.keep_bf16)
         disagree = [e.name for e in self.engines.values() if e.keep_bf16 != plan.keep_bf16]
         if disagree:
@@ -171,6 +179,36 @@ class Engines:
             name,
             len(kept),
         )
+
+    def _replan_params(self, name: str, plan: RefitPlan) -> None:
+        """Publish in the format parameters engine ``name`` holds (its manifest decides, SPEC §1.7 and
+        §2.3), if no attached engine holds others and no step is in progress."""
+        fmt, want = plan.spec.format, plan.spec.params
+        held = f"{fmt.value} with {want.describe(fmt)}"
+        disagree = [e.name for e in self.engines.values() if e.manifest.format_params.for_format(fmt) != want]
+        if disagree:
+            raise RefitError(
+                f"engine worker {name!r} holds {held}, engine workers {disagree} hold "
+                f"{self.ctx.plan.spec.params.describe(fmt)}; every engine must agree on one plan: start them with "
+                "the same engine arguments (adapters.vllm.vllm_engine_args from one RefitSpec)",
+                kind=ErrorKind.ENGINE,
+            )
+        if self.ctx.step is not None:
+            raise RefitError(
+                f"engine worker {name!r} holds {held}, the plan publishes "
+                f"{self.ctx.plan.spec.params.describe(fmt)}, and step {self.ctx.step.step} is in progress; "
+                "attach again after it",
+                kind=ErrorKind.BUSY,
+            )
+        try:
+            self.ctx.adopt_plan(plan, invalidate=True)
+        except ArenaTooSmall as exc:
+            raise RefitError(
+                f"engine worker {name!r} holds {held}, and publishing it does not fit: {exc}. Start the daemon "
+                "with a larger --publish-bytes",
+                kind=ErrorKind.CAPACITY,
+            ) from None
+        log.warning("engine worker %s holds %s: publishing it from the next step", name, held)
 
     def drop_engine(self, identity: bytes, why: str) -> None:
         self.engines.pop(identity, None)

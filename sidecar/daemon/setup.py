@@ -164,6 +164,7 @@ def refit_spec(config: DaemonConfig, hf_config: dict[str, Any] | None = None) ->
         num_first_layers_in_bf16=config.num_first_layers_in_bf16,
         num_last_layers_in_bf16=config.num_last_layers_in_bf16,
         ignore_patterns=tuple(config.ignore_patterns),
+        params=config.format_params,  # until an engine's manifest says otherwise
     )
     # a block-FP8 checkpoint (DeepSeek-V3) quantizes its linears too: every plan of this daemon follows it
     return spec if hf_config is None else with_checkpoint_scheme(spec, hf_config)

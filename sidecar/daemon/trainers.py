@@ -27,7 +27,7 @@ from sidecar.daemon.peers import Peer
 from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.attach import check_manifest, with_engine_dtype
+from sidecar.plan.attach import check_manifest, with_engine_dtype, with_engine_params
 from sidecar.plan.build import RefitPlan, layer_of_name
 from sidecar.protocol.enums import PeerRole
 from transport.wire import Kind, Message, ProtocolError, safe_repr
@@ -402,6 +402,18 @@ class Trainers:
         # without the model's config, the first engine's manifest says the checkpoint's dtype
         engines = list(self.engines.engines.values())
         spec = with_engine_dtype(self.ctx.spec, engines[0].manifest) if engines else self.ctx.spec
+        # the engines' manifests decide the format's parameters (INT4 group and scale dtype, NVFP4 names)
+        params = {with_engine_params(spec, e.manifest).params for e in engines}
+        if len(params) > 1:
+            raise RefitError(
+                f"the attached engine workers hold {spec.format.value} with different parameters "
+                f"({sorted(p.describe(spec.format) for p in params)}): "
+                f"{sorted(e.name for e in engines)}; every engine must agree on one plan",
+                kind=ErrorKind.ENGINE,
+                step=state.step,
+            )
+        if engines:
+            spec = with_engine_params(spec, engines[0].manifest)
         for e in engines:
             check = check_manifest(state.specs(), spec, e.manifest, share=self.ctx.config.share)
             if not check.ok:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -161,6 +162,168 @@ class Format(str, enum.Enum):
             return (*lead, k // INT4_GROUP)
         return None
 
+
+class Nvfp4Names(str, enum.Enum):
+    """Whose names an NVFP4 weight is published under (SPEC §2.3): ModelOpt's (``.weight``,
+    ``.weight_scale``, ``.weight_scale_2 = gs``), which vLLM's ``modelopt_fp4``, SGLang and TensorRT-LLM
+    load, or compressed-tensors' ``nvfp4-pack-quantized`` (``.weight_packed``, ``.weight_scale``,
+    ``.weight_global_scale = float32(1 / gs)``). Same bytes either way; the engine's manifest says."""
+
+    MODELOPT = "modelopt"
+    COMPRESSED_TENSORS = "compressed_tensors"
+
+    @classmethod
+    def parse(cls, value: Nvfp4Names | str) -> Nvfp4Names:
+        if isinstance(value, Nvfp4Names):
+            return value
+        try:
+            return cls(str(value).strip().lower().replace("-", "_"))
+        except ValueError:
+            raise ValueError(
+                f"unknown NVFP4 naming {value!r}: choose one of {', '.join(n.value for n in cls)}"
+            ) from None
+
+
+#: the scale dtypes an int4_w4a16 engine may hold (SPEC §1.7), by name
+INT4_SCALE_DTYPE_NAMES = ("bfloat16", "float32")
+#: the largest INT4 group accepted (a bound for values read off the wire; real ones are 32..128)
+INT4_MAX_GROUP = 1 << 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FormatParams:
+    """The parameters of a format the engine decides (SPEC §1.7, §2.3), beside the format itself.
+
+    ``int4_group`` (g of SPEC §1.7: 32 unless the engine says; any positive multiple of 8, every K a
+    multiple of it) and ``int4_scale_dtype`` (``bfloat16`` or ``float32``: what the engine's
+    ``.weight_scale`` parameter is) shape ``int4_w4a16`` outputs; ``nvfp4_names`` names ``nvfp4``
+    outputs. The daemon takes them from the attached engine's manifest (the manifest decides) and
+    plans with them; a plan made without an engine uses the defaults, the engines' usual choice.
+    A parameter of a format other than the one published keeps its default (:meth:`check_for`).
+    """
+
+    int4_group: int = INT4_GROUP
+    int4_scale_dtype: str = "bfloat16"
+    nvfp4_names: Nvfp4Names = Nvfp4Names.MODELOPT
+
+    def __post_init__(self) -> None:
+        g = self.int4_group
+        if type(g) is not int or not 0 < g <= INT4_MAX_GROUP or g % INT4_PACK:
+            raise ValueError(
+                f"int4_w4a16 group {g!r}: give a positive multiple of {INT4_PACK} (SPEC §1.7; the engines "
+                "load 32, 64 or 128)"
+            )
+        dtype = str(self.int4_scale_dtype).removeprefix("torch.")
+        if dtype not in INT4_SCALE_DTYPE_NAMES:
+            raise ValueError(
+                f"int4_w4a16 scale dtype {self.int4_scale_dtype!r}: give one of {', '.join(INT4_SCALE_DTYPE_NAMES)}"
+            )
+        object.__setattr__(self, "int4_scale_dtype", dtype)
+        object.__setattr__(self, "nvfp4_names", Nvfp4Names.parse(self.nvfp4_names))
+
+    def check_for(self, fmt: Format) -> None:
+        """Refuse a parameter set away from its default for a format it does not apply to."""
+        default = FormatParams()
+        odd = []
+        if fmt is not Format.INT4_W4A16:
+            odd += [
+                f"{k} = {getattr(self, k)}"
+                for k in ("int4_group", "int4_scale_dtype")
+                if getattr(self, k) != getattr(default, k)
+            ]
+        if fmt is not Format.NVFP4 and self.nvfp4_names is not default.nvfp4_names:
+            odd.append(f"nvfp4_names = {self.nvfp4_names.value}")
+        if odd:
+            raise ValueError(
+                f"{', '.join(odd)} applies to another format than {fmt.value}; leave it at its default "
+                "(or publish that format)"
+            )
+
+    def for_format(self, fmt: Format) -> FormatParams:
+        """These parameters with those of other formats than ``fmt`` at their defaults: what a plan
+        in ``fmt`` uses of an engine's manifest."""
+        default = FormatParams()
+        return FormatParams(
+            int4_group=self.int4_group if fmt is Format.INT4_W4A16 else default.int4_group,
+            int4_scale_dtype=self.int4_scale_dtype if fmt is Format.INT4_W4A16 else default.int4_scale_dtype,
+            nvfp4_names=self.nvfp4_names if fmt is Format.NVFP4 else default.nvfp4_names,
+        )
+
+    @property
+    def int4_scale_torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.int4_scale_dtype)
+
+    # ---- what the format's outputs look like under these parameters (SPEC §2.3)
+
+    def weight_suffix(self, fmt: Format) -> str:
+        """``Format.weight_suffix``, with NVFP4 under compressed-tensors' names ``weight_packed``."""
+        if fmt is Format.NVFP4 and self.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
+            return "weight_packed"
+        return fmt.weight_suffix
+
+    def scale_dtype(self, fmt: Format) -> torch.dtype | None:
+        """``Format.scale_dtype``, with INT4's the engine's."""
+        return self.int4_scale_torch_dtype if fmt is Format.INT4_W4A16 else fmt.scale_dtype
+
+    def scale_shape(self, fmt: Format, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``Format.scale_shape``, with INT4's one scale per ``int4_group``."""
+        if fmt is Format.INT4_W4A16:
+            *lead, k = shape
+            return (*lead, k // self.int4_group)
+        return fmt.scale_shape(shape)
+
+    def k_multiple(self, fmt: Format) -> int | None:
+        """What every quantized weight's in dim K must be a multiple of (SPEC §1.2, §1.5-1.7)."""
+        if fmt is Format.INT4_W4A16:
+            return self.int4_group
+        return {Format.MXFP8: MX_BLOCK, Format.NVFP4: NVFP4_BLOCK, Format.MXFP4: MXFP4_BLOCK}.get(fmt)
+
+    def global_scale_leaf(self) -> str:
+        """NVFP4's global-scale output leaf: ModelOpt's ``weight_scale_2`` (gs) or compressed-tensors'
+        ``weight_global_scale`` (1 / gs)."""
+        if self.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
+            return "weight_global_scale"
+        return "weight_scale_2"
+
+    def describe(self, fmt: Format) -> str:
+        """The parameters that apply to ``fmt``, for messages (``""`` when none do)."""
+        if fmt is Format.INT4_W4A16:
+            return f"group {self.int4_group}, {self.int4_scale_dtype} scales"
+        if fmt is Format.NVFP4:
+            return f"{self.nvfp4_names.value} names"
+        return ""
+
+    # ---- on the wire (a manifest's ``format_params`` map)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "int4_group": self.int4_group,
+            "int4_scale_dtype": self.int4_scale_dtype,
+            "nvfp4_names": self.nvfp4_names.value,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> FormatParams:
+        """Parse a ``format_params`` map; ValueError naming the field (an unknown key is refused)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"'format_params' must be a map, got {type(data).__name__}")
+        known = ("int4_group", "int4_scale_dtype", "nvfp4_names")
+        unknown = sorted(str(k)[:40] for k in data if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown format parameter(s) {unknown[:5]}; refitd knows {list(known)}: is the adapter from "
+                "another refitd version than the daemon?"
+            )
+        for key in ("int4_scale_dtype", "nvfp4_names"):
+            if key in data and not isinstance(data[key], str):
+                raise ValueError(f"format parameter {key!r} must be a string, got {data[key]!r:.80}")
+        return cls(**data)
+
+
+#: the parameters a plan made without an engine uses (INT4 group 32 in bfloat16, ModelOpt NVFP4 names)
+DEFAULT_FORMAT_PARAMS = FormatParams()
 
 #: what an engine adapter says for a 4-bit format it has no verified loader arguments and attach
 #: checks for yet (the daemon, plans, forwarding and the reference engine handle them)

@@ -53,7 +53,7 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar.config.settings import ConfigError, Problem, split_host_port
 from sidecar.errors import ErrorKind
-from sidecar.numerics.formats import BLOCK, MX_BLOCK, Format
+from sidecar.numerics.formats import BLOCK, DEFAULT_FORMAT_PARAMS, MX_BLOCK, Format, FormatParams, Nvfp4Names
 from sidecar.numerics.reference import dequantize
 from sidecar.ops.observers import Observer
 from sidecar.plan.build import OutputSpec, RefitPlan, Role
@@ -322,7 +322,7 @@ class MetricsObserver(Observer):
         if not weights:
             return  # format bf16, or every routed expert kept in BF16
         out = self._rng.choice(weights)
-        fmt = daemon.spec.fmt
+        fmt, params = daemon.spec.fmt, plan.spec.params
         t0 = time.perf_counter()
         arenas = daemon.arenas
         if ring is None:
@@ -332,9 +332,10 @@ class MetricsObserver(Observer):
         src = out.source_view(src)
         q, scale = live.arena.tensor(out.name), live.arena.tensor(out.scale_name)
         extra = None if out.extra_name is None else live.arena.tensor(out.extra_name)
-        rows, cols = (self._window(n, edge) for n, edge in zip(src.shape[-2:], SQNR_TILE))
+        align = max(SQNR_ALIGN, params.k_multiple(fmt) or 1)  # an INT4 group over 128: whole groups
+        rows, cols = (self._window(n, edge, align) for n, edge in zip(src.shape[-2:], SQNR_TILE))
         db = sqnr_db(
-            src[rows, cols].to(q.device), dequantize_tile(q, scale, fmt, rows, cols, extra)
+            src[rows, cols].to(q.device), dequantize_tile(q, scale, fmt, rows, cols, extra, params)
         )  # host tier: q on host
         if math.isnan(db):
             return
@@ -350,9 +351,9 @@ class MetricsObserver(Observer):
             1e3 * (time.perf_counter() - t0),
         )
 
-    def _window(self, n: int, edge: int) -> slice:
-        """A random ``slice`` of at most ``edge`` of ``range(n)``, starting on a multiple of SQNR_ALIGN."""
-        start = self._rng.randrange(0, n - edge + 1, SQNR_ALIGN) if n > edge else 0
+    def _window(self, n: int, edge: int, align: int = SQNR_ALIGN) -> slice:
+        """A random ``slice`` of at most ``edge`` of ``range(n)``, starting on a multiple of ``align``."""
+        start = self._rng.randrange(0, n - edge + 1, align) if n > edge else 0
         return slice(start, min(n, start + edge))
 
 
@@ -363,16 +364,20 @@ def dequantize_tile(
     rows: slice,
     cols: slice,
     extra: torch.Tensor | None = None,
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
 ) -> torch.Tensor:
     """Float32 values of ``q[rows, cols]`` (a 2-D weight) without dequantizing the rest. Both slices
-    start on a multiple of the format's block (128 covers them all); ``cols`` ends on one, or at the
-    last column. ``cols`` count unpacked elements for the 4-bit formats; ``extra`` is NVFP4's global
-    scale (``weight_scale_2``)."""
+    start on a multiple of the format's block (128 covers them all, but an INT4 group over 128);
+    ``cols`` ends on one, or at the last column. ``cols`` count unpacked elements for the 4-bit
+    formats; ``extra`` is NVFP4's global scale (``weight_scale_2``, or compressed-tensors'
+    ``weight_global_scale``, its reciprocal, under ``params.nvfp4_names``)."""
     if fmt.four_bit:
         per_value = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: 8}[fmt]
-        block = {Format.NVFP4: 16, Format.MXFP4: 32, Format.INT4_W4A16: 32}[fmt]
+        block = params.k_multiple(fmt) or 1
         packed = q[rows, cols.start // per_value : -(-cols.stop // per_value)]
         scales = scale[rows, cols.start // block : -(-cols.stop // block)]
+        if fmt is Format.NVFP4 and extra is not None and params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
+            extra = torch.reciprocal(extra.reshape(()))  # gs back: 1 / float32(1 / gs) may differ by an ulp
         return dequantize(packed, scales, fmt, global_scale=extra)
     if fmt is Format.BLOCK_FP8:
         scale = scale[

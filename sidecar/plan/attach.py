@@ -87,6 +87,14 @@ def with_engine_dtype(spec: RefitSpec, manifest: Manifest) -> RefitSpec:
     return replace(spec, dtype=counts.most_common(1)[0][0]) if counts else spec
 
 
+def with_engine_params(spec: RefitSpec, manifest: Manifest) -> RefitSpec:
+    """``spec`` with the format parameters the engine holds (the manifest decides, SPEC §1.7 and
+    §2.3): INT4's group and scale dtype, NVFP4's names, those of ``spec``'s own format only (an engine
+    holding another format is refused by :func:`check_manifest` for that)."""
+    params = manifest.format_params.for_format(spec.format)
+    return spec if params == spec.params else replace(spec, params=params)
+
+
 def check_manifest(
     inputs: Iterable[TensorSpec],
     spec: RefitSpec,
@@ -98,8 +106,10 @@ def check_manifest(
 
     ``share=(layout, node)``: the daemon publishes one node's share; ``inputs`` are then every input
     (``RefitPlan.source``), the other nodes' experts included, and the engine must expect no more
-    than the share."""
+    than the share. The plan is made with the engine's format parameters (:func:`with_engine_params`):
+    ``check.plan.spec.params`` may differ from ``spec.params``, and the daemon then re-plans."""
     keep = engine_bf16_modules(manifest, spec.model_type)
+    spec = with_engine_params(spec, manifest)
     try:
         plan = RefitPlan.build(list(inputs), spec, keep_bf16=keep, share=share)
     except ValueError as exc:

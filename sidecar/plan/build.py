@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, FP8_DTYPE, Format, FormatParams, Nvfp4Names
 from sidecar.plan.classify import (
     Routed,
     check_experts,
@@ -101,25 +101,37 @@ def _output(
     )
 
 
-#: a 4-bit weight's third output (SPEC §2.3): its name's leaf, dtype and shape
+#: a 4-bit weight's third output (SPEC §2.3): its dtype and shape. NVFP4's global scale is ModelOpt's
+#: 0-d ``weight_scale_2``, or under compressed-tensors' names ``weight_global_scale`` ``[1]``, as
+#: compressed-tensors makes it (its ``initialize_qparams``: a one-element tensor per module)
 _EXTRA_OUTPUT = {
-    Format.NVFP4: ("weight_scale_2", torch.float32, ()),
-    Format.INT4_W4A16: ("weight_shape", torch.int64, (2,)),
+    (Format.NVFP4, Nvfp4Names.MODELOPT): (torch.float32, ()),
+    (Format.NVFP4, Nvfp4Names.COMPRESSED_TENSORS): (torch.float32, (1,)),
+    (Format.INT4_W4A16, None): (torch.int64, (2,)),
 }
 
 
+def _extra_output(fmt: Format, params: FormatParams) -> tuple[str, torch.dtype, tuple[int, ...]] | None:
+    if fmt is Format.NVFP4:
+        return (params.global_scale_leaf(), *_EXTRA_OUTPUT[(fmt, params.nvfp4_names)])
+    if fmt is Format.INT4_W4A16:
+        return ("weight_shape", *_EXTRA_OUTPUT[(fmt, None)])
+    return None
+
+
 def _four_bit_outputs(
-    name: str, shape: tuple[int, int], fmt: Format, source: str, **where: Any
+    name: str, shape: tuple[int, int], fmt: Format, params: FormatParams, source: str, **where: Any
 ) -> tuple[OutputSpec, ...]:
-    """SPEC §2.3's names for a 4-bit weight: packed values (``.weight`` for NVFP4, ModelOpt's name;
-    ``.weight_packed`` for compressed-tensors' MXFP4 and INT4), ``.weight_scale``, and NVFP4's
-    ``.weight_scale_2`` or INT4's ``.weight_shape``."""
+    """SPEC §2.3's names for a 4-bit weight: packed values (``.weight`` for NVFP4 under ModelOpt's
+    names; ``.weight_packed`` for compressed-tensors' MXFP4, INT4 and NVFP4), ``.weight_scale``, and
+    NVFP4's ``.weight_scale_2`` (``.weight_global_scale``) or INT4's ``.weight_shape``; INT4's scales
+    per ``params.int4_group`` in ``params.int4_scale_dtype``."""
     module = _module_name(name)
     scale_name = f"{module}.{fmt.scale_suffix}"
-    extra = _EXTRA_OUTPUT.get(fmt)
+    extra = _extra_output(fmt, params)
     extra_name = None if extra is None else f"{module}.{extra[0]}"
     weight = _output(
-        f"{module}.{fmt.weight_suffix}",
+        f"{module}.{params.weight_suffix(fmt)}",
         fmt.weight_dtype,
         fmt.weight_shape(shape),
         Role.WEIGHT,
@@ -128,20 +140,18 @@ def _four_bit_outputs(
         extra_name=extra_name,
         **where,
     )
-    outputs = [
-        weight,
-        _output(scale_name, fmt.scale_dtype, fmt.scale_shape(shape), Role.SCALE, source, **where),
-    ]
+    scale_dtype, scale_shape = params.scale_dtype(fmt), params.scale_shape(fmt, shape)
+    outputs = [weight, _output(scale_name, scale_dtype, scale_shape, Role.SCALE, source, **where)]
     if extra is not None:
         outputs.append(_output(extra_name, extra[1], extra[2], Role.SCALE, source, **where))
     return tuple(outputs)
 
 
 def _weight_and_scale(
-    name: str, shape: tuple[int, int], fmt: Format, source: str, **where: Any
+    name: str, shape: tuple[int, int], fmt: Format, source: str, params: FormatParams, **where: Any
 ) -> tuple[OutputSpec, ...]:
     if fmt.four_bit:
-        return _four_bit_outputs(name, shape, fmt, source, **where)
+        return _four_bit_outputs(name, shape, fmt, params, source, **where)
     scale_name = f"{_module_name(name)}.{fmt.scale_suffix}"
     scale_shape = fmt.scale_shape(shape)
     numel = shape[0] * shape[1]
@@ -171,7 +181,7 @@ def _weight_and_scale(
 
 
 def _slab_outputs(
-    r: Routed, fmt: Format, held: range | None = None
+    r: Routed, fmt: Format, params: FormatParams, held: range | None = None
 ) -> tuple[list[OutputSpec], list[tuple[str, ...]]]:
     """One slab split per expert: gate rows [0, I) and up rows [I, 2I) of gate_up, or down; only
     the experts in ``held`` (a node's share) when given."""
@@ -188,7 +198,9 @@ def _slab_outputs(
         names = []
         for proj, span in parts:
             name = f"{r.prefix}.{e}.{proj.value}{WEIGHT_SUFFIX}"
-            made = _weight_and_scale(name, (i, cols), fmt, r.spec.name, expert=e, rows=span, proj=proj)
+            made = _weight_and_scale(
+                name, (i, cols), fmt, r.spec.name, params, expert=e, rows=span, proj=proj
+            )
             outputs += made
             names.append(made[0].name)
         groups += [tuple(names)] if fmt in _SHARED_SCALE_FORMATS else [(n,) for n in names]
@@ -223,9 +235,9 @@ def _passthrough_unit(
     )
 
 
-def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit:
+def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer, params: FormatParams) -> Unit:
     """A non-expert linear weight ``[out, in]`` quantized on its own (its own scale in every format)."""
-    outputs = _weight_and_scale(inp.name, (inp.shape[0], inp.shape[1]), fmt, inp.name)
+    outputs = _weight_and_scale(inp.name, (inp.shape[0], inp.shape[1]), fmt, inp.name, params)
     return Unit(
         index=index,
         kind=UnitKind.LINEAR,
@@ -235,15 +247,16 @@ def _linear_unit(index: int, inp: TensorSpec, fmt: Format, layer: Layer) -> Unit
         bytes_in=inp.nbytes,
         fmt=fmt,
         scale_groups=((outputs[0].name,),),
+        params=params,
     )
 
 
-def _expert_unit(index: int, members: list[Routed], fmt: Format) -> Unit:
+def _expert_unit(index: int, members: list[Routed], fmt: Format, params: FormatParams) -> Unit:
     outputs: list[OutputSpec] = []
     names: list[str] = []
     for r in members:
         shape = (r.spec.shape[0], r.spec.shape[1])
-        made = _weight_and_scale(r.spec.name, shape, fmt, r.spec.name, proj=ExpertProj(r.proj))
+        made = _weight_and_scale(r.spec.name, shape, fmt, r.spec.name, params, proj=ExpertProj(r.proj))
         outputs += made
         names.append(made[0].name)
     names = tuple(names)
@@ -257,6 +270,7 @@ def _expert_unit(index: int, members: list[Routed], fmt: Format) -> Unit:
         bytes_in=sum(r.spec.nbytes for r in members),
         fmt=fmt,
         scale_groups=(names,) if len(names) > 1 else ((names[0],),),
+        params=params,
     )
 
 
@@ -265,6 +279,7 @@ def _validate(
     reasons: dict[str, KeepReason | None],
     fmt: Format,
     linears: Mapping[str, TensorSpec] | None = None,
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
 ) -> None:
     """Every structural problem of the routed experts, and every format problem of those to be
     quantized, raised together."""
@@ -280,9 +295,9 @@ def _validate(
     check_experts(experts, problems)
     for name, r in routed.items():
         if reasons[name] is None:
-            check_quantizable(r.spec, fmt, problems)
+            check_quantizable(r.spec, fmt, problems, params)
     for t in (linears or {}).values():
-        check_quantizable(t, fmt, problems)
+        check_quantizable(t, fmt, problems, params)
     raise_problems(problems)
 
 
@@ -297,6 +312,7 @@ def _make_units(
     spec: RefitSpec | None = None,
 ) -> list[Unit]:
     """Units in input order; a unit reading two inputs sits where the first of them is."""
+    params = DEFAULT_FORMAT_PARAMS if spec is None else spec.params
     units: list[Unit] = []
     done: set[str] = set()
     for inp in inputs:
@@ -304,14 +320,14 @@ def _make_units(
             continue
         r = routed.get(inp.name)
         if inp.name in linears:
-            units.append(_linear_unit(len(units), inp, fmt, layers[inp.name]))
+            units.append(_linear_unit(len(units), inp, fmt, layers[inp.name], params))
             done.add(inp.name)
         elif r is None or reasons[inp.name] is not None:
             dtype = inp.dtype if spec is None else spec.published_dtype(inp.name, inp.dtype)
             units.append(_passthrough_unit(len(units), inp, reasons.get(inp.name), layers[inp.name], dtype))
             done.add(inp.name)
         elif r.expert is None:
-            outs, groups = _slab_outputs(r, fmt, None if held is None else held[r.prefix])
+            outs, groups = _slab_outputs(r, fmt, params, None if held is None else held[r.prefix])
             units.append(
                 Unit(
                     index=len(units),
@@ -322,6 +338,7 @@ def _make_units(
                     bytes_in=inp.nbytes,
                     fmt=fmt,
                     scale_groups=tuple(groups),
+                    params=params,
                 )
             )
             done.add(inp.name)
@@ -334,7 +351,7 @@ def _make_units(
                     for p in (ExpertProj.GATE, ExpertProj.UP)
                 )
                 members = [routed[n] for n in partners if reasons[n] is None]
-            units.append(_expert_unit(len(units), members, fmt))
+            units.append(_expert_unit(len(units), members, fmt, params))
             done.update(m.spec.name for m in members)
     return units
 
@@ -435,7 +452,7 @@ class RefitPlan:
             for n, t in candidates.items()
             if cls._keep_reason(n, layers[n], spec, num_layers, keep) is None
         }
-        _validate(routed, reasons, fmt, linears)
+        _validate(routed, reasons, fmt, linears, spec.params)
         held, dropped = None, frozenset()
         if share is not None:
             held, dropped = _node_share(routed, *share)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.numerics.formats import FLOAT_DTYPES, INT4_GROUP, MX_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, FLOAT_DTYPES, INT4_GROUP, Format, FormatParams
 from sidecar.plan.models import ModelSpec
 from sidecar.plan.spec import ExpertProj, Layer, TensorSpec
 
@@ -72,24 +72,27 @@ def check_experts(experts: dict[tuple[str, int], dict[str, Routed]], problems: l
             problems.append(f"{down.name} {down.shape} is not the transpose of {gate.name} {gate.shape}")
 
 
-def check_quantizable(t: TensorSpec, fmt: Format, problems: list[str]) -> None:
+def check_quantizable(
+    t: TensorSpec, fmt: Format, problems: list[str], params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> None:
     if t.dtype not in FLOAT_DTYPES:
         problems.append(f"{t.name}: dtype {t.dtype} cannot be quantized (bf16/fp16/fp32 only)")
-    multiple = _IN_DIM_MULTIPLE.get(fmt)
+    # the input dim (K) each format's blocks need a multiple of (SPEC §1.2, §1.5-1.7); INT4's group
+    # is the engine's (FormatParams.int4_group)
+    multiple = params.k_multiple(fmt)
     if multiple is not None and t.shape and t.shape[-1] % multiple:
+        what, fix = "", "keep it in bf16 (ignore_patterns) or use block_fp8"
+        if fmt is Format.INT4_W4A16:
+            what = " (the group size the engine holds)"
+            if t.shape[-1] % INT4_GROUP == 0:
+                fix = (
+                    f"keep it in bf16 (ignore_patterns), or start the engine with a group_size that divides "
+                    f"every K ({INT4_GROUP} divides {t.shape[-1]})"
+                )
         problems.append(
-            f"{t.name}: {fmt.value} needs the input dim to be a multiple of {multiple}, got "
-            f"{t.shape[-1]}; keep it in bf16 (ignore_patterns) or use block_fp8"
+            f"{t.name}: {fmt.value} needs the input dim to be a multiple of {multiple}{what}, got "
+            f"{t.shape[-1]}; {fix}"
         )
-
-
-#: the input dim (K) each format's blocks need a multiple of (SPEC §1.2, §1.5-1.7)
-_IN_DIM_MULTIPLE = {
-    Format.MXFP8: MX_BLOCK,
-    Format.NVFP4: NVFP4_BLOCK,
-    Format.MXFP4: MXFP4_BLOCK,
-    Format.INT4_W4A16: INT4_GROUP,
-}
 
 
 def raise_problems(problems: list[str]) -> None:

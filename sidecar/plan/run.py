@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sidecar.numerics import cpu
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams, Nvfp4Names
 from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 from sidecar.plan.launch import try_run_unit
 
@@ -24,14 +24,25 @@ def _quantize_group(
     group: tuple[OutputSpec, ...],
     inputs: Mapping[str, torch.Tensor],
     outputs: Mapping[str, torch.Tensor],
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
 ) -> None:
     views = [w.source_view(inputs[w.source]) for w in group]
     if fmt.four_bit:
         if fmt is Format.NVFP4:  # one global scale over the group (an expert's gate and up)
             gs = cpu.nvfp4_global_scale(*views, name=" + ".join(w.name for w in group))
+            reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+            for w, view in zip(group, views, strict=True):
+                q, s, extra = (outputs[n] for n in w.quantized_outputs)
+                g = torch.empty_like(gs) if reciprocal else extra
+                cpu.quantize_nvfp4(view, global_scale=gs, out=(q, s, g), name=w.name)  # type: ignore[arg-type]
+                if reciprocal:  # compressed-tensors' weight_global_scale: float32(1 / gs), SPEC §2.3
+                    extra.copy_(torch.reciprocal(g).reshape(extra.shape))
+            return
+        if fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
+            kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
             for w, view in zip(group, views, strict=True):
                 out = tuple(outputs[n] for n in w.quantized_outputs)
-                cpu.quantize_nvfp4(view, global_scale=gs, out=out, name=w.name)  # type: ignore[arg-type]
+                cpu.quantize_int4(view, out=out, name=w.name, **kw)  # type: ignore[arg-type]
             return
         for w, view in zip(group, views, strict=True):
             cpu.quantize(view, fmt, out=tuple(outputs[n] for n in w.quantized_outputs), name=w.name)
@@ -76,7 +87,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
         return
     weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
     for group in unit.scale_groups:
-        _quantize_group(unit.fmt, tuple(weights[n] for n in group), inputs, outputs)
+        _quantize_group(unit.fmt, tuple(weights[n] for n in group), inputs, outputs, unit.params)
 
 
 def run_passthroughs(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.models import ModelSpec, get_model
 
 Layer = int | tuple[str, int] | None
@@ -97,10 +97,19 @@ class RefitSpec:
     #: the checkpoint's dtype (``config.json``'s ``dtype``): passthrough outputs are published in it
     #: (see :meth:`published_dtype`); None publishes each input in its own dtype
     dtype: torch.dtype | str | None = None
+    #: the format's parameters the engine decides (INT4 group and scale dtype, NVFP4's names; SPEC
+    #: §1.7, §2.3): the daemon takes them from the engine's manifest at attach
+    #: (``sidecar.plan.attach.with_engine_params``); those of other formats stay at their defaults
+    params: FormatParams = DEFAULT_FORMAT_PARAMS
 
     def __post_init__(self) -> None:
         get_model(self.model_type)  # raises, listing the known types
         object.__setattr__(self, "fmt", Format.parse(self.fmt))
+        if not isinstance(self.params, FormatParams):
+            raise ValueError(
+                f"RefitSpec params = {self.params!r}: give a sidecar.numerics.formats.FormatParams"
+            )
+        self.params.check_for(self.fmt)
         if self.dtype is not None:
             object.__setattr__(self, "dtype", _checkpoint_dtype(self.dtype))
         patterns = self.ignore_patterns
@@ -302,8 +311,9 @@ class OutputSpec:
     rows: tuple[int, int] | None = None  # row range of a gate_up expert matrix: gate or up
     proj: ExpertProj | None = None
     scale_name: str | None = None  # on a weight: its scale output
-    #: on a 4-bit weight: its third output, NVFP4's ``weight_scale_2`` (the global scale) or INT4's
-    #: ``weight_shape``; None for the other formats
+    #: on a 4-bit weight: its third output, NVFP4's ``weight_scale_2`` (the global scale; under
+    #: compressed-tensors' names ``weight_global_scale``, its reciprocal) or INT4's ``weight_shape``;
+    #: None for the other formats
     extra_name: str | None = None
 
     @property
@@ -333,6 +343,8 @@ class Unit:
     bytes_in: int
     fmt: Format | None = None  # None: a passthrough
     scale_groups: tuple[tuple[str, ...], ...] = ()
+    #: the format's parameters (INT4 group and scale dtype, NVFP4's names): the plan spec's
+    params: FormatParams = DEFAULT_FORMAT_PARAMS
     keep_reason: KeepReason | None = None  # set on a routed expert passed through
 
     @property

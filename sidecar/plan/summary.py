@@ -80,6 +80,7 @@ def summarize(plan: RefitPlan) -> dict[str, Any]:
     return {
         "model_type": spec.model_type,
         "format": spec.format.value,
+        "format_params": spec.params.describe(spec.format),
         "num_hidden_layers": plan.num_hidden_layers,
         "num_first_layers_in_bf16": spec.num_first_layers_in_bf16,
         "num_last_layers_in_bf16": spec.num_last_layers_in_bf16,

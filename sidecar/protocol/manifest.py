@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.constraints import EngineConstraints, EngineKind
 from transport.wire import dtype_from_name, dtype_name, safe_repr
 
@@ -63,10 +63,19 @@ class Manifest:
     constraints: EngineConstraints | None = None
     #: free-form facts for logs and status (tp size, device, model name)
     info: Mapping[str, Any] = field(default_factory=dict)
+    #: the expert format's parameters the engine holds (INT4 group and scale dtype, NVFP4's names;
+    #: SPEC §1.7, §2.3): the daemon plans with them (the manifest decides). Those of other formats
+    #: than ``expert_format`` stay at their defaults; a manifest without them says the defaults.
+    format_params: FormatParams = DEFAULT_FORMAT_PARAMS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", EngineKind(self.engine))
         object.__setattr__(self, "expert_format", Format.parse(self.expert_format))
+        if not isinstance(self.format_params, FormatParams):
+            raise TypeError(
+                f"Manifest.format_params is a FormatParams, got {type(self.format_params).__name__}"
+            )
+        self.format_params.check_for(self.expert_format)
         if self.constraints is None:
             object.__setattr__(
                 self, "constraints", EngineConstraints(engine=self.engine, expert_format=self.expert_format)
@@ -103,6 +112,7 @@ class Manifest:
             "tensors": [[t.name, dtype_name(t.dtype), list(t.shape)] for t in self.tensors],
             "constraints": self.constraints.to_wire(),
             "info": dict(self.info),
+            "format_params": self.format_params.to_wire(),
         }
 
     @classmethod
@@ -128,6 +138,7 @@ class Manifest:
                     _map(data, "constraints"), engine=engine, expert_format=fmt
                 ),
                 info=_map(data, "info"),
+                format_params=FormatParams.from_wire(_map(data, "format_params")),
             )
         except KeyError as exc:
             raise ValueError(

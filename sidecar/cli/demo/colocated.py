@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from sidecar.cli.plan import human_bytes
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 
 WORLD_SIZE = 2
 DEFAULT_MODEL = "qwen3_5_moe"
@@ -64,12 +65,23 @@ def hf_config(kwargs: dict[str, Any]) -> dict[str, Any]:
     return make_hf_config(model, **rest)
 
 
-def demo_spec(fmt: str, kwargs: dict[str, Any]):
-    """The RefitSpec the daemon runs for this model (the checkpoint's own scheme resolved)."""
+def demo_spec(fmt: str, kwargs: dict[str, Any], params: FormatParams = DEFAULT_FORMAT_PARAMS):
+    """The RefitSpec the daemon runs for this model (the checkpoint's own scheme resolved), with the
+    format parameters the reference engine holds (its manifest makes the daemon re-plan to them)."""
     from sidecar.plan.build import RefitSpec, plan_from_hf_config
 
     config = hf_config(kwargs)
-    return plan_from_hf_config(config, RefitSpec(model_type=_split(kwargs)[0], fmt=fmt)).spec
+    spec = RefitSpec(model_type=_split(kwargs)[0], fmt=fmt, params=params)
+    return plan_from_hf_config(config, spec).spec
+
+
+def demo_params(args: argparse.Namespace) -> FormatParams:
+    """The format parameters the demo's engine holds (``--int4-group``, ``--int4-scale-dtype``,
+    ``--nvfp4-names``; the defaults for those not given)."""
+    given = {k: getattr(args, k, None) for k in ("int4_group", "int4_scale_dtype", "nvfp4_names")}
+    params = FormatParams(**{k: v for k, v in given.items() if v is not None})
+    params.check_for(Format.parse(args.format))
+    return params
 
 
 def weights(step: int, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -106,7 +118,15 @@ def trainer(endpoint: str, rank: int, steps: int, kwargs: dict[str, Any], failur
         failures.put(f"rank {rank}: {exc}")
 
 
-def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results, attached) -> None:
+def engine(
+    endpoint: str,
+    fmt: str,
+    steps: int,
+    kwargs: dict[str, Any],
+    results,
+    attached,
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
+) -> None:
     """The reference engine: attach, then load, check and measure every step."""
     from adapters.engine import EngineWorker
     from adapters.reference import ReferenceEngine, next_token_kl, sample_inputs
@@ -114,8 +134,8 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
 
     torch.set_num_threads(1)
     config = hf_config(kwargs)
-    spec = demo_spec(fmt, kwargs)
-    live = ReferenceEngine.from_config(config, expert_format=fmt)
+    spec = demo_spec(fmt, kwargs, params)
+    live = ReferenceEngine.from_config(config, expert_format=fmt, format_params=params)
     worker = EngineWorker(
         endpoint,
         name="reference-engine-0",
@@ -131,7 +151,7 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
             # a load found torn (its hold revoked, HoldRevoked) is refused and the next generation loaded
             loaded = worker.load_intact(min_step=step, timeout=120)
             state = weights(loaded.step, kwargs)
-            oracle = ReferenceEngine.from_config(config, expert_format=fmt)
+            oracle = ReferenceEngine.from_config(config, expert_format=fmt, format_params=params)
             oracle.load(convert(state, spec))
             exact = all(torch.equal(_bytes(p), _bytes(oracle.params[n])) for n, p in live.params.items())
             bf16 = ReferenceEngine.from_config(config, expert_format="bf16")
@@ -153,7 +173,9 @@ def engine(endpoint: str, fmt: str, steps: int, kwargs: dict[str, Any], results,
         worker.detach()
 
 
-def start_daemon(run_dir: Path, config: Path, fmt: str, regions: int = 0) -> tuple[subprocess.Popen, str]:
+def start_daemon(
+    run_dir: Path, config: Path, fmt: str, regions: int = 0, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -166,6 +188,9 @@ def start_daemon(run_dir: Path, config: Path, fmt: str, regions: int = 0) -> tup
     ]
     cmd += ["--world-size", str(WORLD_SIZE), "--format", fmt, "--log-level", "warning"]
     cmd += ["--staging-regions", str(regions)]
+    if params != DEFAULT_FORMAT_PARAMS:  # sized for what the engine holds (its manifest decides at attach)
+        cmd += ["--int4-group", str(params.int4_group), "--int4-scale-dtype", params.int4_scale_dtype]
+        cmd += ["--nvfp4-names", params.nvfp4_names.value]
     return subprocess.Popen(cmd), f"ipc://{run_dir / 'control.sock'}"
 
 
@@ -218,6 +243,7 @@ class Verifier:
             engine_version="demo-verifier",
             moe_backend="none",
             expert_format=spec.fmt,
+            format_params=spec.params,
             tensors=tuple(ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs),
         )
         self.spec, self.kwargs, self.checked = spec, kwargs, {}
@@ -242,20 +268,25 @@ def run_colocated(args: argparse.Namespace) -> int:
     from sidecar.plan.run import convert
 
     kwargs = model_kwargs(args)
-    spec = demo_spec(args.format, kwargs)
+    try:
+        params = demo_params(args)
+        spec = demo_spec(args.format, kwargs, params)
+    except ValueError as exc:
+        print(f"refitd demo: {exc}", file=sys.stderr)
+        return 2
     rows, problems = [], []
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(hf_config(kwargs)))
-        daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format, args.staging_regions)
+        daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format, args.staging_regions, params)
         failures, results, attached = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs: list = []
         try:
             wait_ready(endpoint, daemon)
             procs.append(
                 ctx.Process(
-                    target=engine, args=(endpoint, args.format, args.steps, kwargs, results, attached)
+                    target=engine, args=(endpoint, args.format, args.steps, kwargs, results, attached, params)
                 )
             )
             procs[0].start()
@@ -328,7 +359,7 @@ def _header(args: argparse.Namespace, spec) -> None:
     """The table's title and columns, printed before the first step so rows show progress as they land."""
     print(
         f"refitd demo: synthetic {getattr(args, 'model', DEFAULT_MODEL)} ({args.layers} layers + MTP, {args.experts} experts), format "
-        f"{spec.fmt.value}; {WORLD_SIZE} trainer ranks (rank 0 via shared memory, rank 1 via ZeroMQ frames), "
+        f"{spec.fmt.value}{_described(spec)}; {WORLD_SIZE} trainer ranks (rank 0 via shared memory, rank 1 via ZeroMQ frames), "
         "1 reference engine"
     )
     print(
@@ -336,6 +367,11 @@ def _header(args: argparse.Namespace, spec) -> None:
         f"{'load':>8} {'total':>8} {'changed':>8} {'KL vs bf16':>11}  verified",
         flush=True,
     )
+
+
+def _described(spec) -> str:
+    described = spec.params.describe(spec.format)
+    return f" ({described})" if spec.params != DEFAULT_FORMAT_PARAMS else ""
 
 
 def _row(r: dict[str, Any]) -> None:
@@ -357,6 +393,7 @@ def _report(
         summary = {
             "steps": len(rows),
             "format": spec.fmt.value,
+            "format_params": spec.params.describe(spec.format),
             "bytes_in": rows[0]["bytes_in"] if rows else 0,
             "bytes_published": rows[0]["bytes_out"] if rows else 0,
             "per_step": [

@@ -6,12 +6,19 @@ import argparse
 import sys
 
 from sidecar.cli.demo.colocated import DEFAULT_MODEL, MODELS
-from sidecar.numerics.formats import Format
+from sidecar.numerics.formats import INT4_SCALE_DTYPE_NAMES, Format, Nvfp4Names
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run refitd end to end on a small synthetic model (CPU) and verify it")
     p.add_argument("--format", default="block_fp8", choices=[f.value for f in Format])
+    p.add_argument("--int4-group", type=int, default=None, help="int4_w4a16: the group the engine holds")
+    p.add_argument(
+        "--int4-scale-dtype", choices=INT4_SCALE_DTYPE_NAMES, default=None, help="int4_w4a16: its scale dtype"
+    )
+    p.add_argument(
+        "--nvfp4-names", choices=[n.value for n in Nvfp4Names], default=None, help="nvfp4: the names it loads"
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS, help="the synthetic model's family")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
@@ -35,6 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.layout == "disaggregated":
+        if any(getattr(args, k) is not None for k in ("int4_group", "int4_scale_dtype", "nvfp4_names")):
+            print(
+                "refitd demo: --int4-group / --int4-scale-dtype / --nvfp4-names run with the colocated layout",
+                file=sys.stderr,
+            )
+            return 2
         if args.model != DEFAULT_MODEL:
             print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
             return 2
