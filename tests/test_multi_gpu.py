@@ -465,4 +465,4 @@ def test_a_unit_failing_on_one_gpus_thread_fails_the_step_everywhere_and_retires
             assert len(after) == 2 and all(a != b for a, b in zip(before, after)), (before, after)
     finally:
         d.close()
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("refitd-quant")]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("refitd-quant-gpu")]

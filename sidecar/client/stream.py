@@ -113,6 +113,23 @@ def write_stream(
         client._local.open(ready["staging"])
     pending: dict[int, list[tuple[Piece, int, int]]] = {}
     got: set[Key] = set()
+    # Backpressure: the items of at most ``hold`` ungranted groups wait here (the ring's regions on
+    # every GPU), so a trainer's export is not drained into memory while the daemon is slow to
+    # grant. Waiting is safe only once this rank has sent everything of every earlier group (the
+    # daemon grants in plan order and frees a region when its group completes), so a stream out of
+    # plan order keeps being read instead of deadlocking.
+    hold = _held_groups(ready, arenas) if ring else 0
+    left: dict[int, int] = {}  # group -> this rank's pieces of it not yet yielded
+    for _, group, _ in want.values():
+        left[group] = left.get(group, 0) + 1
+    order, first = sorted(left), 0  # order[first]: this rank's first group not wholly yielded
+
+    def earlier_sent(group: int) -> bool:
+        nonlocal first
+        while first < len(order) and left[order[first]] == 0:
+            first += 1
+        return first == len(order) or order[first] >= group
+
     skipped_names = {p.name for p in getattr(feed, "declared", ())} - set(by_name)
 
     def write(group: int, rows: list[tuple[Piece, int, int]]) -> None:
@@ -153,6 +170,7 @@ def write_stream(
                 )
             got.add(key)
             pid, group, rel = want[key]
+            left[group] -= 1
             if ring:
                 pending.setdefault(group, []).append((p, pid, rel))
             else:
@@ -160,6 +178,10 @@ def write_stream(
         if ring:
             client._poll(step, 0.0)
             flush()
+            while len(pending) > hold and earlier_sent(min(pending)):
+                client._keepalive(step, deadline, "waiting for a staging region (SLOT)")
+                client._poll(step, client._heartbeat())
+                flush()
     if feed.error is not None:
         raise ValueError(
             f"the trainer's export raised {type(feed.error).__name__}: {feed.error}"
@@ -175,6 +197,13 @@ def write_stream(
         client._poll(step, client._heartbeat())
         flush()
     return ("staging", "") if local else ("zmq", "a streamed step sends frames")
+
+
+def _held_groups(ready: dict, arenas: int) -> int:
+    """How many ungranted groups' items a rank holds before it waits for a SLOT: the ring's regions
+    on every GPU (READY's ``ring.regions``; at least one)."""
+    regions = ready["ring"].get("regions", 1) if isinstance(ready.get("ring"), dict) else 1
+    return max(1, regions if type(regions) is int else 1) * arenas
 
 
 def _unexpected(p: Piece, keys: Iterable[Key]) -> str:
