@@ -46,7 +46,8 @@ from sidecar.plan.classify import (
     classify,
     raise_problems,
 )
-from sidecar.plan.models import ExpertForm, checkpoint_dtype, get_model, model_type_of
+from sidecar.plan.models import ExpertForm, get_model, model_type_of
+from sidecar.plan.models.registry import checkpoint_dtype
 from sidecar.plan.spec import (
     _APPENDED_MTP_RE,
     WEIGHT_SUFFIX,
