@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.config.environment import NativeBuild, triton_interpret_env
 from sidecar.config.example import EXAMPLE_TOML, example_toml
 from sidecar.config.settings import (
     CONFIG_ENV,
@@ -23,12 +24,10 @@ from sidecar.config.settings import (
     DaemonConfig,
     LogFormat,
     LogLevel,
-    NativeBuild,
     default_runtime_dir,
     is_loopback_host,
     parse_size,
     prepare_runtime_dir,
-    triton_interpret_env,
 )
 from sidecar.config.sources import (
     Setting,

@@ -301,7 +301,8 @@ def test_glm4_5_names_shapes_and_dtypes():
 def test_normalize_hf_config_reads_transformers_5_names():
     """Qwen3MoeConfig.save_pretrained writes ``num_local_experts`` and ``dtype``; DeepSeek-V3 and
     GLM-4.5 configs may say ``num_local_experts``/``num_mtp_layers``: each reads as refitd's name."""
-    from sidecar.plan.models import checkpoint_dtype, normalize_hf_config
+    from sidecar.plan.models import normalize_hf_config
+    from sidecar.plan.models.registry import checkpoint_dtype
 
     qwen = {
         k: v

@@ -93,7 +93,8 @@ from adapters.reference.parts import (
     _rope,
 )
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams, Nvfp4Names
-from sidecar.plan.models import FULL_ATTENTION, get_model, model_type_of, qwen3_5_layer_types
+from sidecar.plan.models import get_model, model_type_of
+from sidecar.plan.models.qwen import FULL_ATTENTION, qwen3_5_layer_types
 from sidecar.protocol.manifest import EngineKind, Manifest, ManifestTensor
 
 __all__ = ["ENGINE_VERSION", "MOE_BACKEND", "ReferenceEngine", "next_token_kl", "sample_inputs"]

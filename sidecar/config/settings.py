@@ -20,15 +20,13 @@ dataclass never reads ``os.environ``: :func:`default_runtime_dir` receives the e
 from __future__ import annotations
 
 import dataclasses
-import os
-import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sidecar.config import values as v
 from sidecar.config.checks import value_problems
+from sidecar.config.environment import NATIVE_CC_ENV, NATIVE_DIR_ENV, NATIVE_ENV
 from sidecar.config.runtime_dir import default_listen
 from sidecar.config.runtime_dir import default_runtime_dir as default_runtime_dir  # re-exported
 from sidecar.config.runtime_dir import prepare_runtime_dir as prepare_runtime_dir  # re-exported
@@ -67,9 +65,6 @@ EXIT_CONFIG = 78
 ENV_PREFIX = "REFITD_"
 #: The environment variable naming the config file (``--config`` beats it).
 CONFIG_ENV = "REFITD_CONFIG"
-#: The native CPU quantizers' build (:class:`NativeBuild`): ``0`` turns them off, the C compiler
-#: command, where builds are cached.
-NATIVE_ENV, NATIVE_CC_ENV, NATIVE_DIR_ENV = "REFITD_NATIVE", "REFITD_CC", "REFITD_NATIVE_DIR"
 #: ``REFITD_*`` variables that are not daemon settings; any other unknown one is an error.
 #: (the Slurm launcher hands trainers and engines their endpoints in REFITD_ENDPOINT*)
 NON_SETTING_ENV = frozenset(
@@ -698,37 +693,3 @@ class DaemonConfig:
 
 #: field name -> how it is spelled and converted; the file key is the name, the variable REFITD_<NAME>
 KNOBS: dict[str, Knob] = {f.name: f.metadata["knob"] for f in dataclasses.fields(DaemonConfig)}
-
-
-# --------------------------------------------------------------------------------------------------
-# the environment outside the daemon's settings: read here too, so one module reads refitd's environment
-
-
-@dataclass(frozen=True, slots=True)
-class NativeBuild:
-    """How the native CPU quantizers are built (sidecar.numerics.native). Not DaemonConfig fields:
-    ``refitd convert``, the benches and the tests build them too, with no daemon config; read from
-    the environment each time it is asked for (:meth:`from_env`), so a test may change it."""
-
-    disabled: bool  # REFITD_NATIVE=0 (or false, no, off): the torch reference quantizes
-    compiler: tuple[str, ...]  # REFITD_CC split into words (``ccache gcc``), else ``cc``
-    cache_dir: Path  # REFITD_NATIVE_DIR, else $XDG_CACHE_HOME/refitd, else ~/.cache/refitd
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> NativeBuild:
-        """From ``env`` (default ``os.environ``)."""
-        env = os.environ if env is None else env
-        explicit, xdg = env.get(NATIVE_DIR_ENV), env.get("XDG_CACHE_HOME")
-        cache = Path(explicit) if explicit else (Path(xdg) if xdg else Path.home() / ".cache") / "refitd"
-        return cls(
-            disabled=env.get(NATIVE_ENV, "").strip().lower() in ("0", "false", "no", "off"),
-            compiler=tuple(shlex.split(env.get(NATIVE_CC_ENV, "") or "cc")) or ("cc",),
-            cache_dir=cache,
-        )
-
-
-def triton_interpret_env(env: Mapping[str, str] | None = None) -> bool:
-    """Whether Triton's ``TRITON_INTERPRET`` (its CPU interpreter: tests only) is on in ``env``
-    (default ``os.environ``): what a Triton before 3.4, which has no ``knobs`` to ask, goes by."""
-    env = os.environ if env is None else env
-    return env.get("TRITON_INTERPRET", "0") not in ("", "0")

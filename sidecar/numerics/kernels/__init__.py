@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from sidecar.config.settings import triton_interpret_env
+from sidecar.config.environment import triton_interpret_env
 from sidecar.numerics.formats import BLOCK, Format
 from sidecar.numerics.kernels.slab import (
     DEFAULT_CONFIGS,

@@ -12,7 +12,7 @@ Nothing here is ever an error for the caller: no compiler, a failed compile or `
 gives one WARNING naming what failed, and :func:`load` returns None (the torch reference then runs,
 slower). Build ahead of time with ``python -m sidecar.numerics.native``.
 
-Environment (read by sidecar.config.settings.NativeBuild, where refitd reads its environment):
+Environment (read by sidecar.config.environment.NativeBuild, where refitd reads its environment):
 
 ``REFITD_NATIVE``      ``0`` turns the native path off (the torch reference quantizes)
 ``REFITD_CC``          the C compiler command (default ``cc``; may carry words, e.g. ``ccache gcc``)
@@ -38,7 +38,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from sidecar.config.settings import NativeBuild
+from sidecar.config.environment import NativeBuild
 
 __all__ = [
     "ABI",
