@@ -53,6 +53,16 @@ def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_visio
     return list(out)
 
 
+def with_vllm_aliases(ignored: list[str]) -> list[str]:
+    """``ignored`` plus the names vLLM matches a quantization config's exclusions against where they
+    differ from the checkpoint's: DeepSeekMTP builds an MTP layer's ``shared_head.head`` under the
+    prefix ``model.layers.{N}.head`` (deepseek_mtp.py SharedHead); ModelOpt would quantize that head
+    otherwise (vLLM 0.33.0, run on CPU in tests/test_engine_vllm_models.py)."""
+    return ignored + [
+        m.replace(".shared_head.head", ".head") for m in ignored if m.endswith(".shared_head.head")
+    ]
+
+
 def _kept(spec: RefitSpec, layer: int | None, layers: int, module: str) -> bool:
     if spec.format is Format.BF16:
         return True
@@ -75,11 +85,7 @@ def vllm_engine_args(
     """
     # the vision tower stays BF16 either way: with language_model_only vLLM still constructs it
     # (then drops it), and the quant config's create_weights runs for every linear constructed
-    ignored = bf16_modules(spec, hf_config, include_vision=True)
-    # DeepSeekMTP builds an MTP layer's shared_head.head under the prefix model.layers.{N}.head
-    # (deepseek_mtp.py SharedHead), the name a quant config's exclusion is matched against; ModelOpt
-    # would quantize that head otherwise (vLLM 0.33.0, run on CPU in tests/test_engine_vllm_models.py)
-    ignored += [m.replace(".shared_head.head", ".head") for m in ignored if m.endswith(".shared_head.head")]
+    ignored = with_vllm_aliases(bf16_modules(spec, hf_config, include_vision=True))
     args: dict[str, Any] = {
         "load_format": "dummy",
         "dtype": "bfloat16",
@@ -91,12 +97,6 @@ def vllm_engine_args(
         # ModelConfig.language_model_only, vLLM 0.33.0)
         args["language_model_only"] = True
     fmt = spec.format
-    if fmt is Format.INT4_W4A16 and spec.params.int4_scale_dtype != "bfloat16":
-        raise ValueError(
-            f"int4_w4a16 with {spec.params.int4_scale_dtype} scales: vLLM 0.33.0's CompressedTensorsWNA16MoEMethod "
-            "holds the group scales in the model dtype (create_weights: params_dtype), bfloat16 here, so it "
-            "cannot hold them; plan with int4_scale_dtype='bfloat16' (the engine's manifest says so at attach)"
-        )
     if fmt.four_bit:
         quantization, qc4 = four_bit_quantization(fmt, ignored, spec.params)
         return {**args, "quantization": quantization, "hf_overrides": {"quantization_config": qc4}}
