@@ -88,11 +88,13 @@ def _spec_values(tensors: dict[str, torch.Tensor], module: str, spec: RefitSpec)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_convert_writes_the_daemons_4bit_names_and_bytes(tmp_path, variant):
+def test_convert_writes_the_daemons_4bit_names_and_bytes(tmp_path, variant, capsys):
     """The directory is what the daemon publishes (sidecar.plan.run.convert), shard by shard; every
     quantized tensor is the torch reference's in the format's parameters; the config is the one the
-    vLLM adapter starts a refit engine with, the routed experts quantized and the rest kept BF16."""
+    vLLM adapter starts a refit engine with, the routed experts quantized and the rest kept BF16. A
+    ModelOpt NVFP4 checkpoint says it holds no calibrated activation scales (W4A4's ``input_scale``)."""
     weights, spec, out = _convert(tmp_path, variant, seed=11)
+    assert ("holds no input_scale" in capsys.readouterr().err) == (variant == "nvfp4")
     got = _read_dir(out)
     _same(got, convert(weights, spec))
     reference = reference_outputs(weights, spec)

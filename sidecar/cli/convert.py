@@ -46,6 +46,14 @@ EXIT_USAGE = 2
 DEFAULT_SHARD_BYTES = 2 << 30
 INDEX_NAME = "model.safetensors.index.json"
 ENGINES = ("sglang", "vllm")
+#: a ModelOpt NVFP4 checkpoint written from BF16 weights has no calibrated activation scales
+NO_INPUT_SCALE = (
+    "the NVFP4 checkpoint holds no input_scale (W4A4's static activation scales come from calibration, "
+    "not from weights; vLLM 0.33.0 leaves them uninitialised when a checkpoint lacks them). Backends "
+    "that run NVFP4 weights with BF16 activations (Marlin, Hopper's choice) drop them; for a W4A4 "
+    "backend (SM100's FlashInfer / CUTLASS, the emulation) add calibrated input_scale tensors, or convert "
+    "with --nvfp4-names compressed_tensors (NVFP4 weights, BF16 activations)"
+)
 
 
 def quantization_config_for(
@@ -402,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return EXIT_USAGE
             hf_config = json.loads(args.config.read_text())
-            convert_generation(
+            written = convert_generation(
                 args.from_daemon,
                 args.out,
                 hf_config,
@@ -415,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
             if args.source is None or args.fmt is None:
                 print("refitd convert: give SOURCE OUT --format FMT (or --from-daemon)", file=sys.stderr)
                 return EXIT_USAGE
-            convert_directory(
+            written = convert_directory(
                 args.source,
                 args.out,
                 Format.parse(args.fmt),
@@ -430,6 +438,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"refitd convert: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    if (written.get("quantization_config") or {}).get("quant_algo") == "NVFP4":
+        print(f"refitd convert: note: {NO_INPUT_SCALE}", file=sys.stderr)
     print(f"refitd convert: wrote {args.out}")
     return EXIT_OK
 
