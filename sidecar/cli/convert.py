@@ -151,11 +151,14 @@ def _st_dtype(name: str) -> torch.dtype:
     return getattr(torch, _ST_DTYPES[name])
 
 
-def convert_outputs(source: CheckpointDir, plan: RefitPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every output of ``plan`` (built over ``source.specs``), unit by unit: each unit's inputs are
-    read, quantized (in the plan's format parameters, as the daemon does), and dropped."""
+def convert_outputs(source: CheckpointDir, plan: RefitPlan | RefitSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every output of ``plan`` (built over ``source.specs``; a RefitSpec: the plan of it), unit by
+    unit: each unit's inputs are read, quantized (in the plan's format parameters, as the daemon
+    does), and dropped."""
     from sidecar.plan.run import run_unit
 
+    if isinstance(plan, RefitSpec):
+        plan = RefitPlan.build(source.specs, plan)
     for unit in plan.units:
         inputs = {n: source.get(n) for n in unit.inputs}
         if unit.fmt is None:
