@@ -97,6 +97,12 @@ def vllm_engine_args(
         # ModelConfig.language_model_only, vLLM 0.33.0)
         args["language_model_only"] = True
     fmt = spec.format
+    if fmt is Format.INT4_W4A16 and spec.params.int4_scale_dtype != "bfloat16":
+        raise ValueError(
+            f"int4_w4a16 with {spec.params.int4_scale_dtype} scales: vLLM 0.33.0's CompressedTensorsWNA16MoEMethod "
+            "holds the group scales in the model dtype (create_weights: params_dtype), bfloat16 here, so it "
+            "cannot hold them; plan with int4_scale_dtype='bfloat16' (the engine's manifest says so at attach)"
+        )
     if fmt.four_bit:
         quantization, qc4 = four_bit_quantization(fmt, ignored, spec.params)
         return {**args, "quantization": quantization, "hf_overrides": {"quantization_config": qc4}}

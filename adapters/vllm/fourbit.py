@@ -41,15 +41,7 @@ def four_bit_quantization(
 ) -> tuple[str, dict[str, Any]]:
     """``(quantization, quantization_config)`` for ``LLM(quantization=..., hf_overrides={"quantization_config":
     ...})`` with the routed experts in ``fmt`` and the modules in ``ignored`` left in BF16; ``params``
-    (the plan's) give INT4's ``group_size`` and NVFP4's names (``adapters.vllm.compressed_nvfp4``).
-    ValueError for INT4 in float32 scales, which vLLM cannot hold. ``refitd convert --engine vllm``
-    writes the same ``quantization_config`` into a checkpoint's ``config.json``."""
-    if fmt is Format.INT4_W4A16 and params.int4_scale_dtype != "bfloat16":
-        raise ValueError(
-            f"int4_w4a16 with {params.int4_scale_dtype} scales: vLLM 0.33.0's CompressedTensorsWNA16MoEMethod "
-            "holds the group scales in the model dtype (create_weights: params_dtype), bfloat16 here, so it "
-            "cannot hold them; plan with int4_scale_dtype='bfloat16' (the engine's manifest says so at attach)"
-        )
+    (the plan's) give INT4's ``group_size`` and NVFP4's names (``adapters.vllm.compressed_nvfp4``)."""
     if fmt is Format.NVFP4 and params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
         return compressed_tensors_nvfp4(ignored)
     if fmt is Format.NVFP4:

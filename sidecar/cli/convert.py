@@ -81,10 +81,14 @@ def quantization_config_for(
     model = get_model(model_type_of(hf_config))
     skip = bf16_modules_of(tensors, model)
     if engine == "vllm" and fmt.four_bit:
-        from adapters.vllm.args import with_vllm_aliases
+        from adapters.vllm.args import vllm_engine_args, with_vllm_aliases
         from adapters.vllm.fourbit import four_bit_quantization
 
-        return four_bit_quantization(fmt, with_vllm_aliases(skip), params.for_format(fmt))[1]
+        params = params.for_format(fmt)
+        # the checks vLLM's engine arguments make of this format and its parameters (INT4 scales it
+        # cannot hold) hold for a checkpoint it boots from too; the BF16 modules are the written ones
+        vllm_engine_args(RefitSpec(model_type=model.model_type, fmt=fmt, params=params), hf_config)
+        return four_bit_quantization(fmt, with_vllm_aliases(skip), params)[1]
     if fmt is Format.MXFP8 and engine == "vllm":
         return {"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": skip}
     spec = RefitSpec(model_type=model.model_type, fmt=fmt, params=params.for_format(fmt))
