@@ -8,7 +8,9 @@ in-process conversion (``sidecar.plan.run.convert``: what a daemon publishes) pr
 BF16 weights: every parameter must be byte-equal, so the directory holds exactly the published names
 and bytes under a config vLLM reads the same way.
 
-The one thing replaced, as issue 25 describes: vLLM's MoE kernel backend choice
+The 4-bit directories (ModelOpt NVFP4, compressed-tensors W4A16 / MXFP4 / NVFP4) the same way, with
+tests/support/vllm_models.py's replacements (EMULATION backends, Marlin's pure-torch repack). For
+block-FP8, the one thing replaced, as issue 25 describes: vLLM's MoE kernel backend choice
 (``select_fp8_moe_backend`` answers NONE on a CPU without AMX, ``select_unquantized_moe_backend``
 CPU, whose ops the CUDA wheel lacks) is made to answer TRITON, the layout Hopper uses for block-FP8
 at EP 1. No kernel runs.
@@ -121,3 +123,67 @@ def test_vllm_real_classes_load_the_converted_block_fp8_directory(vllm_cpu, tmp_
     assert router.dtype == torch.bfloat16  # modules_to_not_convert keeps vLLM's router as published
     experts = [p for n, p in got.items() if "experts" in n and n.endswith("w13_weight")]
     assert experts and all(p.dtype == torch.float8_e4m3fn for p in experts)
+
+
+#: (format, format parameters, vLLM 0.33.0's MoE method for the config convert writes)
+FOUR_BIT = {
+    "nvfp4-modelopt": ("nvfp4", {}, "ModelOptNvFp4FusedMoE"),
+    "int4-g64": ("int4_w4a16", {"int4_group": 64}, "CompressedTensorsWNA16MoEMethod"),
+    "mxfp4": ("mxfp4", {}, "CompressedTensorsW4A4Mxfp4MoEMethod"),
+    "nvfp4-ct": ("nvfp4", {"nvfp4_names": "compressed_tensors"}, "CompressedTensorsW4A4Nvfp4MoEMethod"),
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("variant", list(FOUR_BIT))
+def test_vllm_real_classes_boot_from_a_converted_4bit_directory(vllm_cpu, tmp_path, variant):
+    """vLLM's real ``Qwen3MoeForCausalLM`` boots from ``refitd convert --engine vllm``'s 4-bit directory:
+    its ``config.json`` alone selects the MoE method (ModelOpt NVFP4; compressed-tensors W4A16 in group
+    64, MXFP4, NVFP4 under its names), and the real loader with ``process_weights_after_loading`` leaves
+    every published parameter byte-equal to the same model class loaded with the published tensors
+    (``sidecar.plan.run.convert``). What is replaced is tests/support/vllm_models.py's: the NVFP4 / WNA16
+    MoE backend choice answers EMULATION (vLLM's own pure-torch weight processing); MXFP4 keeps Marlin
+    with vLLM's pure-torch reference of its repack."""
+    from safetensors.torch import save_file
+    from support import vllm_models
+
+    from sidecar.numerics.formats import FormatParams
+
+    fmt, flags, method = FOUR_BIT[variant]
+    vllm_models.import_vllm()  # NVFP4 / WNA16 MoE backend choice: EMULATION (no kernel runs)
+    g = torch.Generator().manual_seed(8)
+    weights = {
+        n: (torch.randn(shape, generator=g) * 0.05).to(dtype)
+        for n, shape, dtype in get_model("qwen3_moe").parameters(CONFIG)
+    }
+    params = FormatParams(**flags)
+    out = tmp_path / fmt
+    written = convert_directory(
+        _bf16_dir(tmp_path, weights), out, Format(fmt), engine="vllm", params=params, max_shard_bytes=1 << 20
+    )
+    spec = RefitSpec(model_type="qwen3_moe", fmt=fmt, num_hidden_layers=2, params=params)
+    oracle_dir = tmp_path / "oracle"
+    oracle_dir.mkdir()
+    save_file(
+        {n: t.contiguous() for n, t in convert(weights, spec).items()}, str(oracle_dir / "model.safetensors")
+    )
+    (oracle_dir / "config.json").write_text(json.dumps(written))
+
+    from_disk, _ = _load(out, "auto")
+    oracle, _ = _load(oracle_dir, "auto")
+    methods = {type(m.quant_method).__name__ for m in from_disk.modules() if hasattr(m, "quant_method")}
+    assert method in methods
+    got, want = dict(from_disk.named_parameters()), dict(oracle.named_parameters())
+    assert sorted(got) == sorted(want)
+    # W4A4's static activation scales are engine state, not published (a reload carries the engine's
+    # over: adapters/vllm/carry.py), so a converted directory has none and they stay uninitialised
+    unpublished = [n for n in want if n.endswith(("_input_scale", "_input_global_scale"))]
+    assert bool(unpublished) == (fmt == "nvfp4")
+    for name, w in want.items():
+        assert (got[name].dtype, got[name].shape) == (w.dtype, w.shape), name
+        if name in unpublished:
+            continue
+        a, b = got[name].detach().reshape(-1).view(torch.uint8), w.detach().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{name}: vLLM's load of the converted directory differs"
+    router = next(p for n, p in got.items() if n.endswith("layers.0.mlp.gate.weight"))
+    assert router.dtype == torch.bfloat16  # the config's exclusions keep vLLM's router as published

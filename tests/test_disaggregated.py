@@ -545,3 +545,35 @@ def test_demo_disaggregated_verifies_every_node_and_reports_the_wire():
     for row in summary["per_step"]:
         assert row["published_exact"] and row["engine_exact"] and row["movers"] == [AUTO_MOVER] * 2
         assert 0 < row["wire_fp8"] < row["wire_bf16"]
+
+
+def test_demo_disaggregated_forwards_a_variant_the_engines_hold():
+    """``refitd demo --layout disaggregated`` with the engines holding INT4 with float32 scales (the demo's
+    K of 96 and 160 take group 32 only): planned in them on the trainer node, forwarded, published and
+    loaded byte for byte on both nodes; a parameter of another format is refused before anything starts."""
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "sidecar.cli", "demo", "--layout", "disaggregated"),
+            *("--steps", "2", "--layers", "2", "--format", "int4_w4a16", "--json"),
+            *("--int4-group", "32", "--int4-scale-dtype", "float32"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["verified"] and summary["steps"] == 2 and len(summary["nodes"]) == 2
+    assert summary["format_params"] == "group 32, float32 scales"
+    for row in summary["per_step"]:
+        assert row["published_exact"] and row["engine_exact"] and 0 < row["kl"][0] < 0.05
+    refused = subprocess.run(
+        [
+            *(sys.executable, "-m", "sidecar.cli", "demo", "--layout", "disaggregated"),
+            *("--format", "nvfp4", "--int4-group", "64"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "int4_group = 64 applies to another format" in refused.stderr

@@ -90,3 +90,30 @@ def test_status_says_what_the_device_holds_within_its_budget():
     text = render_status({**base, "tiers": {**tiers, "generations": "cuda_ipc"}})
     assert "generations in GPU memory" in text
     assert "device memory" not in render_status({**base, "tiers": {**tiers, "device_budget": None}})
+
+
+def test_status_shows_the_format_parameters_published_and_each_engine_holds():
+    """The live plan's format with the parameters that apply to it (INT4 group and scale dtype, NVFP4
+    names), and each engine's; none for a format they do not apply to, or a status without them."""
+    base = {"generations": [], "trainers": [], "readers": [], "history": [], "gpus": [], "arenas": []}
+    base |= {"instance": "abc", "pid": 7, "host": "n", "listen": "ipc://x", "world_size": 1, "last_step": 3}
+    int4 = {"int4_group": 128, "int4_scale_dtype": "float32", "nvfp4_names": "modelopt"}
+    engine = {"name": "e0", "engine": "vllm", "version": "0.33.0", "moe_backend": "Marlin"}
+    text = render_status(
+        {
+            **base,
+            "format": "int4_w4a16",
+            "format_params": int4,
+            "engines": [{**engine, "expert_format": "int4_w4a16", "format_params": int4}],
+        }
+    )
+    assert "format int4_w4a16 (group 128, float32 scales), world_size 1" in text
+    assert "MoE backend Marlin, experts int4_w4a16 (group 128, float32 scales)" in text
+    ct = {"int4_group": 32, "int4_scale_dtype": "bfloat16", "nvfp4_names": "compressed_tensors"}
+    text = render_status({**base, "format": "nvfp4", "format_params": ct, "engines": []})
+    assert "format nvfp4 (compressed_tensors names), world_size 1" in text
+    text = render_status({**base, "format": "block_fp8", "format_params": ct | {"nvfp4_names": "modelopt"}})
+    assert "format block_fp8, world_size 1" in text
+    assert "format int4_w4a16, world_size 1" in render_status(
+        {**base, "format": "int4_w4a16"}
+    )  # an older daemon

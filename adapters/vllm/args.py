@@ -53,6 +53,16 @@ def bf16_modules(spec: RefitSpec, hf_config: Mapping[str, Any], *, include_visio
     return list(out)
 
 
+def with_vllm_aliases(ignored: list[str]) -> list[str]:
+    """``ignored`` plus the names vLLM matches a quantization config's exclusions against where they
+    differ from the checkpoint's: DeepSeekMTP builds an MTP layer's ``shared_head.head`` under the
+    prefix ``model.layers.{N}.head`` (deepseek_mtp.py SharedHead); ModelOpt would quantize that head
+    otherwise (vLLM 0.33.0, run on CPU in tests/test_engine_vllm_models.py)."""
+    return ignored + [
+        m.replace(".shared_head.head", ".head") for m in ignored if m.endswith(".shared_head.head")
+    ]
+
+
 def _kept(spec: RefitSpec, layer: int | None, layers: int, module: str) -> bool:
     if spec.format is Format.BF16:
         return True
@@ -75,11 +85,7 @@ def vllm_engine_args(
     """
     # the vision tower stays BF16 either way: with language_model_only vLLM still constructs it
     # (then drops it), and the quant config's create_weights runs for every linear constructed
-    ignored = bf16_modules(spec, hf_config, include_vision=True)
-    # DeepSeekMTP builds an MTP layer's shared_head.head under the prefix model.layers.{N}.head
-    # (deepseek_mtp.py SharedHead), the name a quant config's exclusion is matched against; ModelOpt
-    # would quantize that head otherwise (vLLM 0.33.0, run on CPU in tests/test_engine_vllm_models.py)
-    ignored += [m.replace(".shared_head.head", ".head") for m in ignored if m.endswith(".shared_head.head")]
+    ignored = with_vllm_aliases(bf16_modules(spec, hf_config, include_vision=True))
     args: dict[str, Any] = {
         "load_format": "dummy",
         "dtype": "bfloat16",

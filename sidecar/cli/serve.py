@@ -245,10 +245,23 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def format_label(fmt: str, params: dict | None) -> str:
+    """``int4_w4a16 (group 128, float32 scales)``: a format with the parameters that apply to it
+    (SPEC §1.7, §2.3); the bare format where none do or the status (an older daemon's) has none."""
+    from sidecar.numerics.formats import Format, FormatParams
+
+    try:
+        described = FormatParams.from_wire(params).describe(Format.parse(fmt)) if params else ""
+    except ValueError:
+        described = f"format parameters {params!r:.120}"
+    return f"{fmt} ({described})" if described else fmt
+
+
 def render_status(s: dict) -> str:
     lines = [
         f"refitd {s['instance']} pid {s['pid']} on {s['host']}, listening on {s['listen']}",
-        f"format {s['format']}, world_size {s['world_size']}, last published step {s['last_step']}",
+        f"format {format_label(s['format'], s.get('format_params'))}, world_size {s['world_size']}, "
+        f"last published step {s['last_step']}",
     ]
     if q := s.get("quantizer"):
         how = (
@@ -312,7 +325,7 @@ def render_status(s: dict) -> str:
     for e in s.get("engines", []):
         lines.append(
             f"  engine {e['name']}: {e['engine']} {e['version']}, MoE backend {e['moe_backend']}, "
-            f"experts {e['expert_format']}"
+            f"experts {format_label(e['expert_format'], e.get('format_params'))}"
         )
     for name, peer in (s.get("peers") or {}).items():
         lines.append(f"  peer {name}: {peer}")

@@ -57,6 +57,11 @@ def status(daemon: Observed) -> dict[str, Any]:
         "inbound": daemon.receiver.status(),
         "pull": daemon.pulls.status(),
         "format": daemon.spec.fmt.value,
+        # the parameters the live generation (and the next) is published in: the plan's, which an
+        # attached engine's manifest decides (SPEC §1.7, §2.3); those of other formats at their defaults
+        "format_params": (daemon.spec if plan is None else plan.spec)
+        .params.for_format(daemon.spec.fmt)
+        .to_wire(),
         "quantizer": None if daemon.quantizer is None else daemon.quantizer.to_dict(),
         "world_size": config.world_size,
         "last_step": daemon.last_step,
@@ -101,6 +106,7 @@ def status(daemon: Observed) -> dict[str, Any]:
                 "version": e.manifest.engine_version,
                 "moe_backend": e.manifest.moe_backend,
                 "expert_format": e.manifest.expert_format.value,
+                "format_params": e.manifest.format_params.to_wire(),
             }
             for e in daemon.engines.values()
         ],

@@ -325,14 +325,6 @@ class FormatParams:
 #: the parameters a plan made without an engine uses (INT4 group 32 in bfloat16, ModelOpt NVFP4 names)
 DEFAULT_FORMAT_PARAMS = FormatParams()
 
-#: what an engine adapter says for a 4-bit format it has no verified loader arguments and attach
-#: checks for yet (the daemon, plans, forwarding and the reference engine handle them)
-FOUR_BIT_ENGINE_REFUSAL = (
-    "refitd publishes {fmt} (SPEC §1.5-1.7), but its {engine} adapter has no verified engine arguments, "
-    "MoE-backend rules or attach checks for {fmt} yet: refit {engine} in block_fp8, mxfp8 or "
-    "fp8_per_tensor, or load {fmt} generations with your own loader (the tensors follow SPEC §2.3)"
-)
-
 #: the FP8 formats (one float8 value per element, one scale tensor): the paths written for them
 FP8_FORMATS = (Format.BLOCK_FP8, Format.MXFP8, Format.FP8_PER_TENSOR)
 #: the 4-bit formats (SPEC §1.5-1.7)

@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--layout",
         default="colocated",
         choices=["colocated", "disaggregated"],
-        help="disaggregated: a trainer node's daemon forwards FP8 to two inference nodes' daemons (loopback)",
+        help="disaggregated: a trainer node's daemon forwards the quantized generation to two inference nodes' "
+        "daemons (loopback)",
     )
     p.add_argument(
         "--staging-regions",
@@ -42,12 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.layout == "disaggregated":
-        if any(getattr(args, k) is not None for k in ("int4_group", "int4_scale_dtype", "nvfp4_names")):
-            print(
-                "refitd demo: --int4-group / --int4-scale-dtype / --nvfp4-names run with the colocated layout",
-                file=sys.stderr,
-            )
-            return 2
         if args.model != DEFAULT_MODEL:
             print(f"refitd demo: --layout disaggregated runs {DEFAULT_MODEL} only", file=sys.stderr)
             return 2

@@ -5,7 +5,9 @@ daemon (two trainer rank processes push to it, as in the colocated demo) quantiz
 each sealed generation over CURVE-authenticated TCP to the inference daemons, which listen on their
 own loopback addresses (127.0.0.2, 127.0.0.3). Each inference node runs a reference engine process and
 a verifier; every step is checked byte for byte on both nodes. The table adds what crossed the wire
-per step: the FP8 generation forwarded to every node, against the BF16 weights that would have been.
+per step: the quantized generation forwarded to every node, against the BF16 weights that would have
+been. ``--int4-group`` / ``--int4-scale-dtype`` / ``--nvfp4-names``: the engines hold that variant, and
+the generation is planned, forwarded and published in it.
 """
 
 from __future__ import annotations
@@ -22,8 +24,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sidecar.cli.demo.colocated import WORLD_SIZE, Verifier, engine, model_kwargs, wait_ready, weights
+from sidecar.cli.demo.colocated import (
+    WORLD_SIZE,
+    Verifier,
+    demo_params,
+    demo_spec,
+    engine,
+    model_kwargs,
+    wait_ready,
+    weights,
+)
 from sidecar.cli.plan import human_bytes
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
 
@@ -77,11 +89,18 @@ def _peers_at(status_reader, step: int, timeout: float = 120.0) -> dict[str, dic
 def run_disaggregated(args: argparse.Namespace) -> int:
     from adapters.base import RefitReader
     from sidecar.cli.demo.synthetic import make_hf_config
-    from sidecar.plan.build import RefitSpec
     from transport.curve import write_keypair
 
     kwargs = model_kwargs(args)
-    spec = RefitSpec(model_type="qwen3_5_moe", fmt=args.format)
+    # the format parameters the reference engines hold: the trainer node plans with them (the engines
+    # attach to the inference nodes, whose daemons publish the forwarded generation as it came), and
+    # every daemon is started with them, so each engine's manifest agrees with the plan at attach
+    try:
+        params = demo_params(args)
+        spec = demo_spec(args.format, kwargs, params)
+    except ValueError as exc:
+        print(f"refitd demo: {exc}", file=sys.stderr)
+        return 2
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
     ctx = mp.get_context("spawn")
@@ -95,6 +114,9 @@ def run_disaggregated(args: argparse.Namespace) -> int:
         node_key, node_pub = write_keypair(root, "inference")
         endpoints = [f"tcp://{h}:{_free_port(h)}" for h in HOSTS]
         common = ("--format", args.format, "--layout", "disaggregated", "--forward-timeout", "20")
+        if params != DEFAULT_FORMAT_PARAMS:
+            common += ("--int4-group", str(params.int4_group), "--int4-scale-dtype", params.int4_scale_dtype)
+            common += ("--nvfp4-names", params.nvfp4_names.value)
         locals_ = []
         for i, ep in enumerate(endpoints):
             run_dir = root / f"node{i}"
@@ -129,7 +151,8 @@ def run_disaggregated(args: argparse.Namespace) -> int:
                 attached = ctx.Event()
                 procs.append(
                     ctx.Process(
-                        target=engine, args=(ep, args.format, args.steps, kwargs, results[i], attached)
+                        target=engine,
+                        args=(ep, args.format, args.steps, kwargs, results[i], attached, params),
                     )
                 )
                 procs[-1].start()
@@ -213,6 +236,7 @@ def _report(
             "layout": "disaggregated",
             "steps": len(rows),
             "format": spec.fmt.value,
+            "format_params": spec.params.describe(spec.fmt),
             "nodes": endpoints,
             "per_step": per_step,
             "verified": ok,
@@ -222,12 +246,12 @@ def _report(
         return
     print(
         f"refitd demo (disaggregated): synthetic qwen3_5_moe ({args.layers} layers + MTP, {args.experts} experts), "
-        f"format {spec.fmt.value}; {WORLD_SIZE} trainer ranks -> trainer node daemon -> CURVE/TCP -> "
+        f"format {spec.fmt.value}{f' ({d})' if (d := spec.params.describe(spec.fmt)) else ''}; {WORLD_SIZE} trainer ranks -> trainer node daemon -> CURVE/TCP -> "
         f"{len(endpoints)} inference nodes ({', '.join(endpoints)}), 1 reference engine each"
     )
     print(
         f"{'step':>4} {'bytes in':>10} {'published':>10} {'quantize':>8} {'publish':>8} {'forward':>8} "
-        f"{'load':>8} {'wire FP8':>10} {'BF16 would':>10} {'ratio':>6} {'KL vs bf16':>11}  verified"
+        f"{'load':>8} {'on wire':>10} {'BF16 would':>10} {'ratio':>6} {'KL vs bf16':>11}  verified"
     )
     for r in per_step:
         s = r["seconds"]
