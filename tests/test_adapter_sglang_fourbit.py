@@ -155,3 +155,26 @@ def test_sglang_loads_two_four_bit_generations_byte_equal_to_its_own_load(sgl, t
         client.close()
         detach_all()
         daemon.close()
+
+
+@pytest.mark.engine
+def test_sglangs_triton_int4_experts_are_refused_because_sglang_cannot_reload_them(sgl, tmp_path):  # noqa: F811
+    """``--moe-runner-backend triton`` (the ``auto`` choice on SM100/SM103): SGLang's real
+    ``CompressedTensorsWNA16TritonMoE.process_weights_after_loading`` (pure torch, nothing replaced here)
+    turns the packed weights into new uint8 parameters without a ``weight_loader``. The attach check
+    refuses it, naming the backend that works, and SGLang's own loader indeed fails on that model."""
+    from safetensors.torch import load_file
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    config = _qwen3_moe()
+    out = _checkpoint(tmp_path, "triton", config, _weights(config, 4), Format.INT4_W4A16)
+    engine = sgl.build_model(out, load_format="auto", moe_runner_backend="triton")
+    assert type(engine.model.layers[0].mlp.experts.scheme).__name__ == "CompressedTensorsWNA16TritonMoE"
+    DefaultModelLoader.restore_weights_before_loading(engine, torch.device("cpu"))  # begin_weight_update
+    (problem,) = check_sglang_constraints(sglang_manifest(engine), config)
+    assert "CompressedTensorsWNA16TritonMoE" in problem and "--moe-runner-backend marlin" in problem
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    with pytest.raises(AttributeError, match="weight_loader"):
+        DefaultModelLoader.load_weights_only(engine, iter(tensors.items()), torch.device("cpu"))
