@@ -1,6 +1,6 @@
 """The SGLang adapter in refitd's 4-bit formats against SGLang 0.5.23's real classes on CPU (make test-sglang).
 
-A tiny Qwen3-MoE (transformers' own config class) in NVFP4 (ModelOpt names: SGLang's
+A tiny Qwen3-MoE and DeepSeek-V3 (transformers' own config classes, as for FP8) in NVFP4 (ModelOpt names: SGLang's
 ``ModelOptFp4Config`` / ``ModelOptNvFp4FusedMoEMethod``) and INT4 W4A16 (compressed-tensors
 ``pack-quantized``: ``CompressedTensorsConfig`` / ``CompressedTensorsWNA16MoE``): ``refitd convert`` writes
 the checkpoint directory, SGLang's real ``DefaultModelLoader`` loads it (``load_format="auto"``, the
@@ -41,7 +41,15 @@ from adapters.sglang.loader import detach_all, sglang_manifest
 from sidecar.numerics.formats import Format
 from sidecar.plan.spec import RefitSpec
 from tests.support.waiting import wait_until
-from tests.test_adapter_sglang import _bytes, _checkpoint, _qwen3_moe, _refit, _weights, sgl  # noqa: F401
+from tests.test_adapter_sglang import (  # noqa: F401 (sgl: the fixture)
+    CONFIGS,
+    _bytes,
+    _checkpoint,
+    _qwen3_moe,
+    _refit,
+    _weights,
+    sgl,
+)
 
 #: the MoE method each format resolves to, whose CUDA-only processing the test replaces
 METHODS = {
@@ -68,8 +76,22 @@ def _loaded(name: str) -> bool:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("fmt", [Format.NVFP4, Format.INT4_W4A16])
-def test_sglang_loads_two_four_bit_generations_byte_equal_to_its_own_load(sgl, tmp_path, monkeypatch, fmt):  # noqa: F811
+@pytest.mark.parametrize(
+    ("model_type", "fmt"),
+    [
+        ("qwen3_moe", Format.NVFP4),
+        ("qwen3_moe", Format.INT4_W4A16),
+        ("deepseek_v3", Format.NVFP4),
+        ("deepseek_v3", Format.INT4_W4A16),
+    ],
+)
+def test_sglang_loads_two_four_bit_generations_byte_equal_to_its_own_load(
+    sgl,  # noqa: F811 (the fixture)
+    tmp_path,
+    monkeypatch,
+    model_type,
+    fmt,
+):
     import importlib
 
     from sidecar.client.client import RefitClient
@@ -82,12 +104,12 @@ def test_sglang_loads_two_four_bit_generations_byte_equal_to_its_own_load(sgl, t
         lambda self, layer: None,
     )
 
-    config = _qwen3_moe()
+    config = CONFIGS[model_type]()
     steps = {1: _weights(config, 1), 2: _weights(config, 2)}
     dirs = {s: _checkpoint(tmp_path, f"step{s}", config, w, fmt) for s, w in steps.items()}
     written = json.loads((dirs[1] / "config.json").read_text())
     assert written["quantization_config"] == sglang_quantization_config(
-        RefitSpec(model_type="qwen3_moe", fmt=fmt), config
+        RefitSpec(model_type=model_type, fmt=fmt), config
     )
 
     engine = sgl.build_model(dirs[1], load_format="dummy", **server_args)
@@ -113,9 +135,13 @@ def test_sglang_loads_two_four_bit_generations_byte_equal_to_its_own_load(sgl, t
         assert (s.dtype, s.shape) == (torch.bfloat16, (256, 4))
         assert by_name["model.layers.1.mlp.experts.3.down_proj.weight_shape"].dtype == torch.int64
         assert manifest.format_params.int4_group == 32
-    # the router and attention stay BF16
-    assert by_name["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
-    assert by_name["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    # the router, attention and DeepSeek's shared experts stay BF16
+    assert by_name["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    if model_type == "qwen3_moe":
+        assert by_name["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    else:
+        assert by_name["model.layers.1.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+        assert by_name["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == torch.bfloat16
 
     params = {n: id(p) for n, p in engine.named_parameters()}
     held = {n: p.detach().clone() for n, p in engine.named_parameters() if not _loaded(n)}

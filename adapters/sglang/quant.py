@@ -189,6 +189,20 @@ def bf16_modules_of(
     return sorted(out)
 
 
+def with_fused_names(modules: Iterable[str]) -> list[str]:
+    """``modules`` plus SGLang's fused module (``gate_up_proj``, ``qkv_proj``) wherever all its shards
+    are listed: compressed-tensors' ``should_ignore_layer`` only expands a fused name into its shards
+    through the model's ``packed_modules_mapping``, which DeepSeek-V2/V3's lacks for its dense MLPs'
+    ``gate_up_proj`` (their INT4 scheme would be looked up, and the layer quantized, otherwise)."""
+    out = dict.fromkeys(modules)
+    for fused, shards in PACKED_MODULES.items():
+        for name in list(out):
+            parent, _, leaf = name.rpartition(".")
+            if leaf == shards[0] and all(f"{parent}.{s}" in out for s in shards):
+                out.setdefault(f"{parent}.{fused}")
+    return sorted(out)
+
+
 def sglang_quantization_config(
     spec: RefitSpec, hf_config: Mapping[str, Any], *, skip: list[str] | None = None
 ) -> dict[str, Any] | None:
@@ -210,7 +224,7 @@ def sglang_quantization_config(
     if fmt is Format.NVFP4:
         return nvfp4_quantization_config(skip)
     if fmt is Format.INT4_W4A16:
-        return int4_quantization_config(skip, spec.params)
+        return int4_quantization_config(with_fused_names(skip), spec.params)
     if fmt is Format.MXFP4:
         raise ValueError(MXFP4_REFUSAL)
     if fmt is Format.MXFP8:
