@@ -204,3 +204,53 @@ def test_sglangs_triton_int4_experts_are_refused_because_sglang_cannot_reload_th
         tensors.update(load_file(str(f)))
     with pytest.raises(AttributeError, match="weight_loader"):
         DefaultModelLoader.load_weights_only(engine, iter(tensors.items()), torch.device("cpu"))
+
+
+@pytest.mark.engine
+def test_sglang_mxfp4_is_refused_because_its_mxfp4_method_reads_other_names(sgl, tmp_path, monkeypatch):  # noqa: F811
+    """SGLang's real model from the compressed-tensors MXFP4 config vLLM loads (``mxfp4-pack-quantized``):
+    SGLang picks gpt-oss's ``Mxfp4MoEMethod`` (its ``process_weights_after_loading`` a no-op here: it
+    imports ``triton_kernels``), holding ``w13_weight`` / ``w13_weight_scale`` / ``w13_weight_bias``. The
+    attach refuses with that reason, and SGLang's own loader given refitd's MXFP4 tensors (SPEC §2.3's
+    ``.weight_packed``) leaves the experts as they were: the names would be skipped without a word."""
+    from safetensors.torch import save_file
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from adapters.sglang.fourbit import MXFP4_REFUSAL, int4_quantization_config
+    from adapters.sglang.quant import bf16_modules
+    from sidecar.cli.convert import CheckpointDir, convert_outputs
+
+    monkeypatch.setattr(Mxfp4MoEMethod, "process_weights_after_loading", lambda self, layer: None)
+    config = _qwen3_moe()
+    spec = RefitSpec(model_type="qwen3_moe", fmt=Format.MXFP4)
+    qc = int4_quantization_config(bf16_modules(spec, config))  # the MXFP4 weights vLLM's config names:
+    qc["format"] = "mxfp4-pack-quantized"
+    qc["config_groups"]["group_0"]["weights"] = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": 32,
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    }
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    save_file(_weights(config, 5), str(bf16 / "model.safetensors"))
+    (bf16 / "config.json").write_text(json.dumps(config))
+    published = dict(convert_outputs(CheckpointDir(bf16), spec))
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight_packed" in published
+    d = tmp_path / "mx"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    engine = sgl.build_model(d, load_format="dummy")
+    moe = engine.model.layers[1].mlp.experts
+    assert isinstance(moe.quant_method, Mxfp4MoEMethod)
+    assert {"w13_weight", "w13_weight_scale", "w13_weight_bias"} <= {n for n, _ in moe.named_parameters()}
+    with pytest.raises(ValueError, match="Mxfp4MoEMethod") as refused:
+        sglang_manifest(engine)
+    assert str(refused.value) == MXFP4_REFUSAL
+    before = moe.w13_weight.detach().clone()
+    DefaultModelLoader.load_weights_only(engine, iter(published.items()), torch.device("cpu"))
+    assert torch.equal(moe.w13_weight, before)  # refitd's .weight_packed: skipped by SGLang

@@ -154,7 +154,7 @@ def test_the_daemon_accepts_sglangs_four_bit_manifest(key, fmt):
 
 def test_four_bit_attach_refusals_quote_sglangs_reason():
     """NVFP4 through Marlin (parameters replaced without a weight_loader), INT4 through the Triton WNA16
-    experts (the same), K multiples under a TP split, and MXFP4 (no SGLang MoE scheme off NPUs)."""
+    experts (the same), K multiples under a TP split, and MXFP4 (SGLang's Mxfp4MoEMethod reads other names)."""
     config, params = _recorded("qwen3_moe_nvfp4")
     qc = config["quantization_config"]
     lost = ["model.layers.0.mlp.experts.w13_weight"]
@@ -179,7 +179,7 @@ def test_four_bit_attach_refusals_quote_sglangs_reason():
         "moe_intermediate_size / tp = 8" in p and "16" in p for p in check_sglang_constraints(split, config)
     )
     spec = RefitSpec(model_type="qwen3_moe", fmt=Format.MXFP4)
-    with pytest.raises(ValueError, match=r"compressed_tensors.py:908.*Unsupported FusedMoe scheme"):
+    with pytest.raises(ValueError, match=r"Mxfp4MoEMethod.*compressed_tensors.py:236-242.*weight_packed"):
         sglang_quantization_config(spec, hf_field_names(config))
     mx = {**config4["quantization_config"]}
     mx["config_groups"] = {

@@ -32,11 +32,13 @@ what SGLang cannot reload (pure; no SGLang import). Line numbers are the 0.5.23 
   (``compressed_tensors.py:927-949``, group 32 or 128), whose processing replaces the packed weights and
   scales with new ``uint8`` parameters without a ``weight_loader`` and marks the layer converted
   (``compressed_tensors_wNa16_moe.py:507-531``): refused, ``--moe-runner-backend marlin`` works.
-* **MXFP4**: SGLang 0.5.23 has no MoE scheme for compressed-tensors' ``mxfp4-pack-quantized`` outside
-  Ascend NPUs (``compressed_tensors.py:908``: ``NPUCompressedTensorsW4A8mxfp4MoE`` only ``if _is_npu``;
-  elsewhere 4-bit float group-32 weights reach ``raise RuntimeError(f"Unsupported FusedMoe scheme:
-  ...")``, line 1004), and its own ``Mxfp4Config`` (``quantization/mxfp4.py``, gpt-oss) reads
-  ``.weight`` / fused ``gate_up_proj_blocks``, not SPEC §2.3's ``.weight_packed``: refused.
+* **MXFP4**: SGLang 0.5.23 routes a compressed-tensors MXFP4 MoE (``"mxfp4"`` in the format, or 4-bit
+  float group-32 weights) off NPUs to ``Mxfp4MoEMethod`` (``compressed_tensors.py:236-242``), gpt-oss's
+  method: ``w13_weight`` / ``w13_weight_scale`` uint8 plus ``w13_weight_bias`` (``mxfp4.py:566-595``),
+  loaded through ``FusedMoE.make_expert_params_mapping`` from ``experts.{e}.gate_proj.weight`` /
+  ``.weight_scale``; SPEC §2.3's ``.weight_packed`` maps to ``w13_weight_packed``, which does not exist,
+  and is skipped without a word. Its processing needs ``triton_kernels`` / FlashInfer / Marlin, and the
+  MXFP4 backend wrappers "cannot restore" before a reload (``model_loader/loader.py:1097``): refused.
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ INFO_MOE_BACKEND = "moe_runner_backend"
 INFO_CAPABILITY = "device_capability"
 
 MXFP4_REFUSAL = (
-    "SGLang 0.5.23 cannot load refitd's MXFP4 experts: compressed-tensors' mxfp4-pack-quantized MoE exists "
-    "only on Ascend NPUs (layers/quantization/compressed_tensors/compressed_tensors.py:908 "
-    "NPUCompressedTensorsW4A8mxfp4MoE; elsewhere line 1004 raises 'Unsupported FusedMoe scheme'), and "
-    "SGLang's own Mxfp4Config (quantization/mxfp4.py, gpt-oss checkpoints) reads .weight / fused "
-    "gate_up_proj_blocks, not SPEC §2.3's .weight_packed: refit SGLang in nvfp4, int4_w4a16 or an FP8 format"
+    "SGLang 0.5.23 cannot load refitd's MXFP4 experts: it serves a compressed-tensors MXFP4 MoE with gpt-oss's "
+    "Mxfp4MoEMethod (layers/quantization/compressed_tensors/compressed_tensors.py:236-242), whose w13_weight / "
+    "w13_weight_scale / w13_weight_bias (quantization/mxfp4.py:566-595) load from experts.{e}.gate_proj.weight, "
+    "so SPEC §2.3's .weight_packed would be skipped without a word, and whose backend wrappers cannot restore "
+    "their weights before an update (model_loader/loader.py:1097): refit SGLang in nvfp4, int4_w4a16 or an FP8 "
+    "format"
 )
 
 
