@@ -187,3 +187,27 @@ def test_four_bit_attach_refusals_quote_sglangs_reason():
     }
     with pytest.raises(ValueError, match="MXFP4"):
         resolve_quant(mx)
+
+
+def test_int4_group_and_scale_dtype_come_from_sglangs_parameters():
+    """A group-128 config: SGLang's ``w13_weight_scale [E, H/128, 2I]`` (the recorded list with its
+    scale rows regrouped) gives the manifest's group; a float16 model's scales are refused by name."""
+    config, params = _recorded("qwen3_moe_int4_w4a16")
+    qc = json.loads(json.dumps(config["quantization_config"]))
+    qc["config_groups"]["group_0"]["weights"]["group_size"] = 128
+
+    def regroup(name, dtype, shape, scale_dtype="bfloat16"):
+        if name.endswith("_weight_scale"):
+            return name, scale_dtype, (shape[0], shape[1] * 32 // 128, shape[2])
+        return name, dtype, shape
+
+    manifest = build_manifest([regroup(*p) for p in params], config, qc)
+    assert (manifest.format_params.int4_group, manifest.format_params.int4_scale_dtype) == (128, "bfloat16")
+    assert manifest.by_name()["model.layers.0.mlp.experts.1.down_proj.weight_scale"].shape == (
+        256,
+        128 // 128,
+    )
+    with pytest.raises(ValueError, match=r"float16 \(the model dtype\).*--dtype bfloat16"):
+        build_manifest([regroup(*p, scale_dtype="float16") for p in params], config, qc)
+    with pytest.raises(ValueError, match="not one per 32"):  # the config says 32, SGLang holds 128
+        build_manifest([regroup(*p) for p in params], config, config["quantization_config"])
