@@ -178,6 +178,9 @@ def test_four_bit_attach_refusals_quote_sglangs_reason():
     assert any(
         "moe_intermediate_size / tp = 8" in p and "16" in p for p in check_sglang_constraints(split, config)
     )
+    linear = [(n, "uint8", s) if n.endswith("self_attn.o_proj.weight") else (n, d, s) for n, d, s in params]
+    (problem,) = check_sglang_constraints(build_manifest(linear, config, qc), config)
+    assert "4-bit routed experts only" in problem and "quantize_linears" in problem
     spec = RefitSpec(model_type="qwen3_moe", fmt=Format.MXFP4)
     with pytest.raises(ValueError, match=r"Mxfp4MoEMethod.*compressed_tensors.py:236-242.*weight_packed"):
         sglang_quantization_config(spec, hf_field_names(config))

@@ -288,6 +288,17 @@ def check_sglang_constraints(manifest: Manifest, hf_config: Mapping[str, Any] | 
     i4 = i if i is not None else manifest.constraints.intermediate_size
     part = i4 // tp if i4 is not None and i4 % tp == 0 else i4
     problems += four_bit_problems(fmt, manifest.format_params, h4, part, manifest.info)
+    linears = sorted(
+        t.name
+        for t in manifest.tensors
+        if fmt.four_bit and ".mlp.experts." not in t.name and t.dtype in (torch.uint8, torch.int32)
+    )
+    if linears:
+        problems.append(
+            f"SGLang would hold {len(linears)} non-expert tensors in {fmt.value} (e.g. {linears[0]}): refitd's SGLang "
+            "adapter publishes 4-bit routed experts only (its 4-bit linear methods, e.g. ModelOptFp4LinearMethod "
+            "with static input scales, are not verified): set quantize_linears off (the linears stay BF16)"
+        )
     dp = manifest.info.get(INFO_DP_SIZE)
     if isinstance(dp, int) and dp > 1:
         problems.append(
