@@ -46,7 +46,7 @@ test-engines: venv
 # on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
 test-sglang: venv
 	tests/setup_sglang.sh
-	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
 
 bench: venv
 	$(PY) bench/quant.py

@@ -111,3 +111,106 @@ def test_quantization_config_keeps_in_bf16_what_the_plan_keeps():
     mx = sglang_quantization_config(RefitSpec(model_type="qwen3_moe", fmt=Format.MXFP8), config)
     assert mx["quant_method"] == "mxfp8" and resolve_quant(mx).fmt is Format.MXFP8
     assert sglang_quantization_config(RefitSpec(model_type="qwen3_moe", fmt=Format.BF16), config) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# the 4-bit formats (adapters.sglang.fourbit): parameter lists of SGLang's ModelOptNvFp4FusedMoEMethod
+# and CompressedTensorsWNA16MoE, recorded as above (their CUDA-only processing a no-op: see
+# tests/test_adapter_sglang_fourbit.py)
+
+
+@pytest.mark.parametrize(
+    ("key", "fmt"), [("qwen3_moe_nvfp4", Format.NVFP4), ("qwen3_moe_int4_w4a16", Format.INT4_W4A16)]
+)
+def test_the_daemon_accepts_sglangs_four_bit_manifest(key, fmt):
+    """Every 4-bit name SGLang loads maps to SPEC §2.3's tensors; NVFP4's activation scales are kept as
+    held (not published, not refused); INT4's group and scale dtype come from SGLang's parameters."""
+    config, manifest = _manifest(key)
+    assert manifest.expert_format is fmt and resolve_quant(config["quantization_config"]).fmt is fmt
+    cfg = hf_field_names(config)
+    spec = with_checkpoint_scheme(
+        RefitSpec(model_type="qwen3_moe", fmt=fmt, params=manifest.format_params), cfg
+    )
+    check = check_manifest(get_model("qwen3_moe").parameters(cfg, include_mtp=False), spec, manifest)
+    assert check.ok, check.errors
+    assert not check_sglang_constraints(manifest, config)
+    names = manifest.by_name()
+    if fmt is Format.NVFP4:
+        assert names["model.layers.1.mlp.experts.0.gate_proj.weight_scale"].dtype == torch.float8_e4m3fn
+        assert names["model.layers.1.mlp.experts.0.up_proj.weight_scale_2"].shape == ()
+        assert manifest.info["held_input_scales"] == [
+            f"model.layers.{n}.mlp.experts.{w}_input_scale" for n in (0, 1) for w in ("w13", "w2")
+        ]
+        assert manifest.moe_backend == "ModelOptNvFp4FusedMoEMethod"
+    else:
+        assert names["model.layers.1.mlp.experts.0.gate_proj.weight_packed"].shape == (128, 256 // 8)
+        assert names["model.layers.1.mlp.experts.0.gate_proj.weight_scale"].shape == (128, 256 // 32)
+        assert (manifest.format_params.int4_group, manifest.format_params.int4_scale_dtype) == (
+            32,
+            "bfloat16",
+        )
+        assert not any("g_idx" in n for n in names)
+
+
+def test_four_bit_attach_refusals_quote_sglangs_reason():
+    """NVFP4 through Marlin (parameters replaced without a weight_loader), INT4 through the Triton WNA16
+    experts (the same), K multiples under a TP split, and MXFP4 (SGLang's Mxfp4MoEMethod reads other names)."""
+    config, params = _recorded("qwen3_moe_nvfp4")
+    qc = config["quantization_config"]
+    lost = ["model.layers.0.mlp.experts.w13_weight"]
+    marlin = build_manifest(
+        params, config, qc, no_loader=lost, moe_runner_backend="auto", device_capability=90
+    )
+    (problem,) = check_sglang_constraints(marlin, config)
+    assert (
+        "Marlin on SM90" in problem
+        and "marlin_utils_fp4.py:530" in problem
+        and "flashinfer_trtllm" in problem
+    )
+    config4, params4 = _recorded("qwen3_moe_int4_w4a16")
+    triton = build_manifest(
+        params4, config4, config4["quantization_config"], no_loader=lost, device_capability=100
+    )
+    (problem,) = check_sglang_constraints(triton, config4)
+    assert "CompressedTensorsWNA16TritonMoE on SM100" in problem and "--moe-runner-backend marlin" in problem
+    # moe_intermediate_size 128 over tp 16: 8 per rank, not a multiple of NVFP4's 16
+    split = build_manifest(params, config, qc, tp_size=16)
+    assert any(
+        "moe_intermediate_size / tp = 8" in p and "16" in p for p in check_sglang_constraints(split, config)
+    )
+    linear = [(n, "uint8", s) if n.endswith("self_attn.o_proj.weight") else (n, d, s) for n, d, s in params]
+    (problem,) = check_sglang_constraints(build_manifest(linear, config, qc), config)
+    assert "4-bit routed experts only" in problem and "quantize_linears" in problem
+    spec = RefitSpec(model_type="qwen3_moe", fmt=Format.MXFP4)
+    with pytest.raises(ValueError, match=r"Mxfp4MoEMethod.*compressed_tensors.py:236-242.*weight_packed"):
+        sglang_quantization_config(spec, hf_field_names(config))
+    mx = {**config4["quantization_config"]}
+    mx["config_groups"] = {
+        "group_0": {"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}
+    }
+    with pytest.raises(ValueError, match="MXFP4"):
+        resolve_quant(mx)
+
+
+def test_int4_group_and_scale_dtype_come_from_sglangs_parameters():
+    """A group-128 config: SGLang's ``w13_weight_scale [E, H/128, 2I]`` (the recorded list with its
+    scale rows regrouped) gives the manifest's group; a float16 model's scales are refused by name."""
+    config, params = _recorded("qwen3_moe_int4_w4a16")
+    qc = json.loads(json.dumps(config["quantization_config"]))
+    qc["config_groups"]["group_0"]["weights"]["group_size"] = 128
+
+    def regroup(name, dtype, shape, scale_dtype="bfloat16"):
+        if name.endswith("_weight_scale"):
+            return name, scale_dtype, (shape[0], shape[1] * 32 // 128, shape[2])
+        return name, dtype, shape
+
+    manifest = build_manifest([regroup(*p) for p in params], config, qc)
+    assert (manifest.format_params.int4_group, manifest.format_params.int4_scale_dtype) == (128, "bfloat16")
+    assert manifest.by_name()["model.layers.0.mlp.experts.1.down_proj.weight_scale"].shape == (
+        256,
+        128 // 128,
+    )
+    with pytest.raises(ValueError, match=r"float16 \(the model dtype\).*--dtype bfloat16"):
+        build_manifest([regroup(*p, scale_dtype="float16") for p in params], config, qc)
+    with pytest.raises(ValueError, match="not one per 32"):  # the config says 32, SGLang holds 128
+        build_manifest([regroup(*p) for p in params], config, config["quantization_config"])

@@ -39,6 +39,8 @@ Facts taken from SGLang 0.5.23 (the wheel; ``make test-sglang`` runs this adapte
   ``weight_loader`` (refused at attach); DeepGEMM on SM100/SM120 requantizes block scales to UE8M0
   (``SGLANG_ENABLE_JIT_DEEPGEMM=0`` avoids it); ``update_weights_from_tensor`` does not support
   ``dp_size > 1``.
+* the 4-bit formats (NVFP4 under ModelOpt's names, INT4 W4A16 compressed-tensors ``pack-quantized``;
+  MXFP4 refused) and what SGLang cannot reload in them: ``adapters.sglang.fourbit``'s docstring.
 """
 
 from __future__ import annotations

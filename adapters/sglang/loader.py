@@ -123,11 +123,41 @@ def _deepgemm_ue8m0() -> bool | None:
     )
 
 
+def _expert_params_without_loader(model: torch.nn.Module) -> list[str]:
+    """Routed-expert parameters a refit loads that have no ``weight_loader``: processing replaced them
+    (SGLang's NVFP4 Marlin and INT4 Triton preparations), so no update can load them again."""
+    from adapters.sglang.fourbit import LOADED_LEAVES
+
+    out = []
+    for name, p in model.named_parameters():
+        _, sep, tail = name.rpartition(".mlp.experts.")
+        w, _, leaf = tail.partition("_")
+        if sep and w in ("w13", "w2") and leaf in LOADED_LEAVES and not hasattr(p, "weight_loader"):
+            out.append(name)
+    return out
+
+
+def _moe_backend_and_capability() -> tuple[str | None, int | None]:
+    """SGLang's ``--moe-runner-backend`` and the CUDA capability (``major * 10 + minor``), for messages."""
+    backend = cap = None
+    try:
+        from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+        backend = str(getattr(get_moe_runner_backend(), "value", get_moe_runner_backend()))
+    except Exception:  # not initialised (a test's bare model): unknown
+        backend = None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        cap = major * 10 + minor
+    return backend, cap
+
+
 def sglang_manifest(model: torch.nn.Module) -> Manifest:
     """The manifest of this SGLang process's model, built from its own parameters and config."""
     import sglang
 
     par = _parallel()
+    backend, capability = _moe_backend_and_capability()
     return build_manifest(
         engine_parameters(model),
         model.config.to_dict(),
@@ -137,6 +167,9 @@ def sglang_manifest(model: torch.nn.Module) -> Manifest:
         dp_size=par["dp_size"],
         engine_version=sglang.__version__,
         deepgemm_scale_ue8m0=_deepgemm_ue8m0(),
+        no_loader=_expert_params_without_loader(model),
+        moe_runner_backend=backend,
+        device_capability=capability,
     )
 
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from sidecar.numerics.formats import BLOCK, Format
+from adapters.sglang.fourbit import (
+    MXFP4_REFUSAL,
+    compressed_tensors_format,
+    int4_quantization_config,
+    nvfp4_quantization_config,
+)
+from sidecar.numerics.formats import BLOCK, DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.build import plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import ModelSpec
 from sidecar.plan.spec import RefitSpec
@@ -44,30 +50,83 @@ class SglangQuant:
     """What SGLang's quantization config makes of the routed experts."""
 
     fmt: Format
-    method: str | None  # "fp8", "mxfp8" or None (unquantized)
+    method: str | None  # "fp8", "mxfp8", "modelopt", "compressed-tensors" or None (unquantized)
     ignored: tuple[str, ...] = ()
+    #: the format's parameters the config says (INT4's group; the manifest adds the scale dtype)
+    params: FormatParams = DEFAULT_FORMAT_PARAMS
 
 
 def resolve_quant(quant_config: Any) -> SglangQuant:
     """The expert format of a quantization config: a ``quantization_config`` dict, SGLang's resolved
-    ``Fp8Config`` (``model.quant_config``) or None (BF16)."""
+    config object (``model.quant_config``: ``Fp8Config``, ``ModelOptFp4Config``,
+    ``CompressedTensorsConfig``) or None (BF16)."""
     if quant_config is None or (isinstance(quant_config, Mapping) and not quant_config):
         return SglangQuant(Format.BF16, None)
     if isinstance(quant_config, Mapping):
         method = str(quant_config.get("quant_method", "")).lower()
+        if method in ("modelopt", "modelopt_fp4"):
+            return _modelopt(quant_config)
+        if method == "compressed-tensors":
+            groups = [g for g in (quant_config.get("config_groups") or {}).values() if isinstance(g, Mapping)]
+            return _compressed(
+                [g.get("weights") or {} for g in groups],
+                [g.get("input_activations") for g in groups],
+                quant_config.get("ignore") or (),
+            )
         block = quant_config.get("weight_block_size")
         ignored = quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or ()
         return _fp8(method, block, ignored)
     kind = type(quant_config).__name__
+    if kind == "ModelOptFp4Config":
+        if not getattr(quant_config, "is_checkpoint_nvfp4_serialized", False):
+            raise ValueError(
+                "SGLang runs ModelOptFp4Config quantizing BF16 experts at load (not an NVFP4 checkpoint): start "
+                "it from sglang_quantization_config() for nvfp4 (quant_algo NVFP4)"
+            )
+        return SglangQuant(
+            Format.NVFP4, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ())
+        )
+    if kind == "CompressedTensorsConfig":
+        schemes = [
+            s
+            for s in (getattr(quant_config, "target_scheme_map", {}) or {}).values()
+            if isinstance(s, Mapping)
+        ]
+        return _compressed(
+            [s.get("weights") for s in schemes],
+            [s.get("input_activations") for s in schemes],
+            getattr(quant_config, "ignore", ()) or (),
+        )
     if kind != "Fp8Config":
         raise ValueError(
             f"SGLang resolved quantization {kind}; refitd's SGLang adapter publishes into Fp8Config (block-FP8, "
-            "MXFP8, per-tensor FP8) or unquantized models: write the checkpoint's config.json with "
-            "sglang_quantization_config() (refitd convert does)"
+            "MXFP8, per-tensor FP8), ModelOptFp4Config (NVFP4), CompressedTensorsConfig (INT4 W4A16) or "
+            "unquantized models: write the checkpoint's config.json with sglang_quantization_config() (refitd "
+            "convert does)"
         )
     method = "mxfp8" if getattr(quant_config, "use_mxfp8", False) else "fp8"
     block = getattr(quant_config, "weight_block_size", None)
     return _fp8(method, block, getattr(quant_config, "ignored_layers", None) or ())
+
+
+def _modelopt(cfg: Mapping[str, Any]) -> SglangQuant:
+    inner = cfg.get("quantization") if isinstance(cfg.get("quantization"), Mapping) else cfg
+    algo = str(inner.get("quant_algo", "")).upper()
+    if algo != "NVFP4":
+        raise ValueError(
+            f"ModelOpt quant_algo {algo!r}: refitd's SGLang adapter publishes NVFP4 for ModelOpt"
+        )
+    ignored = inner.get("ignore", inner.get("modules_to_not_convert", inner.get("exclude_modules", ()))) or ()
+    return SglangQuant(Format.NVFP4, "modelopt", tuple(ignored))
+
+
+def _compressed(weights: list[Any], activations: list[Any], ignored: Iterable[str]) -> SglangQuant:
+    if not weights:
+        raise ValueError(
+            "a compressed-tensors config without config_groups: refitd publishes INT4 W4A16 there"
+        )
+    fmt, params = compressed_tensors_format(weights, activations)
+    return SglangQuant(fmt, "compressed-tensors", tuple(ignored), params)
 
 
 def _fp8(method: str, block: Any, ignored: Iterable[str]) -> SglangQuant:
@@ -130,6 +189,20 @@ def bf16_modules_of(
     return sorted(out)
 
 
+def with_fused_names(modules: Iterable[str]) -> list[str]:
+    """``modules`` plus SGLang's fused module (``gate_up_proj``, ``qkv_proj``) wherever all its shards
+    are listed: compressed-tensors' ``should_ignore_layer`` only expands a fused name into its shards
+    through the model's ``packed_modules_mapping``, which DeepSeek-V2/V3's lacks for its dense MLPs'
+    ``gate_up_proj`` (their INT4 scheme would be looked up, and the layer quantized, otherwise)."""
+    out = dict.fromkeys(modules)
+    for fused, shards in PACKED_MODULES.items():
+        for name in list(out):
+            parent, _, leaf = name.rpartition(".")
+            if leaf == shards[0] and all(f"{parent}.{s}" in out for s in shards):
+                out.setdefault(f"{parent}.{fused}")
+    return sorted(out)
+
+
 def sglang_quantization_config(
     spec: RefitSpec, hf_config: Mapping[str, Any], *, skip: list[str] | None = None
 ) -> dict[str, Any] | None:
@@ -140,11 +213,20 @@ def sglang_quantization_config(
     ``Fp8Config``; vLLM and transformers' ``FineGrainedFP8Config`` read the same keys). MXFP8:
     ``quant_method mxfp8`` (SGLang's ``Fp8Config(use_mxfp8=True)``: ``.weight_scale`` uint8 renamed to
     ``weight_scale_inv`` at load). Per-tensor FP8: ``quant_method fp8`` without a block size.
-    ``skip``: the BF16 modules, when known from the published tensors (``bf16_modules_of``)."""
+    NVFP4: ModelOpt's ``quant_algo NVFP4`` (``ModelOptFp4Config``); INT4 W4A16: compressed-tensors
+    ``pack-quantized`` with the spec's group (``adapters.sglang.fourbit``); MXFP4: ValueError (SGLang
+    0.5.23 cannot load it). ``skip``: the BF16 modules, when known from the published tensors
+    (``bf16_modules_of``)."""
     fmt = spec.format
     if fmt is Format.BF16:
         return None
     skip = bf16_modules(spec, hf_config) if skip is None else skip
+    if fmt is Format.NVFP4:
+        return nvfp4_quantization_config(skip)
+    if fmt is Format.INT4_W4A16:
+        return int4_quantization_config(with_fused_names(skip), spec.params)
+    if fmt is Format.MXFP4:
+        raise ValueError(MXFP4_REFUSAL)
     if fmt is Format.MXFP8:
         return {"quant_method": "mxfp8", "activation_scheme": "dynamic", "modules_to_not_convert": skip}
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}

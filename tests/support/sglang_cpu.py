@@ -78,15 +78,17 @@ def _free_port() -> int:
 _distributed: list[bool] = []
 
 
-def build_model(model_dir: Path, *, load_format: str = "dummy") -> torch.nn.Module:
+def build_model(model_dir: Path, *, load_format: str = "dummy", **server_args: Any) -> torch.nn.Module:
     """SGLang's model for ``model_dir`` (config.json, and safetensors for ``load_format="auto"``),
-    built and loaded by ``sglang.srt.model_loader.get_model`` on CPU, world of one (gloo)."""
+    built and loaded by ``sglang.srt.model_loader.get_model`` on CPU, world of one (gloo);
+    ``server_args``: more ``ServerArgs`` fields (``moe_runner_backend``)."""
     import_sglang()
     from sglang.srt import runtime_context as rc
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.model_loader import get_model
     from sglang.srt.server_args import ServerArgs
 
@@ -98,8 +100,10 @@ def build_model(model_dir: Path, *, load_format: str = "dummy") -> torch.nn.Modu
         skip_tokenizer_init=True,
         tp_size=1,
         custom_weight_loader=[LOADER],
+        **server_args,
     )
     rc.publish(args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+    initialize_moe_config()  # what the scheduler does after publish: the MoE backend flags of ``args``
     if not _distributed:
         ps.init_distributed_environment(
             world_size=1,
