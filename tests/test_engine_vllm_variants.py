@@ -374,3 +374,38 @@ def test_w4a4_carry_mirrors_vllms_processing_of_each_backend(vm, backend, monkey
     c13, c2 = carried_global_scales("layer", module, backend)
     again13, again2 = convert_scales(c13, c2)
     assert _same(again13, held13) and _same(again2, held2), (backend, c13, c2)
+
+
+def test_w4a4_streamed_groups_carry_the_held_scale(engine):
+    """The streamed path (``streamed_group_loader``: layer groups into one layerwise session) carries
+    the held activation scales into each MoE layer's group too: after the session the engine holds the
+    generation as vLLM's own load with the same global scales does, the held scale bit for bit."""
+    from types import SimpleNamespace
+
+    from adapters.vllm.worker import streamed_group_loader
+
+    _w4a4(engine)
+    model = engine.model
+    held, carried = _held(model), carried_input_scales(model.named_modules())
+    loader = streamed_group_loader(engine.worker)
+    assert loader is not None
+    gen = engine.generation(5)
+    by_layer: dict[str, list[str]] = {}
+    for name in gen:  # one group per decoder layer, the rest (embedding, norm, head) in one
+        parts = name.split(".")
+        layer = ".".join(parts[: parts.index("layers") + 2]) if "layers" in parts else "rest"
+        by_layer.setdefault(layer, []).append(name)
+    assert len(by_layer) == 3
+    for names in by_layer.values():
+        loader(SimpleNamespace(tensors=gen), names)
+    loader.finish()
+    now = _held(model)
+    assert now.keys() == held.keys() and all(_same(now[n], t) for n, t in held.items()), (held, now)
+    reference = engine.vm.build_model(engine.config)
+    reference.load_weights(av.ordered_weights({**gen, **carried}))
+    engine.vm.process(engine.config, reference)
+    ref = dict(reference.named_parameters())
+    differ = [
+        n for n, p in model.named_parameters() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])
+    ]
+    assert not differ, f"the streamed load differs from vLLM's own load of the same generation: {differ[:5]}"
