@@ -14,7 +14,9 @@ real ``load_weights`` takes the generation planned that way byte for byte (``wei
 ``w13/w2_weight_global_scale``, the reciprocal vLLM inverts in processing), which then processes; two
 reloads in place equal vLLM's own load + processing of the same generation (W4A4: with the same
 activation global scales, the held activation scales bit for bit, also when they must be computed back
-from the held scale through EMULATION's ``1 / (1 / g)``; a held scale with no float32 preimage refused).
+from the held scale through EMULATION's ``1 / (1 / g)``, in streamed groups, and for DeepSeek-V3's MTP
+drafter; a held scale with no float32 preimage refused; each backend's scale processing mirrored as
+vLLM's real ``convert_to_nvfp4_moe_kernel_format`` does it).
 """
 
 from __future__ import annotations
@@ -409,3 +411,65 @@ def test_w4a4_streamed_groups_carry_the_held_scale(engine):
         n for n, p in model.named_parameters() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])
     ]
     assert not differ, f"the streamed load differs from vLLM's own load of the same generation: {differ[:5]}"
+
+
+def test_w4a4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_path):
+    """DeepSeek-V3 in compressed-tensors NVFP4 W4A4 with its MTP drafter (``DeepSeekMTP``, its own
+    ``CompressedTensorsW4A4Nvfp4MoEMethod`` at ``model.layers.2.mtp_block.mlp.experts``):
+    ``load_generation`` carries the drafter's calibrated activation global scales (distinct from the
+    target's) under the names its ``load_weights`` reads (``model.layers.2.mlp.experts.{e}.*.
+    input_global_scale``): its held activation scales stay bit for bit and the reloaded drafter equals
+    vLLM's own load + processing of the generation with those scales."""
+    folder = vm.write_config(tmp_path, "deepseek_v3")
+    hf = vm.config_dict(folder)
+    registry = get_model(model_type_of(hf))
+    layers = registry.num_hidden_layers(hf)
+    spec = RefitSpec(model_type="deepseek_v3", fmt="nvfp4", num_hidden_layers=layers, params=CT_NVFP4)
+    args = av.vllm_engine_args(spec, hf, include_vision=False, nvfp4_w4a4=True)
+    config = vm.vllm_config(folder, args, mtp=True)
+    vm.init_distributed(config)
+    params = registry.parameters(normalize_hf_config(hf), include_mtp=True, include_vision=False)
+
+    def generation(seed):
+        g = torch.Generator().manual_seed(seed)
+        state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in params}
+        for n in state:  # DeepSeek's MTP layer holds a copy of the embedding
+            if n.endswith(".embed_tokens.weight") and n.startswith("model.layers."):
+                state[n] = state["model.embed_tokens.weight"]
+        return convert(state, spec)
+
+    calibrated = {}  # the target's MoE layer (model.layers.1) and the drafter's (checkpoint layer 2)
+    for layer, base in ((1, 1500.0), (layers, 4100.0)):
+        for e in range(EXPERTS):
+            for proj, v in (("gate_proj", base), ("up_proj", base), ("down_proj", base / 3)):
+                calibrated[f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_global_scale"] = torch.tensor(
+                    [v + 17.0 * e]
+                )
+
+    def built(gen, *, draft):
+        m = vm.build_model(config, draft=draft)
+        m.load_weights(av.ordered_weights({**gen, **calibrated}))
+        vm.process(config, m, draft=draft)
+        return m
+
+    first = generation(0)
+    model, draft = built(first, draft=False), built(first, draft=True)
+    worker = vm.worker(config, model, draft)
+    held = _held(draft)
+    assert held and all(n.startswith(f"model.layers.{layers}.mtp_block.") for n in held), sorted(held)
+    assert not any(_same(t, v) for t, v in zip(held.values(), _held(model).values(), strict=False))
+    manifest = av.RefitWorkerExtension.refit_manifest(worker)
+    assert manifest.info["carried_input_scales"] == 2 * EXPERTS * 3  # target and drafter
+    check = check_manifest(params, spec, manifest)
+    assert check.ok, check.message("vllm")
+    before = dict(draft.named_parameters())
+    for seed in (2, 3):
+        gen = generation(seed)
+        av.load_generation(worker, gen, Format.NVFP4)
+        after = dict(draft.named_parameters())
+        assert all(after[n] is p for n, p in before.items())
+        now = _held(draft)
+        assert all(_same(now[n], t) for n, t in held.items()), (held, now)
+        ref = dict(built(gen, draft=True).named_parameters())
+        differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
+        assert not differ, f"the drafter's reload differs from vLLM's own load: {differ[:5]}"
