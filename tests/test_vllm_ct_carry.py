@@ -85,3 +85,44 @@ def test_refusals_name_why():
     layer.w2_input_scale[0] = hole
     with pytest.raises(ValueError, match=r"no float32 input_global_scale reproduces .* VLLM_CUTLASS's 1 / x"):
         carried_global_scales("m", layer, "VLLM_CUTLASS")
+
+
+def test_the_w4a4_config_is_compressed_tensors_nvfp4_preset_and_resolves_static():
+    """``vllm_engine_args(..., nvfp4_w4a4=True)``: the group's activations are compressed-tensors 0.20.0's
+    own ``NVFP4`` preset's (parsed by its ``QuantizationArgs``), the config resolves to NVFP4 under
+    compressed-tensors' names with static activations (the manifest then counts the carried scales);
+    NVFP4A16 does not, and the flag is refused for another format."""
+    import json
+    from pathlib import Path
+
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    import adapters.vllm as av
+    from adapters.vllm.quant import resolve_quant
+    from sidecar.numerics.formats import Format, FormatParams, Nvfp4Names
+    from sidecar.plan.build import RefitSpec
+
+    hf = json.loads((Path(__file__).parent / "data" / "qwen3-30b-a3b.config.json").read_text())
+    params = FormatParams(nvfp4_names="compressed_tensors")
+    spec = RefitSpec(
+        model_type="qwen3_moe", fmt="nvfp4", num_hidden_layers=hf["num_hidden_layers"], params=params
+    )
+    w4a4 = av.vllm_engine_args(spec, hf, nvfp4_w4a4=True)["hf_overrides"]["quantization_config"]
+    a16 = av.vllm_engine_args(spec, hf)["hf_overrides"]["quantization_config"]
+    acts = w4a4["config_groups"]["group_0"]["input_activations"]
+    preset = PRESET_SCHEMES["NVFP4"]["input_activations"]
+    parsed = QuantizationArgs.model_validate(acts)
+    for field in ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic"):
+        assert getattr(parsed, field) == getattr(preset, field), field
+    quant = resolve_quant(w4a4)
+    assert (quant.fmt, quant.params.nvfp4_names, quant.static_activations) == (
+        Format.NVFP4,
+        Nvfp4Names.COMPRESSED_TENSORS,
+        True,
+    )
+    assert a16["config_groups"]["group_0"]["input_activations"] is None
+    assert not resolve_quant(a16).static_activations
+    fp8 = RefitSpec(model_type="qwen3_moe", fmt="block_fp8", num_hidden_layers=hf["num_hidden_layers"])
+    with pytest.raises(ValueError, match="nvfp4_w4a4 is an NVFP4 choice"):
+        av.vllm_engine_args(fp8, hf, nvfp4_w4a4=True)
