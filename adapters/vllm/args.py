@@ -74,13 +74,15 @@ def _kept(spec: RefitSpec, layer: int | None, layers: int, module: str) -> bool:
 
 
 def vllm_engine_args(
-    spec: RefitSpec, hf_config: Mapping[str, Any], *, include_vision: bool = True
+    spec: RefitSpec, hf_config: Mapping[str, Any], *, include_vision: bool = True, nvfp4_w4a4: bool = False
 ) -> dict[str, Any]:
     """The ``LLM(...)`` keyword arguments for an engine that refitd refits with ``spec``.
 
     ``include_vision=False`` for a text-only trainer of a multimodal model (Qwen3.5): the engine is
     started with ``language_model_only=True`` and builds no vision tower. Start every engine process
-    with :data:`VLLM_ENV` in its environment too. ``load_format="dummy"``:
+    with :data:`VLLM_ENV` in its environment too. ``nvfp4_w4a4=True`` with NVFP4 under compressed-tensors'
+    names starts W4A4 (its calibrated activation global scales then come from the engine's first load,
+    a calibrated checkpoint rather than ``dummy``, and are carried over). ``load_format="dummy"``:
     the first refit fills the engine, so wait for it before serving.
     """
     # the vision tower stays BF16 either way: with language_model_only vLLM still constructs it
@@ -103,8 +105,10 @@ def vllm_engine_args(
             "holds the group scales in the model dtype (create_weights: params_dtype), bfloat16 here, so it "
             "cannot hold them; plan with int4_scale_dtype='bfloat16' (the engine's manifest says so at attach)"
         )
+    if nvfp4_w4a4 and not fmt.four_bit:
+        raise ValueError(f"nvfp4_w4a4 is an NVFP4 choice; the experts are {fmt.value}")
     if fmt.four_bit:
-        quantization, qc4 = four_bit_quantization(fmt, ignored, spec.params)
+        quantization, qc4 = four_bit_quantization(fmt, ignored, spec.params, nvfp4_w4a4=nvfp4_w4a4)
         return {**args, "quantization": quantization, "hf_overrides": {"quantization_config": qc4}}
     if fmt is Format.BF16:
         return {**args, "quantization": None}

@@ -19,6 +19,10 @@ The MTP drafter (``get_draft_model()``) holds its own NVFP4 MoE layers with thei
 scales; :func:`draft_checkpoint_namer` names them as its ``load_weights`` takes them from the
 generation (DeepSeek ``model.layers.N.mtp_block.mlp.experts`` <- ``model.layers.N.mlp.experts``,
 Qwen3.5 ``model.layers.0.mlp.experts`` <- ``mtp.layers.0.mlp.experts``).
+
+compressed-tensors NVFP4 W4A4 (``CompressedTensorsW4A4Nvfp4MoEMethod`` without ``use_a16``) holds
+the reciprocal, ``input_global_scale``; ``adapters.vllm.ct_carry`` inverts its processing, and the
+carried tensors are ``{moe}.{e}.{gate|up|down}_proj.input_global_scale``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 
 from adapters.vllm.checkpoint import _draft_checkpoint_name, checkpoint_name
+from adapters.vllm.compressed_nvfp4 import CT_NVFP4_MOE_METHOD, INPUT_GLOBAL_SCALE
+from adapters.vllm.ct_carry import carried_global_scales
 from sidecar.plan.models import get_model, model_type_of, normalize_hf_config
 
 NVFP4_MOE_METHOD = "ModelOptNvFp4FusedMoE"
@@ -103,7 +109,11 @@ def carried_input_scales(
     out: dict[str, torch.Tensor] = {}
     for name, module in modules:
         method = getattr(module, "quant_method", None)
-        if type(method).__name__ != NVFP4_MOE_METHOD or not hasattr(module, "w13_weight"):
+        kind = type(method).__name__
+        if kind == CT_NVFP4_MOE_METHOD and not getattr(method, "use_a16", True):
+            out.update(_compressed_tensors(name, module, _backend_name(method), to_checkpoint))
+            continue
+        if kind != NVFP4_MOE_METHOD or not hasattr(module, "w13_weight"):
             continue
         experts = int(module.w13_weight.shape[0])
         backend = _backend_name(method)
@@ -114,4 +124,18 @@ def carried_input_scales(
             out[f"{moe}.{x}.gate_proj.input_scale"] = a13[e].clone()
             out[f"{moe}.{x}.up_proj.input_scale"] = a13[e].clone()
             out[f"{moe}.{x}.down_proj.input_scale"] = a2[e].clone()
+    return out
+
+
+def _compressed_tensors(
+    name: str, module: torch.nn.Module, backend: str, to_checkpoint: Callable[[str], str]
+) -> dict[str, torch.Tensor]:
+    """One compressed-tensors NVFP4 W4A4 MoE layer's carried ``input_global_scale`` per expert."""
+    g13, g2 = carried_global_scales(name, module, backend)
+    moe = to_checkpoint(name.replace(".routed_experts", ""))
+    out: dict[str, torch.Tensor] = {}
+    for e, x in enumerate(_global_ids(module, int(g13.shape[0]))):
+        out[f"{moe}.{x}.gate_proj.{INPUT_GLOBAL_SCALE}"] = g13[e, 0].clone()
+        out[f"{moe}.{x}.up_proj.{INPUT_GLOBAL_SCALE}"] = g13[e, 1].clone()
+        out[f"{moe}.{x}.down_proj.{INPUT_GLOBAL_SCALE}"] = g2[e].clone()
     return out

@@ -73,9 +73,9 @@ _UNQUANTIZED = (torch.bfloat16, torch.float16, torch.float32)
 #: NVFP4 W4A4's static activation scales: engine state refitd does not publish; the worker carries
 #: the engine's current values over into every reload (``adapters.vllm.worker``)
 CARRIED_LEAVES = frozenset({"input_scale"})
-#: compressed-tensors NVFP4A16's activation global scales (``adapters.vllm.compressed_nvfp4``): vLLM
-#: creates them, no checkpoint fills them and its kernels never read them (``use_a16``): not published,
-#: nothing to carry
+#: compressed-tensors NVFP4's activation global scales (``adapters.vllm.compressed_nvfp4``): never
+#: published; NVFP4A16 (``use_a16``): vLLM creates them, no checkpoint fills them and its kernels never
+#: read them, nothing to carry; W4A4 (``static_activations``): carried over (``adapters.vllm.ct_carry``)
 ENGINE_ONLY_LEAVES = frozenset({"input_global_scale"})
 #: 4-bit values per stored element along K of an engine's packed expert weight
 _PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
@@ -95,6 +95,8 @@ class _Builder(TensorCollector):
         self.params = DEFAULT_FORMAT_PARAMS
         self.int4_layers = 0
         self.carried: list[str] = []
+        #: the config quantizes activations with static scales (compressed-tensors NVFP4 W4A4)
+        self.static_activations = False
 
     def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
         name = checkpoint_name(engine_name)
@@ -167,6 +169,8 @@ class _Builder(TensorCollector):
                         if (w, leaf) not in params:
                             continue
                         if self.fmt is Format.NVFP4 and leaf in ENGINE_ONLY_LEAVES:
+                            if self.static_activations:
+                                self.carried.append(f"{module}.{leaf}")
                             continue
                         if self.fmt is Format.NVFP4 and leaf in CARRIED_LEAVES:
                             self.carried.append(f"{module}.{leaf}")
@@ -291,7 +295,7 @@ def build_manifest(
     tied = bool(hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
-    b.fmt, b.params = quant.fmt, quant.params
+    b.fmt, b.params, b.static_activations = quant.fmt, quant.params, quant.static_activations
     experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
     for engine_name, dtype, shape in [*params, *drafted]:
@@ -326,7 +330,7 @@ def build_manifest(
             "keep_bf16": sorted(b.keep_bf16),
             "param_source": param_source,
             "deep_gemm_e8m0": deep_gemm_e8m0,
-            # NVFP4 W4A4's static input scales the worker carries over (not published, not refused)
+            # NVFP4 W4A4's static input (global) scales the worker carries over (not published, not refused)
             "carried_input_scales": len(b.carried),
         },
     )

@@ -11,9 +11,14 @@ manifest of such an engine says ``nvfp4_names = compressed_tensors`` and the dae
 ``.weight_packed``, ``.weight_scale`` and ``.weight_global_scale = float32(1 / gs)`` (shape [1], as
 compressed-tensors' ``initialize_qparams`` makes a global scale).
 
-The config's ``input_activations`` is None: NVFP4 weights with BF16 activations (vLLM's ``use_a16``,
-NVFP4A16), so no static activation scale has to be carried over into a reload; the engine's
-``input_global_scale`` parameters are engine state, not published (``CARRIED_LEAVES``).
+By default the config's ``input_activations`` is None: NVFP4 weights with BF16 activations (vLLM's
+``use_a16``, NVFP4A16); the engine's ``input_global_scale`` parameters are then engine state nobody
+reads, not published (``ENGINE_ONLY_LEAVES``). With ``w4a4=True`` the config is compressed-tensors'
+own ``NVFP4`` preset (W4A4: activations NVFP4 too, ``tensor_group`` per 16 with ``dynamic: "local"``,
+i.e. the per-16 activation scales computed on the fly and the activations' global scale static,
+calibrated): the engine then holds ``w13/w2_input_global_scale`` per expert, which refitd does not
+compute (the trainer has none), so the worker carries the value the engine holds over into every
+reload (``adapters.vllm.ct_carry``), and the manifest counts them (``carried_input_scales``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "CT_NVFP4_MOE_METHOD",
     "compressed_tensors_nvfp4",
     "compressed_tensors_scheme",
+    "nvfp4_w4a4",
 ]
 
 #: the compressed-tensors format name of NVFP4 (``CompressionFormat.nvfp4_pack_quantized``)
@@ -42,12 +48,18 @@ CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 CT_NVFP4_MOE_METHOD = "CompressedTensorsW4A4Nvfp4MoEMethod"
 #: the compressed-tensors strategy of NVFP4's two-level scales (``QuantizationStrategy.TENSOR_GROUP``)
 TENSOR_GROUP = "tensor_group"
+#: compressed-tensors' ``DynamicType.LOCAL``: NVFP4 activations' per-16 scales dynamic, the global static
+DYNAMIC_LOCAL = "local"
+#: the checkpoint leaf of W4A4's static activation global scale (``{proj}.input_global_scale``)
+INPUT_GLOBAL_SCALE = "input_global_scale"
 
 
-def compressed_tensors_nvfp4(ignored: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def compressed_tensors_nvfp4(ignored: Sequence[str], *, w4a4: bool = False) -> tuple[str, dict[str, Any]]:
     """``(quantization, quantization_config)`` for a vLLM engine that loads refitd's NVFP4 experts under
     compressed-tensors' names: one config group with vLLM's ``_is_nvfp4_format`` weights (4-bit float,
-    ``tensor_group``, group 16, symmetric) and no input quantization; ``ignored`` stay BF16."""
+    ``tensor_group``, group 16, symmetric) and no input quantization (NVFP4A16), or with ``w4a4`` the
+    activations' arguments of compressed-tensors' ``NVFP4`` preset (static global scale, per-16 scales
+    ``local``); ``ignored`` stay BF16."""
     weights = {
         "num_bits": 4,
         "type": "float",
@@ -56,13 +68,29 @@ def compressed_tensors_nvfp4(ignored: Sequence[str]) -> tuple[str, dict[str, Any
         "group_size": NVFP4_BLOCK,
         "dynamic": False,
     }
+    activations = {**weights, "dynamic": DYNAMIC_LOCAL} if w4a4 else None
     qc = {
         "quant_method": "compressed-tensors",
         "format": CT_NVFP4_FORMAT,
         "ignore": list(ignored),
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+        },
     }
     return "compressed-tensors", qc
+
+
+def nvfp4_w4a4(activations: Iterable[Any]) -> bool:
+    """Whether compressed-tensors NVFP4 config groups quantize the activations (W4A4: each group's
+    ``input_activations`` 4-bit float ``tensor_group`` per 16, which vLLM requires of NVFP4 activations),
+    so the engine holds a static activation global scale per expert; False for NVFP4A16 (None)."""
+    found = [a for a in activations if a is not None]
+    return bool(found) and all(
+        _field(a, "type") == "float"
+        and _field(a, "strategy") == TENSOR_GROUP
+        and _field(a, "group_size") == "16"
+        for a in found
+    )
 
 
 def _field(args: Any, key: str) -> Any:

@@ -37,13 +37,21 @@ def _compressed_tensors(fmt_name: str, weights: dict[str, Any], ignored: Sequenc
 
 
 def four_bit_quantization(
-    fmt: Format, ignored: Sequence[str], params: FormatParams = DEFAULT_FORMAT_PARAMS
+    fmt: Format,
+    ignored: Sequence[str],
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
+    *,
+    nvfp4_w4a4: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """``(quantization, quantization_config)`` for ``LLM(quantization=..., hf_overrides={"quantization_config":
     ...})`` with the routed experts in ``fmt`` and the modules in ``ignored`` left in BF16; ``params``
-    (the plan's) give INT4's ``group_size`` and NVFP4's names (``adapters.vllm.compressed_nvfp4``)."""
+    (the plan's) give INT4's ``group_size`` and NVFP4's names (``adapters.vllm.compressed_nvfp4``);
+    ``nvfp4_w4a4`` makes compressed-tensors NVFP4 W4A4 (static activation global scales, carried over)
+    instead of NVFP4A16 (ModelOpt NVFP4 is W4A4 either way)."""
+    if nvfp4_w4a4 and fmt is not Format.NVFP4:
+        raise ValueError(f"nvfp4_w4a4 is an NVFP4 choice; the experts are {fmt.value}")
     if fmt is Format.NVFP4 and params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
-        return compressed_tensors_nvfp4(ignored)
+        return compressed_tensors_nvfp4(ignored, w4a4=nvfp4_w4a4)
     if fmt is Format.NVFP4:
         qc = {
             "quant_method": "modelopt",

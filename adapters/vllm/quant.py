@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.vllm.compressed_nvfp4 import compressed_tensors_scheme
+from adapters.vllm.compressed_nvfp4 import compressed_tensors_scheme, nvfp4_w4a4
 from sidecar.numerics.formats import (
     BLOCK,
     DEFAULT_FORMAT_PARAMS,
@@ -140,9 +140,13 @@ def resolve_quant(quant_config: Any) -> VllmQuant:
     if kind == "ModelOptMxFp8Config":
         return VllmQuant(Format.MXFP8, "modelopt", tuple(getattr(quant_config, "exclude_modules", ()) or ()))
     if kind == "CompressedTensorsConfig":
-        schemes = getattr(quant_config, "target_scheme_map", {}) or {}
-        weights = [s.get("weights") for s in schemes.values() if isinstance(s, Mapping)]
-        return _compressed_tensors(weights, getattr(quant_config, "ignore", ()) or ())
+        schemes = [s for s in (getattr(quant_config, "target_scheme_map", {}) or {}).values()]
+        groups = [s for s in schemes if isinstance(s, Mapping)]
+        return _compressed_tensors(
+            [s.get("weights") for s in groups],
+            getattr(quant_config, "ignore", ()) or (),
+            [s.get("input_activations") for s in groups],
+        )
     if kind == "ModelOptNvFp4Config":
         # W4A4: the experts hold static activation scales (w13/w2_input_scale), carried over per reload
         ignored = tuple(getattr(quant_config, "exclude_modules", ()) or ())
@@ -168,22 +172,26 @@ def _quant_from_dict(cfg: Mapping[str, Any]) -> VllmQuant:
             return VllmQuant(Format.NVFP4, "modelopt", ignored, static_activations=True)
         return VllmQuant(Format.MXFP8, "modelopt", ignored)
     if method == "compressed-tensors":
-        groups = cfg.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, Mapping)]
-        return _compressed_tensors(weights, cfg.get("ignore") or ())
+        groups = [g for g in (cfg.get("config_groups") or {}).values() if isinstance(g, Mapping)]
+        weights = [g.get("weights") or {} for g in groups]
+        return _compressed_tensors(
+            weights, cfg.get("ignore") or (), [g.get("input_activations") for g in groups]
+        )
     raise ValueError(
         f"quantization_config quant_method {method!r}: refitd's vLLM adapter knows fp8 and modelopt"
     )
 
 
-def _compressed_tensors(weights: list[Any], ignored: Iterable[str]) -> VllmQuant:
+def _compressed_tensors(weights: list[Any], ignored: Iterable[str], activations: list[Any] = ()) -> VllmQuant:
     """compressed-tensors: INT4 W4A16 (``pack-quantized``, its group size), MXFP4
-    (``mxfp4-pack-quantized``) or NVFP4 under compressed-tensors' names (``nvfp4-pack-quantized``)."""
+    (``mxfp4-pack-quantized``) or NVFP4 under compressed-tensors' names (``nvfp4-pack-quantized``),
+    NVFP4 W4A4 (NVFP4 ``input_activations``) holding static activation global scales."""
     scheme = compressed_tensors_scheme(weights) if weights else None
     if scheme is None:
         raise ValueError(COMPRESSED_TENSORS_REFUSAL)
     fmt, params = scheme
-    return VllmQuant(fmt, "compressed-tensors", tuple(ignored), params=params)
+    static = fmt is Format.NVFP4 and nvfp4_w4a4(activations)
+    return VllmQuant(fmt, "compressed-tensors", tuple(ignored), static_activations=static, params=params)
 
 
 def _fp8(block: Any, ignored: Iterable[str], activation_scheme: str) -> VllmQuant:
