@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from sidecar.numerics import kernels
+from sidecar.numerics.formats import Format
 from sidecar.numerics.kernels import LaunchSpec, WarmUp
+from sidecar.numerics.kernels.fourbit_slab import amax_slab, fourbit_problems, quantize_slab_fourbit
 from sidecar.numerics.kernels.slab import SlabGeometry, check_slab, prepare_outputs
 from sidecar.plan.build import RefitPlan
 from sidecar.plan.spec import Role, Unit, UnitKind
@@ -76,15 +78,18 @@ def slab_outs(unit: Unit, outputs: Mapping[str, torch.Tensor]):
 def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> bool:
     """Run a quantizing ``unit`` with the kernels when its input is a CUDA tensor; False when the
     caller should use the torch reference instead (passthrough, CPU, no Triton, a buffer the
-    kernels cannot write, fp8_per_tensor gate+up from two separate tensors).
+    kernels cannot write, fp8_per_tensor gate+up from two separate tensors, an INT4 group that is
+    not a power of two). The 4-bit formats go to the 4-bit slab kernels (:func:`_try_run_fourbit`).
 
     Slab units are one launch each; per-expert units one launch per projection. The outputs are
     checked in full the first time a set of output tensors is seen, then recognised by identity.
     """
-    if unit.fmt is None or unit.fmt.four_bit or not unit.inputs:
-        return False  # no Triton kernels for the 4-bit formats yet: the reference runs on any device
+    if unit.fmt is None or not unit.inputs:
+        return False
     if not kernels.available(inputs[unit.inputs[0]].device):
         return False
+    if unit.fmt.four_bit:
+        return _try_run_fourbit(unit, inputs, outputs)
     if unit.kind is UnitKind.SLAB:
         slab = inputs[unit.inputs[0]]
         arranged = slab_outs(unit, outputs)
@@ -116,6 +121,79 @@ def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mappin
             return False
     for slab, outs, names in jobs:
         kernels.quantize_slab(slab, unit.fmt, outs, names=names)
+    return True
+
+
+def _fourbit_jobs(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]):
+    """``(jobs, slots)`` for a 4-bit unit: each job ``(slab, outs, names, amax slot)``, where the
+    jobs of one NVFP4 scale group share an amax slot (``slots`` of them); None when the unit's shape
+    is not one the kernels take (the reference then runs it)."""
+    weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
+
+    def bufs(name: str) -> tuple[torch.Tensor, ...]:
+        return tuple(outputs[n] for n in weights[name].quantized_outputs)
+
+    if unit.kind is UnitKind.SLAB:
+        slab, order = inputs[unit.inputs[0]], _slab_order(unit)
+        if order is None or slab.dim() != 3:
+            return None
+        names = [[w for w, _ in row] for row in order]
+        # NVFP4: one global scale per expert over all its parts (gate + up), as the amax pass computes
+        if unit.fmt is Format.NVFP4 and {frozenset(g) for g in unit.scale_groups} != {
+            frozenset(row) for row in names
+        }:
+            return None
+        return [(slab, [[bufs(w) for w in row] for row in names], names, 0)], len(names)
+    if unit.kind not in (UnitKind.EXPERT, UnitKind.LINEAR):
+        return None
+    jobs = []
+    for slot, group in enumerate(unit.scale_groups):
+        for name in group:
+            view = weights[name].source_view(inputs[weights[name].source])
+            if view.dim() != 2:
+                return None
+            jobs.append((view.unsqueeze(0), [[bufs(name)]], [[name]], slot))
+    return jobs, len(unit.scale_groups)
+
+
+def _try_run_fourbit(
+    unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]
+) -> bool:
+    """The 4-bit formats on the kernels (``sidecar.numerics.kernels.fourbit_slab``): one launch per
+    slab or projection, plus NVFP4's global amax pass (one per slab, one per member of a per-expert
+    gate + up pair, both into the pair's int32 of scratch). Every job is checked before the first
+    launch, so a unit the kernels cannot take runs whole on the reference."""
+    made = _fourbit_jobs(unit, inputs, outputs)
+    if made is None:
+        log.debug(
+            "unit %s runs on the torch reference: its 4-bit layout does not fit the kernels", unit.index
+        )
+        return False
+    jobs, slots = made
+    for slab, outs, names, _ in jobs:
+        problems = fourbit_problems(slab, unit.fmt, outs, names, unit.params)
+        if problems:
+            log.debug("unit %s runs on the torch reference: %s", unit.index, problems[0])
+            return False
+    device = jobs[0][0].device
+    flags = kernels.flags_in_use()
+    with kernels.device_scope(device):
+        amax = None
+        if unit.fmt is Format.NVFP4:
+            amax = kernels.scratch(device, slots)[:slots]
+            amax.zero_()
+            for slab, _, _, slot in jobs:
+                amax_slab(slab, amax[slot : slot + slab.shape[0]])
+        for slab, outs, names, slot in jobs:
+            quantize_slab_fourbit(
+                slab,
+                unit.fmt,
+                outs,
+                names=names,
+                params=unit.params,
+                amax=None if amax is None else amax[slot : slot + slab.shape[0]],
+                flags=flags,
+            )
     return True
 
 

@@ -1,0 +1,234 @@
+"""The daemon's unit runner sends the 4-bit formats to the Triton slab kernels on a GPU arena.
+
+``sidecar.plan.run.run_unit`` -> ``sidecar.plan.launch.try_run_unit`` -> the slab kernels
+(``sidecar/numerics/kernels/triton_fourbit_slab.py``), forced onto that path here on CPU tensors
+under Triton's interpreter (``kernels.available`` patched to True, as tests/test_kernels.py does for
+the FP8 worker): every output, byte for byte, equals what the torch reference writes through the same
+``run_unit`` (native kernels turned off), for each 4-bit format and the format parameters an engine
+may ask for: NVFP4 under both names (gate + up sharing one global scale, in a slab and as two
+per-expert tensors), MXFP4, INT4 in several groups and scale dtypes. Units the kernels do not take
+(a non-power-of-two INT4 group, an output buffer they cannot write) run on the reference instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from sidecar.numerics.formats import FP8_DTYPE, Format, FormatParams
+
+
+def _enable_interpreter() -> str | None:
+    """Import Triton and the slab kernels in interpreter mode (tests/test_kernels_fourbit.py)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if torch.cuda.is_available():
+        return "a GPU is present: bench/gpu_check.py checks the compiled kernels there"
+    if "triton" in sys.modules:
+        import triton
+
+        if not triton.knobs.runtime.interpret:
+            return "triton was imported before this module could enable its interpreter; run this file alone"
+        return None
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        triton.knobs.runtime.interpret = True
+        from sidecar.numerics.kernels import triton_fourbit_slab  # noqa: F401
+    except Exception as err:
+        return f"the Triton interpreter cannot be used here: {err!r}"
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
+    return None
+
+
+SKIP = _enable_interpreter()
+pytestmark = [
+    pytest.mark.skipif(SKIP is not None, reason=str(SKIP)),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+
+from sidecar.numerics import cpu, kernels  # noqa: E402
+from sidecar.numerics.checks import NonFiniteError  # noqa: E402
+from sidecar.numerics.kernels import fourbit_slab, triton_quant  # noqa: E402
+from sidecar.plan import launch  # noqa: E402
+from sidecar.plan.build import RefitPlan, RefitSpec  # noqa: E402
+from sidecar.plan.run import run_unit  # noqa: E402
+
+CT = FormatParams(nvfp4_names="compressed_tensors")
+VARIANTS = {
+    "nvfp4-modelopt": (Format.NVFP4, FormatParams()),
+    "nvfp4-ct": (Format.NVFP4, CT),
+    "mxfp4": (Format.MXFP4, FormatParams()),
+    "int4-g32-bf16": (Format.INT4_W4A16, FormatParams()),
+    "int4-g64-f32": (Format.INT4_W4A16, FormatParams(int4_group=64, int4_scale_dtype="float32")),
+    "int4-g128-bf16": (Format.INT4_W4A16, FormatParams(int4_group=128)),
+}
+
+
+def _slab_layer(experts=2, inter=64, hidden=128, seed=5):
+    """A Qwen3.5 layer's grouped experts with a wide range of magnitudes, zeros, -0.0 and subnormals."""
+    prefix = "model.language_model.layers.0.mlp.experts"
+    g = torch.Generator().manual_seed(seed)
+
+    def make(*shape):
+        x = torch.randn(*shape, generator=g)
+        x *= torch.exp2(torch.randint(-20, 20, (*shape[:-1], 1), generator=g).float())
+        x.view(-1)[::13] = 0.0
+        x.view(-1)[::29] = -0.0
+        x.view(-1)[7::31] = 1e-40
+        return x.bfloat16()
+
+    return {
+        f"{prefix}.gate_up_proj": make(experts, 2 * inter, hidden),
+        f"{prefix}.down_proj": make(experts, hidden, inter),
+    }
+
+
+def _per_expert(experts=2, inter=64, hidden=128, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.0.mlp.experts.{e}.{p}.weight": (scale * torch.randn(shape, generator=g)).bfloat16()
+        for e in range(experts)
+        for p, shape, scale in (
+            ("gate_proj", (inter, hidden), 1.0),
+            ("up_proj", (inter, hidden), 50.0),  # up's amax decides the shared global scale
+            ("down_proj", (hidden, inter), 0.01),
+        )
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _run(plan, tensors, monkeypatch, *, triton: bool):
+    """Every unit of ``plan`` through run_unit: forced onto the kernels, or on the torch reference
+    (no kernels, native CPU kernels off). Returns (outputs, units the kernels ran)."""
+    monkeypatch.setattr(kernels, "available", lambda device=None: triton)
+    monkeypatch.setattr(cpu, "_lib_for", lambda w: None)
+    ran: list[int] = []
+    real = launch._try_run_fourbit
+
+    def spy(unit, inputs, outputs):
+        done = real(unit, inputs, outputs)
+        if done:
+            ran.append(unit.index)
+        return done
+
+    monkeypatch.setattr(launch, "_try_run_fourbit", spy)
+    outs = plan.allocate(device="cpu")
+    for t in outs.values():  # stale bytes a kernel forgot to write would show
+        t.reshape(-1).view(torch.uint8).fill_(0xA5)
+    for unit in plan.units:
+        run_unit(unit, tensors, outs)
+    return outs, ran
+
+
+def _assert_identical(plan, got, want):
+    for o in plan.outputs:
+        assert got[o.name].dtype == want[o.name].dtype, o.name
+        assert torch.equal(_bits(got[o.name]), _bits(want[o.name])), o.name
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_slab_units_run_on_the_kernels_byte_identical_to_the_reference(variant, monkeypatch):
+    fmt, params = VARIANTS[variant]
+    tensors = _slab_layer(inter=128 if params.int4_group == 128 else 64)  # K of down_proj: inter
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt, params=params))
+    calls: list = []
+    real_launch = triton_quant.launch
+    monkeypatch.setattr(triton_quant, "launch", lambda cs: calls.extend(cs) or real_launch(cs))
+    got, ran = _run(plan, tensors, monkeypatch, triton=True)
+    monkeypatch.setattr(triton_quant, "launch", real_launch)
+    want, none = _run(plan, tensors, monkeypatch, triton=False)
+    assert sorted(ran) == [u.index for u in plan.units] and none == []
+    _assert_identical(plan, got, want)
+    # one launch per slab (+ NVFP4's amax pass), with the format's parameters as constexprs
+    quantize = [c for c in calls if c.kernel.fn.__name__ != "_amax_kernel"]
+    assert len(quantize) == 2 and {c.kwargs["PARTS"] for c in quantize} == {1, 2}
+    amax_passes = [c for c in calls if c.kernel.fn.__name__ == "_amax_kernel"]
+    assert len(amax_passes) == (2 if fmt is Format.NVFP4 else 0)
+    for c in quantize:
+        if fmt is Format.INT4_W4A16:
+            assert c.kwargs["G"] == params.int4_group
+            assert c.kwargs["SCALE_BF16"] is (params.int4_scale_dtype == "bfloat16")
+        if fmt is Format.NVFP4:
+            assert c.kwargs["RECIPROCAL"] is (params is CT)
+
+
+@pytest.mark.parametrize("params", [FormatParams(), CT], ids=["modelopt", "compressed-tensors"])
+def test_per_expert_gate_and_up_share_one_global_scale_on_the_kernels(params, monkeypatch):
+    """Per-expert checkpoints: gate_proj and up_proj are two tensors whose NVFP4 global scale is one
+    (their amax passes meet in one int32); the kernels take these units (the FP8 path leaves
+    fp8_per_tensor's pair to the reference) and match it byte for byte."""
+    tensors = _per_expert()
+    plan = RefitPlan.build(
+        list(tensors.items()), RefitSpec(model_type="qwen3_moe", fmt=Format.NVFP4, params=params)
+    )
+    assert any(len(g) == 2 for u in plan.units for g in u.scale_groups)
+    got, ran = _run(plan, tensors, monkeypatch, triton=True)
+    want, _ = _run(plan, tensors, monkeypatch, triton=False)
+    assert sorted(ran) == [u.index for u in plan.units if u.fmt is not None]
+    _assert_identical(plan, got, want)
+    leaf = params.global_scale_leaf()
+    gate = got[f"model.layers.0.mlp.experts.1.gate_proj.{leaf}"]
+    up = got[f"model.layers.0.mlp.experts.1.up_proj.{leaf}"]
+    assert torch.equal(gate, up)  # shared, decided by up's larger values
+
+
+def test_units_the_kernels_cannot_take_run_on_the_reference(monkeypatch):
+    """A non-power-of-two INT4 group (48) and an output buffer that is not contiguous: try_run_unit
+    declines before any launch and run_unit's reference writes the bytes."""
+    tensors = _slab_layer(inter=96, hidden=192)
+    params = FormatParams(int4_group=48)
+    plan = RefitPlan.build(
+        list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.INT4_W4A16, params=params)
+    )
+    got, ran = _run(plan, tensors, monkeypatch, triton=True)
+    want, _ = _run(plan, tensors, monkeypatch, triton=False)
+    assert ran == []
+    _assert_identical(plan, got, want)
+    assert "power-of-two" in fourbit_slab.supports(Format.INT4_W4A16, params)
+
+    tensors = _slab_layer()
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.MXFP4))
+    outs = plan.allocate(device="cpu")
+    unit = plan.units[0]
+    name = next(o.name for o in unit.outputs if o.scale_name)
+    wide = torch.empty((outs[name].shape[1], outs[name].shape[0]), dtype=outs[name].dtype)
+    outs[name] = wide.t()  # right shape and dtype, column-major
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)
+    assert not launch.try_run_unit(unit, tensors, outs)
+
+
+def test_non_finite_is_refused_naming_the_tensor_through_the_flag_group(monkeypatch):
+    """An Inf in expert 1's up rows: inside the worker's collecting block the launch checks nothing
+    itself; the group's one read names the checkpoint tensor and its row."""
+    tensors = _slab_layer()
+    gate_up = next(n for n in tensors if "gate_up" in n)
+    tensors[gate_up][1, 64 + 3, 17] = float("inf")
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.NVFP4))
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)
+    real_check = fourbit_slab.FourBitLaunch.check
+    monkeypatch.setattr(
+        fourbit_slab.FourBitLaunch, "check", lambda self: pytest.fail("a launch was checked on its own")
+    )
+    outs = plan.allocate(device="cpu")
+    group = kernels.FlagGroup()
+    for unit in plan.units:
+        with kernels.collecting(group, unit.index):
+            assert launch.try_run_unit(unit, tensors, outs)
+    errors = group.check()
+    bad = next(u.index for u in plan.units if gate_up in u.inputs)
+    assert list(errors) == [bad]
+    message = str(errors[bad])
+    assert ".experts.1.up_proj.weight" in message and "first in row 3 " in message
+    monkeypatch.setattr(fourbit_slab.FourBitLaunch, "check", real_check)
+    with pytest.raises(NonFiniteError, match=r"experts\.1\.up_proj\.weight' holds NaN or Inf"):
+        launch.try_run_unit(plan.units[bad], tensors, outs)  # outside a group: checked at once
