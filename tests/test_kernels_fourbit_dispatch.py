@@ -232,3 +232,39 @@ def test_non_finite_is_refused_naming_the_tensor_through_the_flag_group(monkeypa
     monkeypatch.setattr(fourbit_slab.FourBitLaunch, "check", real_check)
     with pytest.raises(NonFiniteError, match=r"experts\.1\.up_proj\.weight' holds NaN or Inf"):
         launch.try_run_unit(plan.units[bad], tensors, outs)  # outside a group: checked at once
+
+
+@pytest.mark.parametrize("variant", ["nvfp4-ct", "mxfp4", "int4-g128-bf16"])
+def test_the_probe_slab_matches_the_reference(variant):
+    """The GPU probe's own launch and comparison (run here on CPU under the interpreter)."""
+    fmt, params = VARIANTS[variant]
+    fourbit_slab._probe_launch(torch.device("cpu"), fmt, params)
+
+
+def test_a_failed_probe_sends_the_format_to_the_reference_once(monkeypatch):
+    """The 4-bit kernels fail to compile on some GPU: the probe says why, once per device, format and
+    parameters, and try_run_unit declines (the reference writes the bytes)."""
+    import contextlib
+
+    tries = []
+
+    def broken(device, fmt, params):
+        tries.append((device, fmt))
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(fourbit_slab, "_probe_launch", broken)
+    monkeypatch.setattr(fourbit_slab, "_probed", {})
+    monkeypatch.setattr(kernels, "device_scope", lambda device: contextlib.nullcontext())
+    reason = fourbit_slab.probe("cuda:2", Format.MXFP4)
+    assert "mxfp4 Triton kernels failed their probe on cuda:2" in reason and "PassManager" in reason
+    assert fourbit_slab.probe(torch.device("cuda", 2), Format.MXFP4) == reason and len(tries) == 1
+    assert fourbit_slab.probe("cuda:2", Format.NVFP4) is not None and len(tries) == 2
+    assert fourbit_slab.probe("cpu", Format.MXFP4) is None and len(tries) == 2
+
+    tensors = _slab_layer()
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.MXFP4))
+    monkeypatch.setattr(launch, "probe", lambda device, fmt, params: reason)
+    got, ran = _run(plan, tensors, monkeypatch, triton=True)
+    want, _ = _run(plan, tensors, monkeypatch, triton=False)
+    assert ran == []
+    _assert_identical(plan, got, want)

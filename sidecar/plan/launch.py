@@ -26,7 +26,12 @@ import torch
 from sidecar.numerics import kernels
 from sidecar.numerics.formats import Format
 from sidecar.numerics.kernels import LaunchSpec, WarmUp
-from sidecar.numerics.kernels.fourbit_slab import amax_slab, fourbit_problems, quantize_slab_fourbit
+from sidecar.numerics.kernels.fourbit_slab import (
+    amax_slab,
+    fourbit_problems,
+    probe,
+    quantize_slab_fourbit,
+)
 from sidecar.numerics.kernels.slab import SlabGeometry, check_slab, prepare_outputs
 from sidecar.plan.build import RefitPlan
 from sidecar.plan.spec import Role, Unit, UnitKind
@@ -176,6 +181,8 @@ def _try_run_fourbit(
             log.debug("unit %s runs on the torch reference: %s", unit.index, problems[0])
             return False
     device = jobs[0][0].device
+    if probe(device, unit.fmt, unit.params) is not None:  # said once in the log
+        return False
     flags = kernels.flags_in_use()
     with kernels.device_scope(device):
         amax = None

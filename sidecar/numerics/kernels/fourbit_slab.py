@@ -16,6 +16,8 @@ No Triton import here: the kernels load on first launch, so this module's checks
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,7 +34,9 @@ from sidecar.numerics.formats import (
 )
 from sidecar.numerics.kernels.slab import FLAG_CLEAR, pointer_table
 
-__all__ = ["FourBitLaunch", "amax_slab", "fourbit_problems", "quantize_slab_fourbit", "supports"]
+__all__ = ["FourBitLaunch", "amax_slab", "fourbit_problems", "probe", "quantize_slab_fourbit", "supports"]
+
+log = logging.getLogger("sidecar.numerics.kernels")
 
 #: outs[e][p] = the (expert, part)'s outputs, quantized_outputs order
 FourBitOuts = Sequence[Sequence[Sequence[torch.Tensor]]]
@@ -241,3 +245,75 @@ def quantize_slab_fourbit(
     elif wait:
         launch.check()
     return launch
+
+
+# --------------------------------------------------------------------------------------------------
+# probe: the 4-bit kernels compile and match on this GPU, once per device, format and parameters
+
+#: (CUDA index, format, params) -> why the 4-bit kernels cannot be used there (None: they can)
+_probed: dict[tuple, str | None] = {}
+_probe_lock = threading.Lock()
+#: zero, tiny, ordinary, saturating and negative values, in every block of the probe
+_PROBE_VALUES = [0.0, 1e-30, 0.5, -1.0, 3.0, 448.0, -1000.0, 0.3]
+
+
+def _probe_launch(device: torch.device, fmt: Format, params: FormatParams) -> None:
+    """Quantize a tiny two-part slab (gate + up sharing NVFP4's global scale) on ``device`` and
+    compare every output's bytes with the torch reference; raises on any difference."""
+    from sidecar.numerics import fourbit
+
+    k = max(64, params.int4_group if fmt is Format.INT4_W4A16 else 64)
+    row = torch.tensor(_PROBE_VALUES * (k // len(_PROBE_VALUES)), dtype=torch.float32)
+    x = torch.stack([row, -2 * row, row / 3, 7 * row]).to(torch.bfloat16).view(1, 4, k)
+    want = []
+    gs = fourbit.nvfp4_global_scale(x[0]) if fmt is Format.NVFP4 else None
+    for part in (x[0, :2], x[0, 2:]):
+        if fmt is Format.NVFP4:
+            q, s, g = fourbit.quantize_nvfp4(part, global_scale=gs)
+            reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+            want.append((q, s, torch.reciprocal(g).reshape(1) if reciprocal else g))
+        elif fmt is Format.MXFP4:
+            want.append(fourbit.quantize_mxfp4(part))
+        else:
+            kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
+            want.append(fourbit.quantize_int4(part, **kw))
+    outs = [[tuple(torch.empty_like(t, device=device) for t in w) for w in want]]
+    amax = torch.zeros(1, dtype=torch.int32, device=device)
+    slab = x.to(device)
+    if fmt is Format.NVFP4:
+        amax_slab(slab, amax)
+    names = [["probe gate", "probe up"]]
+    quantize_slab_fourbit(slab, fmt, outs, names=names, params=params, amax=amax, flags=None)
+    for got, ref in zip(outs[0], want):
+        for a, b in zip(got, ref):
+            if not torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+                raise RuntimeError("the probe's bytes differ from the torch reference")
+
+
+def probe(
+    device: torch.device | str, fmt: Format, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> str | None:
+    """Why the 4-bit kernels must not quantize ``fmt`` under ``params`` on CUDA ``device`` (they
+    failed to compile or launch there, or disagreed with the reference on a tiny slab), or None.
+    Probed once per process, device, format and parameters; the torch reference is used where it
+    failed, said in the log. A CPU device (the interpreter, in tests) is not probed."""
+    from sidecar.numerics.kernels import device_scope
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (index, fmt, params)
+    with _probe_lock:
+        if key in _probed:
+            return _probed[key]
+        try:
+            with device_scope(torch.device("cuda", index)):
+                _probe_launch(torch.device("cuda", index), fmt, params)
+            reason = None
+        except Exception as err:  # any failure: the reference still quantizes this format
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            reason = f"the {fmt.value} Triton kernels failed their probe on cuda:{index} ({type(err).__name__}: {first})"
+            log.warning("quantizing %s with the torch reference on cuda:%s: %s", fmt.value, index, reason)
+        _probed[key] = reason
+        return reason
