@@ -268,3 +268,11 @@ def test_a_failed_probe_sends_the_format_to_the_reference_once(monkeypatch):
     want, _ = _run(plan, tensors, monkeypatch, triton=False)
     assert ran == []
     _assert_identical(plan, got, want)
+    # warm-up (before READY): the plan's 4-bit format is probed; status then names the reference
+    monkeypatch.setattr(
+        kernels, "warm_up", lambda launches, device, compile=None: kernels.WarmUp(str(device), "triton")
+    )
+    done = launch.warm_up(plan, "cuda:0")
+    assert (done.impl, done.reason) == ("torch", reason)
+    monkeypatch.setattr(launch, "probe", lambda device, fmt, params: None)
+    assert launch.warm_up(plan, "cuda:0").impl == "triton"

@@ -227,5 +227,16 @@ def plan_launches(plan: RefitPlan) -> Iterator[LaunchSpec]:
 def warm_up(
     plan: RefitPlan | None, device: torch.device | str, *, compile: Callable[[list], Any] | None = None
 ) -> WarmUp:
-    """:func:`sidecar.numerics.kernels.warm_up` for ``plan``'s launches (``None``: no plan yet, probe only)."""
-    return kernels.warm_up(None if plan is None else list(plan_launches(plan)), device, compile=compile)
+    """:func:`sidecar.numerics.kernels.warm_up` for ``plan``'s launches (``None``: no plan yet, probe only).
+
+    A 4-bit plan's kernels are probed for its format and parameters too (compiled and checked on a
+    tiny slab: :func:`sidecar.numerics.kernels.fourbit_slab.probe`), so that status and metrics say
+    before READY whether the kernels or the torch reference quantize; the first step compiles the
+    remaining specialisations (one per slab shape, a few per plan)."""
+    done = kernels.warm_up(None if plan is None else list(plan_launches(plan)), device, compile=compile)
+    fmt = None if plan is None else plan.spec.fmt
+    if done.impl == "triton" and fmt is not None and fmt.four_bit:
+        reason = probe(device, fmt, plan.spec.params)
+        if reason is not None:
+            return WarmUp(done.device, "torch", reason, done.compiled, done.seconds)
+    return done
