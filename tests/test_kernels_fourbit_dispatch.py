@@ -13,7 +13,9 @@ per-expert tensors), MXFP4, INT4 in several groups and scale dtypes. Units the k
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -71,7 +73,7 @@ VARIANTS = {
 }
 
 
-def _slab_layer(experts=2, inter=64, hidden=128, seed=5):
+def _slab_layer(experts=2, inter=32, hidden=64, seed=5):
     """A Qwen3.5 layer's grouped experts with a wide range of magnitudes, zeros, -0.0 and subnormals."""
     prefix = "model.language_model.layers.0.mlp.experts"
     g = torch.Generator().manual_seed(seed)
@@ -90,7 +92,7 @@ def _slab_layer(experts=2, inter=64, hidden=128, seed=5):
     }
 
 
-def _per_expert(experts=2, inter=64, hidden=128, seed=6):
+def _per_expert(experts=2, inter=32, hidden=64, seed=6):
     g = torch.Generator().manual_seed(seed)
     return {
         f"model.layers.0.mlp.experts.{e}.{p}.weight": (scale * torch.randn(shape, generator=g)).bfloat16()
@@ -139,7 +141,8 @@ def _assert_identical(plan, got, want):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_slab_units_run_on_the_kernels_byte_identical_to_the_reference(variant, monkeypatch):
     fmt, params = VARIANTS[variant]
-    tensors = _slab_layer(inter=128 if params.int4_group == 128 else 64)  # K of down_proj: inter
+    g = params.int4_group if fmt is Format.INT4_W4A16 else 32
+    tensors = _slab_layer(inter=g, hidden=max(64, g))  # every K a multiple of the group
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt, params=params))
     calls: list = []
     real_launch = triton_quant.launch
@@ -212,7 +215,7 @@ def test_non_finite_is_refused_naming_the_tensor_through_the_flag_group(monkeypa
     itself; the group's one read names the checkpoint tensor and its row."""
     tensors = _slab_layer()
     gate_up = next(n for n in tensors if "gate_up" in n)
-    tensors[gate_up][1, 64 + 3, 17] = float("inf")
+    tensors[gate_up][1, 32 + 3, 17] = float("inf")
     plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.NVFP4))
     monkeypatch.setattr(kernels, "available", lambda device=None: True)
     real_check = fourbit_slab.FourBitLaunch.check
@@ -276,3 +279,58 @@ def test_a_failed_probe_sends_the_format_to_the_reference_once(monkeypatch):
     assert (done.impl, done.reason) == ("torch", reason)
     monkeypatch.setattr(launch, "probe", lambda device, fmt, params: None)
     assert launch.warm_up(plan, "cuda:0").impl == "triton"
+
+
+_AOT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sidecar.numerics.kernels import triton_fourbit_slab as tk
+
+def build(fn, sig, consts, div16, warps=4):
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "enable_fp_fusion": False})
+    ptx = k.asm["ptx"]
+    count = lambda pat: len(re.findall(pat, ptx))
+    return {"div_rn": count(r"div\.rn\.f32"), "div_other": count(r"div\.(full|approx)"), "ftz": count(r"\.ftz"),
+            "fma": count(r"\bfma\.rn\.f32"), "ld_v4": count(r"ld\.global(\.[a-z0-9]+)*\.v4"), "ld_v2": count(r"ld\.global(\.[a-z0-9]+)*\.v2"), "ld_1": count(r"ld\.global(\.[a-z0-9]+)*\.[bu]16\b"), "st_v": count(r"st\.global(\.[a-z0-9]+)*\.v[24]"), "st_b8": count(r"st\.global(\.[a-z0-9]+)*\.[bu]8\b"), "atom": count(r"atom\.")}
+
+base = {"x_ptr": "*bf16", "se": "i32", "sr": "i32", "q_tab": "*i64", "s_tab": "*i64"}
+hints = ["x_ptr", "se", "sr", "q_tab", "s_tab", "K"]
+out = {}
+for parts in (1, 2):
+    for rec in (False, True):
+        sig = {**base, "g_tab": "*i64", "amax_ptr": "*i32", "flag_ptr": "*i32", "rows": "i32", "K": "i32", "n_pc": "i32"}
+        out[f"nvfp4 parts={parts} reciprocal={rec}"] = build(tk._nvfp4_kernel, sig, {"PARTS": parts, "IS_BF16": True, "RECIPROCAL": rec, "NB": tk.blocks_per_program(16)}, hints)
+    sig = {**base, "flag_ptr": "*i32", "rows": "i32", "K": "i32", "n_pc": "i32"}
+    out[f"mxfp4 parts={parts}"] = build(tk._mxfp4_kernel, sig, {"PARTS": parts, "IS_BF16": True, "NB": tk.blocks_per_program(32)}, hints)
+    for g, bf in ((32, True), (128, False), (1024, True)):
+        sig = {**base, "shape_tab": "*i64", "flag_ptr": "*i32", "rows": "i32", "K": "i32", "n_pc": "i32"}
+        out[f"int4 parts={parts} g={g} bf16={bf}"] = build(tk._int4_kernel, sig, {"PARTS": parts, "IS_BF16": True, "G": g, "SCALE_BF16": bf, "NB": tk.blocks_per_program(g)}, hints)
+sig = {"x_ptr": "*bf16", "se": "i32", "sr": "i32", "amax_ptr": "*i32", "total_rows": "i32", "K": "i32", "n_chunks": "i32"}
+out["amax"] = build(tk._amax_kernel, sig, {"BR": 8, "BK": 256, "ROW_ITERS": 8, "COL_ITERS": 8, "IS_BF16": True}, ["x_ptr", "se", "sr", "K"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_slab_kernels_compile_for_hopper_with_exact_arithmetic():
+    """Every 4-bit slab kernel (both part counts, both NVFP4 names, INT4 groups 32 / 128 / 1024 in
+    both scale dtypes, the amax pass) compiles to sm_90 PTX here, without a GPU: correctly rounded
+    division only (``div.rn.f32``, never ``div.full``/``div.approx``), no flush-to-zero, no fused
+    multiply-add (SPEC rounds every step), and bf16 loads 16 bytes at a time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _AOT], capture_output=True, text=True, timeout=600, check=False, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(facts) == 13
+    for name, f in facts.items():
+        assert f["ftz"] == 0 and f["div_other"] == 0 and f["fma"] == 0, (name, f)
+        assert f["ld_v4"] > 0 and f["atom"] > 0, (name, f)
+        if name.startswith(("nvfp4", "int4")):
+            assert f["div_rn"] > 0, (name, f)

@@ -32,10 +32,9 @@ from sidecar.numerics.kernels.triton_quant import KernelCall
 
 __all__ = ["blocks_per_program", "calls_amax", "calls_int4", "calls_mxfp4", "calls_nvfp4"]
 
-#: blocks (groups) of one row per program
-_NB = 16
-#: at most this many input elements per program (INT4 groups above 128 take fewer groups each)
-_MAX_ELEMS = 2048
+#: input elements of one row per program: 8 per thread of 4 warps, so each thread loads 16 bytes of
+#: bf16 at once (fewer elements left the loads 2- or 4-byte wide: sm_90 PTX, tests)
+_ELEMS = 1024
 #: the amax pass: rows x columns per step of one program, rows per program
 _AMAX_BR = 8
 _AMAX_BK = 256
@@ -206,8 +205,9 @@ def _int4_kernel(
 
 
 def blocks_per_program(block: int) -> int:
-    """Blocks (groups) of ``block`` elements one program covers: ``_NB``, fewer for wide INT4 groups."""
-    return max(1, min(_NB, _MAX_ELEMS // block))
+    """Blocks (groups) of ``block`` elements one program covers: ``_ELEMS`` elements' worth (one
+    group for INT4 groups of 1024 and wider)."""
+    return max(1, _ELEMS // block)
 
 
 def _programs(experts: int, parts: int, rows: int, blocks: int, nb: int) -> tuple[int, int]:
