@@ -334,3 +334,65 @@ def test_slab_kernels_compile_for_hopper_with_exact_arithmetic():
         assert f["ld_v4"] > 0 and f["atom"] > 0, (name, f)
         if name.startswith(("nvfp4", "int4")):
             assert f["div_rn"] > 0, (name, f)
+
+
+def test_quantize_worker_runs_a_fourbit_layer_on_the_kernels_with_one_flag_read(monkeypatch):
+    """The daemon's quantize worker (sidecar.daemon.worker.QuantWorker) on a queued NVFP4 layer: the
+    units go to the kernels, no launch is checked on its own, one group read reports every unit;
+    the unit whose slab held a NaN fails naming its checkpoint tensor, the other's bytes equal the
+    reference's."""
+    import threading
+
+    import zmq
+
+    from sidecar.daemon.worker import QuantWorker
+
+    tensors = _slab_layer()
+    want, _ = _run(
+        RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.NVFP4)),
+        tensors,
+        monkeypatch,
+        triton=False,
+    )
+    down = next(n for n in tensors if "down" in n)
+    tensors[down][1, 5, 7] = float("nan")
+    plan = RefitPlan.build(list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=Format.NVFP4))
+    monkeypatch.setattr(kernels, "available", lambda device=None: True)
+    monkeypatch.setattr(
+        fourbit_slab.FourBitLaunch, "check", lambda self: pytest.fail("a launch was checked on its own")
+    )
+    reads = []
+    real_check = kernels.FlagGroup.check
+    monkeypatch.setattr(kernels.FlagGroup, "check", lambda self: reads.append(len(self)) or real_check(self))
+    outputs = plan.allocate(device="cpu")
+    ctx = zmq.Context()
+    wake = ctx.socket(zmq.PULL)
+    wake.bind("inproc://test-fourbit-flags")
+    worker = QuantWorker(ctx, "inproc://test-fourbit-flags")
+    try:
+        release = threading.Event()
+        first = plan.units[0]
+
+        class Held(dict):
+            def __getitem__(self, name):
+                release.wait(30)  # the other unit queues up behind this one: one batch
+                return super().__getitem__(name)
+
+        worker.submit(0, first, Held({n: tensors[n] for n in first.inputs}), outputs)
+        for unit in plan.units[1:]:
+            worker.submit(0, unit, {n: tensors[n] for n in unit.inputs}, outputs)
+        release.set()
+        done = {d.unit: d for d in (worker.results.get(timeout=300) for _ in plan.units)}
+    finally:
+        worker.close()
+        wake.close(linger=0)
+        ctx.term()
+    assert reads == [len(plan.units)]  # one read for the batch: one quantize launch per slab unit
+    for unit in plan.units:
+        if down in unit.inputs:
+            assert isinstance(done[unit.index].error, NonFiniteError)
+            assert ".1.down_proj.weight" in str(done[unit.index].error)
+        else:
+            assert done[unit.index].error is None, done[unit.index].error
+            for o in unit.outputs:
+                assert torch.equal(_bits(outputs[o.name]), _bits(want[o.name])), o.name
