@@ -158,7 +158,7 @@ def _fourbit_jobs(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mappi
             if view.dim() != 2:
                 return None
             jobs.append((view.unsqueeze(0), [[bufs(name)]], [[name]], slot))
-    return jobs, len(unit.scale_groups)
+    return (jobs, len(unit.scale_groups)) if jobs else None
 
 
 def _try_run_fourbit(
