@@ -62,9 +62,9 @@ def _reference(plan: RefitPlan, tensors, outputs) -> None:
             _quantize_group(unit.fmt, tuple(weights[n] for n in group), tensors, outputs, unit.params)
 
 
-def _triton(plan: RefitPlan, tensors, outputs) -> None:
-    """As the daemon's quantize worker: the launches' NaN/Inf flags read once for the layer."""
-    group = kernels.FlagGroup()
+def _triton(plan: RefitPlan, tensors, outputs, group: kernels.FlagGroup) -> None:
+    """As the daemon's quantize worker: the launches' NaN/Inf flags in its one group, read once
+    for the layer."""
     for unit in plan.units:
         with kernels.collecting(group, unit.index):
             if not launch.try_run_unit(unit, tensors, outputs):
@@ -118,6 +118,7 @@ def fourbit_section(device: torch.device, shape, args, timer) -> dict[str, Any]:
         "rows": [],
         "ok": True,
     }
+    flags = kernels.FlagGroup()  # as the worker: one group, its flag buffer allocated once
     # what run_unit runs when the kernels decline: the torch reference on a GPU, native C on CPU
     fallback = "torch reference" if device.type == "cuda" else "run_unit on cpu (native C)"
     for label, (fmt, params) in VARIANTS.items():
@@ -145,9 +146,9 @@ def fourbit_section(device: torch.device, shape, args, timer) -> dict[str, Any]:
         got = plan.allocate(device=device)
         for t in got.values():
             _bits(t).fill_(0xA5)  # stale bytes would show
-        extra = _peak_extra(device, lambda plan=plan, got=got: _triton(plan, tensors, got))
+        extra = _peak_extra(device, lambda plan=plan, got=got: _triton(plan, tensors, got, flags))
         bad = [o.name for o in plan.outputs if not torch.equal(_bits(got[o.name]), _bits(want[o.name]))]
-        ms = statistics.median(run(lambda plan=plan, got=got: _triton(plan, tensors, got)))
+        ms = statistics.median(run(lambda plan=plan, got=got: _triton(plan, tensors, got, flags)))
         result["rows"].append(
             {
                 **base,
