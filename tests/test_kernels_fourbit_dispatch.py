@@ -396,3 +396,39 @@ def test_quantize_worker_runs_a_fourbit_layer_on_the_kernels_with_one_flag_read(
             assert done[unit.index].error is None, done[unit.index].error
             for o in unit.outputs:
                 assert torch.equal(_bits(outputs[o.name]), _bits(want[o.name])), o.name
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_warm_up_compiles_a_fourbit_plans_specialisations_once(variant, monkeypatch):
+    """Before READY the daemon compiles each distinct 4-bit launch of its plan (a second layer adds
+    nothing; gate_up's two parts and down's one are different kernels), with the plan's format
+    parameters, every call's arguments matching its kernel's signature."""
+    import contextlib
+
+    fmt, params = VARIANTS[variant]
+    g = params.int4_group if fmt is Format.INT4_W4A16 else 32
+    one = _slab_layer(inter=g, hidden=max(64, g))
+    two = {**one, **{k.replace("layers.0", "layers.1"): v for k, v in one.items()}}
+    monkeypatch.setattr(
+        kernels, "warm_up", lambda launches, device, compile=None: kernels.WarmUp(str(device), "triton")
+    )
+    monkeypatch.setattr(launch, "probe", lambda device, fmt, params: None)
+    monkeypatch.setattr(kernels, "device_scope", lambda device: contextlib.nullcontext())
+    counts = []
+    for tensors in (one, two):
+        plan = RefitPlan.build(
+            list(tensors.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt, params=params)
+        )
+        compiled: list = []
+        done = launch.warm_up(plan, "cuda:0", compile=compiled.extend)
+        assert done.impl == "triton" and done.compiled == len(compiled)
+        counts.append(len(compiled))
+        for call in compiled:
+            constexprs = {k: v for k, v in call.kwargs.items() if k not in ("num_warps", "enable_fp_fusion")}
+            assert len(call.args) + len(constexprs) == len(call.kernel.arg_names), call.kernel.fn.__name__
+        quantize = [c for c in compiled if c.kernel.fn.__name__ != "_amax_kernel"]
+        assert {c.kwargs["PARTS"] for c in quantize} == {1, 2}
+        if fmt is Format.INT4_W4A16:
+            assert {c.kwargs["G"] for c in quantize} == {params.int4_group}
+        assert any(c.kernel.fn.__name__ == "_amax_kernel" for c in compiled) is (fmt is Format.NVFP4)
+    assert counts[0] == counts[1] > 0

@@ -31,6 +31,8 @@ from sidecar.numerics.kernels.fourbit_slab import (
     fourbit_problems,
     probe,
     quantize_slab_fourbit,
+    supports,
+    warm_up_calls,
 )
 from sidecar.numerics.kernels.slab import SlabGeometry, check_slab, prepare_outputs
 from sidecar.plan.build import RefitPlan
@@ -231,12 +233,58 @@ def warm_up(
 
     A 4-bit plan's kernels are probed for its format and parameters too (compiled and checked on a
     tiny slab: :func:`sidecar.numerics.kernels.fourbit_slab.probe`), so that status and metrics say
-    before READY whether the kernels or the torch reference quantize; the first step compiles the
-    remaining specialisations (one per slab shape, a few per plan)."""
+    before READY whether the kernels or the torch reference quantize, and the distinct
+    specialisations of its launches are compiled (:func:`_warm_up_fourbit`)."""
     done = kernels.warm_up(None if plan is None else list(plan_launches(plan)), device, compile=compile)
     fmt = None if plan is None else plan.spec.fmt
     if done.impl == "triton" and fmt is not None and fmt.four_bit:
         reason = probe(device, fmt, plan.spec.params)
         if reason is not None:
             return WarmUp(done.device, "torch", reason, done.compiled, done.seconds)
+        done.compiled += _warm_up_fourbit(plan, device, compile)
     return done
+
+
+def _fourbit_launches(plan: RefitPlan) -> Iterator[tuple[torch.dtype, tuple[int, int, int], int]]:
+    """(dtype, slab shape, parts) of every 4-bit launch :func:`_try_run_fourbit` makes for ``plan``."""
+    specs = {t.name: t for t in plan.inputs}
+    for unit in plan.units:
+        if unit.fmt is None or not unit.fmt.four_bit or not unit.inputs:
+            continue
+        if unit.kind is UnitKind.SLAB:
+            order, src = _slab_order(unit), specs[unit.inputs[0]]
+            if order and len(src.shape) == 3 and not src.shape[1] % len(order[0]):
+                yield src.dtype, tuple(src.shape), len(order[0])
+        elif unit.kind in (UnitKind.EXPERT, UnitKind.LINEAR):
+            for o in unit.outputs:
+                src = specs.get(o.source)
+                if o.role is Role.WEIGHT and src is not None and len(src.shape) == 2 and o.rows is None:
+                    yield src.dtype, (1, *src.shape), 1
+
+
+def _warm_up_fourbit(
+    plan: RefitPlan, device: torch.device | str, compile: Callable[[list], Any] | None
+) -> int:
+    """Compile the distinct specialisations of a 4-bit plan's launches on ``device`` before READY
+    (else the first step compiles each); how many. A failure is logged and left to the first step."""
+    fmt, params = plan.spec.fmt, plan.spec.params
+    if supports(fmt, params) is not None:
+        return 0
+    from sidecar.numerics.kernels import triton_quant
+
+    compile = compile or triton_quant.compile_only
+    seen: dict[tuple, Any] = {}
+    for dtype, shape, parts in dict.fromkeys(_fourbit_launches(plan)):
+        for call in warm_up_calls(fmt, params, dtype, shape, parts):
+            args = tuple(kernels._int_traits(a) if isinstance(a, int) else str(a) for a in call.args)
+            seen.setdefault((call.kernel.fn.__name__, args, tuple(sorted(call.kwargs.items()))), call)
+    try:
+        with kernels.device_scope(device):
+            for call in seen.values():
+                compile([call])
+    except Exception as err:  # the probe passed: the first step compiles (and reports) instead
+        log.warning(
+            "compiling the %s kernels before READY failed: %s: %s", fmt.value, type(err).__name__, err
+        )
+        return 0
+    return len(seen)

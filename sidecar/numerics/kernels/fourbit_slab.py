@@ -317,3 +317,37 @@ def probe(
             log.warning("quantizing %s with the torch reference on cuda:%s: %s", fmt.value, index, reason)
         _probed[key] = reason
         return reason
+
+
+# --------------------------------------------------------------------------------------------------
+# warm-up: the kernel calls of a launch, with dtypes in place of tensors (Triton compiles from these)
+
+
+def warm_up_calls(
+    fmt: Format, params: FormatParams, dtype: torch.dtype, shape: tuple[int, int, int], parts: int
+) -> list:
+    """The calls :func:`quantize_slab_fourbit` (and NVFP4's :func:`amax_slab`) make for a contiguous
+    slab of ``shape`` in ``dtype``, cut into ``parts``, as Triton's compile-only call takes them
+    (the arena's buffers are 16-byte aligned, as the FP8 warm-up assumes)."""
+    from sidecar.numerics.kernels import triton_fourbit_slab as tk
+
+    e, r, k = shape
+    rows = r // parts
+    if not (e and rows and k):
+        return []
+    i64, i32 = torch.int64, torch.int32
+    bf16 = dtype == torch.bfloat16
+    tables = (i64,) * len(_expected(fmt, params, rows, k))
+    common = (dtype, r * k, k, tables)
+    if fmt is Format.NVFP4:
+        reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+        return [
+            *tk.calls_amax(dtype, r * k, k, i32, e, r, k, is_bf16=bf16),
+            *tk.calls_nvfp4(*common, i32, i32, e, parts, rows, k, is_bf16=bf16, reciprocal=reciprocal),
+        ]
+    if fmt is Format.MXFP4:
+        return tk.calls_mxfp4(*common, i32, e, parts, rows, k, is_bf16=bf16)
+    scale_bf16 = params.int4_scale_torch_dtype == torch.bfloat16
+    return tk.calls_int4(
+        *common, i32, e, parts, rows, k, is_bf16=bf16, group=params.int4_group, scale_bf16=scale_bf16
+    )
