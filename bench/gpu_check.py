@@ -13,7 +13,7 @@ Here, the same code paths on CPU torch (shared-memory arenas, tiny shapes, under
 
     python bench/gpu_check.py --device cpu --small
 
-Four sections, each recorded even when another fails:
+Five sections, each recorded even when another fails:
 
 1. **correctness**: every kernel against the torch reference run on the same device, byte for byte
    (values through ``.view(torch.uint8)``, scales exact), on fresh random slabs (ragged and batched
@@ -39,6 +39,12 @@ Four sections, each recorded even when another fails:
    the bytes each stage must read and write (staging: bf16 x 2; quantize: bf16 + published; engine:
    published x 2) over the copy bandwidth measured in the same run; target: within 2x. An e2e
    failure is recorded in the JSON; the other sections' results are still written.
+
+2b. **fourbit** (bench/gpu_fourbit.py): the daemon's CUDA quantize path in NVFP4 (both names), MXFP4
+   and INT4 (group 32 bf16, group 128 float32) on the same layer: the Triton slab kernels byte for
+   byte against the torch reference on the device, each one's ms and fraction of a plain device
+   copy of the same bytes (same run), and the peak device memory each allocates beyond the rings.
+   Skipped kernels (CPU) are reported with the reason; ``--skip fourbit`` leaves the section out.
 
 4. **tiers** (bench/gpu_tiers.py): the daemon's own arenas for a Qwen3.5-35B-A3B-shaped model
    (``--tiers-layers``, 4) with generations in page-locked host memory: the peak device memory
@@ -97,6 +103,7 @@ def _load_sibling(name: str):
 
 
 gpu_tiers = _load_sibling("gpu_tiers")  # the memory-tier section
+gpu_fourbit = _load_sibling("gpu_fourbit")  # the 4-bit section
 FORMATS = list(FP8_FORMATS)  # what the Triton kernels cover
 GiB = 2**30
 
@@ -1243,7 +1250,9 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for cuda")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="time the default tiles only")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "timing", "e2e", "tiers"])
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=["correctness", "timing", "fourbit", "e2e", "tiers"]
+    )
     ap.add_argument(
         "--tiers-layers", type=int, default=None, help="tiers: Qwen3.5 layers (default 4; --small 2)"
     )
@@ -1400,6 +1409,8 @@ def main(argv=None) -> int:
         _section(report, "timing", lambda: timing_section(device, shape, args, impls), args.out)
         if "checks" in report["timing"]:
             report["correctness"] += report["timing"].pop("checks")
+    if "fourbit" not in args.skip:
+        _section(report, "fourbit", lambda: gpu_fourbit.fourbit_section(device, shape, args, timer), args.out)
     if "e2e" not in args.skip:
         report["e2e"] = {"status": "running"}
         _section(report, "e2e", lambda: run_e2e(device, shape, args), args.out)
@@ -1407,6 +1418,8 @@ def main(argv=None) -> int:
         _section(report, "tiers", lambda: gpu_tiers.tiers_section(device, args), args.out)
     meta["total_s"] = time.perf_counter() - t0
     print_report(report)
+    if "fourbit" in report:
+        gpu_fourbit.print_fourbit(report["fourbit"])
     if "tiers" in report:
         gpu_tiers.print_tiers(report["tiers"])
     _write(args.out, report)
@@ -1414,6 +1427,7 @@ def main(argv=None) -> int:
     failed = [c for c in report["correctness"] if c.get("ok") is False]
     e2e_failed = report.get("e2e", {}).get("ok") is False
     tiers_failed = report.get("tiers", {}).get("ok") is False
+    tiers_failed = tiers_failed or report.get("fourbit", {}).get("ok") is False
     timing_failed = "status" in report.get("timing", {})
     return 1 if failed or e2e_failed or timing_failed or tiers_failed else 0
 

@@ -71,6 +71,12 @@ def test_cpu_dry_run_end_to_end(tmp_path):
     assert [r["fmt"] for r in e2e["rounds"]] == ["block_fp8", "mxfp8", "fp8_per_tensor"]
     assert e2e["copy_gbps"] > 0 and e2e["staging_regions"] == 2
     assert report["tiers"]["status"].startswith("planned only") and report["tiers"]["ok"] is True
+    fourbit = report["fourbit"]  # the 4-bit section: the fallback timed against the copy, kernels skipped
+    assert fourbit["ok"] is True and fourbit["copy"]["gbps"] > 0
+    variants = {r["variant"] for r in fourbit["rows"]}
+    assert {"nvfp4", "nvfp4 (compressed-tensors)", "mxfp4", "int4 g32 bf16", "int4 g128 f32"} == variants
+    assert all("CUDA tensors only" in r["status"] for r in fourbit["rows"] if r["impl"] == "triton")
+    assert all(r["of_copy"] > 0 for r in fourbit["rows"] if r["impl"] != "triton")
     for r in e2e["rounds"]:
         assert "--arena shm" in r["daemon"] and "--world-size 1" in r["daemon"], r["daemon"]
         assert "--staging-regions 2" in r["daemon"], r["daemon"]

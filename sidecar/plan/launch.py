@@ -24,7 +24,16 @@ from typing import Any
 import torch
 
 from sidecar.numerics import kernels
+from sidecar.numerics.formats import Format
 from sidecar.numerics.kernels import LaunchSpec, WarmUp
+from sidecar.numerics.kernels.fourbit_slab import (
+    amax_slab,
+    fourbit_problems,
+    probe,
+    quantize_slab_fourbit,
+    supports,
+    warm_up_calls,
+)
 from sidecar.numerics.kernels.slab import SlabGeometry, check_slab, prepare_outputs
 from sidecar.plan.build import RefitPlan
 from sidecar.plan.spec import Role, Unit, UnitKind
@@ -76,15 +85,18 @@ def slab_outs(unit: Unit, outputs: Mapping[str, torch.Tensor]):
 def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> bool:
     """Run a quantizing ``unit`` with the kernels when its input is a CUDA tensor; False when the
     caller should use the torch reference instead (passthrough, CPU, no Triton, a buffer the
-    kernels cannot write, fp8_per_tensor gate+up from two separate tensors).
+    kernels cannot write, fp8_per_tensor gate+up from two separate tensors, an INT4 group that is
+    not a power of two). The 4-bit formats go to the 4-bit slab kernels (:func:`_try_run_fourbit`).
 
     Slab units are one launch each; per-expert units one launch per projection. The outputs are
     checked in full the first time a set of output tensors is seen, then recognised by identity.
     """
-    if unit.fmt is None or unit.fmt.four_bit or not unit.inputs:
-        return False  # no Triton kernels for the 4-bit formats yet: the reference runs on any device
+    if unit.fmt is None or not unit.inputs:
+        return False
     if not kernels.available(inputs[unit.inputs[0]].device):
         return False
+    if unit.fmt.four_bit:
+        return _try_run_fourbit(unit, inputs, outputs)
     if unit.kind is UnitKind.SLAB:
         slab = inputs[unit.inputs[0]]
         arranged = slab_outs(unit, outputs)
@@ -119,6 +131,81 @@ def try_run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mappin
     return True
 
 
+def _fourbit_jobs(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]):
+    """``(jobs, slots)`` for a 4-bit unit: each job ``(slab, outs, names, amax slot)``, where the
+    jobs of one NVFP4 scale group share an amax slot (``slots`` of them); None when the unit's shape
+    is not one the kernels take (the reference then runs it)."""
+    weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
+
+    def bufs(name: str) -> tuple[torch.Tensor, ...]:
+        return tuple(outputs[n] for n in weights[name].quantized_outputs)
+
+    if unit.kind is UnitKind.SLAB:
+        slab, order = inputs[unit.inputs[0]], _slab_order(unit)
+        if order is None or slab.dim() != 3:
+            return None
+        names = [[w for w, _ in row] for row in order]
+        # NVFP4: one global scale per expert over all its parts (gate + up), as the amax pass computes
+        if unit.fmt is Format.NVFP4 and {frozenset(g) for g in unit.scale_groups} != {
+            frozenset(row) for row in names
+        }:
+            return None
+        return [(slab, [[bufs(w) for w in row] for row in names], names, 0)], len(names)
+    if unit.kind not in (UnitKind.EXPERT, UnitKind.LINEAR):
+        return None
+    jobs = []
+    for slot, group in enumerate(unit.scale_groups):
+        for name in group:
+            view = weights[name].source_view(inputs[weights[name].source])
+            if view.dim() != 2:
+                return None
+            jobs.append((view.unsqueeze(0), [[bufs(name)]], [[name]], slot))
+    return (jobs, len(unit.scale_groups)) if jobs else None
+
+
+def _try_run_fourbit(
+    unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]
+) -> bool:
+    """The 4-bit formats on the kernels (``sidecar.numerics.kernels.fourbit_slab``): one launch per
+    slab or projection, plus NVFP4's global amax pass (one per slab, one per member of a per-expert
+    gate + up pair, both into the pair's int32 of scratch). Every job is checked before the first
+    launch, so a unit the kernels cannot take runs whole on the reference."""
+    made = _fourbit_jobs(unit, inputs, outputs)
+    if made is None:
+        log.debug(
+            "unit %s runs on the torch reference: its 4-bit layout does not fit the kernels", unit.index
+        )
+        return False
+    jobs, slots = made
+    for slab, outs, names, _ in jobs:
+        problems = fourbit_problems(slab, unit.fmt, outs, names, unit.params)
+        if problems:
+            log.debug("unit %s runs on the torch reference: %s", unit.index, problems[0])
+            return False
+    device = jobs[0][0].device
+    if probe(device, unit.fmt, unit.params) is not None:  # said once in the log
+        return False
+    flags = kernels.flags_in_use()
+    with kernels.device_scope(device):
+        amax = None
+        if unit.fmt is Format.NVFP4:
+            amax = kernels.scratch(device, slots)[:slots]
+            amax.zero_()
+            for slab, _, _, slot in jobs:
+                amax_slab(slab, amax[slot : slot + slab.shape[0]])
+        for slab, outs, names, slot in jobs:
+            quantize_slab_fourbit(
+                slab,
+                unit.fmt,
+                outs,
+                names=names,
+                params=unit.params,
+                amax=None if amax is None else amax[slot : slot + slab.shape[0]],
+                flags=flags,
+            )
+    return True
+
+
 def plan_launches(plan: RefitPlan) -> Iterator[LaunchSpec]:
     """Every launch :func:`try_run_unit` makes for ``plan``'s quantizing units, one per slab or
     per-expert projection (repeats included)."""
@@ -142,5 +229,62 @@ def plan_launches(plan: RefitPlan) -> Iterator[LaunchSpec]:
 def warm_up(
     plan: RefitPlan | None, device: torch.device | str, *, compile: Callable[[list], Any] | None = None
 ) -> WarmUp:
-    """:func:`sidecar.numerics.kernels.warm_up` for ``plan``'s launches (``None``: no plan yet, probe only)."""
-    return kernels.warm_up(None if plan is None else list(plan_launches(plan)), device, compile=compile)
+    """:func:`sidecar.numerics.kernels.warm_up` for ``plan``'s launches (``None``: no plan yet, probe only).
+
+    A 4-bit plan's kernels are probed for its format and parameters too (compiled and checked on a
+    tiny slab: :func:`sidecar.numerics.kernels.fourbit_slab.probe`), so that status and metrics say
+    before READY whether the kernels or the torch reference quantize, and the distinct
+    specialisations of its launches are compiled (:func:`_warm_up_fourbit`)."""
+    done = kernels.warm_up(None if plan is None else list(plan_launches(plan)), device, compile=compile)
+    fmt = None if plan is None else plan.spec.fmt
+    if done.impl == "triton" and fmt is not None and fmt.four_bit:
+        reason = probe(device, fmt, plan.spec.params)
+        if reason is not None:
+            return WarmUp(done.device, "torch", reason, done.compiled, done.seconds)
+        done.compiled += _warm_up_fourbit(plan, device, compile)
+    return done
+
+
+def _fourbit_launches(plan: RefitPlan) -> Iterator[tuple[torch.dtype, tuple[int, int, int], int]]:
+    """(dtype, slab shape, parts) of every 4-bit launch :func:`_try_run_fourbit` makes for ``plan``."""
+    specs = {t.name: t for t in plan.inputs}
+    for unit in plan.units:
+        if unit.fmt is None or not unit.fmt.four_bit or not unit.inputs:
+            continue
+        if unit.kind is UnitKind.SLAB:
+            order, src = _slab_order(unit), specs[unit.inputs[0]]
+            if order and len(src.shape) == 3 and not src.shape[1] % len(order[0]):
+                yield src.dtype, tuple(src.shape), len(order[0])
+        elif unit.kind in (UnitKind.EXPERT, UnitKind.LINEAR):
+            for o in unit.outputs:
+                src = specs.get(o.source)
+                if o.role is Role.WEIGHT and src is not None and len(src.shape) == 2 and o.rows is None:
+                    yield src.dtype, (1, *src.shape), 1
+
+
+def _warm_up_fourbit(
+    plan: RefitPlan, device: torch.device | str, compile: Callable[[list], Any] | None
+) -> int:
+    """Compile the distinct specialisations of a 4-bit plan's launches on ``device`` before READY
+    (else the first step compiles each); how many. A failure is logged and left to the first step."""
+    fmt, params = plan.spec.fmt, plan.spec.params
+    if supports(fmt, params) is not None:
+        return 0
+    from sidecar.numerics.kernels import triton_quant
+
+    compile = compile or triton_quant.compile_only
+    seen: dict[tuple, Any] = {}
+    for dtype, shape, parts in dict.fromkeys(_fourbit_launches(plan)):
+        for call in warm_up_calls(fmt, params, dtype, shape, parts):
+            args = tuple(kernels._int_traits(a) if isinstance(a, int) else str(a) for a in call.args)
+            seen.setdefault((call.kernel.fn.__name__, args, tuple(sorted(call.kwargs.items()))), call)
+    try:
+        with kernels.device_scope(device):
+            for call in seen.values():
+                compile([call])
+    except Exception as err:  # the probe passed: the first step compiles (and reports) instead
+        log.warning(
+            "compiling the %s kernels before READY failed: %s: %s", fmt.value, type(err).__name__, err
+        )
+        return 0
+    return len(seen)

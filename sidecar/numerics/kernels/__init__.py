@@ -67,6 +67,7 @@ __all__ = [
     "available",
     "collecting",
     "device_scope",
+    "flags_in_use",
     "quantize",
     "quantize_slab",
     "specialisations",
@@ -312,6 +313,11 @@ class FlagGroup:
 
 
 _collecting = threading.local()
+
+
+def flags_in_use() -> tuple[FlagGroup, Any] | None:
+    """``(group, tag)`` of this thread's :func:`collecting` block, or None outside one."""
+    return getattr(_collecting, "active", None)
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ miscasts at binade edges):
   scale rounded on the bits.
 
 The host functions check inputs and ``out=`` buffers with the reference's own checks, so errors are
-the reference's. The daemon's CUDA path does not call these yet (``sidecar.plan.launch`` sends the
-4-bit formats to the reference); they are checked under the interpreter (tests/test_kernels_fourbit.py).
+the reference's; they are checked under the interpreter (tests/test_kernels_fourbit.py). The daemon's
+CUDA path launches the slab variants of these kernels (``triton_fourbit_slab``: the same jit helpers
+and arithmetic, addressing whole slabs and the publish ring's buffers through pointer tables).
 """
 
 from __future__ import annotations
