@@ -80,3 +80,33 @@ def test_demo_verifies_in_the_four_bit_formats(fmt):
     for row in summary["per_step"]:
         assert row["published_exact"] and row["engine_exact"]
         assert 0 < row["kl"] < 0.05
+
+
+@pytest.mark.timeout(120)
+def test_a_model_the_reference_engine_cannot_hold_is_refused_before_anything_starts():
+    """The MLA reference engine holds FP8 or BF16 experts: ``--model deepseek_v3 --format nvfp4`` is
+    a usage error naming why, at once (it used to wait 120 s for an engine that had died)."""
+    argv = ["demo", "--model", "deepseek_v3", "--format", "nvfp4", "--steps", "1", "--layers", "2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli.main", *argv], capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "holds FP8 or BF16 experts, not nvfp4" in out.stderr
+
+
+class _Exited:
+    """A process that has already exited (what ``multiprocessing`` reports for a dead engine)."""
+
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def test_waiting_for_an_engine_that_exited_fails_at_once_naming_its_exit_code():
+    import threading
+
+    from sidecar.cli.demo.colocated import wait_attached
+
+    with pytest.raises(RuntimeError, match="the reference engine exited with code 1 before attaching"):
+        wait_attached(threading.Event(), _Exited(), "the reference engine", timeout=60)

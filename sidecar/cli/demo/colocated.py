@@ -173,6 +173,27 @@ def engine(
         worker.detach()
 
 
+def _engine_holds(fmt: str, kwargs: dict[str, Any], params: FormatParams) -> None:
+    """Refuse, before any process starts, a model and format the reference engine cannot hold (the
+    DeepSeek MLA engine holds FP8 or BF16 experts only): ValueError naming it."""
+    from adapters.reference import ReferenceEngine
+
+    ReferenceEngine.from_config(hf_config(kwargs), expert_format=fmt, format_params=params)
+
+
+def wait_attached(attached, proc, what: str, timeout: float = 120.0) -> None:
+    """Wait for ``proc`` to set ``attached``; an engine that exits first (its traceback is on stderr)
+    fails at once instead of after the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while not attached.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+        if not proc.is_alive():
+            raise RuntimeError(
+                f"{what} exited with code {proc.exitcode} before attaching (its error is above)"
+            )
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{what} did not attach within {timeout:.0f} s")
+
+
 def start_daemon(
     run_dir: Path, config: Path, fmt: str, regions: int = 0, params: FormatParams = DEFAULT_FORMAT_PARAMS
 ) -> tuple[subprocess.Popen, str]:
@@ -271,6 +292,7 @@ def run_colocated(args: argparse.Namespace) -> int:
     try:
         params = demo_params(args)
         spec = demo_spec(args.format, kwargs, params)
+        _engine_holds(args.format, kwargs, params)
     except ValueError as exc:
         print(f"refitd demo: {exc}", file=sys.stderr)
         return 2
@@ -290,8 +312,7 @@ def run_colocated(args: argparse.Namespace) -> int:
                 )
             )
             procs[0].start()
-            if not attached.wait(120):
-                raise RuntimeError("the reference engine did not attach within 120 s")
+            wait_attached(attached, procs[0], "the reference engine")
             verifier = Verifier(endpoint, spec, kwargs)
             verifier.worker.attach(timeout=60)
             procs += [
