@@ -432,3 +432,66 @@ def test_warm_up_compiles_a_fourbit_plans_specialisations_once(variant, monkeypa
             assert {c.kwargs["G"] for c in quantize} == {params.int4_group}
         assert any(c.kernel.fn.__name__ == "_amax_kernel" for c in compiled) is (fmt is Format.NVFP4)
     assert counts[0] == counts[1] > 0
+
+
+def test_an_engines_new_format_parameters_are_probed_when_the_plan_is_adopted(monkeypatch):
+    """Red-team check: an engine attaching with other INT4 parameters than the daemon started with
+    (group 128 for group 32) makes the daemon adopt a new plan with no step in progress. Its kernels
+    are probed then, so status names the quantizer that runs it: here the probe for group 128 fails,
+    and status says the torch reference, with the reason (it kept saying the warm-up's Triton
+    kernels, while every unit ran on the reference). A plan in the same parameters probes nothing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from sidecar.daemon import loop as daemon_loop
+
+    tensors = _slab_layer(inter=128, hidden=128)
+
+    def plan_in(params):
+        spec = RefitSpec(model_type="qwen3_5_moe", fmt=Format.INT4_W4A16, params=params)
+        return RefitPlan.build(list(tensors.items()), spec)
+
+    failed = "the int4_w4a16 Triton kernels failed their probe on cuda:0 (RuntimeError: bytes differ)"
+    probed = []
+    monkeypatch.setattr(
+        launch,
+        "probe",
+        lambda device, fmt, params: probed.append(params) or (failed if params.int4_group == 128 else None),
+    )
+    monkeypatch.setattr(
+        kernels, "warm_up", lambda launches, device, compile=None: kernels.WarmUp(str(device), "triton")
+    )
+    monkeypatch.setattr(launch, "_warm_up_fourbit", lambda plan, device, compile: 3)
+    monkeypatch.setattr(kernels, "device_scope", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(daemon_loop, "freeze_long_lived", lambda: None)
+    staging = SimpleNamespace(device=0)
+    arenas = SimpleNamespace(
+        kind=daemon_loop.ArenaKind.CUDA_IPC,
+        staging=staging,
+        stagings=[staging],
+        apply_plan=lambda p: None,
+        invalidate=lambda: None,
+    )
+    daemon = SimpleNamespace(plan=plan_in(FormatParams()), arenas=arenas)
+    daemon._warm_up = lambda: daemon_loop.Daemon._warm_up(daemon)
+    daemon.quantizer = daemon._warm_up()
+    assert daemon.quantizer.impl == "triton" and len(probed) == 1
+
+    daemon_loop.Daemon.adopt_plan(daemon, plan_in(FormatParams()), invalidate=True)  # same parameters
+    assert daemon.quantizer.impl == "triton" and len(probed) == 1
+    daemon_loop.Daemon.adopt_plan(daemon, plan_in(FormatParams(int4_group=128)), invalidate=True)
+    assert (daemon.quantizer.impl, daemon.quantizer.reason) == ("torch", failed)
+    assert probed[-1] == FormatParams(int4_group=128)
+    # the metrics gauge follows on the next tick: the reference with its reason, the old labels gone
+    from sidecar.ops.metrics import MetricsObserver
+
+    m = MetricsObserver("127.0.0.1:0")
+    try:
+        m.on_ready(SimpleNamespace(quantizer=kernels.WarmUp("cuda:0", "triton"), engines={}))
+        daemon.engines = {}
+        m.on_tick(daemon, 0.0)
+        sample = m.registry.get_sample_value
+        assert sample("refitd_quantizer", {"impl": "torch", "device": "cuda:0", "reason": failed}) == 1.0
+        assert sample("refitd_quantizer", {"impl": "triton", "device": "cuda:0", "reason": ""}) is None
+    finally:
+        m.close()
