@@ -469,10 +469,12 @@ class Daemon:
         freeze_long_lived()  # the plan lives as long as the daemon: no collection walks it again
         if invalidate:
             self.arenas.invalidate()
-        if getattr(self, "quantizer", None) is not None and before != (plan.spec.fmt, plan.spec.params):
+        changed = before is not None and before != (plan.spec.fmt, plan.spec.params)
+        if changed and getattr(self, "quantizer", None) is not None:
             # an engine's format parameters (INT4 group, NVFP4 names): their 4-bit kernels are probed and
             # compiled now, no step in progress, so status says which quantizer runs them (the torch
-            # reference, with the reason, when the probe fails or the kernels cannot take them)
+            # reference, with the reason, when the probe fails or the kernels cannot take them). A first
+            # plan (from the first push) is left to the step, as before.
             self.quantizer = self._warm_up()
 
     def next_event(self) -> int:
