@@ -495,3 +495,73 @@ def test_an_engines_new_format_parameters_are_probed_when_the_plan_is_adopted(mo
         assert sample("refitd_quantizer", {"impl": "triton", "device": "cuda:0", "reason": ""}) is None
     finally:
         m.close()
+
+
+ADVERSARIAL = {
+    **VARIANTS,
+    "int4-g8-bf16": (Format.INT4_W4A16, FormatParams(int4_group=8)),
+    "int4-g2048-f32": (Format.INT4_W4A16, FormatParams(int4_group=2048, int4_scale_dtype="float32")),
+}
+
+
+@pytest.mark.parametrize("variant", list(ADVERSARIAL))
+def test_slab_kernels_on_odd_shapes_and_edge_values(variant):
+    """Red-team check (found no defect; kept as a regression test): the slab kernels straight, byte for
+    byte against the reference per (expert, part), with 3 experts, K at the format's smallest multiple
+    and with a partial last program, a strided slab (rows of a wider tensor, experts skipped), every
+    input dtype, and zeros, -0.0, bf16 subnormals, float32 values whose NVFP4 global scale underflows
+    to 0 and magnitudes spread over 2^±40 (an up row's amax in the last, partial piece)."""
+    from sidecar.numerics import fourbit
+
+    fmt, params = ADVERSARIAL[variant]
+    g = torch.Generator().manual_seed(11)
+    kmin = params.k_multiple(fmt)
+
+    def reference(slab, parts):
+        rows, want = slab.shape[1] // parts, []
+        for e in range(slab.shape[0]):
+            gs = fourbit.nvfp4_global_scale(slab[e]) if fmt is Format.NVFP4 else None
+            row = []
+            for p in range(parts):
+                x = slab[e, p * rows : (p + 1) * rows]
+                if fmt is Format.NVFP4:
+                    q, s, gg = fourbit.quantize_nvfp4(x, global_scale=gs)
+                    row.append((q, s, torch.reciprocal(gg).reshape(1) if params is CT else gg))
+                elif fmt is Format.MXFP4:
+                    row.append(fourbit.quantize_mxfp4(x))
+                else:
+                    kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
+                    row.append(fourbit.quantize_int4(x, **kw))
+            want.append(row)
+        return want
+
+    def check(slab, parts):
+        want = reference(slab, parts)
+        outs = [[tuple(torch.full_like(t, 0).view(torch.uint8).fill_(0xA5).view(t.dtype) if t.dim() else torch.full_like(t, 7.0) for t in w) for w in row] for row in want]  # fmt: skip
+        amax = torch.zeros(slab.shape[0], dtype=torch.int32)
+        if fmt is Format.NVFP4:
+            fourbit_slab.amax_slab(slab, amax)
+        names = [[f"e{e}.p{p}" for p in range(parts)] for e in range(slab.shape[0])]
+        fourbit_slab.quantize_slab_fourbit(slab, fmt, outs, names=names, params=params, amax=amax)
+        for e, row in enumerate(want):
+            for p, bufs in enumerate(row):
+                for got, ref in zip(outs[e][p], bufs, strict=True):
+                    assert torch.equal(_bits(got).reshape(-1), _bits(ref).reshape(-1)), (e, p, slab.dtype)
+
+    tiny = float.fromhex("0x1p-149")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        k = kmin if kmin >= 1024 else kmin * (1024 // kmin + 1)  # K: one full program and a partial one
+        for kk in {kmin, k}:
+            x = torch.randn(3, 4, kk, generator=g)
+            x *= torch.exp2(torch.randint(-40, 40, x.shape, generator=g).float())
+            x.view(-1)[::5] = 0.0
+            x.view(-1)[1::7] = -0.0
+            x.view(-1)[2::11] = float.fromhex("0x1p-133")  # the smallest bf16 subnormal
+            x[1, 3, -1] = 1e30  # an up row's amax, in its last piece
+            if dtype is torch.float16:
+                x = x.clamp(-60000, 60000)
+            check(x.to(dtype), 2)
+        if dtype is torch.float32:  # amax 3 * 2^-149: NVFP4's gs = amax / 2688 underflows to 0
+            check(torch.tensor([tiny, -tiny, 0.0, 3 * tiny] * (kmin // 2)).reshape(1, 2, kmin), 2)
+        wide = (100 * torch.randn(5, 9, 3 * kmin, generator=g)).to(dtype)
+        check(wide[::2, 1:9, kmin : 2 * kmin], 2)  # expert and row strides of a wider tensor
