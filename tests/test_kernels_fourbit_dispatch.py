@@ -432,3 +432,136 @@ def test_warm_up_compiles_a_fourbit_plans_specialisations_once(variant, monkeypa
             assert {c.kwargs["G"] for c in quantize} == {params.int4_group}
         assert any(c.kernel.fn.__name__ == "_amax_kernel" for c in compiled) is (fmt is Format.NVFP4)
     assert counts[0] == counts[1] > 0
+
+
+def test_an_engines_new_format_parameters_are_probed_when_the_plan_is_adopted(monkeypatch):
+    """Red-team check: an engine attaching with other INT4 parameters than the daemon started with
+    (group 128 for group 32) makes the daemon adopt a new plan with no step in progress. Its kernels
+    are probed then, so status names the quantizer that runs it: here the probe for group 128 fails,
+    and status says the torch reference, with the reason (it kept saying the warm-up's Triton
+    kernels, while every unit ran on the reference). A plan in the same parameters probes nothing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from sidecar.daemon import loop as daemon_loop
+
+    tensors = _slab_layer(inter=128, hidden=128)
+
+    def plan_in(params):
+        spec = RefitSpec(model_type="qwen3_5_moe", fmt=Format.INT4_W4A16, params=params)
+        return RefitPlan.build(list(tensors.items()), spec)
+
+    failed = "the int4_w4a16 Triton kernels failed their probe on cuda:0 (RuntimeError: bytes differ)"
+    probed = []
+    monkeypatch.setattr(
+        launch,
+        "probe",
+        lambda device, fmt, params: probed.append(params) or (failed if params.int4_group == 128 else None),
+    )
+    monkeypatch.setattr(
+        kernels, "warm_up", lambda launches, device, compile=None: kernels.WarmUp(str(device), "triton")
+    )
+    monkeypatch.setattr(launch, "_warm_up_fourbit", lambda plan, device, compile: 3)
+    monkeypatch.setattr(kernels, "device_scope", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(daemon_loop, "freeze_long_lived", lambda: None)
+    staging = SimpleNamespace(device=0)
+    arenas = SimpleNamespace(
+        kind=daemon_loop.ArenaKind.CUDA_IPC,
+        staging=staging,
+        stagings=[staging],
+        apply_plan=lambda p: None,
+        invalidate=lambda: None,
+    )
+    daemon = SimpleNamespace(plan=plan_in(FormatParams()), arenas=arenas)
+    daemon._warm_up = lambda: daemon_loop.Daemon._warm_up(daemon)
+    daemon.quantizer = daemon._warm_up()
+    assert daemon.quantizer.impl == "triton" and len(probed) == 1
+
+    daemon_loop.Daemon.adopt_plan(daemon, plan_in(FormatParams()), invalidate=True)  # same parameters
+    assert daemon.quantizer.impl == "triton" and len(probed) == 1
+    daemon_loop.Daemon.adopt_plan(daemon, plan_in(FormatParams(int4_group=128)), invalidate=True)
+    assert (daemon.quantizer.impl, daemon.quantizer.reason) == ("torch", failed)
+    assert probed[-1] == FormatParams(int4_group=128)
+    # the metrics gauge follows on the next tick: the reference with its reason, the old labels gone
+    from sidecar.ops.metrics import MetricsObserver
+
+    m = MetricsObserver("127.0.0.1:0")
+    try:
+        m.on_ready(SimpleNamespace(quantizer=kernels.WarmUp("cuda:0", "triton"), engines={}))
+        daemon.engines = {}
+        m.on_tick(daemon, 0.0)
+        sample = m.registry.get_sample_value
+        assert sample("refitd_quantizer", {"impl": "torch", "device": "cuda:0", "reason": failed}) == 1.0
+        assert sample("refitd_quantizer", {"impl": "triton", "device": "cuda:0", "reason": ""}) is None
+    finally:
+        m.close()
+
+
+ADVERSARIAL = {
+    **VARIANTS,
+    "int4-g8-bf16": (Format.INT4_W4A16, FormatParams(int4_group=8)),
+    "int4-g2048-f32": (Format.INT4_W4A16, FormatParams(int4_group=2048, int4_scale_dtype="float32")),
+}
+
+
+@pytest.mark.parametrize("variant", list(ADVERSARIAL))
+def test_slab_kernels_on_odd_shapes_and_edge_values(variant):
+    """Red-team check (found no defect; kept as a regression test): the slab kernels straight, byte for
+    byte against the reference per (expert, part), with 3 experts, K at the format's smallest multiple
+    and with a partial last program, a strided slab (rows of a wider tensor, experts skipped), every
+    input dtype, and zeros, -0.0, bf16 subnormals, float32 values whose NVFP4 global scale underflows
+    to 0 and magnitudes spread over 2^±40 (an up row's amax in the last, partial piece)."""
+    from sidecar.numerics import fourbit
+
+    fmt, params = ADVERSARIAL[variant]
+    g = torch.Generator().manual_seed(11)
+    kmin = params.k_multiple(fmt)
+
+    def reference(slab, parts):
+        rows, want = slab.shape[1] // parts, []
+        for e in range(slab.shape[0]):
+            gs = fourbit.nvfp4_global_scale(slab[e]) if fmt is Format.NVFP4 else None
+            row = []
+            for p in range(parts):
+                x = slab[e, p * rows : (p + 1) * rows]
+                if fmt is Format.NVFP4:
+                    q, s, gg = fourbit.quantize_nvfp4(x, global_scale=gs)
+                    row.append((q, s, torch.reciprocal(gg).reshape(1) if params is CT else gg))
+                elif fmt is Format.MXFP4:
+                    row.append(fourbit.quantize_mxfp4(x))
+                else:
+                    kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
+                    row.append(fourbit.quantize_int4(x, **kw))
+            want.append(row)
+        return want
+
+    def check(slab, parts):
+        want = reference(slab, parts)
+        outs = [[tuple(torch.full_like(t, 0).view(torch.uint8).fill_(0xA5).view(t.dtype) if t.dim() else torch.full_like(t, 7.0) for t in w) for w in row] for row in want]  # fmt: skip
+        amax = torch.zeros(slab.shape[0], dtype=torch.int32)
+        if fmt is Format.NVFP4:
+            fourbit_slab.amax_slab(slab, amax)
+        names = [[f"e{e}.p{p}" for p in range(parts)] for e in range(slab.shape[0])]
+        fourbit_slab.quantize_slab_fourbit(slab, fmt, outs, names=names, params=params, amax=amax)
+        for e, row in enumerate(want):
+            for p, bufs in enumerate(row):
+                for got, ref in zip(outs[e][p], bufs, strict=True):
+                    assert torch.equal(_bits(got).reshape(-1), _bits(ref).reshape(-1)), (e, p, slab.dtype)
+
+    tiny = float.fromhex("0x1p-149")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        k = kmin if kmin >= 1024 else kmin * (1024 // kmin + 1)  # K: one full program and a partial one
+        for kk in {kmin, k}:
+            x = torch.randn(3, 4, kk, generator=g)
+            x *= torch.exp2(torch.randint(-40, 40, x.shape, generator=g).float())
+            x.view(-1)[::5] = 0.0
+            x.view(-1)[1::7] = -0.0
+            x.view(-1)[2::11] = float.fromhex("0x1p-133")  # the smallest bf16 subnormal
+            x[1, 3, -1] = 1e30  # an up row's amax, in its last piece
+            if dtype is torch.float16:
+                x = x.clamp(-60000, 60000)
+            check(x.to(dtype), 2)
+        if dtype is torch.float32:  # amax 3 * 2^-149: NVFP4's gs = amax / 2688 underflows to 0
+            check(torch.tensor([tiny, -tiny, 0.0, 3 * tiny] * (kmin // 2)).reshape(1, 2, kmin), 2)
+        wide = (100 * torch.randn(5, 9, 3 * kmin, generator=g)).to(dtype)
+        check(wide[::2, 1:9, kmin : 2 * kmin], 2)  # expert and row strides of a wider tensor

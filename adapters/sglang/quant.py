@@ -17,7 +17,7 @@ from adapters.sglang.fourbit import (
     int4_quantization_config,
     nvfp4_quantization_config,
 )
-from sidecar.numerics.formats import BLOCK, DEFAULT_FORMAT_PARAMS, Format, FormatParams
+from sidecar.numerics.formats import BLOCK, DEFAULT_FORMAT_PARAMS, Format, FormatParams, Nvfp4Names
 from sidecar.plan.build import plan_from_hf_config, with_checkpoint_scheme
 from sidecar.plan.models import ModelSpec
 from sidecar.plan.spec import RefitSpec
@@ -222,6 +222,13 @@ def sglang_quantization_config(
         return None
     skip = bf16_modules(spec, hf_config) if skip is None else skip
     if fmt is Format.NVFP4:
+        if spec.params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
+            # ModelOptFp4Config loads .weight / .weight_scale_2 (gs), not .weight_packed / .weight_global_scale (1 / gs)
+            raise ValueError(
+                "refitd's SGLang NVFP4 quantization_config is ModelOpt's (ModelOptFp4Config), which loads "
+                "ModelOpt's names, not compressed-tensors' (.weight_packed, .weight_global_scale): plan with "
+                "nvfp4_names='modelopt' (--nvfp4-names modelopt) for SGLang, or --engine vllm for compressed-tensors' names"
+            )
         return nvfp4_quantization_config(skip)
     if fmt is Format.INT4_W4A16:
         return int4_quantization_config(with_fused_names(skip), spec.params)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -192,13 +192,13 @@ class ShardWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
+            self.flush()
         self.pending[name] = tensor.contiguous()
         self.pending_bytes += size
         self.total += size
         self.written.append((name, tensor.dtype, tuple(tensor.shape)))
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         from safetensors.torch import save_file
 
         if not self.pending:
@@ -208,8 +208,15 @@ class ShardWriter:
         self.files.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
+    def discard(self) -> None:
+        """Remove every shard this writer saved (all still ``.tmp``: nothing is renamed before
+        :meth:`finish`), so a conversion that fails part-way leaves no partial checkpoint."""
+        for i in range(len(self.files) + 1):  # + 1: a shard whose save failed half-way
+            (self.out / f"part-{i:05d}.tmp").unlink(missing_ok=True)
+        self.pending, self.pending_bytes = {}, 0
+
     def finish(self) -> list[str]:
-        self._flush()
+        self.flush()
         count, names, weight_map = len(self.files), [], {}
         for i, tensors in enumerate(self.files):
             final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
@@ -231,12 +238,17 @@ def write_checkpoint(
     engine: str = "sglang",
     params: FormatParams = DEFAULT_FORMAT_PARAMS,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    verify: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Write ``tensors`` as shards + index + ``config.json`` (``hf_config`` with the matching
     ``quantization_config``) into ``out``; returns the config written. ``layout``: the ``(name,
     dtype, shape)`` of every tensor that ``tensors`` yields (the plan's outputs), from which the
     config is worked out before anything is written: a format or parameter the engine cannot load
-    is refused with ``out`` untouched."""
+    is refused with ``out`` untouched. ``verify`` runs once every shard is saved, before the
+    shards are named and the index and config written (a live generation's copy checks it was not
+    rewritten meanwhile). A failure while writing (a NaN found when a later unit is quantized, or
+    ``verify`` raising) removes the shards already saved: ``out`` holds no partial checkpoint, and
+    converting again into it works."""
     layout = [(n, d, tuple(s)) for n, d, s in layout]
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     qc = quantization_config_for(fmt, hf_config, layout, engine=engine, params=params)
@@ -249,8 +261,15 @@ def write_checkpoint(
     if leftovers:
         raise ValueError(f"{out} already holds a checkpoint ({leftovers[:3]}): give an empty directory")
     writer = ShardWriter(out, max_shard_bytes)
-    for name, tensor in tensors:
-        writer.add(name, tensor)
+    try:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        writer.flush()
+        if verify is not None:
+            verify()
+    except BaseException:
+        writer.discard()
+        raise
     writer.finish()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config
@@ -322,6 +341,14 @@ def convert_generation(
         fmt = Format.parse(status["format"])
         params = FormatParams.from_wire(status.get("format_params") or {}).for_format(fmt)
         gen = reader.wait(min_step=min_step, timeout=timeout)
+
+        def untorn() -> None:
+            if not gen.intact():
+                raise ValueError(
+                    f"the daemon rewrote generation {gen.index} (step {gen.step}) while it was being written "
+                    "(reader_timeout_s too short for this copy): nothing was kept; convert again"
+                )
+
         try:
             layout = [(n, t.dtype, tuple(t.shape)) for n, t in gen.tensors.items()]
             config = write_checkpoint(
@@ -333,12 +360,8 @@ def convert_generation(
                 engine=engine,
                 params=params,
                 max_shard_bytes=max_shard_bytes,
+                verify=untorn,
             )
-            if not gen.intact():
-                raise ValueError(
-                    f"the daemon rewrote generation {gen.index} (step {gen.step}) while it was being written "
-                    "(reader_timeout_s too short for this copy): convert again"
-                )
         finally:
             reader.release(gen)
     return config

@@ -464,10 +464,18 @@ class Daemon:
         """Carve the arenas for ``plan`` (ArenaTooSmall when they cannot hold it), then use it;
         ``invalidate``: forget every published generation (the layout changed)."""
         self.arenas.apply_plan(plan)
+        before = None if self.plan is None else (self.plan.spec.fmt, self.plan.spec.params)
         self.plan = plan
         freeze_long_lived()  # the plan lives as long as the daemon: no collection walks it again
         if invalidate:
             self.arenas.invalidate()
+        changed = before is not None and before != (plan.spec.fmt, plan.spec.params)
+        if changed and getattr(self, "quantizer", None) is not None:
+            # an engine's format parameters (INT4 group, NVFP4 names): their 4-bit kernels are probed and
+            # compiled now, no step in progress, so status says which quantizer runs them (the torch
+            # reference, with the reason, when the probe fails or the kernels cannot take them). A first
+            # plan (from the first push) is left to the step, as before.
+            self.quantizer = self._warm_up()
 
     def next_event(self) -> int:
         self.events += 1

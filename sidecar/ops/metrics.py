@@ -156,6 +156,7 @@ class MetricsObserver(Observer):
             ["format"],
             registry=r,
         )
+        self._quantizer_shown: Any = None
         self.quantizer = Gauge(
             "refitd_quantizer",
             "1 for the quantizer in use (impl: triton kernels, or the torch reference when they cannot "
@@ -229,12 +230,20 @@ class MetricsObserver(Observer):
     # ------------------------------------------------------------------------------------------
     # hooks, on the serve loop
 
-    def on_ready(self, daemon: Daemon) -> None:
+    def _show_quantizer(self, daemon: Daemon) -> None:
+        """The gauge names the daemon's quantizer; a new one (an engine's format parameters probed
+        when the plan was adopted) replaces the old labels."""
         quantizer = getattr(daemon, "quantizer", None)
-        if quantizer is not None:
-            self.quantizer.labels(
-                impl=quantizer.impl, device=quantizer.device, reason=quantizer.reason or ""
-            ).set(1)
+        if quantizer is None or quantizer is self._quantizer_shown:
+            return
+        self.quantizer.clear()
+        self.quantizer.labels(
+            impl=quantizer.impl, device=quantizer.device, reason=quantizer.reason or ""
+        ).set(1)
+        self._quantizer_shown = quantizer
+
+    def on_ready(self, daemon: Daemon) -> None:
+        self._show_quantizer(daemon)
         with self._lock:
             self._ready, self._last_tick = True, self.clock()
         if self._thread is None and not self._closed:
@@ -251,6 +260,7 @@ class MetricsObserver(Observer):
         with self._lock:
             self._last_tick = self.clock()
         self.engines.set(len(daemon.engines))
+        self._show_quantizer(daemon)
 
     def on_step_published(self, daemon: Daemon, record: dict[str, Any], state: StepState) -> None:
         seconds = record["seconds"]
