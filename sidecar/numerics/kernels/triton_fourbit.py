@@ -65,16 +65,9 @@ def _flag_bad(amax_bits, valid, flag_ptr, row):
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, x_rs, q_ptr, s_ptr, gs_ptr, flag_ptr, K, IS_BF16: tl.constexpr, NB: tl.constexpr):
-    row = tl.program_id(0)
-    blk = tl.program_id(1) * NB + tl.arange(0, NB)
-    valid = blk < K // 16
-    mask = valid[:, None]
-    x = _load_f32(x_ptr + row * x_rs + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask, IS_BF16)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _ABS, axis=1)
-    _flag_bad(amax_bits, valid, flag_ptr, row)
-    amax = amax_bits.to(tl.float32, bitcast=True)
-    gs = tl.load(gs_ptr)
+def _nvfp4_blocks(x, amax, gs, NB: tl.constexpr):
+    """NVFP4 of NB blocks of 16 (x [NB, 16] float32, amax [NB] their amax, gs the global scale):
+    (packed E2M1 codes [NB, 8] uint8, e4m3 scale bytes [NB] int32), SPEC 1.5 on the bits."""
     sf = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, gs * 6.0))
     sf = tl.minimum(tl.maximum(sf, 0.001953125), 448.0)
     # e4m3 rounding of sf in [2^-9, 448] on its bits (c10's conversion, in-range branch)
@@ -91,6 +84,21 @@ def _nvfp4_kernel(x_ptr, x_rs, q_ptr, s_ptr, gs_ptr, flag_ptr, K, IS_BF16: tl.co
     codes = _e2m1(tl.math.div_rn(x, denom[:, None]))
     lo, hi = tl.split(tl.reshape(codes, (NB, 8, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
+    return packed, byte
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, x_rs, q_ptr, s_ptr, gs_ptr, flag_ptr, K, IS_BF16: tl.constexpr, NB: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    valid = blk < K // 16
+    mask = valid[:, None]
+    x = _load_f32(x_ptr + row * x_rs + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask, IS_BF16)
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & _ABS, axis=1)
+    _flag_bad(amax_bits, valid, flag_ptr, row)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    gs = tl.load(gs_ptr)
+    packed, byte = _nvfp4_blocks(x, amax, gs, NB)
     tl.store(q_ptr + row * (K // 2) + blk[:, None] * 8 + tl.arange(0, 8)[None, :], packed, mask=mask)
     tl.store(s_ptr + row * (K // 16) + blk, byte.to(tl.uint8), mask=valid)
 

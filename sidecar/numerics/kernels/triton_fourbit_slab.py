@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from sidecar.numerics.formats import MXFP4_BLOCK, NVFP4_BLOCK
-from sidecar.numerics.kernels.triton_fourbit import _ABS, _NON_FINITE, _e2m1, _load_f32
+from sidecar.numerics.kernels.triton_fourbit import _ABS, _NON_FINITE, _e2m1, _load_f32, _nvfp4_blocks
 from sidecar.numerics.kernels.triton_quant import KernelCall
 
 __all__ = ["blocks_per_program", "calls_amax", "calls_int4", "calls_mxfp4", "calls_nvfp4"]
@@ -98,22 +98,7 @@ def _nvfp4_kernel(
     amax = amax_bits.to(tl.float32, bitcast=True)
     t_bits = tl.load(amax_ptr + ep // PARTS)
     gs = tl.where(t_bits == 0, 1.0, tl.math.div_rn(t_bits.to(tl.float32, bitcast=True), _GS_DIVISOR))
-    sf = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, gs * 6.0))
-    sf = tl.minimum(tl.maximum(sf, 0.001953125), 448.0)
-    # e4m3 rounding of sf in [2^-9, 448] on its bits (c10's conversion, in-range branch)
-    bits = sf.to(tl.int32, bitcast=True)
-    denorm = (sf + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
-    normal = (bits - (120 << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
-    byte = tl.where(bits < (121 << 23), denorm, normal) & 0xFF
-    e = (byte >> 3) & 0xF
-    m = byte & 7
-    sval = tl.where(
-        e == 0, m.to(tl.float32) * 0.001953125, (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    )
-    denom = sval * gs
-    codes = _e2m1(tl.math.div_rn(x, denom[:, None]))
-    lo, hi = tl.split(tl.reshape(codes, (NB, 8, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)
+    packed, byte = _nvfp4_blocks(x, amax, gs, NB)
     q_base = tl.load(q_tab + ep).to(tl.pointer_type(tl.uint8))
     s_base = tl.load(s_tab + ep).to(tl.pointer_type(tl.uint8))
     r64 = row.to(tl.int64)
