@@ -199,16 +199,7 @@ def test_the_real_load_weights_takes_the_variant_byte_for_byte(engine):
     gen = {**engine.generation(1), **engine.calibrated}
     model = engine.vm.build_model(engine.config)
     model.load_weights(av.ordered_weights(gen))
-    wrong, checked = [], 0
-    for name, p in model.named_parameters():
-        want = _expected(name, p, gen)
-        if want is None:
-            continue
-        checked += 1
-        if not _same(p, want):
-            wrong.append(
-                f"{name}: engine {p.dtype} {tuple(p.shape)}, generation {want.dtype} {tuple(want.shape)}"
-            )
+    wrong, checked = engine.vm.load_mismatches(model, lambda name, p: _expected(name, p, gen))
     assert not wrong, "\n".join(wrong)
     assert checked >= 20
     engine.vm.process(engine.config, model)  # vLLM's own processing takes it (EMULATION experts)

@@ -355,3 +355,22 @@ def worker(config, model: torch.nn.Module, draft: torch.nn.Module | None = None,
         speculative_config=config.speculative_config,
         rank=rank,
     )
+
+
+def load_mismatches(model: torch.nn.Module, expected) -> tuple[list[str], int]:
+    """Compare every parameter of a loaded ``model`` with ``expected(name, param)`` (None: engine-only
+    state, not compared): (a line per parameter whose dtype, shape or bytes differ, how many compared)."""
+    wrong, checked = [], 0
+    for name, p in model.named_parameters():
+        want = expected(name, p)
+        if want is None:
+            continue
+        checked += 1
+        same = p.dtype == want.dtype and p.shape == want.shape
+        if not (
+            same and torch.equal(p.detach().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        ):
+            wrong.append(
+                f"{name}: engine {p.dtype} {tuple(p.shape)}, generation {want.dtype} {tuple(want.shape)}"
+            )
+    return wrong, checked
