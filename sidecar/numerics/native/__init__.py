@@ -1,4 +1,4 @@
-"""The native CPU quantizers (``quant.c``): compiled once per machine with the system C compiler,
+"""The native CPU quantizers (``quant.c``, ``fourbit.c``): compiled once per machine with the system C compiler,
 loaded with ctypes (which drops the GIL during each call, so threads can split one tensor).
 
 Built as ``cc -O3 -march=native -ffp-contract=off -fno-fast-math -fPIC -shared`` into a cache
@@ -55,7 +55,9 @@ __all__ = [
 
 log = logging.getLogger("sidecar.numerics.native")
 
-SOURCE = Path(__file__).with_name("quant.c")
+#: the C sources compiled together into one library, and the header they share (both hashed into the key)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.c", "fourbit.c"))
+HEADERS = (Path(__file__).with_name("common.h"),)
 #: compile flags; -ffp-contract=off keeps every multiply and add a separately rounded operation
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 #: what ``refitd_native_abi()`` must return (bumped with any change of the entry points' signatures)
@@ -147,7 +149,8 @@ def build_key(
     cc = compiler() if cc is None else cc
     version = _compiler_version(cc) if version is None else version
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), "\0".join(flags).encode(), "\0".join(cc).encode(), version.encode()):
+    code = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (code, "\0".join(flags).encode(), "\0".join(cc).encode(), version.encode()):
         h.update(part)
         h.update(b"\1")
     h.update(_cpu_flags().encode())
@@ -170,7 +173,7 @@ def build(*, force: bool = False) -> Path:
     except OSError as err:
         raise NativeBuildError(f"cannot write to the native build cache {target.parent}: {err}") from err
     try:
-        cmd = [*cc, *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [*cc, *FLAGS, "-o", tmp, *(str(path) for path in SOURCES)]
         try:
             done = subprocess.run(
                 cmd,

@@ -1,0 +1,430 @@
+/*
+ * refitd native CPU quantizers, 4-bit formats (SPEC 1.5-1.7): NVFP4, MXFP4 and INT4 weight-only,
+ * byte-exact with sidecar/numerics/fourbit.py. Conventions (strided [batch, n, k] views, [begin, end)
+ * shares, -1 or the first row holding NaN/Inf) are quant.c's; see its header.
+ *
+ * All three round a quotient (or product) of each element and its block's scale to a 4-bit code:
+ * E2M1 (RNE to {0, .5, 1, 1.5, 2, 3, 4, 6}) or INT4 (RNE to an integer, clamped to 7). Neither is computed
+ * per element. v = RN(|x| op d) is monotone in |x| (op: the float32 division or multiplication the
+ * reference runs), so each of the code's tests ("v > 0.25", "v >= 0.75", ...) holds exactly for |x|'s
+ * sign-cleared bf16 bits at or above some threshold. The thresholds of a scale are found once, by running
+ * that very operation on a handful of bf16 values (first_passing), and an element's code is the count of
+ * the thresholds at or below it: seven 16-bit compares, sixteen elements at a time. Pairs of codes are
+ * packed into bytes in the register.
+ *
+ * Work units are rows, numbered b * n + row. Rows are taken a piece of FOUR_PIECE elements at a time (the
+ * piece's block maxima, scale bytes and codes stay in L1).
+ */
+
+#include "common.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define NVFP4_BLOCK 16
+#define MXFP4_BLOCK 32
+#define FOUR_PIECE 1024                /* elements of a row per pass */
+#define NVFP4_SCALE_MIN 0.001953125f   /* 2^-9: SPEC 1.5's lower clamp of a block scale */
+#define NEVER 0x7F80u                  /* a threshold no finite bf16 reaches */
+#define TESTS 8                        /* seven magnitude tests (code 1..7) and E2M1's sign test */
+
+/* 16 lanes of 16 bits (GCC vector extensions, gcc and clang: AVX2 / AVX-512 where -march has them, else
+   narrower); a comparison's lanes are -1 or 0 */
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+
+/* ---------------------------------------------------------------------------------------------- */
+/* thresholds                                                                                     */
+
+/* E2M1 (fourbit.e2m1_codes): code c >= i + 1 iff v passes test i; ties go to the even code, so the
+   midpoints below an odd code are strict and those below an even one are not. Test 7: "v > 0", E2M1's
+   sign (bit 3 is set iff x < 0 and RN(|x| op d) > 0; -0.0 and quotients that underflow are code 0). */
+static const float E2M1_AT[TESTS] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 0.0f};
+static const uint8_t E2M1_STRICT[TESTS] = {1, 0, 1, 0, 1, 0, 1, 1};
+/* INT4 (fourbit.quantize_int4): |q| = min(7, RNE(v)) >= i + 1 iff v passes test i (RNE: .5 goes down to
+   0, 1.5 up to 2, ...) */
+static const float INT4_AT[TESTS] = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 0.0f};
+static const uint8_t INT4_STRICT[TESTS] = {1, 0, 1, 0, 1, 0, 1, 1};
+
+static inline int passes(uint32_t a, float d, int multiply, float at, int strict) {
+    const float x = bf16_to_f32((uint16_t)a);
+    const float v = multiply ? x * d : x / d; /* the reference's very float32 operation */
+    return strict ? v > at : v >= at;
+}
+
+/* The smallest sign-cleared bf16 a for which RN(a op d) passes (at, strict); NEVER where no finite a does.
+   d > 0, or d == 0 for a division (RN(a / 0) is Inf for a > 0 and NaN, failing every test, for a = 0).
+   Starts at the bf16 at or below at * d (at / d), which is within a step or two, and steps to the exact
+   threshold; one more than four steps away is found by a binary search over all finite bf16. */
+static uint32_t first_passing(float d, int multiply, float at, int strict) {
+    const float guess = multiply ? at / d : at * d;
+    uint32_t a = f32_bits(guess) >> 16, steps = 0;
+    a = a > NEVER ? NEVER : a; /* Inf, NaN (never for d > 0) */
+    while (a > 0 && steps < 4 && passes(a - 1, d, multiply, at, strict)) a--, steps++;
+    while (a < NEVER && steps < 4 && !passes(a, d, multiply, at, strict)) a++, steps++;
+    if (steps == 4) {
+        uint32_t lo = 0, hi = NEVER;
+        while (lo < hi) {
+            const uint32_t mid = (lo + hi) / 2;
+            if (passes(mid, d, multiply, at, strict)) hi = mid;
+            else lo = mid + 1;
+        }
+        a = lo;
+    }
+    return a;
+}
+
+/* a scale's TESTS thresholds, each minus one (so that "a >= threshold" is the one-instruction signed
+   "a > threshold - 1": sign-cleared bf16 bits and thresholds are below 0x8000), broadcast to a vector */
+static void thresholds(float d, int multiply, const float *at, const uint8_t *strict, i16x16 *restrict out) {
+    for (int i = 0; i < TESTS; i++) {
+        const i16x16 zero = {0};
+        out[i] = zero + (int16_t)(first_passing(d, multiply, at[i], strict[i]) - 1);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* codes: sixteen elements at a time, as 32-bit lanes holding code(2t) | code(2t + 1) << 4 in their low byte */
+
+static inline i16x16 load16(const uint16_t *x) {
+    i16x16 v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+/* minus the count of th[0..6] at or below |x| (the code's magnitude, negated) */
+static inline i16x16 minus_magnitude(i16x16 a, const i16x16 *th) {
+    return ((a > th[0]) + (a > th[1])) + ((a > th[2]) + (a > th[3])) + ((a > th[4]) + (a > th[5])) + (a > th[6]);
+}
+
+static inline u8x32 code_pairs(i16x16 c) {
+    u32x8 w;
+    memcpy(&w, &c, sizeof w);
+    w |= w >> 12;
+    u8x32 bytes;
+    memcpy(&bytes, &w, sizeof bytes);
+    return bytes;
+}
+
+/* E2M1 codes: magnitude, bit 3 for x < 0 past the sign threshold */
+static inline u8x32 e2m1_pairs(const uint16_t *x, const i16x16 *th) {
+    const i16x16 xv = load16(x), a = xv & (int16_t)MAG_MASK;
+    return code_pairs(-minus_magnitude(a, th) | ((xv >> 15) & (a > th[7]) & 8));
+}
+
+/* INT4 nibbles: 8 + q, q = +-magnitude by x's sign */
+static inline u8x32 int4_pairs(const uint16_t *x, const i16x16 *th) {
+    const i16x16 xv = load16(x), sign = xv >> 15; /* -1 where x < 0 */
+    return code_pairs(((-minus_magnitude(xv & (int16_t)MAG_MASK, th) ^ sign) - sign) + 8);
+}
+
+static inline u8x16 pack2(u8x32 lo, u8x32 hi) {
+    return __builtin_shufflevector(lo, hi, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+}
+
+static inline u8x8 pack1(u8x32 lo) { return __builtin_shufflevector(lo, lo, 0, 4, 8, 12, 16, 20, 24, 28); }
+
+/* E2M1 codes of n16 runs of sixteen elements of x, run r with thresholds th[r], packed into q[0..8 n16) */
+static void e2m1_runs(const uint16_t *restrict x, i64 n16, i16x16 *const *th, uint8_t *restrict q) {
+    i64 r = 0;
+    for (; r + 2 <= n16; r += 2) {
+        const u8x16 b = pack2(e2m1_pairs(x + 16 * r, th[r]), e2m1_pairs(x + 16 * (r + 1), th[r + 1]));
+        memcpy(q + 8 * r, &b, sizeof b);
+    }
+    if (r < n16) {
+        const u8x8 b = pack1(e2m1_pairs(x + 16 * r, th[r]));
+        memcpy(q + 8 * r, &b, sizeof b);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* block maxima                                                                                   */
+
+/* float32 bits of the amax of each of m blocks of 16 * vecs elements of x (bf16), into out[0..m).
+   With AVX2, eight blocks at a time: each block's vectors folded into one, then a transposing tree
+   (blocks i and i + 4 into one register's halves, then 64-bit, then 32-bit interleaves: two shuffles and
+   a max a level) leaves block j's two last partial maxima in 32-bit lane j. */
+static void block_amaxes(const uint16_t *restrict x, i64 m, int vecs, uint32_t *restrict out) {
+    i64 j = 0;
+#if defined(__AVX2__)
+    const __m256i mag = _mm256_set1_epi16(MAG_MASK), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (; j + 8 <= m; j += 8) {
+        __m256i y[8];
+        for (int i = 0; i < 8; i++) {
+            const uint16_t *xb = x + (j + i) * 16 * vecs;
+            y[i] = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)xb), mag);
+            for (int v = 1; v < vecs; v++)
+                y[i] = _mm256_max_epu16(y[i], _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xb + 16 * v)), mag));
+        }
+        __m256i t[4];
+        for (int i = 0; i < 4; i++) /* [b0|b4] [b1|b5] [b2|b6] [b3|b7], 8 partials each */
+            t[i] = _mm256_max_epu16(_mm256_permute2x128_si256(y[i], y[i + 4], 0x20),
+                                    _mm256_permute2x128_si256(y[i], y[i + 4], 0x31));
+        /* [b0 b2 | b4 b6] and [b1 b3 | b5 b7], 4 partials each */
+        const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]));
+        const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3]));
+        /* [b0 b1 b0 b1] [b2 b3 b2 b3] (first and second pairs of partials), then b0..b3 | b4..b7, 2 each */
+        const __m256i vl = _mm256_unpacklo_epi32(u0, u1), vh = _mm256_unpackhi_epi32(u0, u1);
+        const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(vl, vh), _mm256_unpackhi_epi64(vl, vh));
+        _mm256_storeu_si256((__m256i *)(out + j),
+                            _mm256_max_epu32(_mm256_and_si256(w, hi16), _mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; j < m; j++) out[j] = row_amax_bits(x + j * 16 * vecs, 16 * vecs) << 16;
+}
+
+static inline uint32_t largest(const uint32_t *v, i64 m) {
+    uint32_t worst = 0;
+    for (i64 j = 0; j < m; j++) worst = v[j] > worst ? v[j] : worst;
+    return worst;
+}
+
+#define NONFINITE_F32 ((uint32_t)BF16_NONFINITE << 16)
+
+/* ---------------------------------------------------------------------------------------------- */
+/* NVFP4                                                                                          */
+
+/* the value of a positive finite e4m3fn byte */
+static inline float e4m3_value(uint32_t b) {
+    const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    return e == 0 ? (float)m * f32_from_bits(UINT32_C(0x3B000000)) /* m * 2^-9 */
+                  : f32_from_bits(((e + 120u) << 23) | (m << 20));
+}
+
+/* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
+   q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
+i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, float gs, i64 begin, i64 end) {
+    const float six_gs = 6.0f * gs;
+    /* thresholds of the positive e4m3 scale bytes [lo_byte, hi_byte] met so far (a call's bytes span a
+       few binades: filled as the range grows) */
+    i16x16 thr[128][TESTS];
+    uint32_t lo_byte = 128, hi_byte = 0;
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = q + b * q_bstride + row * q_rstride;
+        uint8_t *sr = s + b * s_bstride + row * s_rstride;
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
+            const uint16_t *xp = xr + p0;
+            uint32_t amax[FOUR_PIECE / NVFP4_BLOCK], codes[FOUR_PIECE / NVFP4_BLOCK];
+            uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
+            float sfs[FOUR_PIECE / NVFP4_BLOCK];
+            block_amaxes(xp, m, 1, amax);
+            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            /* simple loops (each vectorizes; one doing it all does not) */
+            for (i64 j = 0; j < m; j++) {
+                float sf = f32_from_bits(amax[j]) / six_gs;
+                sf = amax[j] == 0 ? 1.0f : sf;
+                sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
+                sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
+            }
+            uint32_t bmin = 127, bmax = 0;
+            for (i64 j = 0; j < m; j++) {
+                codes[j] = e4m3_from_f32_in_range(sfs[j]);
+                bmin = codes[j] < bmin ? codes[j] : bmin;
+                bmax = codes[j] > bmax ? codes[j] : bmax;
+            }
+            for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
+            memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
+            if (bmin < lo_byte || bmax > hi_byte) {
+                const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
+                for (uint32_t byte = from; byte <= to; byte++)
+                    if (byte < lo_byte || byte > hi_byte)
+                        thresholds(e4m3_value(byte) * gs, 0, E2M1_AT, E2M1_STRICT, thr[byte]);
+                lo_byte = from;
+                hi_byte = to;
+            }
+            i16x16 *th[FOUR_PIECE / 16];
+            for (i64 j = 0; j < m; j++) th[j] = thr[codes[j]];
+            e2m1_runs(xp, m, th, qr + p0 / 2);
+        }
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* MXFP4                                                                                          */
+
+/* MXFP4: byte = clamp(E(amax) + (significand >= 1.75) - 2, 1, 254) (1 for amax == 0);
+   q = RNE_e2m1(x * 2^(127 - byte)). q [n, k/2] bytes, s [n, k/32] bytes. */
+i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
+    i16x16 thr[256][TESTS]; /* thresholds of the scale bytes [lo_byte, hi_byte] met so far */
+    uint32_t lo_byte = 256, hi_byte = 0;
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = q + b * q_bstride + row * q_rstride;
+        uint8_t *sr = s + b * s_bstride + row * s_rstride;
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / MXFP4_BLOCK;
+            const uint16_t *xp = xr + p0;
+            uint32_t amax[FOUR_PIECE / MXFP4_BLOCK], codes[FOUR_PIECE / MXFP4_BLOCK];
+            block_amaxes(xp, m, 2, amax);
+            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            uint32_t bmin = 255, bmax = 0;
+            for (i64 j = 0; j < m; j++) {
+                /* float32 bits: the exponent field, and significand >= 1.75 iff the top two mantissa bits */
+                const uint32_t a = amax[j];
+                int32_t byte = (int32_t)(a >> 23) + (((a >> 21) & 3u) == 3u) - 2;
+                byte = byte < 1 ? 1 : (byte > 254 ? 254 : byte);
+                codes[j] = a == 0 ? 1u : (uint32_t)byte;
+                sr[p0 / MXFP4_BLOCK + j] = (uint8_t)codes[j];
+                bmin = codes[j] < bmin ? codes[j] : bmin;
+                bmax = codes[j] > bmax ? codes[j] : bmax;
+            }
+            if (bmin < lo_byte || bmax > hi_byte) {
+                const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
+                for (uint32_t byte = from; byte <= to; byte++)
+                    if (byte < lo_byte || byte > hi_byte)
+                        thresholds(e8m0_multiplier(byte), 1, E2M1_AT, E2M1_STRICT, thr[byte]);
+                lo_byte = from;
+                hi_byte = to;
+            }
+            i16x16 *th[FOUR_PIECE / 16];
+            for (i64 j = 0; j < m; j++) th[2 * j] = th[2 * j + 1] = thr[codes[j]];
+            e2m1_runs(xp, 2 * m, th, qr + p0 / 2);
+        }
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* INT4 weight-only                                                                               */
+
+/* float32 -> bfloat16 bits, round to nearest even (finite values) */
+static inline uint16_t bf16_bits_rne(float f) {
+    const uint32_t u = f32_bits(f);
+    return (uint16_t)((u + UINT32_C(0x7FFF) + ((u >> 16) & 1u)) >> 16);
+}
+
+/* a group's scale from its amax (bf16 bits): amax / 7 (1 for amax == 0), rounded to bf16 unless scale_f32 */
+static inline float int4_scale(uint32_t amax, int scale_f32) {
+    const float sf = amax == 0 ? 1.0f : bf16_to_f32((uint16_t)amax) / 7.0f;
+    return scale_f32 ? sf : bf16_to_f32(bf16_bits_rne(sf));
+}
+
+/* INT4's thresholds depend on the group's amax alone (no global scale): one table per scale dtype for the
+   whole process, indexed by the amax's bf16 bits and filled on first use. An entry is claimed (0 -> 1) by
+   one thread, written, then published (-> 2); a thread finding it claimed computes its own copy. */
+static uint16_t int4_table[2][BF16_NONFINITE][TESTS]; /* 1 MiB of zeroed memory, touched as used */
+static uint8_t int4_state[2][BF16_NONFINITE];
+
+static const uint16_t *int4_fill(uint32_t amax, int f32, uint16_t *restrict scratch) {
+    const float sf = int4_scale(amax, f32);
+    for (int i = 0; i < TESTS; i++) scratch[i] = (uint16_t)(first_passing(sf, 0, INT4_AT[i], INT4_STRICT[i]) - 1);
+    uint8_t expected = 0;
+    if (!__atomic_compare_exchange_n(&int4_state[f32][amax], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+        return scratch;
+    memcpy(int4_table[f32][amax], scratch, TESTS * sizeof *scratch);
+    __atomic_store_n(&int4_state[f32][amax], 2, __ATOMIC_RELEASE);
+    return int4_table[f32][amax];
+}
+
+/* the thresholds - 1 of a group of this amax (bf16 bits): the table's entry, or scratch filled */
+static inline const uint16_t *int4_thresholds(uint32_t amax, int f32, uint16_t *restrict scratch) {
+    if (__atomic_load_n(&int4_state[f32][amax], __ATOMIC_ACQUIRE) == 2) return int4_table[f32][amax];
+    return int4_fill(amax, f32, scratch);
+}
+
+/* groups of a multiple of 16 elements dividing FOUR_PIECE: pieces of whole groups; each group's amax by
+   block_amaxes, its scale, its thresholds from the table, then its runs of sixteen. */
+static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q,
+                          i64 q_bstride, i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group,
+                          int scale_f32, i64 begin, i64 end) {
+    const int vecs = (int)(group / 16), f32 = scale_f32 != 0;
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        uint8_t *qr = (uint8_t *)(q + b * q_bstride + row * q_rstride); /* int32 words, little-endian */
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / group;
+            const uint16_t *xp = xr + p0;
+            uint32_t amax[FOUR_PIECE / 16];
+            block_amaxes(xp, m, vecs, amax);
+            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            /* the groups' scales in simple loops (they vectorize) */
+            float sfs[FOUR_PIECE / 16];
+            for (i64 j = 0; j < m; j++) sfs[j] = amax[j] == 0 ? 1.0f : f32_from_bits(amax[j]) / 7.0f;
+            const i64 at = b * s_bstride + row * s_rstride + p0 / group;
+            if (f32) {
+                memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
+            } else {
+                uint16_t hs[FOUR_PIECE / 16];
+                for (i64 j = 0; j < m; j++) hs[j] = bf16_bits_rne(sfs[j]);
+                memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
+            }
+            for (i64 j = 0; j < m; j++) {
+                uint16_t scratch[TESTS];
+                const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
+                const i16x16 zero = {0};
+                /* the group's thresholds broadcast into registers (not through memory) */
+                const i16x16 th[7] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
+                                      zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
+                                      zero + (int16_t)t[6]};
+                const uint16_t *xg = xp + j * group;
+                uint8_t *qg = qr + (p0 + j * group) / 2;
+                int v = 0;
+                for (; v + 2 <= vecs; v += 2) {
+                    const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
+                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
+                }
+                if (v < vecs) {
+                    const u8x8 bytes = pack1(int4_pairs(xg + 16 * v, th));
+                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
+                }
+            }
+        }
+    }
+    return -1;
+}
+
+/* INT4 weight-only: s = amax == 0 ? 1 : amax / 7, rounded to bf16 unless scale_f32;
+   q = clamp(RNE(x / s), -7, 7) (0 where x == 0: also when s underflowed to 0, where 0 / 0 is NaN);
+   packed [n, k/8] int32 words (nibble q + 8 of element 8j + i at bits 4i), s [n, k/group].
+   Groups the fast path does not take (not a multiple of 16 dividing FOUR_PIECE) divide per element. */
+i64 refitd_int4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q, i64 q_bstride,
+                i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group, int scale_f32, i64 begin,
+                i64 end) {
+    if (group % 16 == 0 && FOUR_PIECE % group == 0)
+        return int4_rows_fast(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                              group, scale_f32, begin, end);
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        int32_t *qr = q + b * q_bstride + row * q_rstride;
+        for (i64 g0 = 0; g0 < k; g0 += group) {
+            const uint16_t *xg = xr + g0;
+            const uint32_t amax = row_amax_bits(xg, group);
+            if (amax >= BF16_NONFINITE) return unit;
+            const float sf = int4_scale(amax, scale_f32);
+            const i64 at = b * s_bstride + row * s_rstride + g0 / group;
+            if (scale_f32) ((float *)s)[at] = sf;
+            else ((uint16_t *)s)[at] = (uint16_t)(f32_bits(sf) >> 16);
+            uint8_t nib[1024];
+            for (i64 c0 = 0; c0 < group; c0 += 1024) {
+                const i64 len = group - c0 < 1024 ? group - c0 : 1024;
+                for (i64 t = 0; t < len; t++) {
+                    const float xf = bf16_to_f32(xg[c0 + t]);
+                    float v = __builtin_rintf(xf / sf);
+                    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+                    v = xf == 0.0f ? 0.0f : v;
+                    nib[t] = (uint8_t)((int32_t)v + 8);
+                }
+                int32_t *qw = qr + (g0 + c0) / 8;
+                for (i64 j = 0; j < len / 8; j++) {
+                    uint32_t word = 0;
+                    for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
+                    qw[j] = (int32_t)word;
+                }
+            }
+        }
+    }
+    return -1;
+}

@@ -1,0 +1,129 @@
+"""The native 4-bit kernels' rounding (sidecar/numerics/native/fourbit.c) against the torch reference
+(sidecar/numerics/fourbit.py), where it is most likely to go wrong.
+
+fourbit.c never divides (or multiplies) per element: for each scale it finds, with the reference's own
+float32 operation, the smallest bf16 magnitude passing each rounding test, and counts thresholds. So every
+scale a kernel can meet is exercised here: every finite bf16 magnitude as a block's (or group's) amax, with
+smaller values and both signs beside it; exact ties of INT4's rounding; each group size's loop (the
+per-element division path for groups it does not take); rows whose pieces end in a partial run; and INT4's
+process-wide threshold table filled from cold by two threads at once, in a fresh process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sidecar.numerics import cpu, fourbit, native
+from sidecar.numerics.formats import FP8_DTYPE
+
+FINITE = 0x7F80  # sign-cleared bf16 bits below this are finite
+
+
+@pytest.fixture(autouse=True)
+def _native_only():
+    if native.load() is None:
+        pytest.skip(f"native quantizers unavailable: {native.unavailable_reason()}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _same(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        a, b = (t.view(torch.uint8) if t.dtype == FP8_DTYPE else t for t in (a, b))
+        mismatch = (a != b).nonzero()
+        assert mismatch.numel() == 0, f"{len(mismatch)} elements differ, first at {mismatch[0].tolist()}"
+
+
+def _every_magnitude(width: int, seed: int) -> torch.Tensor:
+    """[FINITE, width] bf16 rows, row i's amax being bf16 magnitude i (permuted), the others random below it
+    (five within 300 ulps of it), random signs."""
+    g = torch.Generator().manual_seed(seed)
+    amax = torch.randperm(FINITE, generator=g, dtype=torch.int32)
+    others = (torch.rand(FINITE, width - 1, generator=g) * (amax[:, None].float() + 1)).to(torch.int32)
+    others = others.clamp(max=amax[:, None])
+    others[:, :5] = (amax[:, None] - torch.randint(0, 300, (FINITE, 5), generator=g)).clamp(min=0)
+    bits = torch.cat([amax[:, None], others], 1)
+    bits = bits[:, torch.randperm(width, generator=g)]
+    bits |= torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) << 15
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def test_mxfp4_every_bf16_magnitude():
+    """Every E8M0 scale byte a bf16 block can get (1 .. 254), products down to subnormal and 0."""
+    w = _every_magnitude(32, seed=1).reshape(-1, 256)
+    _same(cpu.quantize_mxfp4(w), fourbit.quantize_mxfp4(w))
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("group", [16, 32, 128, 8, 24])
+def test_int4_every_bf16_magnitude(group, scale_dtype):
+    """Every group amax, so every scale (bf16-rounded ones down to 0); groups 8 and 24 take the
+    per-element division path, the others the threshold path."""
+    w = _every_magnitude(group, seed=group).reshape(-1, group * 8)
+    if group == 128:
+        w = w[::4]  # a quarter of the magnitudes keeps the reference quick
+    got = cpu.quantize_int4(w, group=group, scale_dtype=scale_dtype)
+    _same(got, fourbit.quantize_int4(w, group=group, scale_dtype=scale_dtype))
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_int4_exact_ties(scale_dtype):
+    """x / s exactly j + 0.5 (RNE takes the even neighbour, and the threshold path must agree), and one bf16
+    step either side of it."""
+    g = torch.Generator().manual_seed(7)
+    amax = (torch.rand(4096, generator=g) * 8 + 0.1) * 2.0 ** torch.randint(-30, 30, (4096,), generator=g)
+    amax = amax.bfloat16().float()
+    s = amax / 7 if scale_dtype == torch.float32 else (amax / 7).bfloat16().float()
+    halves = torch.arange(7, dtype=torch.float32) + 0.5
+    ties = s[:, None] * halves  # exact in float32 for bf16 scales; for float32 ones only where representable
+    rows = []
+    for t in (ties, ties.bfloat16().float()):
+        bits = t.bfloat16().view(torch.int16)
+        rows += [bits, bits + 1, bits - 1]
+    body = torch.cat(rows, 1)[:, :31].view(torch.bfloat16)
+    body = torch.where(torch.rand(body.shape, generator=g) < 0.5, body, -body)
+    w = torch.cat([amax.bfloat16()[:, None], body], 1)  # one group of 32 a row, its amax first
+    w = torch.where(w.abs() > amax.bfloat16()[:, None], torch.zeros_like(w), w)  # keep amax the largest
+    exact = (w.float() / s[:, None]) - (w.float() / s[:, None]).floor() == 0.5
+    assert exact.sum() > 1000  # the test holds many true ties
+    got = cpu.quantize_int4(w, group=32, scale_dtype=scale_dtype)
+    _same(got, fourbit.quantize_int4(w, group=32, scale_dtype=scale_dtype))
+
+
+@pytest.mark.parametrize("k", [16, 48, 272, 1040, 2064])
+def test_rows_ending_in_partial_pieces(k):
+    """Rows of fewer than eight blocks, and rows whose last piece is shorter than the others."""
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(37, k, generator=g) * 10.0 ** torch.randint(-8, 8, (37, 1), generator=g)).bfloat16()
+    _same(cpu.quantize_nvfp4(w), fourbit.quantize_nvfp4(w))
+    _same(cpu.quantize_int4(w, group=16), fourbit.quantize_int4(w, group=16))
+    if k % 32 == 0:
+        _same(cpu.quantize_mxfp4(w), fourbit.quantize_mxfp4(w))
+
+
+COLD = """
+import sys, torch
+from sidecar.numerics import cpu, fourbit
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(3)
+w = (torch.randn(512, 2048, generator=g) * 10.0 ** torch.randint(-6, 6, (512, 1), generator=g)).bfloat16()
+for dtype in (torch.bfloat16, torch.float32):
+    for _ in range(2):  # the table cold, then warm
+        got = cpu.quantize_int4(w, group=32, scale_dtype=dtype)
+        want = fourbit.quantize_int4(w, group=32, scale_dtype=dtype)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            sys.exit(f"{dtype}: native != reference")
+"""
+
+
+def test_int4_threshold_table_filled_from_cold_by_two_threads():
+    done = subprocess.run(
+        [sys.executable, "-c", COLD], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
