@@ -127,3 +127,17 @@ def test_int4_threshold_table_filled_from_cold_by_two_threads():
         [sys.executable, "-c", COLD], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_nvfp4_global_scale_of_every_bf16_amax():
+    """The native global scale (a Python float rounded once to float32) equals the reference's float32
+    division for every finite amax, subnormal ones included."""
+    amax = torch.arange(FINITE, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    want = torch.where(amax == 0, 1.0, amax.float() / torch.tensor(2688.0))
+    got = torch.tensor([cpu._nvfp4_global_scale_value(a) for a in range(FINITE)], dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for a in (0, 1, 0x80, 0x3F80, 0x7F7F):  # and through the API, on tensors of that amax
+        t = torch.tensor([[a, a & 0x7F00, 0, 0] * 4], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        assert torch.equal(
+            cpu.nvfp4_global_scale(t).view(torch.int32), fourbit.nvfp4_global_scale(t).view(torch.int32)
+        )

@@ -336,7 +336,7 @@ def test_native_nvfp4_shared_global_scale_and_int4_f32_scales():
 def test_native_nvfp4_every_bf16_magnitude(global_scale):
     """Every finite bfloat16 magnitude as a block's amax, with random smaller values and signs beside it,
     under global scales down to ones where ``s * gs`` is subnormal or 0: the native kernel's rounding
-    (per-scale thresholds found with its own division, quant.c e2m1_thresholds) equals the reference."""
+    (per-scale thresholds found with its own division, fourbit.c first_passing) equals the reference."""
     _native_or_skip()
     g = torch.Generator().manual_seed(5)
     amax = torch.randperm(0x7F80, generator=g, dtype=torch.int32)  # every finite non-negative bf16

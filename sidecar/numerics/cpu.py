@@ -1,5 +1,5 @@
-"""The daemon's CPU quantizers: the native kernels (``native/quant.c``) where they apply, the torch
-reference everywhere else, with the reference's signatures, errors and bytes.
+"""The daemon's CPU quantizers: the native kernels (``native/quant.c``, ``native/fourbit.c``) where they
+apply, the torch reference everywhere else, with the reference's signatures, errors and bytes.
 
 The native kernels take bfloat16 CPU tensors whose last dim is contiguous, with any strides above it
 that fold into ``[batch, rows, cols]`` (a slab's per-expert views do), writing into the caller's
@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -329,9 +330,18 @@ def nvfp4_global_scale(*tensors: torch.Tensor, name: str | None = None) -> torch
     amax = max(_amax_bits(lib, t, view) for lib, t, view in views)
     if amax >= _BF16_NONFINITE:
         _raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=name), name)
-    amax_t = (torch.tensor(amax, dtype=torch.int32) << 16).view(torch.float32)
-    gs = amax_t / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32)
-    return torch.where(amax_t == 0, torch.ones_like(gs), gs)
+    return torch.tensor(_nvfp4_global_scale_value(amax), dtype=torch.float32)
+
+
+def _nvfp4_global_scale_value(amax_bits: int) -> float:
+    """float32(amax / 2688) from amax's sign-cleared bf16 bits (1.0 for 0), as a Python float: the
+    quotient in double precision rounded once to float32 is the correctly rounded float32 quotient (53 >=
+    2 * 24 + 2: double rounding is innocuous for division), so one tensor is made, not five."""
+    if amax_bits == 0:
+        return 1.0
+    (amax,) = struct.unpack("<f", struct.pack("<I", amax_bits << 16))
+    (gs,) = struct.unpack("<f", struct.pack("<f", amax / NVFP4_GLOBAL_DIVISOR))
+    return gs
 
 
 def quantize_nvfp4(
@@ -455,7 +465,7 @@ def _raise_like_reference(run_reference: Callable[[], object], name: str | None)
     run_reference()
     raise RuntimeError(
         f"{ref._label(name)}: the native quantizer saw NaN or Inf that the torch reference did not; "
-        "this is a bug in sidecar/numerics/native/quant.c: report it, and set REFITD_NATIVE=0 meanwhile"
+        "this is a bug in sidecar/numerics/native/ (quant.c, fourbit.c): report it, and set REFITD_NATIVE=0 meanwhile"
     )
 
 
