@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.numerics import cpu, native
+from sidecar.numerics import cpu, native, threads
 from sidecar.numerics import reference as ref
 from sidecar.numerics.cases import CASES, Case
 from sidecar.numerics.formats import FP8_DTYPE, Format
@@ -306,7 +306,7 @@ def test_bad_arguments_get_the_references_errors():
 def test_work_is_split_across_threads_and_bytes_do_not_depend_on_it():
     """With 2 threads a large call runs its shares on 2 threads (the caller and a pool worker), a
     small one on the caller alone; 1 and 2 threads give the same bytes."""
-    pool = cpu._Pool()
+    pool = threads.Pool()
     seen: list[int] = []
     lock = threading.Lock()
 

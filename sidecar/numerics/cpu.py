@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +43,7 @@ from sidecar.numerics.formats import (
     Format,
 )
 from sidecar.numerics.kernels import WarmUp
+from sidecar.numerics.threads import MIN_SPLIT_ELEMS, Pool
 
 __all__ = [
     "MIN_SPLIT_ELEMS",
@@ -64,9 +62,6 @@ __all__ = [
 
 log = logging.getLogger("sidecar.numerics.native")
 
-#: elements of work per thread below which a call is not split (a thread hand-off costs ~20 us,
-#: about what the kernel needs for 64 Ki elements)
-MIN_SPLIT_ELEMS = 1 << 17
 #: sign-cleared bfloat16 bits at or above this are Inf or NaN
 _BF16_NONFINITE = 0x7F80
 _FLT_MAX = float.fromhex("0x1.fffffep127")  # largest finite float32
@@ -134,50 +129,8 @@ def native_applies(w: torch.Tensor, fmt: Format | str) -> bool:
     return w.dim() > 0 and _view3(w, split) is not None
 
 
-# --------------------------------------------------------------------------------------------------
-# threads
-
-
-class _Pool:
-    """Runs a call's shares: all but the first on persistent worker threads, the first on the caller.
-
-    Sized by ``torch.get_num_threads()`` at each call (the pool is rebuilt when that changes, and
-    in a forked child, which inherits the pool but not its threads).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._workers = 0
-        self._pid = os.getpid()
-
-    def threads(self) -> int:
-        return max(1, torch.get_num_threads())
-
-    def _get(self, workers: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's worker threads do not exist here
-                self._executor, self._pid = None, os.getpid()
-            if self._executor is None or self._workers != workers:
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False)
-                self._executor = ThreadPoolExecutor(workers, thread_name_prefix="refitd-quant")
-                self._workers = workers
-            return self._executor
-
-    def run(self, fn: Callable[[int, int], int], units: int, elems_per_unit: int) -> list[int]:
-        """``fn(begin, end)`` over ``[0, units)`` in up to threads() even shares; their results."""
-        parts = min(self.threads(), units, max(1, units * elems_per_unit // MIN_SPLIT_ELEMS))
-        if parts <= 1:
-            return [fn(0, units)]
-        bounds = [units * i // parts for i in range(parts + 1)]
-        pool = self._get(self.threads() - 1)
-        futures: list[Future[int]] = [pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-        first = fn(bounds[0], bounds[1])
-        return [first, *(f.result() for f in futures)]
-
-
-_POOL = _Pool()
+#: every call's shares run here (sidecar/numerics/threads.py)
+_POOL = Pool()
 
 
 def _ptr(t: torch.Tensor) -> int:
