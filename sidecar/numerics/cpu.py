@@ -193,9 +193,30 @@ def quantize_mxfp8(
 
 
 def _amax_bits(lib: ctypes.CDLL, t: torch.Tensor, view: tuple[int, int, int, int, int]) -> int:
-    batch, n, k, xbs, xrs = view
-    args = (_ptr(t), n, k, xbs, xrs)
-    return max(_POOL.run(lambda b, e: lib.refitd_amax_bits(*args, b, e), batch * n, k))
+    return _amax_bits_of(lib, [(t, view)])
+
+
+def _amax_bits_of(
+    lib: ctypes.CDLL, views: Sequence[tuple[torch.Tensor, tuple[int, int, int, int, int]]]
+) -> int:
+    """The largest sign-cleared bf16 bits over several tensors, in one split call: their rows numbered
+    one after the other (an expert's gate and up share one scale: one hand-off to the threads)."""
+    spans = []  # (first row, end row, kernel args) a tensor
+    rows = elems = 0
+    for t, (batch, n, k, xbs, xrs) in views:
+        spans.append((rows, rows + batch * n, (_ptr(t), n, k, xbs, xrs)))
+        rows += batch * n
+        elems += batch * n * k
+
+    def share(begin: int, end: int) -> int:
+        worst = 0
+        for first, stop, args in spans:
+            b, e = max(begin, first), min(end, stop)
+            if b < e:
+                worst = max(worst, lib.refitd_amax_bits(*args, b - first, e - first))
+        return worst
+
+    return max(_POOL.run(share, rows, elems // max(rows, 1)))
 
 
 def fp8_per_tensor_scale(*tensors: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -210,7 +231,7 @@ def fp8_per_tensor_scale(*tensors: torch.Tensor, name: str | None = None) -> tor
     if not views:
         return ref.fp8_per_tensor_scale(*tensors, name=name)
     lib = views[0][0]
-    amax = max(_amax_bits(lib, t, view) for _, t, view in views)
+    amax = _amax_bits_of(lib, [(t, view) for _, t, view in views])
     if amax >= _BF16_NONFINITE:
         _raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=name), name)
     return torch.tensor(lib.refitd_scale_from_amax_bits(amax), dtype=torch.float32)
@@ -280,7 +301,7 @@ def nvfp4_global_scale(*tensors: torch.Tensor, name: str | None = None) -> torch
         views.append((lib, t, view))
     if not views:
         return fourbit.nvfp4_global_scale(*tensors, name=name)
-    amax = max(_amax_bits(lib, t, view) for lib, t, view in views)
+    amax = _amax_bits_of(views[0][0], [(t, view) for _, t, view in views])
     if amax >= _BF16_NONFINITE:
         _raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=name), name)
     return torch.tensor(_nvfp4_global_scale_value(amax), dtype=torch.float32)
