@@ -10,8 +10,10 @@ process-wide threshold table filled from cold by two threads at once, in a fresh
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,8 +105,8 @@ def test_rows_ending_in_partial_pieces(k):
     w = (torch.randn(37, k, generator=g) * 10.0 ** torch.randint(-8, 8, (37, 1), generator=g)).bfloat16()
     _same(cpu.quantize_nvfp4(w), fourbit.quantize_nvfp4(w))
     _same(cpu.quantize_int4(w, group=16), fourbit.quantize_int4(w, group=16))
-    if k % 32 == 0:
-        _same(cpu.quantize_mxfp4(w), fourbit.quantize_mxfp4(w))
+    w = torch.cat([w, w[:, :16]], 1)  # MXFP4 takes K multiples of 32: k + 16 is one
+    _same(cpu.quantize_mxfp4(w), fourbit.quantize_mxfp4(w))
 
 
 COLD = """
@@ -141,3 +143,33 @@ def test_nvfp4_global_scale_of_every_bf16_amax():
         assert torch.equal(
             cpu.nvfp4_global_scale(t).view(torch.int32), fourbit.nvfp4_global_scale(t).view(torch.int32)
         )
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the -march levels below are x86-64's")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_builds_for_older_cpus_give_the_same_bytes(march, tmp_path, monkeypatch):
+    """fourbit.c's fast paths depend on the build's -march (AVX2 intrinsics for block maxima, GCC vector
+    code of the width the CPU has): the library built for plain x86-64 (SSE2, no AVX2) and for x86-64-v3
+    (AVX2, no AVX-512) must give this machine's reference bytes too."""
+    if march == "x86-64-v3" and "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX2")
+    lib_path = tmp_path / f"refitd-quant-{march}.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    cmd = [*native.compiler(), *flags, f"-march={march}", "-o", str(lib_path), *map(str, native.SOURCES)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = native._open(lib_path)
+    monkeypatch.setattr(native, "load", lambda: lib)
+    w = _every_magnitude(32, seed=11).reshape(-1, 1024)[::3]
+    g = torch.Generator().manual_seed(12)
+    ragged = (
+        torch.randn(9, 1056, generator=g) * 10.0 ** torch.randint(-6, 6, (9, 1), generator=g)
+    ).bfloat16()
+    for x in (w, ragged):
+        _same(cpu.quantize_nvfp4(x), fourbit.quantize_nvfp4(x))
+        _same(cpu.quantize_int4(x, group=16), fourbit.quantize_int4(x, group=16))
+        _same(
+            cpu.quantize_int4(x, group=32, scale_dtype=torch.float32),
+            fourbit.quantize_int4(x, group=32, scale_dtype=torch.float32),
+        )
+        _same(cpu.quantize_mxfp4(x), fourbit.quantize_mxfp4(x))
