@@ -2,7 +2,7 @@
 
 Implementations, measured in the same run on the same bytes (outputs into existing buffers):
   reference    sidecar.numerics.reference, the pure-torch oracle, one call per slab;
-  native       sidecar.numerics.cpu (the daemon's CPU path: native/quant.c), one call per slab;
+  native       sidecar.numerics.cpu (the daemon's CPU path: native/quant.c, fourbit.c), one call per slab;
   native/proj  the same, one call per expert projection (gate, up, down views), as the daemon's
                plan units make them;
 and the baselines:
@@ -14,11 +14,15 @@ Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy");
 reference and the native columns are timed round-robin, per format, so they share the same moments.
 
     python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH] [--formats F,..]
-                          [--baseline-lib PATH]
+                          [--baseline-lib PATH] [--stages]
 
 ``--baseline-lib`` adds a column "base": the native slab call run with another build of
-native/quant.c (e.g. the previous commit's, built with the same flags), timed in the same
+native/ (e.g. the previous commit's, built with the same flags), timed in the same
 round-robin as the others, for a before/after comparison on the same moments of a shared machine.
+
+``--stages`` also times NVFP4's two passes apart, round-robin with the copy: the global-amax pass
+(``cpu.nvfp4_global_scale``, a read of the slab) and the block kernel given that scale; the one-call
+"native" column is both.
 
 A full layer is gate_up [256, 1024, 2048] + down [256, 2048, 512] (1.5 GiB bf16); the default takes
 32 experts of it (192 MiB) so the run fits a 2-core, 24 GiB machine in well under a minute.
@@ -159,7 +163,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--formats", default=None, help="comma-separated formats to time (default: all)")
-    ap.add_argument("--baseline-lib", type=Path, default=None, help="another quant.c build to time alongside")
+    ap.add_argument("--baseline-lib", type=Path, default=None, help="another native build to time alongside")
+    ap.add_argument(
+        "--stages", action="store_true", help="also time NVFP4's global-amax pass and kernel apart"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,6 +285,22 @@ def main() -> None:
                 if "base_gbps" in r
                 else ""
             )
+        )
+    if args.stages:
+        scales = {k: cpu.nvfp4_global_scale(t) for k, t in slabs.items()}
+        nv = outs[Format.NVFP4.value]
+        t_copy, t_amax, t_kernel = timed_together(
+            [
+                lambda: [copies[k].copy_(t) for k, t in slabs.items()],
+                lambda: [cpu.nvfp4_global_scale(t) for t in slabs.values()],
+                lambda: [cpu.quantize_nvfp4(t, global_scale=scales[k], out=nv[k]) for k, t in slabs.items()],
+            ],
+            args.repeat,
+        )
+        print(
+            f"nvfp4 stages (ms): copy {t_copy * 1e3:.2f}, global-amax pass {t_amax * 1e3:.2f}, "
+            f"block kernel {t_kernel * 1e3:.2f} ({t_copy / t_kernel * 100:.0f}% of copy), "
+            f"both {(t_amax + t_kernel) * 1e3:.2f} ({t_copy / (t_amax + t_kernel) * 100:.0f}% of copy)"
         )
     if args.json:
         meta = {"bytes_in": nbytes, "threads": torch.get_num_threads(), "torch": torch.__version__}
