@@ -365,13 +365,18 @@ class DeepSeekMtp:
                         torch.tensor(v + 0.001 * e)
                     )
 
-    def generation(self, seed: int) -> dict[str, torch.Tensor]:
+    def state(self, seed: int) -> dict[str, torch.Tensor]:
+        """A trainer's BF16 state dict (the FP32 router bias)."""
         g = torch.Generator().manual_seed(seed)
         state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in self.params}
         for n in state:  # DeepSeek's MTP layer holds a copy of the embedding
             if n.endswith(".embed_tokens.weight") and n.startswith("model.layers."):
                 state[n] = state["model.embed_tokens.weight"]
-        return convert(state, self.spec)
+        return state
+
+    def generation(self, seed: int) -> dict[str, torch.Tensor]:
+        """What the daemon publishes for :meth:`state` (SPEC: byte for byte ``convert``)."""
+        return convert(self.state(seed), self.spec)
 
     def built(self, gen: dict[str, torch.Tensor], *, draft: bool) -> torch.nn.Module:
         """vLLM's own load + processing of ``gen`` with the calibrated activation scales."""
@@ -578,3 +583,89 @@ def test_nvfp4_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
     w13 = dict(engine.model.named_parameters())["model.layers.0.mlp.experts.routed_experts.w13_weight"]
     assert w13.dtype == torch.int32  # Marlin tiles (the checkpoint's codes are uint8)
     _two_reloads_equal_vllms_own_load(engine, holds_input_scales=False)
+
+
+def test_nvfp4_mtp_worker_streams_the_daemons_steps_through_refit_load(deepseek_mtp, tmp_path, monkeypatch):
+    """The same through refitd's real daemon (its serve loop in a thread) and the worker extension's
+    ``refit_attach`` / ``refit_load``: the daemon agrees to stream to the worker with a drafter, each
+    step arrives as GROUP messages into the target's session (counted), the drafter is reloaded when
+    it is published, and the trainer's ``push_step(wait="loaded")`` returns only after that; target
+    and drafter then equal a worker loading the same steps whole. A drafter failing halfway fails the
+    trainer's step (ENGINE, naming the worker and the error); the worker returns to the last good
+    step, drafter included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.daemons import RunningDaemon
+    from support.waiting import wait_until
+
+    from adapters.vllm.stream import LayerwiseGroups
+    from sidecar.client.client import RefitClient
+    from sidecar.errors import ErrorKind, RefitError
+
+    class Worker(av.RefitWorkerExtension):  # as vLLM mixes worker_extension_cls into its Worker
+        def __init__(self, parts):
+            self.__dict__.update(vars(parts))
+
+    ds, ext = deepseek_mtp, av.RefitWorkerExtension
+    whole, streamed = ds.worker(ds.generation(0)), Worker(ds.worker(ds.generation(0)))
+    draft = streamed.model_runner.get_draft_model()
+    groups: list[int] = []
+    real_call = LayerwiseGroups.__call__
+
+    def counted(self, gen, names):
+        groups.append(gen.step)
+        return real_call(self, gen, names)
+
+    monkeypatch.setattr(LayerwiseGroups, "__call__", counted)
+    settings = dict(
+        format="nvfp4", world_size=1, staging_regions=2, reader_timeout_s=60.0, step_timeout_s=60.0
+    )
+    with RunningDaemon(tmp_path, hf_config=ds.hf, **settings) as d, ThreadPoolExecutor(1) as pool:
+        assert ext.refit_attach(streamed, d.endpoint, timeout=60.0).get("stream") == 1
+        with RefitClient(d.endpoint, 0, 1, timeout=60.0) as client:
+
+            def push(step: int) -> tuple[dict, RefitError | None]:
+                """The trainer pushes ``step`` and waits until it is loaded; the worker's result and
+                the trainer's error. The whole-loading worker then loads the step if it succeeded."""
+                load = pool.submit(ext.refit_load, streamed, step, 60.0)
+                if step > 0:  # streamed only to a reader already waiting (on top of the step it holds)
+                    waiting = lambda: any(p.waiting for p in list(d.daemon.peers.values()))  # noqa: E731
+                    wait_until("the worker's WAIT", waiting)
+                error = None
+                try:
+                    client.push_step(step, ds.state(step), wait="loaded", timeout=60.0)
+                except RefitError as exc:
+                    error = exc
+                result = load.result()
+                if result["ok"]:
+                    av.load_generation(whole, ds.generation(step), Format.NVFP4)
+                return result, error
+
+            for step in (0, 1, 2):
+                result, error = push(step)
+                assert error is None and result["ok"] and result["step"] == step, (result, error)
+                assert _differ(ds.vm, streamed, whole) == []
+            # step 0 was loaded whole (nothing to return to yet), then each step streamed group by group
+            assert groups.count(0) == 0 and groups.count(1) > 1 and groups.count(2) > 1, groups
+
+            def fails_halfway(weights):  # once: the drafter takes part of its layer, then the device fails
+                del draft.load_weights
+                mine = [(n, t) for n, t in weights if n.startswith(f"model.layers.{ds.layers}.")]
+                draft.load_weights(mine[: len(mine) // 2])
+                raise RuntimeError("CUDA error: out of memory (injected)")
+
+            draft.load_weights = fails_halfway
+            result, error = push(3)
+            assert "load_weights" not in vars(draft)  # the drafter's reload was reached, and failed
+            assert not result["ok"] and result["rolled_back"] and result["step"] == 2, result
+            assert error is not None and error.kind is ErrorKind.ENGINE, error
+            assert "vllm-rank0" in str(error) and "out of memory (injected)" in str(error), error
+            assert _differ(ds.vm, streamed, whole) == []  # both on step 2
+            # step 3 was published (it failed in this engine after the seal, as a failed whole load
+            # does): step 4 is loaded whole (a step streams only on top of the live one), 5 streams
+            for step in (4, 5):
+                result, error = push(step)
+                assert error is None and result["ok"] and result["step"] == step, (result, error)
+                assert _differ(ds.vm, streamed, whole) == []
+            assert groups.count(4) == 0 and groups.count(5) > 1, groups
+        ext.refit_detach(streamed)
