@@ -302,7 +302,7 @@ def test_a_worker_with_an_mtp_drafter_streams_and_ends_each_step_as_vllms_own_lo
     ``model.layers.{N}.*``): the daemon's layer groups go through adapters.stream into the target's
     layerwise session, and when the step is published the drafter is reloaded from the whole
     generation before it is acknowledged; the target and the drafter then equal vLLM's own load +
-    processing of that generation, every parameter in place."""
+    processing of that generation, every parameter in place, and the runner's caches were reset."""
     from support.vllm_models import StreamedSteps, stream_groups
 
     model = get_model(model_type_of(engine.hf))
@@ -311,6 +311,7 @@ def test_a_worker_with_an_mtp_drafter_streams_and_ends_each_step_as_vllms_own_lo
     groups = stream_groups(params, engine.spec, keep_bf16=check.keep_bf16)
     steps = StreamedSteps(engine.worker, groups)
     before = {n: p for n, p in engine.draft.named_parameters()}
+    resets = dict(engine.worker.model_runner.resets)
     live = (5, engine.generation(5))
     for step in (6, 7):
         gen = engine.generation(step)
@@ -328,6 +329,8 @@ def test_a_worker_with_an_mtp_drafter_streams_and_ends_each_step_as_vllms_own_lo
             )
         assert all(engine.draft.get_parameter(n) is p for n, p in before.items())
         live = (step, gen)
+    # and as vLLM's reload_weights (and load_generation), each step reset the runner's caches
+    assert engine.worker.model_runner.resets == {k: n + 2 for k, n in resets.items()}
 
 
 TP2_MODELS = ("qwen3_moe", "deepseek_v3")

@@ -26,8 +26,8 @@ among those reloaded whole.
 The MTP drafter (``get_draft_model()``) is not streamed: its ``load_weights`` picks its own names
 out of the whole generation and its lm_head is re-derived from the target's
 (``share_source_lm_heads`` / ``restore_quantized_lm_heads``), so it is reloaded whole
-(``WorkerAccess.draft``: ``adapters.vllm.worker.reload_draft``, what a whole load runs after the
-target) when ``finish`` is given the complete generation: the sealed step, after the target's
+(``WorkerAccess.complete``: ``adapters.vllm.worker.complete_reload``, what a whole load runs after
+the target, the runner's cache resets included) when ``finish`` is given the complete generation: the sealed step, after the target's
 session is finalized and before the step is acknowledged; a drafter that fails there fails the step.
 The rollback's ``finish`` gives the live generation, so the drafter returns to it as the target
 does (a drafter the failed step never reached is reloaded with the same bytes it holds).
@@ -48,8 +48,9 @@ class WorkerAccess:
     """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
     this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order;
     ``carry(worker)``, the NVFP4 activation scales the worker holds, named as the generation names
-    them (default: the target model's); ``draft(worker, tensors)``, the reload of its MTP drafter
-    (if any) from a whole generation (None: no drafter is reloaded)."""
+    them (default: the target model's); ``complete(worker, tensors)``, what a whole load does after
+    the target's reload, from the whole generation: the MTP drafter's reload (if any) and the
+    runner's cache resets (None: nothing)."""
 
     def __init__(
         self,
@@ -58,11 +59,11 @@ class WorkerAccess:
         order: Callable[[dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
         *,
         carry: Callable[[Any], dict[str, torch.Tensor]] | None = None,
-        draft: Callable[[Any, Mapping[str, torch.Tensor]], None] | None = None,
+        complete: Callable[[Any, Mapping[str, torch.Tensor]], None] | None = None,
     ):
         self.model, self.config_context, self.order = model, config_context, order
         self.carry = carry or (lambda worker: carried_input_scales(model(worker).named_modules()))
-        self.draft = draft
+        self.complete = complete
 
 
 class LayerwiseGroups:
@@ -97,9 +98,10 @@ class LayerwiseGroups:
     def finish(self, whole: Any = None) -> None:
         """Finalize the session (the step is sealed, or a rollback closes or ends one); then, given
         ``whole`` (the generation the loaded groups complete: the sealed step, or the live one a
-        rollback returned to), reload the MTP drafter from it with the carried scales, as
-        ``load_generation`` does. None: the step was abandoned; the drafter is left as it is and the
-        carried scales are kept for the rollback, whose own ``finish`` reloads the drafter."""
+        rollback returned to), reload the MTP drafter from it with the carried scales and reset the
+        runner's caches, as ``load_generation`` does. None: the step was abandoned; the drafter is
+        left as it is and the carried scales are kept for the rollback, whose own ``finish``
+        reloads the drafter."""
         worker, access = self.worker, self.access
         if self._open:
             self._open = False
@@ -108,8 +110,8 @@ class LayerwiseGroups:
         if whole is None:
             return
         carried = self._carried if self._carried is not None else access.carry(worker)
-        if access.draft is not None:  # (if this fails, the rollback reloads it with the same scales)
-            access.draft(worker, {**whole.tensors, **carried})
+        if access.complete is not None:  # (if it fails, the rollback reloads with the same scales)
+            access.complete(worker, {**whole.tensors, **carried})
         self._carried = None  # the step (or its rollback) is over: the next one reads them afresh
 
 

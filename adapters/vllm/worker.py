@@ -221,6 +221,14 @@ def _reset_caches(worker: Any) -> None:
             reset()
 
 
+def complete_reload(worker: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """What :func:`load_generation` does after the target's reload, for a streamed step whose
+    target groups are all in and finalized: :func:`reload_draft` from the whole generation, then
+    the runner's cache resets (state derived from the old weights)."""
+    reload_draft(worker, tensors)
+    _reset_caches(worker)
+
+
 def _deep_gemm_e8m0() -> bool | None:
     """vLLM's ``is_deep_gemm_e8m0_used()`` (None when this vLLM has no such function)."""
     try:
@@ -325,11 +333,13 @@ def streamed_group_loader(worker: Any) -> Any:
     :func:`load_generation`) on a vLLM without layerwise reload. The target model takes the layer
     groups in one layerwise session (``adapters.vllm.stream.LayerwiseGroups``); an MTP drafter is
     reloaded by :func:`reload_draft` from the complete generation when the step is sealed, after
-    that session is finalized and before the step is acknowledged, as :func:`load_generation`
-    reloads it after the target."""
+    that session is finalized and before the step is acknowledged, and the runner's caches are
+    reset (:func:`complete_reload`), as :func:`load_generation` does after the target."""
     from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
-    access = WorkerAccess(_model, _config_context, ordered_weights, carry=carried_scales, draft=reload_draft)
+    access = WorkerAccess(
+        _model, _config_context, ordered_weights, carry=carried_scales, complete=complete_reload
+    )
     return layerwise_group_loader(worker, access)
 
 
