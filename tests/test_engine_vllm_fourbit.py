@@ -24,8 +24,9 @@ load of the generation (plus, for NVFP4, the engine's calibrated activation scal
 Backend variants, each with only the named choice or device check replaced: NVFP4 and INT4 through the
 Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN), MXFP4 through SM100's
 ``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
-DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales; all three formats at tp 2 in two gloo
-processes (tests/support/vllm_tp.py).
+DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales, whole and in streamed refit (the
+drafter reloaded from the sealed step: = a whole load, also from the real daemon; a drafter failure
+rolled back); all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations
