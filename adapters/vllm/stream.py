@@ -27,10 +27,11 @@ The MTP drafter (``get_draft_model()``) is not streamed: its ``load_weights`` pi
 out of the whole generation and its lm_head is re-derived from the target's
 (``share_source_lm_heads`` / ``restore_quantized_lm_heads``), so it is reloaded whole
 (``WorkerAccess.complete``: ``adapters.vllm.worker.complete_reload``, what a whole load runs after
-the target, the runner's cache resets included) when ``finish`` is given the complete generation: the sealed step, after the target's
-session is finalized and before the step is acknowledged; a drafter that fails there fails the step.
-The rollback's ``finish`` gives the live generation, so the drafter returns to it as the target
-does (a drafter the failed step never reached is reloaded with the same bytes it holds).
+the target, the runner's cache resets included) when ``finish`` is given the complete generation:
+the sealed step, after the target's session is finalized and before the step is acknowledged; a
+drafter that fails there fails the step. The rollback's ``finish`` gives the live generation, so
+the drafter returns to it as the target does (a drafter the failed step never reached is reloaded
+with the same bytes it holds).
 """
 
 from __future__ import annotations
