@@ -86,8 +86,9 @@ class EngineWorker:
 
         ``load_group(gen, names)``: copy just the tensors ``names`` of ``gen`` into the engine (any
         subset, any number of times: a rollback reloads a subset from the previous generation); an
-        optional ``load_group.finish()`` is called once the groups of a step (or of a rollback) are
-        all in, for engines that process weights per reload (``adapters.vllm.stream``). With it the
+        optional ``load_group.finish(whole)`` is called once the groups of a step (or of a rollback)
+        are all in, for engines that process weights per reload (``adapters.vllm.stream``), with the
+        whole generation they complete, or None when a failed step is abandoned. With it the
         worker streams by default (``adapters.stream``: each layer group is loaded while later
         ones are still arriving); ``streaming=False`` turns that off and loads whole generations."""
         if streaming and load_group is None:
@@ -179,13 +180,16 @@ class EngineWorker:
         """Copy the tensors ``names`` of ``gen`` into the engine (the adapter's ``load_group``)."""
         self._load_group(gen, names)
 
-    def finish_groups(self) -> None:
+    def finish_groups(self, whole: Generation | None = None) -> None:
         """The groups loaded since the last call are all there will be for now (a streamed step was
-        sealed, or a rollback begins or ended): the adapter's ``load_group.finish()``, if it has one,
-        runs the engine's processing of them (vLLM: ``finalize_layerwise_reload``)."""
+        sealed, or a rollback begins or ended): the adapter's ``load_group.finish(whole)``, if it has
+        one, runs the engine's processing of them (vLLM: ``finalize_layerwise_reload``) and whatever
+        it derives from the whole generation (vLLM: the MTP drafter's reload). ``whole``: the
+        generation now complete in the engine (the sealed step, or the live one a rollback
+        reloaded); None when a rollback begins (the failed step's groups are abandoned)."""
         finish = getattr(self._load_group, "finish", None)
         if callable(finish):
-            finish()
+            finish(whole)
 
     def loaded(self, step: int) -> None:
         self._loaded = (self.reader.instance if self.reader is not None else None, step)

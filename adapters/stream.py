@@ -21,7 +21,8 @@ An engine is never left on a mix of two steps without being told: a rollback tha
 (or finds the live generation rewritten) raises, and the next load is a whole one.
 
 Which adapters stream: the reference engines (``ReferenceEngine.load_part``) and vLLM
-(``adapters.vllm.stream``: one layerwise-reload session per step). TensorRT-LLM does not: its
+(``adapters.vllm.stream``: one layerwise-reload session per step; an MTP drafter is reloaded whole
+from the sealed step in ``finish_groups(gen)``, before it is acknowledged). TensorRT-LLM does not: its
 ``model_loader.reload(model, weights, allow_partial_loading=True)`` does take a subset (the whole
 path already sends one layer per call), but a reload is bracketed by model-wide steps,
 ``pre_reload_weights`` on every module before the first subset and ``process_weights_after_loading``
@@ -220,7 +221,9 @@ def _finish(worker: Any, stream: StreamedStep, gen: Generation) -> Any:
     try:
         if rest:
             worker.load_group(gen, [n for g in rest for n in stream.groups[g]])
-        worker.finish_groups()  # the engine's per-step processing of what it loaded (vLLM: finalize)
+        # the engine's per-step processing of what it loaded (vLLM: finalize, then the MTP drafter
+        # reloaded from the whole step): acknowledged below only once that is done too
+        worker.finish_groups(gen)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     seconds = stream.seconds + time.perf_counter() - t0
@@ -270,7 +273,7 @@ def _rollback(worker: Any, stream: StreamedStep, why: str) -> None:
         worker.finish_groups()  # close what the failed step began (vLLM: its layerwise reload)
         if names:
             worker.load_group(stream.live, names)
-            worker.finish_groups()
+            worker.finish_groups(stream.live)  # vLLM: the drafter too, from the live generation
         if not stream.live.intact():
             problem = f"generation {stream.live.index} (step {stream.live.step}) was rewritten while it was reloaded"
     except Exception as exc:

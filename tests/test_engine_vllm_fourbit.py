@@ -24,8 +24,9 @@ load of the generation (plus, for NVFP4, the engine's calibrated activation scal
 Backend variants, each with only the named choice or device check replaced: NVFP4 and INT4 through the
 Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN), MXFP4 through SM100's
 ``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
-DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales; all three formats at tp 2 in two gloo
-processes (tests/support/vllm_tp.py).
+DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales, whole and in streamed refit (the
+drafter reloaded from the sealed step: = a whole load, also from the real daemon; a drafter failure
+rolled back); all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import torch
 
 import adapters.vllm as av
 from adapters.vllm.carry import carried_input_scales
-from adapters.vllm.worker import streamed_group_loader
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from sidecar.plan.attach import check_manifest
 from sidecar.plan.build import RefitSpec
@@ -339,69 +339,152 @@ def test_worker_records_the_gpu_and_attach_refuses_what_vllm_cannot_run_there(
         assert "no MXFP4 MoE backend on SM70" in problems[0] and "int4_w4a16" in problems[0]
 
 
-def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(vm, tmp_path):
+class DeepSeekMtp:
     """DeepSeek-V3 in NVFP4 with its MTP drafter (``DeepSeekMTP``, its own ``ModelOptNvFp4FusedMoE`` at
-    ``model.layers.2.mtp_block.mlp.experts``): ``load_generation`` carries the drafter's calibrated W4A4
-    input scales (distinct from the target model's) into its reload under the names its
-    ``load_weights`` reads (``model.layers.2.mlp.experts.{e}.*.input_scale``), bit for bit, and the
-    reloaded drafter equals vLLM's own load + processing of the generation with those scales."""
-    folder = vm.write_config(tmp_path, "deepseek_v3")
-    hf = vm.config_dict(folder)
-    registry = get_model(model_type_of(hf))
-    layers = registry.num_hidden_layers(hf)
-    spec = RefitSpec(model_type="deepseek_v3", fmt="nvfp4", num_hidden_layers=layers)
-    config = vm.vllm_config(folder, av.vllm_engine_args(spec, hf, include_vision=False), mtp=True)
-    vm.init_distributed(config)
-    params = registry.parameters(normalize_hf_config(hf), include_mtp=True, include_vision=False)
+    ``model.layers.2.mtp_block.mlp.experts``), each first loaded as a calibrated checkpoint leaves
+    it: W4A4 input scales for the target's MoE layer (``model.layers.1``) and, distinct, the
+    drafter's (checkpoint layer 2)."""
 
-    def generation(seed):
+    def __init__(self, vm, root: Path):
+        self.vm = vm
+        folder = vm.write_config(root, "deepseek_v3")
+        self.hf = vm.config_dict(folder)
+        registry = get_model(model_type_of(self.hf))
+        self.layers = layers = registry.num_hidden_layers(self.hf)
+        self.spec = RefitSpec(model_type="deepseek_v3", fmt="nvfp4", num_hidden_layers=layers)
+        args = av.vllm_engine_args(self.spec, self.hf, include_vision=False)
+        self.config = vm.vllm_config(folder, args, mtp=True)
+        vm.init_distributed(self.config)
+        self.params = registry.parameters(
+            normalize_hf_config(self.hf), include_mtp=True, include_vision=False
+        )
+        self.calibrated = {}
+        for layer, base in ((1, 0.02), (layers, 0.07)):
+            for e in range(EXPERTS):
+                for proj, v in (("gate_proj", base), ("up_proj", base), ("down_proj", base + 0.01)):
+                    self.calibrated[f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"] = (
+                        torch.tensor(v + 0.001 * e)
+                    )
+
+    def state(self, seed: int) -> dict[str, torch.Tensor]:
+        """A trainer's BF16 state dict (the FP32 router bias)."""
         g = torch.Generator().manual_seed(seed)
-        state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in params}
+        state = {n: (torch.randn(s, generator=g) * 0.05).to(d) for n, s, d in self.params}
         for n in state:  # DeepSeek's MTP layer holds a copy of the embedding
             if n.endswith(".embed_tokens.weight") and n.startswith("model.layers."):
                 state[n] = state["model.embed_tokens.weight"]
-        return convert(state, spec)
+        return state
 
-    # calibrated scales: the target's MoE layer (model.layers.1) and the drafter's (checkpoint layer 2)
-    calibrated = {}
-    for layer, base in ((1, 0.02), (layers, 0.07)):
-        for e in range(EXPERTS):
-            for proj, v in (("gate_proj", base), ("up_proj", base), ("down_proj", base + 0.01)):
-                calibrated[f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"] = torch.tensor(
-                    v + 0.001 * e
-                )
+    def generation(self, seed: int) -> dict[str, torch.Tensor]:
+        """What the daemon publishes for :meth:`state` (SPEC: byte for byte ``convert``)."""
+        return convert(self.state(seed), self.spec)
 
-    def built(gen, *, draft):
-        m = vm.build_model(config, draft=draft)
-        m.load_weights(av.ordered_weights({**gen, **calibrated}))
-        vm.process(config, m, draft=draft)
+    def built(self, gen: dict[str, torch.Tensor], *, draft: bool) -> torch.nn.Module:
+        """vLLM's own load + processing of ``gen`` with the calibrated activation scales."""
+        m = self.vm.build_model(self.config, draft=draft)
+        m.load_weights(av.ordered_weights({**gen, **self.calibrated}))
+        self.vm.process(self.config, m, draft=draft)
         return m
 
-    first = generation(0)
-    model, draft = built(first, draft=False), built(first, draft=True)
-    worker = vm.worker(config, model, draft)
-    moe = f"model.layers.{layers}.mtp_block.mlp.experts.routed_experts"
+    def worker(self, gen: dict[str, torch.Tensor]):
+        """A worker whose model and drafter were first loaded (calibrated) with ``gen``."""
+        return self.vm.worker(self.config, self.built(gen, draft=False), self.built(gen, draft=True))
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(vm, tmp_path_factory) -> DeepSeekMtp:
+    return DeepSeekMtp(vm, tmp_path_factory.mktemp("vllm-mtp"))
+
+
+def test_nvfp4_mtp_drafter_reloads_keeping_its_own_activation_scales(deepseek_mtp):
+    """``load_generation`` carries the drafter's calibrated W4A4 input scales (distinct from the target
+    model's) into its reload under the names its ``load_weights`` reads
+    (``model.layers.2.mlp.experts.{e}.*.input_scale``), bit for bit, and the reloaded drafter equals
+    vLLM's own load + processing of the generation with those scales."""
+    ds = deepseek_mtp
+    worker = ds.worker(ds.generation(0))
+    model, draft = worker.model_runner.get_model(), worker.model_runner.get_draft_model()
+    moe = f"model.layers.{ds.layers}.mtp_block.mlp.experts.routed_experts"
     held = {n: p.detach().clone() for n, p in draft.named_parameters() if n.endswith("input_scale")}
     assert held and all(n.startswith(moe) for n in held), sorted(held)
     carried = carried_input_scales(model.named_modules())
     assert all(n.startswith("model.layers.1.") for n in carried)  # the target's only
     manifest = av.RefitWorkerExtension.refit_manifest(worker)
     assert manifest.info["carried_input_scales"] == 2 * EXPERTS * 3  # target and drafter
-    # streamed refit (layer groups into the target's layerwise session) would skip the drafter: off
-    assert streamed_group_loader(worker) is None
-    assert streamed_group_loader(vm.worker(config, model)) is not None
-    check = check_manifest(params, spec, manifest)
+    check = check_manifest(ds.params, ds.spec, manifest)
     assert check.ok, check.message("vllm")
     before = dict(draft.named_parameters())
     for seed in (2, 3):
-        gen = generation(seed)
+        gen = ds.generation(seed)
         av.load_generation(worker, gen, Format.NVFP4)
         after = dict(draft.named_parameters())
         assert all(after[n] is p for n, p in before.items())
         assert all(_same(after[n], t) for n, t in held.items()), {n: (after[n], t) for n, t in held.items()}
-        ref = dict(built(gen, draft=True).named_parameters())
+        ref = dict(ds.built(gen, draft=True).named_parameters())
         differ = [n for n, p in after.items() if n.rpartition(".")[2] not in _KV and not _same(p, ref[n])]
         assert not differ, f"the drafter's reload differs from vLLM's own load: {differ[:5]}"
+
+
+def _differ(vm, worker, whole) -> list[str]:
+    """The target's and the drafter's parameters of ``worker`` whose bytes differ from ``whole``'s
+    (KV-cache scales, engine state no refit carries, left out); [] when both hold the same."""
+    out = []
+    for get in ("get_model", "get_draft_model"):
+        want = dict(getattr(whole.model_runner, get)().named_parameters())
+        model = getattr(worker.model_runner, get)()
+        wrong, checked = vm.load_mismatches(
+            model, lambda n, p, want=want: None if n.rpartition(".")[2] in _KV else want[n]
+        )
+        assert checked > 0
+        out += [f"{get}: {w}" for w in wrong]
+    return out
+
+
+def test_nvfp4_mtp_worker_streams_and_its_drafter_ends_each_step_as_a_whole_load(deepseek_mtp):
+    """A worker with an MTP drafter streams (``streamed_group_loader``): the target takes the daemon's
+    layer groups in one layerwise session, and when the step is published the drafter is reloaded
+    from the whole generation (its own activation scales carried, its lm_head through the target's)
+    before the step is acknowledged. After each step the target AND the drafter hold byte for byte
+    what a worker loading whole generations (``load_generation``) holds. A drafter whose reload
+    fails halfway fails the step (acknowledged ``ok=False`` with its error), and the worker returns
+    to the live step, drafter included; the next step streams again."""
+    from support.vllm_models import StreamedSteps, stream_groups
+
+    ds = deepseek_mtp
+    first = ds.generation(0)
+    whole, streamed = ds.worker(first), ds.worker(first)
+    groups = stream_groups(ds.params, ds.spec)
+    assert any(all(n.startswith(f"model.layers.{ds.layers}.") for n in g) for g in groups)  # the MTP layer's
+    steps = StreamedSteps(streamed, groups)
+    draft = streamed.model_runner.get_draft_model()
+    live = (0, first)
+    for step in (1, 2):
+        gen = ds.generation(10 + step)
+        av.load_generation(whole, gen, Format.NVFP4)
+        result = steps.step(live, step, gen)
+        assert result.ok and result.step == step and not result.rolled_back, result
+        assert steps.acks[-1] == (step, True, None)
+        assert _differ(ds.vm, streamed, whole) == []
+        live = (step, gen)
+
+    def fails_halfway(weights):  # once: the drafter takes part of its layer, then the device fails
+        del draft.load_weights  # the rollback's reload is vLLM's own again
+        mine = [(n, t) for n, t in weights if n.startswith(f"model.layers.{ds.layers}.")]
+        draft.load_weights(mine[: len(mine) // 2])
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    draft.load_weights = fails_halfway
+    result = steps.step(live, 3, ds.generation(13))
+    assert "load_weights" not in vars(draft)  # the drafter's reload was reached, and failed
+    assert not result.ok and result.rolled_back and result.step == 2, result
+    assert "out of memory (injected)" in result.error
+    assert steps.acks[-1][:2] == (3, False) and "out of memory (injected)" in steps.acks[-1][2]
+    assert _differ(ds.vm, streamed, whole) == []  # the whole worker still holds step 2
+    gen = ds.generation(14)
+    av.load_generation(whole, gen, Format.NVFP4)
+    result = steps.step(live, 4, gen)
+    assert result.ok and result.step == 4 and steps.acks[-1] == (4, True, None)
+    assert _differ(ds.vm, streamed, whole) == []
 
 
 def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):
@@ -501,3 +584,89 @@ def test_nvfp4_marlin_path_reloads_in_place(vm, tmp_path, monkeypatch):
     w13 = dict(engine.model.named_parameters())["model.layers.0.mlp.experts.routed_experts.w13_weight"]
     assert w13.dtype == torch.int32  # Marlin tiles (the checkpoint's codes are uint8)
     _two_reloads_equal_vllms_own_load(engine, holds_input_scales=False)
+
+
+def test_nvfp4_mtp_worker_streams_the_daemons_steps_through_refit_load(deepseek_mtp, tmp_path, monkeypatch):
+    """The same through refitd's real daemon (its serve loop in a thread) and the worker extension's
+    ``refit_attach`` / ``refit_load``: the daemon agrees to stream to the worker with a drafter, each
+    step arrives as GROUP messages into the target's session (counted), the drafter is reloaded when
+    it is published, and the trainer's ``push_step(wait="loaded")`` returns only after that; target
+    and drafter then equal a worker loading the same steps whole. A drafter failing halfway fails the
+    trainer's step (ENGINE, naming the worker and the error); the worker returns to the last good
+    step, drafter included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from support.daemons import RunningDaemon
+    from support.waiting import wait_until
+
+    from adapters.vllm.stream import LayerwiseGroups
+    from sidecar.client.client import RefitClient
+    from sidecar.errors import ErrorKind, RefitError
+
+    class Worker(av.RefitWorkerExtension):  # as vLLM mixes worker_extension_cls into its Worker
+        def __init__(self, parts):
+            self.__dict__.update(vars(parts))
+
+    ds, ext = deepseek_mtp, av.RefitWorkerExtension
+    whole, streamed = ds.worker(ds.generation(0)), Worker(ds.worker(ds.generation(0)))
+    draft = streamed.model_runner.get_draft_model()
+    groups: list[int] = []
+    real_call = LayerwiseGroups.__call__
+
+    def counted(self, gen, names):
+        groups.append(gen.step)
+        return real_call(self, gen, names)
+
+    monkeypatch.setattr(LayerwiseGroups, "__call__", counted)
+    settings = dict(
+        format="nvfp4", world_size=1, staging_regions=2, reader_timeout_s=60.0, step_timeout_s=60.0
+    )
+    with RunningDaemon(tmp_path, hf_config=ds.hf, **settings) as d, ThreadPoolExecutor(1) as pool:
+        assert ext.refit_attach(streamed, d.endpoint, timeout=60.0).get("stream") == 1
+        with RefitClient(d.endpoint, 0, 1, timeout=60.0) as client:
+
+            def push(step: int) -> tuple[dict, RefitError | None]:
+                """The trainer pushes ``step`` and waits until it is loaded; the worker's result and
+                the trainer's error. The whole-loading worker then loads the step if it succeeded."""
+                load = pool.submit(ext.refit_load, streamed, step, 60.0)
+                if step > 0:  # streamed only to a reader already waiting (on top of the step it holds)
+                    waiting = lambda: any(p.waiting for p in list(d.daemon.peers.values()))  # noqa: E731
+                    wait_until("the worker's WAIT", waiting)
+                error = None
+                try:
+                    client.push_step(step, ds.state(step), wait="loaded", timeout=60.0)
+                except RefitError as exc:
+                    error = exc
+                result = load.result()
+                if result["ok"]:
+                    av.load_generation(whole, ds.generation(step), Format.NVFP4)
+                return result, error
+
+            for step in (0, 1, 2):
+                result, error = push(step)
+                assert error is None and result["ok"] and result["step"] == step, (result, error)
+                assert _differ(ds.vm, streamed, whole) == []
+            # step 0 was loaded whole (nothing to return to yet), then each step streamed group by group
+            assert groups.count(0) == 0 and groups.count(1) > 1 and groups.count(2) > 1, groups
+
+            def fails_halfway(weights):  # once: the drafter takes part of its layer, then the device fails
+                del draft.load_weights
+                mine = [(n, t) for n, t in weights if n.startswith(f"model.layers.{ds.layers}.")]
+                draft.load_weights(mine[: len(mine) // 2])
+                raise RuntimeError("CUDA error: out of memory (injected)")
+
+            draft.load_weights = fails_halfway
+            result, error = push(3)
+            assert "load_weights" not in vars(draft)  # the drafter's reload was reached, and failed
+            assert not result["ok"] and result["rolled_back"] and result["step"] == 2, result
+            assert error is not None and error.kind is ErrorKind.ENGINE, error
+            assert "vllm-rank0" in str(error) and "out of memory (injected)" in str(error), error
+            assert _differ(ds.vm, streamed, whole) == []  # both on step 2
+            # step 3 was published (it failed in this engine after the seal, as a failed whole load
+            # does): step 4 is loaded whole (a step streams only on top of the live one), 5 streams
+            for step in (4, 5):
+                result, error = push(step)
+                assert error is None and result["ok"] and result["step"] == step, (result, error)
+                assert _differ(ds.vm, streamed, whole) == []
+            assert groups.count(4) == 0 and groups.count(5) > 1, groups
+        ext.refit_detach(streamed)

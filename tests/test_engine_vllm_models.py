@@ -293,6 +293,46 @@ def test_the_mtp_drafter_is_refitted(engine):
     assert any(not torch.equal(_bytes(p), torch.zeros_like(_bytes(p))) for p in after.values())
 
 
+STREAMED_MTP = [("qwen3_5_moe", "block_fp8"), ("deepseek_v3", "bf16")]
+
+
+@pytest.mark.parametrize("engine", STREAMED_MTP, indirect=True, ids=[f"{m}-{f}" for m, f in STREAMED_MTP])
+def test_a_worker_with_an_mtp_drafter_streams_and_ends_each_step_as_vllms_own_load(engine):
+    """Streamed refit of a worker with its MTP drafter (Qwen3.5's ``mtp.*``, DeepSeek's
+    ``model.layers.{N}.*``): the daemon's layer groups go through adapters.stream into the target's
+    layerwise session, and when the step is published the drafter is reloaded from the whole
+    generation before it is acknowledged; the target and the drafter then equal vLLM's own load +
+    processing of that generation, every parameter in place, and the runner's caches were reset."""
+    from support.vllm_models import StreamedSteps, stream_groups
+
+    model = get_model(model_type_of(engine.hf))
+    params = list(model.parameters(engine.plan_hf, include_mtp=True, include_vision=False))
+    check = check_manifest(params, engine.spec, engine.manifest())
+    groups = stream_groups(params, engine.spec, keep_bf16=check.keep_bf16)
+    steps = StreamedSteps(engine.worker, groups)
+    before = {n: p for n, p in engine.draft.named_parameters()}
+    resets = dict(engine.worker.model_runner.resets)
+    live = (5, engine.generation(5))
+    for step in (6, 7):
+        gen = engine.generation(step)
+        result = steps.step(live, step, gen)
+        assert result.ok and not result.rolled_back and steps.acks[-1] == (step, True, None), result
+        for draft in (False, True):
+            reference = engine.fresh(processed=False, draft=draft)
+            reference.load_weights(av.ordered_weights(gen))
+            engine.vm.process(engine.config, reference, draft=draft)
+            ref = dict(reference.named_parameters())
+            after = dict((engine.draft if draft else engine.model).named_parameters())
+            differ = [n for n, p in after.items() if not _kv_scale(n) and not _same(p, ref[n])]
+            assert not differ, (
+                f"{'drafter' if draft else 'target'} differs from vLLM's own load: {differ[:5]}"
+            )
+        assert all(engine.draft.get_parameter(n) is p for n, p in before.items())
+        live = (step, gen)
+    # and as vLLM's reload_weights (and load_generation), each step reset the runner's caches
+    assert engine.worker.model_runner.resets == {k: n + 2 for k, n in resets.items()}
+
+
 TP2_MODELS = ("qwen3_moe", "deepseek_v3")
 
 

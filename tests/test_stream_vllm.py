@@ -18,7 +18,9 @@ from adapters.vllm import worker as avw
 from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
 EXPERTS = "model.layers.0.mlp.experts."
-ACCESS = WorkerAccess(avw._model, avw._config_context, avw.ordered_weights)  # as refit_attach gives it
+#: the target model's access as refit_attach gives it (which also reloads an MTP drafter and resets the
+#: runner's caches when a step is sealed: streamed_group_loader, tests/test_engine_vllm_fourbit.py)
+ACCESS = WorkerAccess(avw._model, avw._config_context, avw.ordered_weights)
 
 
 def groups(gen: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -22,11 +22,21 @@ uninitialised; attention layers are deferred to finalize. Hence a rollback here:
 step's session (the layers it did not reach keep their old values), then a second session reloads
 every group taken from it, from the live generation, and finalizes; a group that failed halfway is
 among those reloaded whole.
+
+The MTP drafter (``get_draft_model()``) is not streamed: its ``load_weights`` picks its own names
+out of the whole generation and its lm_head is re-derived from the target's
+(``share_source_lm_heads`` / ``restore_quantized_lm_heads``), so it is reloaded whole
+(``WorkerAccess.complete``: ``adapters.vllm.worker.complete_reload``, what a whole load runs after
+the target, the runner's cache resets included) when ``finish`` is given the complete generation:
+the sealed step, after the target's session is finalized and before the step is acknowledged; a
+drafter that fails there fails the step. The rollback's ``finish`` gives the live generation, so
+the drafter returns to it as the target does (a drafter the failed step never reached is reloaded
+with the same bytes it holds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -37,15 +47,24 @@ from adapters.vllm.carry import carried_input_scales
 
 class WorkerAccess:
     """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
-    this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order."""
+    this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order;
+    ``carry(worker)``, the NVFP4 activation scales the worker holds, named as the generation names
+    them (default: the target model's); ``complete(worker, tensors)``, what a whole load does after
+    the target's reload, from the whole generation: the MTP drafter's reload (if any) and the
+    runner's cache resets (None: nothing)."""
 
     def __init__(
         self,
         model: Callable[[Any], torch.nn.Module],
         config_context: Callable[[Any], AbstractContextManager],
         order: Callable[[dict[str, torch.Tensor]], list[tuple[str, torch.Tensor]]],
+        *,
+        carry: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+        complete: Callable[[Any, Mapping[str, torch.Tensor]], None] | None = None,
     ):
         self.model, self.config_context, self.order = model, config_context, order
+        self.carry = carry or (lambda worker: carried_input_scales(model(worker).named_modules()))
+        self.complete = complete
 
 
 class LayerwiseGroups:
@@ -54,14 +73,16 @@ class LayerwiseGroups:
     def __init__(self, worker: Any, access: WorkerAccess, initialize: Callable, finalize: Callable):
         self.worker, self.access, self._initialize, self._finalize = worker, access, initialize, finalize
         self._open = False  # a session is in progress (initialized, not yet finalized)
-        #: NVFP4 W4A4's activation scales held when the session opened (adapters.vllm.carry)
-        self._carried: dict[str, torch.Tensor] = {}
+        #: NVFP4 W4A4's activation scales (adapters.vllm.carry), read when the step's first session
+        #: opened and kept through its rollback: a layer the failed step processed half-loaded
+        #: holds garbage scales then, and a drafter whose reload failed does
+        self._carried: dict[str, torch.Tensor] | None = None
 
     def __call__(self, gen: Any, names: Sequence[str]) -> None:
         worker, access = self.worker, self.access
         model = access.model(worker)
-        if not self._open:  # read before initialize puts the layers on the meta device
-            self._carried = carried_input_scales(model.named_modules())
+        if self._carried is None:  # read before initialize puts the layers on the meta device
+            self._carried = access.carry(worker)
         tensors = {n: gen.tensors[n] for n in names}
         if self._carried:  # NVFP4 W4A4: the held activation scales of this group's MoE layers
             moes = {n.partition(".mlp.experts.")[0] for n in names if ".mlp.experts." in n}
@@ -75,14 +96,24 @@ class LayerwiseGroups:
                 self._open = True
             model.load_weights(weights)
 
-    def finish(self) -> None:
-        """Finalize the session (the step is sealed, or a rollback closes or ends one)."""
-        if not self._open:
-            return
-        self._open = False
+    def finish(self, whole: Any = None) -> None:
+        """Finalize the session (the step is sealed, or a rollback closes or ends one); then, given
+        ``whole`` (the generation the loaded groups complete: the sealed step, or the live one a
+        rollback returned to), reload the MTP drafter from it with the carried scales and reset the
+        runner's caches, as ``load_generation`` does. None: the step was abandoned; the drafter is
+        left as it is and the carried scales are kept for the rollback, whose own ``finish``
+        reloads the drafter."""
         worker, access = self.worker, self.access
-        with access.config_context(worker), torch.device(worker.device):
-            self._finalize(access.model(worker), worker.model_config)
+        if self._open:
+            self._open = False
+            with access.config_context(worker), torch.device(worker.device):
+                self._finalize(access.model(worker), worker.model_config)
+        if whole is None:
+            return
+        carried = self._carried if self._carried is not None else access.carry(worker)
+        if access.complete is not None:  # (if it fails, the rollback reloads with the same scales)
+            access.complete(worker, {**whole.tensors, **carried})
+        self._carried = None  # the step (or its rollback) is over: the next one reads them afresh
 
 
 def layerwise_group_loader(worker: Any, access: WorkerAccess) -> LayerwiseGroups | None:

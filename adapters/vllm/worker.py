@@ -142,13 +142,25 @@ def _draft(worker: Any) -> tuple[torch.nn.Module, Any] | None:
 
 
 def _layerwise_reload(model: torch.nn.Module, weights, model_config: Any) -> None:
+    """One layerwise-reload session over ``weights``. A ``load_weights`` that fails still has its
+    session finalized (the error re-raised): vLLM's ``initialize_layerwise_reload`` skips a layer
+    whose session is still open, so an unfinalized failure would leave the next reload of this
+    model (a streamed step's rollback of the drafter, or the next whole load) mixing the failed
+    load's buffered weights into its own."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     initialize_layerwise_reload(model)
-    model.load_weights(weights)
+    try:
+        model.load_weights(weights)
+    except BaseException:
+        try:
+            finalize_layerwise_reload(model, model_config)
+        except Exception:  # the load's own error is the one to report
+            log.exception("closing the failed layerwise reload of %s", type(model).__name__)
+        raise
     finalize_layerwise_reload(model, model_config)
 
 
@@ -174,6 +186,32 @@ def _reload_draft(draft: torch.nn.Module, weights, draft_config: Any) -> None:
     restore_quantized_lm_heads(draft)
 
 
+def carried_scales(worker: Any) -> dict[str, torch.Tensor]:
+    """The NVFP4 activation scales the worker holds (adapters.vllm.carry): the target model's and its
+    MTP drafter's, each named as its ``load_weights`` takes them from a generation; empty for
+    formats without held activation scales. Read before a reload (it re-materializes them)."""
+    carried = carried_input_scales(_model(worker).named_modules())
+    draft = _draft(worker)
+    if draft is not None:
+        namer = draft_checkpoint_namer(worker.model_config.hf_config.to_dict())
+        carried.update(carried_input_scales(draft[0].named_modules(), namer))
+    return carried
+
+
+def reload_draft(worker: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Reload the MTP drafter, if the worker has one, from the whole generation ``tensors`` (with
+    the carried activation scales, :func:`carried_scales`, already among them), as
+    :func:`load_generation` does after the target model: :func:`_reload_draft`, its lm_heads
+    shared and restored. The streamed path runs it once a step's target groups are all loaded and
+    finalized (``adapters.vllm.stream.LayerwiseGroups.finish``): the sequence a whole load runs,
+    from the same complete generation."""
+    draft = _draft(worker)
+    if draft is None:
+        return
+    with _config_context(worker), torch.device(worker.device):
+        _reload_draft(draft[0], ordered_weights(tensors), draft[1])
+
+
 def _reset_caches(worker: Any) -> None:
     """What ``GPUModelRunner.reload_weights`` clears after a reload: state derived from the old
     weights (LoRA, encoder outputs, multimodal inputs' cache)."""
@@ -181,6 +219,14 @@ def _reset_caches(worker: Any) -> None:
         reset = getattr(worker.model_runner, name, None)
         if callable(reset):
             reset()
+
+
+def complete_reload(worker: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """What :func:`load_generation` does after the target's reload, for a streamed step whose
+    target groups are all in and finalized: :func:`reload_draft` from the whole generation, then
+    the runner's cache resets (state derived from the old weights)."""
+    reload_draft(worker, tensors)
+    _reset_caches(worker)
 
 
 def _deep_gemm_e8m0() -> bool | None:
@@ -215,11 +261,7 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     if expert_format is Format.NVFP4:
         # W4A4's static activation scales: the engine's current ones, into every reload (carry.py),
         # the MTP drafter's too (its load_weights picks its own names out of the same generation)
-        carried = carried_input_scales(model.named_modules())
-        if draft is not None:
-            namer = draft_checkpoint_namer(worker.model_config.hf_config.to_dict())
-            carried.update(carried_input_scales(draft[0].named_modules(), namer))
-        tensors = {**tensors, **carried}
+        tensors = {**tensors, **carried_scales(worker)}
     runner, weights = worker.model_runner, ordered_weights(tensors)
     try:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
@@ -288,15 +330,17 @@ def _device_capability() -> int | None:
 
 def streamed_group_loader(worker: Any) -> Any:
     """The streaming ``load_group`` for ``worker``, or None (whole generations through
-    :func:`load_generation`): a vLLM without layerwise reload, or a worker with an MTP drafter,
-    which the streamed path (``adapters.vllm.stream.LayerwiseGroups``: layer groups into the target
-    model's layerwise session) would leave holding the previous step's weights (and, in NVFP4, its
-    activation scales uncarried); :func:`load_generation` reloads the drafter too."""
+    :func:`load_generation`) on a vLLM without layerwise reload. The target model takes the layer
+    groups in one layerwise session (``adapters.vllm.stream.LayerwiseGroups``); an MTP drafter is
+    reloaded by :func:`reload_draft` from the complete generation when the step is sealed, after
+    that session is finalized and before the step is acknowledged, and the runner's caches are
+    reset (:func:`complete_reload`), as :func:`load_generation` does after the target."""
     from adapters.vllm.stream import WorkerAccess, layerwise_group_loader
 
-    if _draft(worker) is not None:
-        return None
-    return layerwise_group_loader(worker, WorkerAccess(_model, _config_context, ordered_weights))
+    access = WorkerAccess(
+        _model, _config_context, ordered_weights, carry=carried_scales, complete=complete_reload
+    )
+    return layerwise_group_loader(worker, access)
 
 
 class RefitWorkerExtension:

@@ -374,3 +374,58 @@ def load_mismatches(model: torch.nn.Module, expected) -> tuple[list[str], int]:
                 f"{name}: engine {p.dtype} {tuple(p.shape)}, generation {want.dtype} {tuple(want.shape)}"
             )
     return wrong, checked
+
+
+# --------------------------------------------------------------------------------------------------
+# streamed refit: the daemon's groups, and adapters.stream's own steps with the daemon's side recorded
+
+
+def stream_groups(params, spec, *, keep_bf16=()) -> list[list[str]]:
+    """The layer groups refitd's daemon streams a generation of ``params`` (``(name, shape, dtype)``)
+    planned with ``spec`` in: what its STREAM message lists (``sidecar.daemon.streams.StreamGroups``)."""
+    from sidecar.daemon.streams import StreamGroups
+    from sidecar.plan.refit_plan import RefitPlan
+
+    return StreamGroups.of(RefitPlan.build(list(params), spec, keep_bf16=keep_bf16), key=0).names
+
+
+class StreamedSteps:
+    """A vLLM worker's streamed steps run by ``adapters.stream``'s own code: an ``EngineWorker`` with
+    the worker's ``streamed_group_loader`` takes all but the last group as GROUP messages would
+    bring them (``_load_groups``), then the step is published (``_finish``: the rest, the engine's
+    finish, the acknowledgement). This object stands in for the reader's connection to the daemon
+    and records what each step was acknowledged with (``acks``: ``(step, ok, error)``)."""
+
+    instance = None  # the daemon start (none: the steps are handed over here)
+
+    def __init__(self, worker, groups: list[list[str]]):
+        from adapters.engine import EngineWorker
+        from adapters.vllm.worker import streamed_group_loader
+
+        loader = streamed_group_loader(worker)
+        if loader is None:
+            raise AssertionError("the worker does not stream (streamed_group_loader returned None)")
+        self.groups, self.acks, self.sent = groups, [], []
+        self.engine = EngineWorker(
+            "ipc:///nowhere", name="vllm-streamed", manifest=lambda: None, load=None, load_group=loader
+        )
+        self.engine.reader = self
+
+    def release(self, gen, *, ok: bool = True, error: str | None = None, seconds: float | None = None):
+        if gen.segment != "live":  # the live generation's release (no acknowledgement): not recorded
+            self.acks.append((gen.step, ok, error))
+
+    def _send(self, kind, fields, **kw) -> None:
+        self.sent.append((kind, fields))
+
+    def step(self, live: tuple[int, dict], step: int, tensors: dict):
+        """Stream ``tensors`` as ``step`` on top of ``live`` (``(step, tensors)``, what the engine
+        holds); the ``LoadResult``."""
+        from adapters.base import Generation
+        from adapters.stream import StreamedStep, _finish, _load_groups
+
+        held = Generation(live[0], live[0], live[1], segment="live")
+        gen = Generation(step, step, tensors, segment="step")
+        stream = StreamedStep(step, step, None, gen, held, self.groups)
+        failed = _load_groups(self.engine, stream, list(range(len(self.groups) - 1)))
+        return failed if failed is not None else _finish(self.engine, stream, gen)
