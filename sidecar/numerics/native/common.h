@@ -82,4 +82,12 @@ static inline uint32_t row_amax_bits(const uint16_t *restrict x, i64 len) {
     return m;
 }
 
+/* out[i] = max(in[2i] & mask, in[2i + 1] & mask): one level of a tree of maxima */
+static inline void pair_max(const uint16_t *restrict in, uint16_t *restrict out, i64 n_out, uint16_t mask) {
+    for (i64 i = 0; i < n_out; i++) {
+        const uint16_t a = in[2 * i] & mask, b = in[2 * i + 1] & mask;
+        out[i] = a > b ? a : b;
+    }
+}
+
 #endif

@@ -47,8 +47,8 @@ static const float E2M1_AT[TESTS] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0
 static const uint8_t E2M1_STRICT[TESTS] = {1, 0, 1, 0, 1, 0, 1, 1};
 /* INT4 (fourbit.quantize_int4): |q| = min(7, RNE(v)) >= i + 1 iff v passes test i (RNE: .5 goes down to
    0, 1.5 up to 2, ...) */
-static const float INT4_AT[TESTS] = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f, 0.0f};
-static const uint8_t INT4_STRICT[TESTS] = {1, 0, 1, 0, 1, 0, 1, 1};
+static const float INT4_AT[7] = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f};
+static const uint8_t INT4_STRICT[7] = {1, 0, 1, 0, 1, 0, 1};
 
 static inline int passes(uint32_t a, float d, int multiply, float at, int strict) {
     const float x = bf16_to_f32((uint16_t)a);
@@ -80,8 +80,9 @@ static uint32_t first_passing(float d, int multiply, float at, int strict) {
 
 /* a scale's TESTS thresholds, each minus one (so that "a >= threshold" is the one-instruction signed
    "a > threshold - 1": sign-cleared bf16 bits and thresholds are below 0x8000), broadcast to a vector */
-static void thresholds(float d, int multiply, const float *at, const uint8_t *strict, i16x16 *restrict out) {
-    for (int i = 0; i < TESTS; i++) {
+static void thresholds(float d, int multiply, const float *at, const uint8_t *strict, int tests,
+                       i16x16 *restrict out) {
+    for (int i = 0; i < tests; i++) {
         const i16x16 zero = {0};
         out[i] = zero + (int16_t)(first_passing(d, multiply, at[i], strict[i]) - 1);
     }
@@ -148,7 +149,7 @@ static void e2m1_runs(const uint16_t *restrict x, i64 n16, i16x16 *const *th, ui
    With AVX2, eight blocks at a time: each block's vectors folded into one, then a transposing tree
    (blocks i and i + 4 into one register's halves, then 64-bit, then 32-bit interleaves: two shuffles and
    a max a level) leaves block j's two last partial maxima in 32-bit lane j. */
-static void block_amaxes(const uint16_t *restrict x, i64 m, int vecs, uint32_t *restrict out) {
+static void block_amaxes(const uint16_t *restrict x, i64 m, i64 vecs, uint32_t *restrict out) {
     i64 j = 0;
 #if defined(__AVX2__)
     const __m256i mag = _mm256_set1_epi16(MAG_MASK), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
@@ -157,8 +158,10 @@ static void block_amaxes(const uint16_t *restrict x, i64 m, int vecs, uint32_t *
         for (int i = 0; i < 8; i++) {
             const uint16_t *xb = x + (j + i) * 16 * vecs;
             y[i] = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)xb), mag);
-            for (int v = 1; v < vecs; v++)
-                y[i] = _mm256_max_epu16(y[i], _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xb + 16 * v)), mag));
+            for (i64 v = 1; v < vecs; v++) {
+                const __m256i next = _mm256_loadu_si256((const __m256i *)(xb + 16 * v));
+                y[i] = _mm256_max_epu16(y[i], _mm256_and_si256(next, mag));
+            }
         }
         __m256i t[4];
         for (int i = 0; i < 4; i++) /* [b0|b4] [b1|b5] [b2|b6] [b3|b7], 8 partials each */
@@ -236,7 +239,7 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
                 for (uint32_t byte = from; byte <= to; byte++)
                     if (byte < lo_byte || byte > hi_byte)
-                        thresholds(e4m3_value(byte) * gs, 0, E2M1_AT, E2M1_STRICT, thr[byte]);
+                        thresholds(e4m3_value(byte) * gs, 0, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
                 lo_byte = from;
                 hi_byte = to;
             }
@@ -283,7 +286,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
                 for (uint32_t byte = from; byte <= to; byte++)
                     if (byte < lo_byte || byte > hi_byte)
-                        thresholds(e8m0_multiplier(byte), 1, E2M1_AT, E2M1_STRICT, thr[byte]);
+                        thresholds(e8m0_multiplier(byte), 1, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
                 lo_byte = from;
                 hi_byte = to;
             }
@@ -311,40 +314,45 @@ static inline float int4_scale(uint32_t amax, int scale_f32) {
 }
 
 /* INT4's thresholds depend on the group's amax alone (no global scale): one table per scale dtype for the
-   whole process, indexed by the amax's bf16 bits and filled on first use. An entry is claimed (0 -> 1) by
-   one thread, written, then published (-> 2); a thread finding it claimed computes its own copy. */
-static uint16_t int4_table[2][BF16_NONFINITE][TESTS]; /* 1 MiB of zeroed memory, touched as used */
+   whole process, indexed by the amax's bf16 bits and filled on first use, each entry its seven thresholds
+   as vectors (so a group's compares read them as they are, like NVFP4's). The table is 14 MiB of zeroed
+   memory of which only the entries of the amaxes met are ever touched (a few hundred per model, 224 bytes
+   each). An entry is claimed (0 -> 1) by one thread, written, then published (-> 2); a thread finding it
+   claimed computes its own copy. */
+#define INT4_TESTS 7
+static i16x16 int4_table[2][BF16_NONFINITE][INT4_TESTS];
 static uint8_t int4_state[2][BF16_NONFINITE];
 
-static const uint16_t *int4_fill(uint32_t amax, int f32, uint16_t *restrict scratch) {
-    const float sf = int4_scale(amax, f32);
-    for (int i = 0; i < TESTS; i++) scratch[i] = (uint16_t)(first_passing(sf, 0, INT4_AT[i], INT4_STRICT[i]) - 1);
+static const i16x16 *int4_fill(uint32_t amax, int f32, i16x16 *restrict scratch) {
+    thresholds(int4_scale(amax, f32), 0, INT4_AT, INT4_STRICT, INT4_TESTS, scratch);
     uint8_t expected = 0;
     if (!__atomic_compare_exchange_n(&int4_state[f32][amax], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
         return scratch;
-    memcpy(int4_table[f32][amax], scratch, TESTS * sizeof *scratch);
+    memcpy(int4_table[f32][amax], scratch, sizeof int4_table[f32][amax]);
     __atomic_store_n(&int4_state[f32][amax], 2, __ATOMIC_RELEASE);
     return int4_table[f32][amax];
 }
 
 /* the thresholds - 1 of a group of this amax (bf16 bits): the table's entry, or scratch filled */
-static inline const uint16_t *int4_thresholds(uint32_t amax, int f32, uint16_t *restrict scratch) {
+static inline const i16x16 *int4_thresholds(uint32_t amax, int f32, i16x16 *restrict scratch) {
     if (__atomic_load_n(&int4_state[f32][amax], __ATOMIC_ACQUIRE) == 2) return int4_table[f32][amax];
     return int4_fill(amax, f32, scratch);
 }
 
-/* groups of a multiple of 16 elements dividing FOUR_PIECE: pieces of whole groups; each group's amax by
-   block_amaxes, its scale, its thresholds from the table, then its runs of sixteen. */
+/* groups of a multiple of 16 elements: a pass takes a piece of whole groups where the group divides
+   FOUR_PIECE, else one group; each group's amax by block_amaxes, its scale, its thresholds from the
+   table, then its runs of sixteen. */
 static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q,
                           i64 q_bstride, i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group,
                           int scale_f32, i64 begin, i64 end) {
-    const int vecs = (int)(group / 16), f32 = scale_f32 != 0;
+    const i64 vecs = group / 16, span = FOUR_PIECE % group == 0 ? FOUR_PIECE : group;
+    const int f32 = scale_f32 != 0;
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         uint8_t *qr = (uint8_t *)(q + b * q_bstride + row * q_rstride); /* int32 words, little-endian */
-        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
-            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / group;
+        for (i64 p0 = 0; p0 < k; p0 += span) {
+            const i64 len = k - p0 < span ? k - p0 : span, m = len / group;
             const uint16_t *xp = xr + p0;
             uint32_t amax[FOUR_PIECE / 16];
             block_amaxes(xp, m, vecs, amax);
@@ -361,16 +369,11 @@ static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
                 memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
             }
             for (i64 j = 0; j < m; j++) {
-                uint16_t scratch[TESTS];
-                const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
-                const i16x16 zero = {0};
-                /* the group's thresholds broadcast into registers (not through memory) */
-                const i16x16 th[7] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
-                                      zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
-                                      zero + (int16_t)t[6]};
+                i16x16 scratch[INT4_TESTS];
+                const i16x16 *th = int4_thresholds(amax[j] >> 16, f32, scratch);
                 const uint16_t *xg = xp + j * group;
                 uint8_t *qg = qr + (p0 + j * group) / 2;
-                int v = 0;
+                i64 v = 0;
                 for (; v + 2 <= vecs; v += 2) {
                     const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
                     memcpy(qg + 8 * v, &bytes, sizeof bytes);
@@ -385,44 +388,95 @@ static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
     return -1;
 }
 
+/* q + 8 of x / sf, clamped (0 where x == 0), as a nibble */
+static inline uint8_t int4_nibble(uint16_t x, float sf) {
+    const float xf = bf16_to_f32(x);
+    float v = __builtin_rintf(xf / sf);
+    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
+    v = xf == 0.0f ? 0.0f : v;
+    return (uint8_t)((int32_t)v + 8);
+}
+
+/* len nibbles (a multiple of 8), eight to an int32 word */
+static void int4_pack(const uint8_t *restrict nib, i64 len, int32_t *restrict qw) {
+    for (i64 j = 0; j < len / 8; j++) {
+        uint32_t word = 0;
+        for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
+        qw[j] = (int32_t)word;
+    }
+}
+
+/* groups of 8 (the only multiple of 8 the threshold path leaves that divides FOUR_PIECE): a piece of them
+   at a time, their maxima by a tree of pairwise maxima, scales in simple loops, then every element */
+static i64 int4_rows_group8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q,
+                            i64 q_bstride, i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, int scale_f32,
+                            i64 begin, i64 end) {
+    for (i64 unit = begin; unit < end; unit++) {
+        const i64 b = unit / n, row = unit % n;
+        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
+        int32_t *qr = q + b * q_bstride + row * q_rstride;
+        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / 8;
+            uint16_t tree[FOUR_PIECE / 2], twig[FOUR_PIECE / 4];
+            pair_max(xr + p0, tree, len / 2, MAG_MASK);
+            pair_max(tree, twig, len / 4, 0xFFFFu);
+            pair_max(twig, tree, m, 0xFFFFu); /* tree[j]: group j's amax bits */
+            uint32_t worst = 0;
+            for (i64 j = 0; j < m; j++) worst = tree[j] > worst ? tree[j] : worst;
+            if (worst >= BF16_NONFINITE) return unit;
+            float sfs[FOUR_PIECE / 8], spread[FOUR_PIECE];
+            for (i64 j = 0; j < m; j++) sfs[j] = tree[j] == 0 ? 1.0f : bf16_to_f32(tree[j]) / 7.0f;
+            const i64 at = b * s_bstride + row * s_rstride + p0 / 8;
+            if (scale_f32) {
+                memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
+            } else {
+                uint16_t hs[FOUR_PIECE / 8];
+                for (i64 j = 0; j < m; j++) {
+                    hs[j] = bf16_bits_rne(sfs[j]);
+                    sfs[j] = bf16_to_f32(hs[j]);
+                }
+                memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
+            }
+            for (i64 j = 0; j < m; j++)
+                for (i64 t = 0; t < 8; t++) spread[8 * j + t] = sfs[j];
+            uint8_t nib[FOUR_PIECE];
+            for (i64 t = 0; t < len; t++) nib[t] = int4_nibble(xr[p0 + t], spread[t]);
+            int4_pack(nib, len, qr + p0 / 8);
+        }
+    }
+    return -1;
+}
+
 /* INT4 weight-only: s = amax == 0 ? 1 : amax / 7, rounded to bf16 unless scale_f32;
    q = clamp(RNE(x / s), -7, 7) (0 where x == 0: also when s underflowed to 0, where 0 / 0 is NaN);
    packed [n, k/8] int32 words (nibble q + 8 of element 8j + i at bits 4i), s [n, k/group].
-   Groups the fast path does not take (not a multiple of 16 dividing FOUR_PIECE) divide per element. */
+   Groups the threshold path does not take (not a multiple of 16) divide per element: groups of 8 a piece
+   of them at a time, others (24, 40, ...) a group at a time. */
 i64 refitd_int4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q, i64 q_bstride,
                 i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group, int scale_f32, i64 begin,
                 i64 end) {
-    if (group % 16 == 0 && FOUR_PIECE % group == 0)
+    if (group % 16 == 0)
         return int4_rows_fast(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
                               group, scale_f32, begin, end);
+    if (group == 8)
+        return int4_rows_group8(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                                scale_f32, begin, end);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         int32_t *qr = q + b * q_bstride + row * q_rstride;
         for (i64 g0 = 0; g0 < k; g0 += group) {
-            const uint16_t *xg = xr + g0;
-            const uint32_t amax = row_amax_bits(xg, group);
+            const uint32_t amax = row_amax_bits(xr + g0, group);
             if (amax >= BF16_NONFINITE) return unit;
             const float sf = int4_scale(amax, scale_f32);
             const i64 at = b * s_bstride + row * s_rstride + g0 / group;
             if (scale_f32) ((float *)s)[at] = sf;
             else ((uint16_t *)s)[at] = (uint16_t)(f32_bits(sf) >> 16);
-            uint8_t nib[1024];
-            for (i64 c0 = 0; c0 < group; c0 += 1024) {
-                const i64 len = group - c0 < 1024 ? group - c0 : 1024;
-                for (i64 t = 0; t < len; t++) {
-                    const float xf = bf16_to_f32(xg[c0 + t]);
-                    float v = __builtin_rintf(xf / sf);
-                    v = v > 7.0f ? 7.0f : (v < -7.0f ? -7.0f : v);
-                    v = xf == 0.0f ? 0.0f : v;
-                    nib[t] = (uint8_t)((int32_t)v + 8);
-                }
-                int32_t *qw = qr + (g0 + c0) / 8;
-                for (i64 j = 0; j < len / 8; j++) {
-                    uint32_t word = 0;
-                    for (int i = 0; i < 8; i++) word |= (uint32_t)nib[8 * j + i] << (4 * i);
-                    qw[j] = (int32_t)word;
-                }
+            uint8_t nib[FOUR_PIECE];
+            for (i64 c0 = 0; c0 < group; c0 += FOUR_PIECE) {
+                const i64 len = group - c0 < FOUR_PIECE ? group - c0 : FOUR_PIECE;
+                for (i64 t = 0; t < len; t++) nib[t] = int4_nibble(xr[g0 + c0 + t], sf);
+                int4_pack(nib, len, qr + (g0 + c0) / 8);
             }
         }
     }

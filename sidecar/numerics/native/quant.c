@@ -66,14 +66,6 @@ static void convert_row_clamped(const uint16_t *restrict x, uint8_t *restrict q,
     }
 }
 
-/* out[i] = max(in[2i] & mask, in[2i + 1] & mask): one level of a tree of maxima */
-static void pair_max(const uint16_t *restrict in, uint16_t *restrict out, i64 n_out, uint16_t mask) {
-    for (i64 i = 0; i < n_out; i++) {
-        const uint16_t a = in[2 * i] & mask, b = in[2 * i + 1] & mask;
-        out[i] = a > b ? a : b;
-    }
-}
-
 int refitd_native_abi(void) { return REFITD_NATIVE_ABI; }
 
 /* --------------------------------------------------------------------------------------------- */
