@@ -176,6 +176,17 @@ static void block_amaxes(const uint16_t *restrict x, i64 m, i64 vecs, uint32_t *
         _mm256_storeu_si256((__m256i *)(out + j),
                             _mm256_max_epu32(_mm256_and_si256(w, hi16), _mm256_slli_epi32(w, 16)));
     }
+    for (; j < m; j++) { /* the last few blocks one at a time: a horizontal max in the register */
+        const uint16_t *xb = x + j * 16 * vecs;
+        __m256i y = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)xb), mag);
+        for (i64 v = 1; v < vecs; v++)
+            y = _mm256_max_epu16(y, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xb + 16 * v)), mag));
+        __m128i h = _mm_max_epu16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+        h = _mm_max_epu16(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_max_epu16(h, _mm_shuffle_epi32(h, 0xB1));
+        h = _mm_max_epu16(h, _mm_srli_epi32(h, 16));
+        out[j] = (uint32_t)_mm_cvtsi128_si32(h) << 16;
+    }
 #endif
     for (; j < m; j++) out[j] = row_amax_bits(x + j * 16 * vecs, 16 * vecs) << 16;
 }
