@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
@@ -244,6 +245,20 @@ def test_endpoint_lifecycle():
     with pytest.raises(NixlError, match="is closed"):
         ep.metadata()
     ep.close()
+
+
+@needs_nixl
+def test_ucx_tls_holds_while_the_backend_is_made_then_the_process_value_returns(monkeypatch):
+    """``ucx_tls`` is what UCX sees while the backend is made (``cma`` alone has no wire-up
+    transport and fails; ``tcp`` works over a process value of ``cma``), and the process's own
+    ``UCX_TLS`` is back afterwards, whether the backend was made or not."""
+    monkeypatch.setenv("UCX_TLS", "cma")
+    with NixlEndpoint("tls-tcp", ucx_tls="tcp"):
+        assert os.environ["UCX_TLS"] == "cma"
+    monkeypatch.delenv("UCX_TLS")
+    with pytest.raises(NixlError, match="with UCX_TLS='cma': keep a wire-up transport"):
+        NixlEndpoint("tls-cma", ucx_tls="cma")
+    assert "UCX_TLS" not in os.environ
 
 
 def test_region_rows_are_validated():
