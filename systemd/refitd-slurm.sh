@@ -104,7 +104,7 @@ refitd_node_daemon() { # BASE REFITD [SERVE ARGS...]
     local base=$1 refitd=$2
     shift 2
     local node=${SLURMD_NODENAME:-$(hostname -s)}
-    local dir="$base/refitd-${SLURM_JOB_ID}-$node" created=0 pid rc
+    local dir="$base/refitd-${SLURM_JOB_ID}-$node" created=0 pid rc exit_file
     local endpoint="ipc://$dir/control.sock"
     [[ -e $dir ]] || created=1
     echo "REFITD-START $node ${SLURM_JOB_ID}.${SLURM_STEP_ID}"
@@ -119,7 +119,17 @@ refitd_node_daemon() { # BASE REFITD [SERVE ARGS...]
         esac
     done
     ((share)) && set -- "$@" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set}"
-    "$refitd" serve --runtime-dir "$dir" "$@" </dev/null 1>&2 &
+    # A subshell runs the daemon and writes down its exit status: Slurm signals every process of the
+    # step, this shell included, and a `wait` that a trapped signal cuts short returns 128+signal,
+    # not the status of a daemon that exited at that very moment (it would read as 143 after a clean
+    # stop). The subshell's trap only defers a signal until the daemon, its foreground command, is
+    # done; the daemon itself starts with the default dispositions.
+    exit_file=$(mktemp "${TMPDIR:-/tmp}/refitd-exit-${SLURM_JOB_ID}-$node.XXXXXX") || return 1
+    (
+        trap : TERM INT
+        "$refitd" serve --runtime-dir "$dir" "$@" </dev/null 1>&2
+        echo "$?" >"$exit_file"
+    ) &
     pid=$!
     while kill -0 "$pid" 2>/dev/null; do
         if [[ -S $dir/control.sock ]] &&
@@ -129,14 +139,16 @@ refitd_node_daemon() { # BASE REFITD [SERVE ARGS...]
         fi
         sleep 0.2
     done
-    while :; do # `wait` returns early when a trapped signal arrives; wait again until it is gone
+    while kill -0 "$pid" 2>/dev/null; do # a trapped signal cuts `wait` short: wait again until it is gone
         wait "$pid"
-        rc=$?
-        kill -0 "$pid" 2>/dev/null || break
     done
+    rc=$(cat -- "$exit_file" 2>/dev/null)
+    rm -f -- "$exit_file"
+    [[ $rc =~ ^[0-9]+$ ]] || rc=unknown # the subshell was killed (SIGKILL) before it could say
     echo "REFITD-EXIT $node $rc"
     ((created)) && rm -rf -- "$dir"
-    return "$rc"
+    [[ $rc != unknown ]] && return "$rc"
+    return 1
 }
 
 # ------------------------------------------------------------------------------------------------

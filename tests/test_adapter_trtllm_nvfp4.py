@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from adapters.scales import exact_reciprocal_preimage
 from adapters.trtllm import (
     MoeBackend,
     RefitWorkerExtension,
@@ -36,7 +37,7 @@ from adapters.trtllm import (
     resolve_moe_backend,
     trtllm_llm_args,
 )
-from adapters.trtllm.carry import exact_reciprocal_preimage, nvfp4_input_scales
+from adapters.trtllm.carry import nvfp4_input_scales
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.numerics.formats import Format
 from sidecar.plan.build import RefitSpec, plan_from_hf_config
@@ -263,8 +264,9 @@ def test_reciprocal_preimage_is_exact(seed):
 def test_a_held_scale_no_reciprocal_reaches_is_refused_clearly():
     """The float32 reciprocal is not onto: about one float32 value in seven is no ``fl(1/x)`` (0.0123 is
     one). TRT-LLM never holds such a value after a real load; if it does, nothing is carried silently."""
+    module = SimpleNamespace(fc31_input_scale=torch.tensor(0.0123), fc2_input_scale=torch.tensor(0.5))
     with pytest.raises(ValueError, match="cannot be carried over exactly: pass input_scale= to refit_attach"):
-        exact_reciprocal_preimage(torch.tensor(0.0123))
+        nvfp4_input_scales(module)
 
 
 def test_reload_hands_each_layer_its_carried_input_scales(monkeypatch):

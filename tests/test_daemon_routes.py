@@ -11,7 +11,7 @@ from support.daemons import RunningDaemon
 
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client.client import RefitClient
-from sidecar.daemon import trainers
+from sidecar.daemon import step_plan
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.errors import ErrorKind, RefitError
@@ -91,7 +91,7 @@ def test_a_plan_error_that_mentions_an_arena_is_invalid_not_capacity(tmp_path, m
     def refuse(*args, **kwargs):
         raise ValueError("tensor 'model.arena_embed.weight' has no rule in the model's plan")
 
-    monkeypatch.setattr(trainers.RefitPlan, "build", refuse)
+    monkeypatch.setattr(step_plan.RefitPlan, "build", refuse)
     d = RunningDaemon(tmp_path, model_type="qwen3_5_moe", staging_bytes=1 << 20, publish_bytes=1 << 20)
     try:
         with RefitClient(d.endpoint, 0, 1, timeout=REPLY_S) as c, pytest.raises(RefitError) as err:

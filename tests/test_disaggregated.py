@@ -56,6 +56,7 @@ FORMATS = ["block_fp8", "mxfp8", "fp8_per_tensor", "bf16"]
 HOSTS = ["127.0.0.2", "127.0.0.3"]
 FORWARD_TIMEOUT_S = 3.0
 READER_TIMEOUT_S = 6.0
+READY_PROBE_S = 2.0  # how long one STATUS to a starting daemon waits before its process is looked at
 NIXL_OK, NIXL_WHY = nixl_available()
 AUTO_MOVER = "nixl" if NIXL_OK else "zmq"  # what forward_mover = "auto" picks between two daemons here
 MOVERS = [
@@ -116,16 +117,17 @@ class Node:
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> Node:
+        """Blocks on the daemon's answer to STATUS: the reader connects before the daemon binds its
+        socket (it is still importing torch) and ZeroMQ delivers the queued request once it does.
+        Each wait is at most READY_PROBE_S, so a daemon that exited is seen within that."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()}")
-            if Path(self.local.removeprefix("ipc://")).exists():
-                with RefitReader(self.local, name="test-probe") as reader, contextlib.suppress(RefitError):
-                    reader.status(timeout=1.0)
+        with RefitReader(self.local, name="test-probe") as reader:
+            while (left := deadline - time.monotonic()) > 0:
+                with contextlib.suppress(RefitError):
+                    reader.status(timeout=min(left, READY_PROBE_S))
                     return self
-            else:
-                time.sleep(0.05)  # the process is importing torch; nothing to wait on yet
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()}")
         raise AssertionError(f"{self.name} did not answer within {timeout} s:\n{self.logs()}")
 
     def status(self) -> dict:

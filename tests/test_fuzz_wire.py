@@ -44,7 +44,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from support import oracle
-from support.daemons import RunningDaemon
+from support.daemons import LoopTurns, RunningDaemon
 from support.net import free_port
 
 from adapters.base import RefitReader
@@ -323,11 +323,19 @@ class InternalErrorLog(logging.Handler):
             self.records.append(text)
 
 
+def quiet(daemon) -> bool:
+    """No step in flight, no BEGIN queued and no unit in the worker: the next example starts from the
+    same state whatever the timing (asked on the serve loop's thread, between two turns)."""
+    worker = daemon.worker
+    return daemon.step is None and not daemon.trainers.pending and (worker is None or worker.inflight == 0)
+
+
 class Fuzz:
     """A live daemon, the generation it must protect, and the checks made after every example."""
 
     def __init__(self, tmp_path):
-        self.d = RunningDaemon(tmp_path, hf_config=CONFIG, **SETTINGS)
+        self.turns = LoopTurns()  # wakes check_healthy when the loop has gone quiet
+        self.d = RunningDaemon(tmp_path, hf_config=CONFIG, observers=[self.turns], **SETTINGS)
         self.ctx = zmq.Context()
         self.watch = RefitReader(self.d.endpoint, name="fuzz-watch", timeout=REPLY_S)
         self.status_sock = self.ctx.socket(zmq.DEALER)
@@ -419,25 +427,15 @@ class Fuzz:
         assert not s.undecodable, f"{probe!r}: the daemon answered undecodable frames: {s.undecodable}"
         self.check_healthy(repr(probe))
 
-    def quiet(self) -> bool:
-        """No BEGIN queued and no unit in the worker: the next example starts from the same state
-        whatever the timing (read from the test thread; the serve loop only appends and counts)."""
-        worker = self.d.daemon.worker
-        return not self.d.daemon.trainers.pending and (worker is None or worker.inflight == 0)
-
     def check_healthy(self, what: str) -> None:
         """Alive, the same instance, nothing wedged, and the live generation byte for byte unchanged."""
         assert self.d.thread.is_alive(), f"the serve loop died after {what}"
-        deadline = time.monotonic() + SETTLE_S
-        while True:
+        if not self.turns.wait_for(quiet, SETTLE_S):
             st_ = self.status()
-            if st_["step_in_progress"] is None and self.quiet():
-                break
-            assert time.monotonic() < deadline, (
+            raise AssertionError(
                 f"after {what}, step {st_['step_in_progress']} stayed in progress once every peer left "
                 f"(pending BEGINs: {len(self.d.daemon.trainers.pending)})"
             )
-            time.sleep(0.02)  # polling the daemon's own state, bounded by the deadline above
         st_ = self.status()  # after whatever the loop did while it went quiet
         assert st_["instance"] == self.instance
         assert st_["live"] == self.live, (
@@ -1054,9 +1052,9 @@ class Torn(Probe):
             s.send_msg(r, Kind.COMMIT, {"step": Current(), "rank": r})
         for r in range(WORLD):
             s.barrier(r)
-        deadline = time.monotonic() + SETTLE_S  # publishing (or failing) happens on later ticks
-        while s.fz.status()["step_in_progress"] is not None and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling the daemon's own state, bounded by the deadline above
+        # publishing (or failing) happens on later turns; a step still in flight after SETTLE_S is
+        # reported by check_healthy after the example
+        s.fz.turns.wait_for(lambda daemon: daemon.step is None, SETTLE_S)
         for r in range(WORLD):
             s.barrier(r)  # collects a RESULT sent meanwhile
         results = [m for r in range(WORLD) for m in s.answers[r] if m.kind is Kind.RESULT]

@@ -1,5 +1,6 @@
 """The layers hold: no import cycle among sidecar/, transport/ and adapters/ modules; transport/ never
-imports sidecar; adapters/ never import sidecar.daemon.
+imports sidecar; adapters/ never import sidecar.daemon; transport/ touches the process environment in
+transport/process_env.py only.
 
 Counted: every import, at module level or inside a function: a lazy import hides a cycle from the
 interpreter, not from the reader, and the two modules still cannot be understood one without the other.
@@ -115,6 +116,42 @@ def test_adapters_import_no_daemon():
         if d.startswith("sidecar.daemon")
     )
     assert not bad, bad
+
+
+ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+
+
+def _environment_uses(source: str) -> list[int]:
+    """Lines of ``source`` that name ``os.environ``, ``os.getenv`` and the like (or import them)."""
+    tree = ast.parse(source)
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ENVIRONMENT_NAMES]
+    lines += [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and n.module == "os"
+        and ENVIRONMENT_NAMES & {a.name for a in n.names}
+    ]
+    return sorted(lines)
+
+
+def test_transport_reads_the_environment_in_one_place():
+    """The variables transport/ needs belong to CUDA, NIXL and UCX, which read them from the process
+    environment themselves; transport/process_env.py is the one module that looks there (refitd's
+    own settings reach transport/ as arguments)."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted((ROOT / "transport").rglob("*.py"))
+        if path.name != "process_env.py"
+        for line in _environment_uses(path.read_text())
+    ]
+    assert not bad, f"read the environment through transport.process_env: {bad}"
+
+
+def test_the_environment_check_sees_a_read():
+    """The checker itself can fail: each way of reaching the environment is found."""
+    source = "import os\nfrom os import getenv\nos.environ.get('X')\nos.getenv('Y')\nx = 1\n"
+    assert _environment_uses(source) == [2, 3, 4]
 
 
 def test_the_checker_sees_a_cycle(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
@@ -246,6 +247,20 @@ def test_endpoint_lifecycle():
     ep.close()
 
 
+@needs_nixl
+def test_ucx_tls_holds_while_the_backend_is_made_then_the_process_value_returns(monkeypatch):
+    """``ucx_tls`` is what UCX sees while the backend is made (``cma`` alone has no wire-up
+    transport and fails; ``tcp`` works over a process value of ``cma``), and the process's own
+    ``UCX_TLS`` is back afterwards, whether the backend was made or not."""
+    monkeypatch.setenv("UCX_TLS", "cma")
+    with NixlEndpoint("tls-tcp", ucx_tls="tcp"):
+        assert os.environ["UCX_TLS"] == "cma"
+    monkeypatch.delenv("UCX_TLS")
+    with pytest.raises(NixlError, match="with UCX_TLS='cma': keep a wire-up transport"):
+        NixlEndpoint("tls-cma", ucx_tls="cma")
+    assert "UCX_TLS" not in os.environ
+
+
 def test_region_rows_are_validated():
     assert _regions([[1, 2], (3, 4)], "t").tolist() == [[1, 2], [3, 4]]
     assert _regions(np.array([[5, 6]], dtype=np.uint64), "t").tolist() == [[5, 6]]
@@ -300,11 +315,19 @@ def test_one_backend_wheel_is_enough():
 
 
 _SIGHUP_AFTER_A_BACKEND = """
-import os, signal, sys, threading, time
+import os, select, signal, sys, threading
 from transport import nixl
 
 got = []
-signal.signal(signal.SIGHUP, lambda *_: got.append("hup"))
+ran_r, ran_w = os.pipe()  # the Python handler itself says it ran: the main thread blocks on that
+
+
+def on_hup(*_):
+    got.append("hup")
+    os.write(ran_w, b"h")
+
+
+signal.signal(signal.SIGHUP, on_hup)
 where = sys.argv[1]
 if where == "thread":  # a forwarder's endpoint: the main thread's next keep_signal_handlers() fixes it
     t = threading.Thread(target=lambda: nixl.NixlEndpoint("refitd-sig-thread"))
@@ -314,9 +337,8 @@ if where == "thread":  # a forwarder's endpoint: the main thread's next keep_sig
 else:
     ep = nixl.NixlEndpoint("refitd-sig-main")
 os.kill(os.getpid(), signal.SIGHUP)
-deadline = time.monotonic() + 10
-while not got and time.monotonic() < deadline:
-    time.sleep(0.01)  # Python runs the handler between bytecodes
+# a displaced disposition never runs on_hup: the pipe stays empty and select gives up after 10 s
+select.select([ran_r], [], [], 10)
 print(",".join(got))
 """
 

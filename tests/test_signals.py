@@ -141,6 +141,42 @@ def test_signal_handlers_only_set_flags_and_the_loop_acts_on_them_once():
     assert daemon.calls == ["stop", "reload:new-config", "stop"] and not signals.reload
 
 
+_DUPLICATE_AFTER_THE_BLOCK = """
+import os, select, signal
+from sidecar.cli.serve import Signals
+
+ran_r, ran_w = os.pipe()  # written by the SIGHUP sentinel's handler
+signals = Signals()
+with signals.installed(until_exit=sys.argv[1] == "keep"):
+    signals.on_stop(signal.SIGTERM)  # the first: the daemon stops, the block ends
+handler = signal.getsignal(signal.SIGTERM)
+signal.signal(signal.SIGHUP, lambda *_: os.write(ran_w, b"h"))
+os.kill(os.getpid(), signal.SIGTERM)  # Slurm's duplicate, a few milliseconds later
+os.kill(os.getpid(), signal.SIGHUP)  # a sentinel: when select returns, both handlers have run
+select.select([ran_r], [], [], 10)
+print(handler == signals.on_stop, signals.should_exit, signals.force_exit)
+"""
+
+
+@pytest.mark.parametrize("keep", ["keep", "restore"])
+def test_the_duplicate_stop_signal_after_a_clean_stop_changes_nothing(keep):
+    """``refitd serve`` keeps its stop handlers once it stopped (``installed(until_exit=True)``):
+    Slurm's second SIGTERM, arriving after an idle daemon already stopped cleanly, is absorbed as a
+    duplicate and the exit status stays 0. Restoring the default handler (what a plain
+    ``installed()`` does, for code that lives on) lets that signal kill the process: 143."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + _DUPLICATE_AFTER_THE_BLOCK, keep],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if keep == "keep":
+        assert (out.returncode, out.stdout.split()) == (0, ["True", "True", "False"]), out.stderr
+    else:
+        assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr)
+
+
 def test_a_second_stop_request_forces_the_daemon(tmp_path):
     """The production path to ``_force``: Signals' second request is the daemon's second
     ``request_stop``, which ends the drain at once."""

@@ -8,8 +8,9 @@ network) or the daemons will not start, every test here is skipped with the reas
 module started is stopped at the end by pidfile (slurmd, slurmctld, munged); one that was already
 up is left running.
 
-Each test submits a batch job with ``sbatch`` that ``exec``\\ s the launcher, polls the job until it
-ends (every wait has a deadline), and then reads what the job left in a shared temporary folder.
+Each test submits a batch job with ``sbatch`` that ``exec``\\ s the launcher, waits for it to end
+(an ``srun`` job that depends on it exits then; every wait has a deadline), and then reads what
+the job left in a shared temporary folder.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import subprocess
@@ -70,13 +72,31 @@ class Slurm:
         line = self.run("scontrol", "show", "job", "-o", job_id)
         return dict(f.split("=", 1) for f in line.split() if "=" in f)
 
-    def wait(self, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while (info := self.job(job_id))["JobState"] not in DONE_STATES:
-            if time.monotonic() > deadline:
-                self.run("scancel", job_id)
-                raise AssertionError(f"job {job_id} still {info['JobState']} after {timeout} s")
-            time.sleep(0.2)
+    def ended(self, job_id: str) -> subprocess.Popen[str]:
+        """A process that exits once ``job_id`` has ended and freed its nodes: an ``srun`` whose
+        job depends on it (``afterany``) and wants every node to itself, so slurmctld starts it
+        only then. Its stdout (never written) reaches EOF at that moment: a pipe to select on."""
+        return subprocess.Popen(
+            ["srun", "--quiet", f"--dependency=afterany:{job_id}", f"-N{len(NODES)}", "--exclusive",
+             f"--job-name=ended-{job_id}", "true"],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def wait(self, job_id: str, ended: subprocess.Popen[str], timeout: float) -> dict[str, str]:
+        """``scontrol show job`` once ``ended`` (:meth:`ended`) exits; the job is cancelled, and
+        the test fails, after ``timeout`` seconds."""
+        try:
+            _, err = ended.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            info = self.job(job_id)
+            self.run("scancel", job_id)
+            ended.terminate()  # srun cancels its pending job on SIGTERM
+            ended.communicate(timeout=30)
+            raise AssertionError(f"job {job_id} still {info['JobState']} after {timeout} s") from None
+        info = self.job(job_id)
+        if ended.returncode != 0 or info["JobState"] not in DONE_STATES:
+            raise AssertionError(f"job {job_id} is {info['JobState']}; the srun waiting for it exited "
+                                 f"{ended.returncode}:\n{err}")  # fmt: skip
         return info
 
 
@@ -144,9 +164,10 @@ class Job:
             "sbatch", "--parsable", f"-N{len(NODES)}", "--ntasks-per-node=1", "-D", str(out),
             "-o", str(out / "job.out"), "-e", str(out / "job.err"), str(out / "job.sh"),
         ).strip()  # fmt: skip
+        self.ended = slurm.ended(self.id)
 
     def wait(self, timeout: float = JOB_TIMEOUT_S) -> dict[str, str]:
-        return self.slurm.wait(self.id, timeout)
+        return self.slurm.wait(self.id, self.ended, timeout)
 
     def log(self) -> str:
         return "\n".join(
@@ -247,14 +268,21 @@ def test_scancel_batch_signal_term_stops_the_daemons_cleanly(slurm, tmp_path):
     """``scancel --batch --signal=TERM`` reaches the launcher (the batch shell) while its command
     sleeps: it stops the command, then the daemons (SIGTERM, not srun's SIGKILL), and exits 143;
     every daemon exits 0 and leaves nothing behind."""
-    command = save_segments(tmp_path, tmp_path / "run") + f"touch {tmp_path}/started\nexec sleep 300\n"
-    job = Job(slurm, tmp_path, command)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (tmp_path / "started").exists():
-        state = slurm.job(job.id)["JobState"]
-        assert state not in DONE_STATES, f"job ended ({state}) before its command started:\n{job.log()}"
-        assert time.monotonic() < deadline, f"command not started after {JOB_TIMEOUT_S} s:\n{job.log()}"
-        time.sleep(0.2)
+    started = tmp_path / "started"
+    os.mkfifo(started)  # the command writes a line into it; select wakes on that line or the job's end
+    fifo = os.open(started, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        command = save_segments(tmp_path, tmp_path / "run") + f"echo started > {started}\nexec sleep 300\n"
+        job = Job(slurm, tmp_path, command)
+        ready, _, _ = select.select([fifo, job.ended.stdout], [], [], JOB_TIMEOUT_S)
+        assert fifo in ready or job.ended.stdout in ready, (
+            f"command not started after {JOB_TIMEOUT_S} s:\n{job.log()}"
+        )
+        if fifo not in ready:
+            state = slurm.job(job.id)["JobState"]
+            raise AssertionError(f"job ended ({state}) before its command started:\n{job.log()}")
+    finally:
+        os.close(fifo)
     slurm.run("scancel", "--batch", "--signal=TERM", job.id)
     info = job.wait()
     log = job.log()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.vllm.carry import _exact_reciprocal_preimage, _per_expert
+from adapters.scales import exact_reciprocal_preimage
+from adapters.vllm.carry import _per_expert
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -16,7 +17,7 @@ def test_reciprocal_preimage_reproduces_the_held_scale_bit_for_bit(seed):
     # every float32 is such a reciprocal: 1/x skips some values, and those are refused)
     loaded = torch.exp2(torch.randn(2000, generator=g) * 20).float()
     for k in (1.0 / loaded).float():
-        v = _exact_reciprocal_preimage(k)
+        v = exact_reciprocal_preimage(k)
         assert (1.0 / v).float().view(torch.int32) == k.view(torch.int32)
 
 

@@ -16,7 +16,6 @@ runs on a CPU-only machine; NVML is optional (``local_gpus`` says why it found n
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from transport.cuda_driver import (  # re-exported: callers use gpus.normalize_u
     default_driver,
     normalize_uuid,
 )
+from transport.process_env import cuda_visible_devices
 
 GIB = 1 << 30
 HOST = "host"  # the placement of arenas in host memory (POSIX shm) in status output
@@ -109,13 +109,13 @@ def parse_visible_devices(value: str | None, gpus: Sequence[GpuInfo]) -> list[st
 
 
 def index_for_uuid(uuid: str, visible: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:
-    """This process's CUDA index of GPU ``uuid``, given the UUIDs it sees in index order."""
+    """This process's CUDA index of GPU ``uuid``, given the UUIDs it sees in index order; the error
+    for a GPU it cannot see names ``CUDA_VISIBLE_DEVICES`` from ``env`` (default: this process's)."""
     want = normalize_uuid(uuid)
     seen = [normalize_uuid(u) for u in visible]
     if want in seen:
         return seen.index(want)
-    env = os.environ if env is None else env
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    cvd = cuda_visible_devices(env)
     shown = ", ".join(f"cuda:{i}={u}" for i, u in enumerate(seen)) or "no GPU at all"
     raise GpuNotVisible(
         f"the arena lives on {want}, which this process cannot see; "
@@ -135,7 +135,7 @@ def cuda_index_for_uuid(uuid: str, *, driver: Any = None) -> int:
     if driver is not None:
         visible = driver.visible_uuids()
     else:
-        visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), local_gpus())
+        visible = parse_visible_devices(cuda_visible_devices(), local_gpus())
     return index_for_uuid(uuid, visible)
 
 

@@ -35,10 +35,8 @@ unless the constructor is given ``ucx_tls``.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +54,7 @@ from transport.nixl_runtime import (
     backend_module,
     keep_signal_handlers,
 )
+from transport.process_env import ucx_backend_environment
 
 __all__ = [  # availability and the signal fix-up live in transport.nixl_runtime; reachable from here
     "ERROR_HANDLING",
@@ -266,7 +265,8 @@ class NixlEndpoint:
     """One NIXL agent with a UCX backend and no progress thread; owns its registrations and peers.
 
     ``name`` must be unique among the agents that will talk to each other (e.g. ``refitd-<host>``).
-    ``ucx_tls`` sets ``UCX_TLS`` while the backend is created (left unset by default);
+    ``ucx_tls`` sets ``UCX_TLS`` while the backend is created (left as the process has it by
+    default; transport.process_env says why it must go through the environment);
     ``error_handling`` is UCX's mode, ``"peer"`` so that a dead peer fails transfers.
 
     Not thread-safe (the agent runs with NIXL's thread sync off): use it from one thread, the one
@@ -286,7 +286,7 @@ class NixlEndpoint:
             agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
             params = agent.get_plugin_params("UCX")
             params["ucx_error_handling_mode"] = error_handling
-            with _env("UCX_TLS", ucx_tls):
+            with ucx_backend_environment(ucx_tls):
                 try:
                     agent.create_backend("UCX", params)
                 finally:
@@ -560,20 +560,3 @@ def _device(device: Any) -> int:
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise ValueError(f"device = {device!r}: give a GPU index >= 0 (0 for DRAM)")
     return device
-
-
-@contextlib.contextmanager
-def _env(key: str, value: str | None):
-    """Set ``key`` for the duration (process-wide: UCX reads its config when the backend is made)."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old

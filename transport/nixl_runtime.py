@@ -15,6 +15,8 @@ import signal
 import threading
 from typing import Any
 
+from transport.process_env import nixl_log_level_chosen, ucx_backend_environment
+
 log = logging.getLogger("transport.nixl")
 
 ERROR_HANDLING = "peer"  # UCX error-handling mode: a lost peer fails the transfer instead of hanging it
@@ -56,7 +58,7 @@ def _route_logging() -> None:
     for handler in list(nixl_log.handlers):
         nixl_log.removeHandler(handler)
     nixl_log.propagate = True
-    if not os.getenv("NIXL_LOG_LEVEL"):
+    if not nixl_log_level_chosen():
         nixl_log.setLevel(logging.WARNING)
 
 
@@ -79,7 +81,8 @@ def available() -> tuple[bool, str]:
             return False, f"nixl has no UCX plugin (plugins: {agent.get_plugin_list()})"
         params = agent.get_plugin_params("UCX")
         params["ucx_error_handling_mode"] = ERROR_HANDLING
-        agent.create_backend("UCX", params)
+        with ucx_backend_environment():
+            agent.create_backend("UCX", params)
     except Exception as exc:
         return False, f"nixl cannot create a UCX backend here ({type(exc).__name__}: {exc})"
     finally:

@@ -25,31 +25,12 @@ from typing import Any
 
 import torch
 
+from adapters.scales import exact_reciprocal_preimage
+
 #: the NVFP4 MoE parameters a module holds its activation scales in (NVFP4FusedMoEMethod.create_weights)
 NVFP4_INPUT_PARAMS = ("fc31_input_scale", "fc2_input_scale")
 #: what load_format="dummy" leaves in a float parameter: uniform in [-DUMMY_BOUND, DUMMY_BOUND]
 DUMMY_BOUND = 1e-3
-
-
-def exact_reciprocal_preimage(held: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 ``v`` with ``v.reciprocal() == held`` bit for bit (what TRT-LLM computes from the
-    maximum checkpoint input scale). The correctly rounded ``1 / held`` is tried, then its float32
-    neighbours; ValueError if none maps back (the scale cannot be carried exactly)."""
-    k = held.detach().to("cpu", torch.float32).reshape(())
-    v = k.reciprocal()
-    candidates = [v]
-    up = down = v
-    for _ in range(4):
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(0.0))
-        candidates += [up, down]
-    for c in candidates:
-        if torch.equal(c.reciprocal().view(torch.int32), k.view(torch.int32)):
-            return c.clone()
-    raise ValueError(
-        f"no float32 input_scale reproduces the held NVFP4 activation scale {float(k)!r} through 1/x; "
-        "the engine's activation scale cannot be carried over exactly: pass input_scale= to refit_attach"
-    )
 
 
 def _usable(held: torch.Tensor) -> bool:
@@ -77,5 +58,5 @@ def nvfp4_input_scales(
     held = [getattr(module, p).detach() for p in NVFP4_INPUT_PARAMS]
     if not all(_usable(h) for h in held):
         return None
-    fc31, fc2 = (exact_reciprocal_preimage(h) for h in held)
+    fc31, fc2 = (exact_reciprocal_preimage(h, "pass input_scale= to refit_attach") for h in held)
     return fc31, fc2

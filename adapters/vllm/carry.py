@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from adapters.scales import exact_reciprocal_preimage
 from adapters.vllm.checkpoint import _draft_checkpoint_name, checkpoint_name
 from adapters.vllm.compressed_nvfp4 import CT_NVFP4_MOE_METHOD, INPUT_GLOBAL_SCALE
 from adapters.vllm.ct_carry import carried_global_scales
@@ -42,32 +43,13 @@ NVFP4_MOE_METHOD = "ModelOptNvFp4FusedMoE"
 RECIPROCAL_BACKENDS = frozenset({"EMULATION"})
 
 
-def _exact_reciprocal_preimage(held: torch.Tensor) -> torch.Tensor:
-    """A float32 ``v`` with ``float32(1 / v) == held`` bit for bit (vLLM computes ``1.0 / v``)."""
-    k = held.to(torch.float32).reshape(())
-    v = (1.0 / k).to(torch.float32)
-    candidates = [v]
-    up, down = v, v
-    for _ in range(4):
-        up = torch.nextafter(up, torch.tensor(float("inf")))
-        down = torch.nextafter(down, torch.tensor(0.0))
-        candidates += [up, down]
-    for c in candidates:
-        if torch.equal((1.0 / c).to(torch.float32).view(torch.int32), k.view(torch.int32)):
-            return c.clone()
-    raise ValueError(
-        f"no float32 input_scale reproduces the held NVFP4 activation scale {float(k)!r} through 1/x; "
-        "the engine's activation scale cannot be carried over exactly"
-    )
-
-
 def _per_expert(held: torch.Tensor | None, experts: int, backend: str) -> torch.Tensor:
     """``[E]`` float32 load-time input scales reproducing ``held`` under ``backend``'s processing."""
     if held is None or held.numel() == 0:
         return torch.ones(experts, dtype=torch.float32)
     held = held.detach().to("cpu", torch.float32)
     if backend in RECIPROCAL_BACKENDS:
-        return _exact_reciprocal_preimage(held.reshape(-1)[:1]).expand(experts).clone()
+        return exact_reciprocal_preimage(held.reshape(-1)[:1]).expand(experts).clone()
     flat = held.reshape(-1)
     if flat.numel() == 1:
         return flat.expand(experts).clone()

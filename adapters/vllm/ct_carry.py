@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from adapters.scales import reciprocal_preimage
+
 __all__ = ["CT_NVFP4_W4A4_BACKENDS", "carried_global_scales", "processed", "reciprocal_preimage"]
 
 #: ``1.0 / a.max()`` (oracle/nvfp4.py, EMULATION)
@@ -57,8 +59,6 @@ _AS_LOADED = frozenset({"FLASHINFER_MOE_EP_CUTEDSL"})
 _DROPPED = frozenset({"MARLIN", "HUMMING"})
 #: every vLLM 0.33.0 NVFP4 MoE backend whose processing of the activation global scales is mirrored
 CT_NVFP4_W4A4_BACKENDS = _TWICE | _SHARED | _PER_EXPERT | _AS_LOADED | _DROPPED
-#: how many float32 neighbours either side of the first guess a preimage search tries
-_STEPS = 4
 
 
 def processed(
@@ -84,32 +84,6 @@ def processed(
         f"global scales refitd does not mirror (it knows {', '.join(sorted(CT_NVFP4_W4A4_BACKENDS))}); the "
         "held static activation scale cannot be carried over: pick one of those with moe_backend"
     )
-
-
-def _neighbours(v: torch.Tensor) -> torch.Tensor:
-    """``[2 * _STEPS + 1, *v.shape]``: ``v`` first, then its float32 neighbours, nearest first."""
-    out, up, down = [v], v, v
-    for _ in range(_STEPS):
-        up = torch.nextafter(up, torch.full_like(up, float("inf")))
-        down = torch.nextafter(down, torch.zeros_like(down))
-        out += [up, down]
-    return torch.stack(out)
-
-
-def reciprocal_preimage(held: torch.Tensor, times: int) -> torch.Tensor | None:
-    """Elementwise float32 ``v`` with ``1.0 / v`` applied ``times`` (1 or 2) times equal to ``held``
-    bit for bit, computed with torch on ``held``'s device; None where some element has none."""
-    held = held.to(torch.float32)
-    guess = 1.0 / held if times == 1 else held.clone()
-    cands = _neighbours(guess)
-    image = cands
-    for _ in range(times):
-        image = 1.0 / image
-    hit = image.view(torch.int32) == held.unsqueeze(0).view(torch.int32)
-    if not bool(hit.any(dim=0).all()):
-        return None
-    first = hit.to(torch.int8).argmax(dim=0, keepdim=True)  # the nearest candidate that reproduces it
-    return cands.gather(0, first).squeeze(0)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -91,15 +91,20 @@ class Signals:
         self.reload = True
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[Signals]:
-        """The handlers installed for the block; the previous ones restored after it."""
+    def installed(self, *, until_exit: bool = False) -> Iterator[Signals]:
+        """The handlers installed for the block; the previous ones restored after it, but for the
+        stop handlers with ``until_exit`` (``refitd serve``, whose process ends after the block):
+        Slurm signals every process of a step twice a few milliseconds apart, and an idle daemon
+        stops cleanly in less; the duplicate must find this handler, not the default action, which
+        would kill the exiting daemon and turn its status 0 into 143 (a failed job)."""
         previous = {s: signal.signal(s, self.on_stop) for s in self.STOP}
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.on_reload)
         try:
             yield self
         finally:
             for s, h in previous.items():
-                signal.signal(s, h)
+                if not (until_exit and s in self.STOP):
+                    signal.signal(s, h)
 
     # ---- the loop's side
 
@@ -163,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     signals = Signals(lambda: config_from_args(args))
     try:
-        with signals.installed():
+        with signals.installed(until_exit=True):
             daemon.start()
             daemon.serve_forever(signals.poll)
     except Exception:

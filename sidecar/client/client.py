@@ -533,8 +533,6 @@ class RefitClient:
 
     # ---- data
 
-    # ---- data
-
     def open_staging(self, ready: dict) -> None:
         """Map the staging arena READY names (a local rank), and, where the ring spreads over
         several GPUs, every GPU's (``stagings``: the arena SLOT's ``arena`` indexes)."""

@@ -7,7 +7,8 @@ them), the frames taken this turn per remote rank (CREDIT). Data arrives three w
 local ranks straight into staging (PIECE_DONE), as ZeroMQ frames from remote ranks (SHARD), or READ
 over NIXL from a remote rank's registered memory (sidecar.daemon.pull). With a staging ring
 (sidecar.daemon.memory.staging) each layer group is written (or READ) only once the daemon grants it
-a region (SLOT); data for a group without one is a protocol error.
+a region (SLOT); data for a group without one is a protocol error. Once every rank has begun, the
+plan the step runs under is fixed by sidecar.daemon.step_plan.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ import msgpack
 import torch
 
 from sidecar.config.settings import NodeRole
-from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
 from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
+from sidecar.daemon.step_plan import plan_from_declarations, plan_in_trainer_form
 from sidecar.errors import ErrorKind, RefitError
-from sidecar.plan.attach import check_manifest, with_engine_dtype, with_engine_params
-from sidecar.plan.build import RefitPlan, layer_of_name
 from sidecar.protocol.enums import PeerRole
 from transport.wire import Kind, Message, ProtocolError, safe_repr
 
@@ -277,9 +276,9 @@ class Trainers:
         state.phases.all_begun = time.monotonic()
         state.settle(self.ctx.plan)
         if self.ctx.plan is None:
-            self._plan_from_declarations(state)
+            plan_from_declarations(self.ctx, list(self.engines.engines.values()), state)
         elif not state.settled:
-            self._plan_in_trainer_form(state)
+            plan_in_trainer_form(self.ctx, state)
         t0 = time.monotonic()
         state.validate_against(self.ctx.plan)
         self.skeleton = state.skeleton_for(self.ctx.plan)
@@ -367,76 +366,6 @@ class Trainers:
             direct = {name: at for name, at in direct.items() if name not in staged}
         self._direct = (key, direct)
         return direct
-
-    def _plan_in_trainer_form(self, state: StepState) -> None:
-        """The plan for this step's inputs when they publish exactly the plan's outputs in another
-        form (``RefitPlan.rebuild_for``): fused expert slabs where the config lists per-expert
-        names, FP32 masters where it lists BF16. The generation's layout is unchanged (the live one
-        stays valid); staging is carved anew. Anything else is left to validate_against to name."""
-        plan = self.ctx.plan.rebuild_for(state.specs())
-        if plan is None:
-            _refuse_without_mtp(self.ctx.plan, state)
-        if plan is None or plan is self.ctx.plan:
-            return
-        try:
-            self.ctx.adopt_plan(plan)
-        except ArenaTooSmall as exc:
-            raise RefitError(
-                f"{exc} (this step's inputs take {plan.bytes_in} bytes of staging, the checkpoint's "
-                f"{self.ctx.plan.bytes_in}: FP32 masters take twice BF16's); set staging_bytes to at least "
-                f"{plan.bytes_in}, or push the checkpoint's dtype",
-                kind=ErrorKind.CAPACITY,
-                step=state.step,
-            ) from None
-        log.info("step %d: the plan follows the trainer's inputs (%d of them)", state.step, len(plan.inputs))
-
-    def _plan_from_declarations(self, state: StepState) -> None:
-        keeps = {e.keep_bf16 for e in self.engines.engines.values()}
-        if len(keeps) > 1:
-            raise RefitError(
-                f"the attached engine workers disagree on which routed experts are BF16: "
-                f"{sorted(e.name for e in self.engines.engines.values())}; every engine must agree on one plan",
-                kind=ErrorKind.ENGINE,
-                step=state.step,
-            )
-        # without the model's config, the first engine's manifest says the checkpoint's dtype
-        engines = list(self.engines.engines.values())
-        spec = with_engine_dtype(self.ctx.spec, engines[0].manifest) if engines else self.ctx.spec
-        # the engines' manifests decide the format's parameters (INT4 group and scale dtype, NVFP4 names)
-        params = {with_engine_params(spec, e.manifest).params for e in engines}
-        if len(params) > 1:
-            raise RefitError(
-                f"the attached engine workers hold {spec.format.value} with different parameters "
-                f"({sorted(p.describe(spec.format) for p in params)}): "
-                f"{sorted(e.name for e in engines)}; every engine must agree on one plan",
-                kind=ErrorKind.ENGINE,
-                step=state.step,
-            )
-        if engines:
-            spec = with_engine_params(spec, engines[0].manifest)
-        for e in engines:
-            check = check_manifest(state.specs(), spec, e.manifest, share=self.ctx.config.share)
-            if not check.ok:
-                raise RefitError(
-                    check.message(f"engine worker {e.name!r}"), kind=ErrorKind.ENGINE, step=state.step
-                )
-        try:
-            plan = RefitPlan.build(
-                state.specs(), spec, keep_bf16=next(iter(keeps), ()), share=self.ctx.config.share
-            )
-            self.ctx.adopt_plan(plan)
-        except ArenaTooSmall as exc:
-            raise RefitError(str(exc), kind=ErrorKind.CAPACITY, step=state.step) from None
-        except ValueError as exc:
-            raise RefitError(str(exc), kind=ErrorKind.INVALID, step=state.step) from None
-        log.info(
-            "plan fixed from step %d: %d inputs, %d outputs, %d units (%d inputs outside this node's share)",
-            state.step,
-            len(plan.inputs),
-            len(plan.outputs),
-            len(plan.units),
-            len(plan.dropped),
-        )
 
     def handle_piece_done(self, identity: bytes, msg: Message) -> None:
         peer, state = self._peer(identity), self._current(msg)
@@ -627,27 +556,3 @@ def hello_attempt(rank: int, msg: Message) -> tuple[int, int]:
                 f"{wire_type(value)} {safe_repr(value, 40)}; run the same refitd version on the client and the daemon"
             )
     return msg.fields["attempt"], msg.fields["step"]
-
-
-def _refuse_without_mtp(plan: RefitPlan, state: StepState) -> None:
-    """A step with no tensor of the MTP layers the config lists (transformers' DeepseekV3ForCausalLM
-    and Glm4MoeForCausalLM build none, so a trainer on them has none to push): say so, and what to
-    do, instead of listing every MTP tensor as missing."""
-    mtp = [n for u in plan.units if isinstance(u.layer, tuple) for n in u.inputs]
-    if not mtp:
-        return
-    layers = plan.num_hidden_layers
-    sent = [
-        n
-        for n in state.tensors
-        if isinstance(lay := layer_of_name(n), tuple) or (isinstance(lay, int) and lay >= layers)
-    ]
-    if sent:
-        return
-    raise RefitError(
-        f"the config lists MTP layer(s) ({len(mtp)} tensors, e.g. {mtp[0]!r}) that no rank sent: a trainer "
-        "on transformers' model classes has none (they build no MTP layer); set num_nextn_predict_layers "
-        "(mtp_num_hidden_layers for Qwen3.5) to 0 in the config.json the daemon reads, or send the MTP weights",
-        kind=ErrorKind.INVALID,
-        step=state.step,
-    )

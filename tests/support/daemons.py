@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from adapters.base import RefitReader
 from sidecar.config.settings import DaemonConfig, prepare_runtime_dir
 from sidecar.daemon.loop import Daemon
+from sidecar.ops.observers import Observer
 
 #: short timeouts for tests; any of them can be overridden
 DEFAULTS: dict[str, Any] = dict(reader_timeout_s=3.0, rank_timeout_s=10.0, heartbeat_interval_s=0.2)
@@ -73,6 +74,36 @@ class RunningDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LoopTurns(Observer):
+    """Wakes a waiting test at the end of a turn of the serve loop where ``predicate(daemon)`` holds.
+
+    The predicate runs on the serve loop's own thread, between two turns, so it reads the daemon's
+    state whole (never half-way through a message); the test blocks on a condition the loop
+    notifies rather than asking over and over. Pass it as one of the daemon's ``observers``.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._predicate: Callable[[Daemon], bool] | None = None
+        self._met = False
+
+    def on_tick(self, daemon: Daemon, now: float) -> None:
+        with self._cond:
+            if self._predicate is not None and not self._met and self._predicate(daemon):
+                self._met = True
+                self._cond.notify_all()
+
+    def wait_for(self, predicate: Callable[[Daemon], bool], timeout: float) -> bool:
+        """True once a turn that ends after this call finds ``predicate`` true; False after
+        ``timeout`` seconds without one (a loop that stopped turning included)."""
+        with self._cond:
+            self._predicate, self._met = predicate, False
+            try:
+                return self._cond.wait_for(lambda: self._met, timeout)
+            finally:
+                self._predicate = None
 
 
 def daemon_factory(tmp_path: Path, **defaults: Any) -> Iterator:
