@@ -154,16 +154,17 @@ signal.signal(signal.SIGHUP, lambda *_: os.write(ran_w, b"h"))
 os.kill(os.getpid(), signal.SIGTERM)  # Slurm's duplicate, a few milliseconds later
 os.kill(os.getpid(), signal.SIGHUP)  # a sentinel: when select returns, both handlers have run
 select.select([ran_r], [], [], 10)
-print(handler == signals.on_stop, signals.should_exit, signals.force_exit)
+print(handler == signal.SIG_IGN, signals.should_exit, signals.force_exit)
 """
 
 
 @pytest.mark.parametrize("keep", ["keep", "restore"])
 def test_the_duplicate_stop_signal_after_a_clean_stop_changes_nothing(keep):
-    """``refitd serve`` keeps its stop handlers once it stopped (``installed(until_exit=True)``):
-    Slurm's second SIGTERM, arriving after an idle daemon already stopped cleanly, is absorbed as a
-    duplicate and the exit status stays 0. Restoring the default handler (what a plain
-    ``installed()`` does, for code that lives on) lets that signal kill the process: 143."""
+    """``refitd serve`` ignores the stop signals once it stopped (``installed(until_exit=True)``):
+    Slurm's second SIGTERM, arriving after an idle daemon already stopped cleanly (or while the
+    interpreter shuts down), changes nothing and the exit status stays 0. Restoring the default
+    handler (what a plain ``installed()`` does, for code that lives on) lets that signal kill the
+    process: 143."""
     out = subprocess.run(
         [sys.executable, "-c", "import sys\n" + _DUPLICATE_AFTER_THE_BLOCK, keep],
         cwd=Path(__file__).resolve().parent.parent,

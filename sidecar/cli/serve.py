@@ -93,18 +93,21 @@ class Signals:
     @contextlib.contextmanager
     def installed(self, *, until_exit: bool = False) -> Iterator[Signals]:
         """The handlers installed for the block; the previous ones restored after it, but for the
-        stop handlers with ``until_exit`` (``refitd serve``, whose process ends after the block):
-        Slurm signals every process of a step twice a few milliseconds apart, and an idle daemon
-        stops cleanly in less; the duplicate must find this handler, not the default action, which
-        would kill the exiting daemon and turn its status 0 into 143 (a failed job)."""
+        stop signals with ``until_exit`` (``refitd serve``, whose process ends after the block): those
+        are ignored from then on. Slurm signals every process of a step twice a few milliseconds
+        apart, and an idle daemon stops cleanly in less; the duplicate must not find the default
+        action, which would kill the exiting daemon and turn its status 0 into 143 (a failed job).
+        Keeping the Python handler is not enough: interpreter shutdown puts SIG_DFL back wherever a
+        Python handler is set (CPython's ``_PySignal_Fini``), but leaves SIG_IGN alone; a stop that
+        hangs after this is still ended by SIGKILL, which Slurm and systemd send after their
+        timeouts."""
         previous = {s: signal.signal(s, self.on_stop) for s in self.STOP}
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.on_reload)
         try:
             yield self
         finally:
             for s, h in previous.items():
-                if not (until_exit and s in self.STOP):
-                    signal.signal(s, h)
+                signal.signal(s, signal.SIG_IGN if until_exit and s in self.STOP else h)
 
     # ---- the loop's side
 
