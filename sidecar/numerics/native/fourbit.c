@@ -325,27 +325,29 @@ static inline float int4_scale(uint32_t amax, int scale_f32) {
 }
 
 /* INT4's thresholds depend on the group's amax alone (no global scale): one table per scale dtype for the
-   whole process, indexed by the amax's bf16 bits and filled on first use, each entry its seven thresholds
-   as vectors (so a group's compares read them as they are, like NVFP4's). The table is 14 MiB of zeroed
-   memory of which only the entries of the amaxes met are ever touched (a few hundred per model, 224 bytes
-   each). An entry is claimed (0 -> 1) by one thread, written, then published (-> 2); a thread finding it
-   claimed computes its own copy. */
+   whole process, indexed by the amax's bf16 bits and filled on first use (1 MiB of zeroed memory, of which
+   the entries of the amaxes met are touched: 16 bytes each, so a model's few hundred stay in L1 beside the
+   streamed weights; held as vectors, 224 bytes each, they measured slower on a slab in memory). An entry is
+   claimed (0 -> 1) by one thread, written, then published (-> 2); a thread finding it claimed computes its
+   own copy. */
 #define INT4_TESTS 7
-static i16x16 int4_table[2][BF16_NONFINITE][INT4_TESTS];
+static uint16_t int4_table[2][BF16_NONFINITE][TESTS];
 static uint8_t int4_state[2][BF16_NONFINITE];
 
-static const i16x16 *int4_fill(uint32_t amax, int f32, i16x16 *restrict scratch) {
-    thresholds(int4_scale(amax, f32), 0, INT4_AT, INT4_STRICT, INT4_TESTS, scratch);
+static const uint16_t *int4_fill(uint32_t amax, int f32, uint16_t *restrict scratch) {
+    const float sf = int4_scale(amax, f32);
+    for (int i = 0; i < INT4_TESTS; i++)
+        scratch[i] = (uint16_t)(first_passing(sf, 0, INT4_AT[i], INT4_STRICT[i]) - 1);
     uint8_t expected = 0;
     if (!__atomic_compare_exchange_n(&int4_state[f32][amax], &expected, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
         return scratch;
-    memcpy(int4_table[f32][amax], scratch, sizeof int4_table[f32][amax]);
+    memcpy(int4_table[f32][amax], scratch, INT4_TESTS * sizeof *scratch);
     __atomic_store_n(&int4_state[f32][amax], 2, __ATOMIC_RELEASE);
     return int4_table[f32][amax];
 }
 
 /* the thresholds - 1 of a group of this amax (bf16 bits): the table's entry, or scratch filled */
-static inline const i16x16 *int4_thresholds(uint32_t amax, int f32, i16x16 *restrict scratch) {
+static inline const uint16_t *int4_thresholds(uint32_t amax, int f32, uint16_t *restrict scratch) {
     if (__atomic_load_n(&int4_state[f32][amax], __ATOMIC_ACQUIRE) == 2) return int4_table[f32][amax];
     return int4_fill(amax, f32, scratch);
 }
@@ -380,8 +382,13 @@ static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
                 memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
             }
             for (i64 j = 0; j < m; j++) {
-                i16x16 scratch[INT4_TESTS];
-                const i16x16 *th = int4_thresholds(amax[j] >> 16, f32, scratch);
+                uint16_t scratch[TESTS];
+                const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
+                const i16x16 zero = {0};
+                /* the group's thresholds broadcast into registers (not through memory) */
+                const i16x16 th[INT4_TESTS] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
+                                               zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
+                                               zero + (int16_t)t[6]};
                 const uint16_t *xg = xp + j * group;
                 uint8_t *qg = qr + (p0 + j * group) / 2;
                 i64 v = 0;
