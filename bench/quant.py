@@ -37,12 +37,19 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from sidecar.config.environment import brief_openmp_spin
 
-from sidecar.numerics import cpu, fourbit, native
-from sidecar.numerics import reference as quant
-from sidecar.numerics.formats import FLT_MIN, FOUR_BIT_FORMATS, FP8_DTYPE, FP8_MAX, Format
+# the daemon's OpenMP wait policy (refitd sets it before torch loads): with libgomp's default, torch's
+# threads keep spinning after each torch call here (the copy, the reference) and slow the native
+# kernels timed right after them, which the daemon never sees
+brief_openmp_spin()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from sidecar.numerics import cpu, fourbit, native  # noqa: E402
+from sidecar.numerics import reference as quant  # noqa: E402
+from sidecar.numerics.formats import FLT_MIN, FOUR_BIT_FORMATS, FP8_DTYPE, FP8_MAX, Format  # noqa: E402
 
 HIDDEN, INTER = 2048, 512  # Qwen3.5-35B-A3B
 

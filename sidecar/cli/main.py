@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from sidecar import __version__
+from sidecar.config.environment import brief_openmp_spin
 
 #: subcommand name -> module that defines it
 COMMANDS = {
@@ -79,17 +79,8 @@ def _requested_command(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-#: OpenMP (libgomp, torch's on Linux) threads that wait by spinning take the cores refitd shares with
-#: trainers and engines, and each other's: on the 2-core CI machine `refitd demo`'s quantize time per
-#: step went from a 276 ms median (worst 1.8 s) to 41 ms with a short spin before sleeping, while one
-#: daemon alone quantizes as fast as with the default (OMP_WAIT_POLICY=PASSIVE lost 20-33% there).
-#: Set before torch loads, only where neither variable is set.
-GOMP_SPINCOUNT = "1000"
-
-
 def main(argv: list[str] | None = None) -> int:
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+    brief_openmp_spin()  # before torch loads (sidecar.config.environment says why)
     argv = sys.argv[1:] if argv is None else list(argv)
     module = SUBCOMMAND_MODULE.get(_requested_command(argv) or "")
     parser = _build_parser({module} if module else set())
