@@ -487,6 +487,92 @@ def test_nvfp4_mtp_worker_streams_and_its_drafter_ends_each_step_as_a_whole_load
     assert _differ(ds.vm, streamed, whole) == []
 
 
+def _input_scales(worker) -> dict[str, torch.Tensor]:
+    """Copies of the NVFP4 activation scales the worker's target and drafter hold."""
+    runner = worker.model_runner
+    return {
+        f"{get}:{n}": p.detach().clone()
+        for get in ("get_model", "get_draft_model")
+        for n, p in getattr(runner, get)().named_parameters()
+        if n.endswith("input_scale")
+    }
+
+
+def _fails_halfway(module: torch.nn.Module, moe: str, times: int = 1) -> None:
+    """``module.load_weights`` fails ``times`` times: the MoE layer ``moe`` (checkpoint name) takes
+    half of its weights (none of its activation scales, carried after them), then the device fails;
+    vLLM's layerwise reload then processes that layer with the rest uninitialised."""
+
+    def fails(weights):
+        del module.load_weights  # the next load is vLLM's own again
+        mine = [(n, t) for n, t in weights if n.startswith(f"{moe}.")]
+        module.load_weights(mine[: len(mine) // 2])
+        if times > 1:
+            _fails_halfway(module, moe, times - 1)
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    module.load_weights = fails
+
+
+def test_nvfp4_mtp_whole_load_failing_halfway_carries_the_last_good_activation_scales(deepseek_mtp):
+    """A whole ``load_generation`` that fails halfway leaves the layer it reached processed half
+    loaded, its activation scales garbage. The next load (back to the last good step, or the next
+    step) carries the scales the worker read for its last good load instead of reading them back
+    (adapters.vllm.last_good): the engine holds again exactly the scales it held before, bit for
+    bit, and all of its parameters equal a worker that never failed; target (its MoE layer fails)
+    and MTP drafter (its own MoE layer fails, after the target's reload)."""
+    ds = deepseek_mtp
+    first = ds.generation(0)
+    worker, whole = ds.worker(first), ds.worker(first)
+    held = _input_scales(worker)
+    assert len(held) == 4, sorted(held)  # w13 and w2 of the target's and the drafter's MoE layer
+    runner = worker.model_runner
+    cases = ((runner.get_model(), 1, (0, first)), (runner.get_draft_model(), ds.layers, None))
+    for seed, (victim, layer, then) in enumerate(cases, start=30):
+        _fails_halfway(victim, f"model.layers.{layer}.mlp.experts")
+        with pytest.raises(RuntimeError, match="injected"):
+            av.load_generation(worker, ds.generation(seed), Format.NVFP4)
+        assert "load_weights" not in vars(victim)  # reached, and failed halfway
+        assert _differ(ds.vm, worker, whole) != []  # (the failed load changed the engine)
+        step, gen = then or (seed + 10, ds.generation(seed + 10))
+        if then is None:  # the next step
+            av.load_generation(whole, gen, Format.NVFP4)
+        av.load_generation(worker, gen, Format.NVFP4)  # the last good step again / the next step
+        now = _input_scales(worker)
+        assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
+        assert _differ(ds.vm, worker, whole) == [], step
+
+
+def test_nvfp4_mtp_streamed_step_whose_rollback_fails_leaves_the_next_whole_load_the_good_scales(
+    deepseek_mtp,
+):
+    """The streamed path and the whole one share the record (adapters.vllm.last_good): a streamed step
+    whose drafter fails halfway when it is sealed, and again when the rollback reloads it from the
+    live step, ends in an error (the engine holds a mix); the next load is whole, and it carries the
+    scales read when that step began, not the drafter's garbage: target and drafter then hold their
+    scales bit for bit and equal a worker that never failed."""
+    from support.vllm_models import StreamedSteps, stream_groups
+
+    from sidecar.errors import RefitError
+
+    ds = deepseek_mtp
+    first = ds.generation(0)
+    worker, whole = ds.worker(first), ds.worker(first)
+    held = _input_scales(worker)
+    steps = StreamedSteps(worker, stream_groups(ds.params, ds.spec))
+    draft = worker.model_runner.get_draft_model()
+    _fails_halfway(draft, f"model.layers.{ds.layers}.mlp.experts", times=2)
+    with pytest.raises(RefitError, match="injected"):
+        steps.step((0, first), 1, ds.generation(41))
+    assert "load_weights" not in vars(draft)  # reached twice, and failed twice
+    gen = ds.generation(42)
+    for w in (worker, whole):
+        av.load_generation(w, gen, Format.NVFP4)
+    now = _input_scales(worker)
+    assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
+    assert _differ(ds.vm, worker, whole) == []
+
+
 def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):
     """tensor_parallel_size 2 (I = 128: I/tp = 64, whole NVFP4 / INT4 / MXFP4 groups per rank): two gloo
     processes (tests/support/vllm_tp.py, the block-FP8 tp-2 harness) build the real Qwen3-MoE in each
