@@ -547,30 +547,37 @@ def test_nvfp4_mtp_streamed_step_whose_rollback_fails_leaves_the_next_whole_load
     deepseek_mtp,
 ):
     """The streamed path and the whole one share the record (adapters.vllm.last_good): a streamed step
-    whose drafter fails halfway when it is sealed, and again when the rollback reloads it from the
-    live step, ends in an error (the engine holds a mix); the next load is whole, and it carries the
-    scales read when that step began, not the drafter's garbage: target and drafter then hold their
-    scales bit for bit and equal a worker that never failed."""
+    that fails halfway, and whose rollback to the live step fails the same way, ends in an error (the
+    engine holds a mix); the next load is whole, and it carries the scales read when that step
+    began, not what the engine holds then: the target's MoE layer failing (its layerwise session
+    left open by the failed rollback: the layers on the meta device, nothing to read), then the
+    MTP drafter's (when the step is sealed, and in the rollback: garbage scales). Each time target
+    and drafter then hold their scales bit for bit and equal a worker that never failed. The failed
+    rollback's session is closed (adapters.stream), so the step streamed after the whole load opens
+    its own (the drafter's case streams the target's groups before failing)."""
     from support.vllm_models import StreamedSteps, stream_groups
 
     from sidecar.errors import RefitError
 
     ds = deepseek_mtp
-    first = ds.generation(0)
-    worker, whole = ds.worker(first), ds.worker(first)
+    live = (0, ds.generation(0))
+    worker, whole = ds.worker(live[1]), ds.worker(live[1])
     held = _input_scales(worker)
     steps = StreamedSteps(worker, stream_groups(ds.params, ds.spec))
-    draft = worker.model_runner.get_draft_model()
-    _fails_halfway(draft, f"model.layers.{ds.layers}.mlp.experts", times=2)
-    with pytest.raises(RefitError, match="injected"):
-        steps.step((0, first), 1, ds.generation(41))
-    assert "load_weights" not in vars(draft)  # reached twice, and failed twice
-    gen = ds.generation(42)
-    for w in (worker, whole):
-        av.load_generation(w, gen, Format.NVFP4)
-    now = _input_scales(worker)
-    assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
-    assert _differ(ds.vm, worker, whole) == []
+    runner = worker.model_runner
+    for step, (victim, layer) in enumerate(((runner.get_model(), 1), (runner.get_draft_model(), ds.layers))):
+        _fails_halfway(victim, f"model.layers.{layer}.mlp.experts", times=2)
+        with pytest.raises(
+            RefitError, match=r"injected\), and reloading step \d+ failed \(RuntimeError: CUDA"
+        ):
+            steps.step(live, 2 * step + 1, ds.generation(41 + step))
+        assert "load_weights" not in vars(victim)  # reached twice, and failed twice
+        live = (2 * step + 2, ds.generation(51 + step))
+        for w in (worker, whole):
+            av.load_generation(w, live[1], Format.NVFP4)
+        now = _input_scales(worker)
+        assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
+        assert _differ(ds.vm, worker, whole) == [], step
 
 
 def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):
