@@ -26,7 +26,8 @@ Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN)
 ``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
 DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales, whole and in streamed refit (the
 drafter reloaded from the sealed step: = a whole load, also from the real daemon; a drafter failure
-rolled back); all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
+rolled back); a whole load, or a streamed step and its rollback, failing halfway in the target or the
+drafter, after which the next load carries the last good activation scales; all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class WorkerAccess:
     """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
     this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order;
     ``carry(worker)``, the NVFP4 activation scales the worker holds, named as the generation names
-    them (default: the target model's); ``complete(worker, tensors)``, what a whole load does after
+    them (default: the target model's; read only through ``adapters.vllm.last_good``); ``complete(worker, tensors)``, what a whole load does after
     the target's reload, from the whole generation: the MTP drafter's reload (if any) and the
     runner's cache resets (None: nothing)."""
 
