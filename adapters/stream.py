@@ -18,7 +18,8 @@ live one, because the live generation is what a failure returns to (sidecar.daem
   holds exactly the step it held before. ``LoadResult.rolled_back`` says so.
 
 An engine is never left on a mix of two steps without being told: a rollback that itself fails
-(or finds the live generation rewritten) raises, and the next load is a whole one.
+(or finds the live generation rewritten) raises, and the next load is a whole one (what the failed
+rollback began is closed first: ``finish_groups()``, vLLM's layerwise session).
 
 Which adapters stream: the reference engines (``ReferenceEngine.load_part``) and vLLM
 (``adapters.vllm.stream``: one layerwise-reload session per step; an MTP drafter is reloaded whole
@@ -278,6 +279,7 @@ def _rollback(worker: Any, stream: StreamedStep, why: str) -> None:
             problem = f"generation {stream.live.index} (step {stream.live.step}) was rewritten while it was reloaded"
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"
+        _close_groups(worker)
     _release(worker.reader, stream.live)
     if problem is not None:
         worker.forget_loaded()
@@ -287,6 +289,15 @@ def _rollback(worker: Any, stream: StreamedStep, why: str) -> None:
             kind=ErrorKind.ENGINE,
             step=stream.step,
         )
+
+
+def _close_groups(worker: Any) -> None:
+    """Close what a failed rollback began (vLLM: the layerwise session its reload of a group opened),
+    so that the next load -- whole -- and the next streamed step each begin their own."""
+    try:
+        worker.finish_groups()
+    except Exception:  # the rollback's own error is the one to report
+        log.exception("engine worker %s: closing the failed rollback", worker.name)
 
 
 def _release(reader: RefitReader, gen: Generation) -> None:

@@ -26,7 +26,8 @@ Marlin backend GPUs below SM100 choose (``select_*_moe_backend`` answers MARLIN)
 ``CutlassExpertsMxfp4``; the per-GPU refusal with ``current_platform.get_device_capability()`` faked;
 DeepSeek-V3's NVFP4 MTP drafter keeping its own activation scales, whole and in streamed refit (the
 drafter reloaded from the sealed step: = a whole load, also from the real daemon; a drafter failure
-rolled back); all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
+rolled back); a whole load, or a streamed step and its rollback, failing halfway in the target or the
+drafter, after which the next load carries the last good activation scales; all three formats at tp 2 in two gloo processes (tests/support/vllm_tp.py).
 """
 
 from __future__ import annotations
@@ -485,6 +486,99 @@ def test_nvfp4_mtp_worker_streams_and_its_drafter_ends_each_step_as_a_whole_load
     result = steps.step(live, 4, gen)
     assert result.ok and result.step == 4 and steps.acks[-1] == (4, True, None)
     assert _differ(ds.vm, streamed, whole) == []
+
+
+def _input_scales(worker) -> dict[str, torch.Tensor]:
+    """Copies of the NVFP4 activation scales the worker's target and drafter hold."""
+    runner = worker.model_runner
+    return {
+        f"{get}:{n}": p.detach().clone()
+        for get in ("get_model", "get_draft_model")
+        for n, p in getattr(runner, get)().named_parameters()
+        if n.endswith("input_scale")
+    }
+
+
+def _fails_halfway(module: torch.nn.Module, moe: str, times: int = 1) -> None:
+    """``module.load_weights`` fails ``times`` times: the MoE layer ``moe`` (checkpoint name) takes
+    half of its weights (none of its activation scales, carried after them), then the device fails;
+    vLLM's layerwise reload then processes that layer with the rest uninitialised."""
+
+    def fails(weights):
+        del module.load_weights  # the next load is vLLM's own again
+        mine = [(n, t) for n, t in weights if n.startswith(f"{moe}.")]
+        module.load_weights(mine[: len(mine) // 2])
+        if times > 1:
+            _fails_halfway(module, moe, times - 1)
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    module.load_weights = fails
+
+
+def test_nvfp4_mtp_whole_load_failing_halfway_carries_the_last_good_activation_scales(deepseek_mtp):
+    """A whole ``load_generation`` that fails halfway leaves the layer it reached processed half
+    loaded, its activation scales garbage. The next load (back to the last good step, or the next
+    step) carries the scales the worker read for its last good load instead of reading them back
+    (adapters.vllm.last_good): the engine holds again exactly the scales it held before, bit for
+    bit, and all of its parameters equal a worker that never failed; target (its MoE layer fails)
+    and MTP drafter (its own MoE layer fails, after the target's reload)."""
+    ds = deepseek_mtp
+    first = ds.generation(0)
+    worker, whole = ds.worker(first), ds.worker(first)
+    held = _input_scales(worker)
+    assert len(held) == 4, sorted(held)  # w13 and w2 of the target's and the drafter's MoE layer
+    runner = worker.model_runner
+    cases = ((runner.get_model(), 1, (0, first)), (runner.get_draft_model(), ds.layers, None))
+    for seed, (victim, layer, then) in enumerate(cases, start=30):
+        _fails_halfway(victim, f"model.layers.{layer}.mlp.experts")
+        with pytest.raises(RuntimeError, match="injected"):
+            av.load_generation(worker, ds.generation(seed), Format.NVFP4)
+        assert "load_weights" not in vars(victim)  # reached, and failed halfway
+        assert _differ(ds.vm, worker, whole) != []  # (the failed load changed the engine)
+        step, gen = then or (seed + 10, ds.generation(seed + 10))
+        if then is None:  # the next step
+            av.load_generation(whole, gen, Format.NVFP4)
+        av.load_generation(worker, gen, Format.NVFP4)  # the last good step again / the next step
+        now = _input_scales(worker)
+        assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
+        assert _differ(ds.vm, worker, whole) == [], step
+
+
+def test_nvfp4_mtp_streamed_step_whose_rollback_fails_leaves_the_next_whole_load_the_good_scales(
+    deepseek_mtp,
+):
+    """The streamed path and the whole one share the record (adapters.vllm.last_good): a streamed step
+    that fails halfway, and whose rollback to the live step fails the same way, ends in an error (the
+    engine holds a mix); the next load is whole, and it carries the scales read when that step
+    began, not what the engine holds then: the target's MoE layer failing (its layerwise session
+    left open by the failed rollback: the layers on the meta device, nothing to read), then the
+    MTP drafter's (when the step is sealed, and in the rollback: garbage scales). Each time target
+    and drafter then hold their scales bit for bit and equal a worker that never failed. The failed
+    rollback's session is closed (adapters.stream), so the step streamed after the whole load opens
+    its own (the drafter's case streams the target's groups before failing)."""
+    from support.vllm_models import StreamedSteps, stream_groups
+
+    from sidecar.errors import RefitError
+
+    ds = deepseek_mtp
+    live = (0, ds.generation(0))
+    worker, whole = ds.worker(live[1]), ds.worker(live[1])
+    held = _input_scales(worker)
+    steps = StreamedSteps(worker, stream_groups(ds.params, ds.spec))
+    runner = worker.model_runner
+    for step, (victim, layer) in enumerate(((runner.get_model(), 1), (runner.get_draft_model(), ds.layers))):
+        _fails_halfway(victim, f"model.layers.{layer}.mlp.experts", times=2)
+        with pytest.raises(
+            RefitError, match=r"injected\), and reloading step \d+ failed \(RuntimeError: CUDA"
+        ):
+            steps.step(live, 2 * step + 1, ds.generation(41 + step))
+        assert "load_weights" not in vars(victim)  # reached twice, and failed twice
+        live = (2 * step + 2, ds.generation(51 + step))
+        for w in (worker, whole):
+            av.load_generation(w, live[1], Format.NVFP4)
+        now = _input_scales(worker)
+        assert all(_same(now[n], t) for n, t in held.items()), {n: (now[n], t) for n, t in held.items()}
+        assert _differ(ds.vm, worker, whole) == [], step
 
 
 def test_tp2_four_bit_loads_each_ranks_slice_and_reloads_in_two_gloo_ranks(vm, tmp_path):

@@ -32,6 +32,13 @@ the sealed step, after the target's session is finalized and before the step is 
 drafter that fails there fails the step. The rollback's ``finish`` gives the live generation, so
 the drafter returns to it as the target does (a drafter the failed step never reached is reloaded
 with the same bytes it holds).
+
+NVFP4 W4A4's activation scales (``adapters.vllm.carry``) come from the worker's one
+``adapters.vllm.last_good.LastGoodScales``, which its whole loads use too: read from the engine
+when a step's first group is loaded (before the session opens), unless a load (whole or streamed)
+failed since the last good one; then, and through the step's rollback, the scales read for that
+load, not the engine's (a layer processed half-loaded holds garbage ones). A sealed step, or a
+rollback that ends with the live generation loaded, is a good load.
 """
 
 from __future__ import annotations
@@ -43,13 +50,14 @@ from typing import Any
 import torch
 
 from adapters.vllm.carry import carried_input_scales
+from adapters.vllm.last_good import last_good_scales
 
 
 class WorkerAccess:
     """How ``adapters.vllm.worker`` reaches a vLLM worker's model (given, not imported: it imports
     this module): the model, the ``set_current_vllm_config`` context, the loaders' weight order;
     ``carry(worker)``, the NVFP4 activation scales the worker holds, named as the generation names
-    them (default: the target model's); ``complete(worker, tensors)``, what a whole load does after
+    them (default: the target model's; read only through ``adapters.vllm.last_good``); ``complete(worker, tensors)``, what a whole load does after
     the target's reload, from the whole generation: the MTP drafter's reload (if any) and the
     runner's cache resets (None: nothing)."""
 
@@ -73,22 +81,21 @@ class LayerwiseGroups:
     def __init__(self, worker: Any, access: WorkerAccess, initialize: Callable, finalize: Callable):
         self.worker, self.access, self._initialize, self._finalize = worker, access, initialize, finalize
         self._open = False  # a session is in progress (initialized, not yet finalized)
-        #: NVFP4 W4A4's activation scales (adapters.vllm.carry), read when the step's first session
-        #: opened and kept through its rollback: a layer the failed step processed half-loaded
-        #: holds garbage scales then, and a drafter whose reload failed does
-        self._carried: dict[str, torch.Tensor] | None = None
+
+    def _carried(self) -> dict[str, torch.Tensor]:
+        """NVFP4 W4A4's activation scales to carry (adapters.vllm.last_good): read from the engine
+        at a step's first group if the worker's last load succeeded, else the last good ones."""
+        worker = self.worker
+        return last_good_scales(worker).for_load(lambda: self.access.carry(worker))
 
     def __call__(self, gen: Any, names: Sequence[str]) -> None:
         worker, access = self.worker, self.access
         model = access.model(worker)
-        if self._carried is None:  # read before initialize puts the layers on the meta device
-            self._carried = access.carry(worker)
+        carried = self._carried()  # before initialize puts the layers on the meta device
         tensors = {n: gen.tensors[n] for n in names}
-        if self._carried:  # NVFP4 W4A4: the held activation scales of this group's MoE layers
+        if carried:  # NVFP4 W4A4: the held activation scales of this group's MoE layers
             moes = {n.partition(".mlp.experts.")[0] for n in names if ".mlp.experts." in n}
-            tensors.update(
-                {n: t for n, t in self._carried.items() if n.partition(".mlp.experts.")[0] in moes}
-            )
+            tensors.update({n: t for n, t in carried.items() if n.partition(".mlp.experts.")[0] in moes})
         weights = access.order(tensors)
         with access.config_context(worker), torch.device(worker.device):
             if not self._open:
@@ -100,9 +107,9 @@ class LayerwiseGroups:
         """Finalize the session (the step is sealed, or a rollback closes or ends one); then, given
         ``whole`` (the generation the loaded groups complete: the sealed step, or the live one a
         rollback returned to), reload the MTP drafter from it with the carried scales and reset the
-        runner's caches, as ``load_generation`` does. None: the step was abandoned; the drafter is
-        left as it is and the carried scales are kept for the rollback, whose own ``finish``
-        reloads the drafter."""
+        runner's caches, as ``load_generation`` does; the load was good. None: the step was
+        abandoned; the drafter is left as it is, and the rollback (whose own ``finish`` reloads the
+        drafter) carries the scales read for the failed step."""
         worker, access = self.worker, self.access
         if self._open:
             self._open = False
@@ -110,10 +117,9 @@ class LayerwiseGroups:
                 self._finalize(access.model(worker), worker.model_config)
         if whole is None:
             return
-        carried = self._carried if self._carried is not None else access.carry(worker)
         if access.complete is not None:  # (if it fails, the rollback reloads with the same scales)
-            access.complete(worker, {**whole.tensors, **carried})
-        self._carried = None  # the step (or its rollback) is over: the next one reads them afresh
+            access.complete(worker, {**whole.tensors, **self._carried()})
+        last_good_scales(worker).succeeded()  # the next step reads the engine's scales afresh
 
 
 def layerwise_group_loader(worker: Any, access: WorkerAccess) -> LayerwiseGroups | None:

@@ -16,6 +16,7 @@ import torch
 from adapters.vllm.carry import carried_input_scales, draft_checkpoint_namer
 from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
+from adapters.vllm.last_good import last_good_scales
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
@@ -255,14 +256,24 @@ def load_generation(worker: Any, tensors: Mapping[str, torch.Tensor], expert_for
     ``reload_weights`` does. A vLLM without layerwise reload falls back to
     ``model_runner.reload_weights``; one with neither can only take BF16 (loading FP8 into
     already-processed kernel parameters would corrupt them).
+
+    NVFP4 W4A4's static activation scales, the target's and the MTP drafter's (carry.py), are
+    carried into the reload from the worker's :class:`~adapters.vllm.last_good.LastGoodScales`:
+    read from the engine, unless a load failed since the last good one (the model may then hold
+    garbage), when the ones read for that load are carried again.
     """
+    record = last_good_scales(worker)
+    if expert_format is Format.NVFP4:  # (the drafter's load_weights picks its own names out of them)
+        tensors = {**tensors, **record.for_load(lambda: carried_scales(worker))}
+    _load_whole(worker, ordered_weights(tensors), expert_format)
+    record.succeeded()
+
+
+def _load_whole(worker: Any, weights: list[tuple[str, torch.Tensor]], expert_format: Format) -> None:
+    """:func:`load_generation`'s reload of ``weights`` (the carried scales among them)."""
     model = _model(worker)
     draft = _draft(worker)
-    if expert_format is Format.NVFP4:
-        # W4A4's static activation scales: the engine's current ones, into every reload (carry.py),
-        # the MTP drafter's too (its load_weights picks its own names out of the same generation)
-        tensors = {**tensors, **carried_scales(worker)}
-    runner, weights = worker.model_runner, ordered_weights(tensors)
+    runner = worker.model_runner
     try:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # noqa: F401
     except ImportError:
