@@ -1,0 +1,57 @@
+/*
+ * bench/native_ab.c: the native quantizers' kernels of several builds, interleaved, on one slab in memory
+ * (32 x 1024 x 2048 bf16 N(0, 0.02), 128 MiB), against memcpy of the same bytes: NVFP4 (global scale
+ * given), INT4 group 32 (bf16 scales), MXFP4; 2 threads (rows split in halves), then 1; the minimum of 15
+ * rounds, each running every build once, so a noisy machine's slow spells land on all of them alike.
+ * No Python, no thread pool: the C kernels alone (bench/quant.py measures the daemon's call path).
+ *
+ *     bash bench/native_ab.sh [REV]    # builds REV's (default HEAD~1) and the working tree's, runs both
+ */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <time.h>
+#include <pthread.h>
+typedef int64_t i64;
+typedef i64 (*nv_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, uint8_t*, i64, i64, float, i64, i64);
+typedef i64 (*i4_t)(const uint16_t*, i64, i64, i64, i64, int32_t*, i64, i64, void*, i64, i64, i64, int, i64, i64);
+typedef i64 (*mx_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, uint8_t*, i64, i64, i64, i64);
+struct job { int kind; int l; i64 b, e; };
+static nv_t NV[8]; static i4_t I4[8]; static mx_t MX[8];
+static uint16_t *X,*Y; static uint8_t *Q,*S; static int32_t *Q4; static uint16_t *S4; static float GS; static i64 NN=1024,KK=2048; static int GG=32;
+static void run_job(struct job *j){ i64 N=NN,K=KK;
+  if(j->kind==0) memcpy(Y+j->b*K, X+j->b*K, (j->e-j->b)*K*2);
+  else if(j->kind==1) NV[j->l](X,N,K,N*K,K,Q,N*K/2,K/2,S,N*K/16,K/16,GS,j->b,j->e);
+  else if(j->kind==2) I4[j->l](X,N,K,N*K,K,Q4,N*K/8,K/8,S4,N*K/GG,K/GG,GG,0,j->b,j->e);
+  else MX[j->l](X,N,K,N*K,K,Q,N*K/2,K/2,S,N*K/32,K/32,j->b,j->e);}
+static void *thr(void *a){run_job(a);return 0;}
+static double run2(int kind,int l,i64 units){struct job a={kind,l,0,units/2},b={kind,l,units/2,units};pthread_t t;double t0;
+  extern double now(void); t0=now(); pthread_create(&t,0,thr,&b); run_job(&a); pthread_join(t,0); return now()-t0;}
+double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+static uint64_t st=88172645463325252ull; static double urand(void){st^=st<<13;st^=st>>7;st^=st<<17;return (st>>11)*(1.0/9007199254740992.0);}
+int main(int argc,char**argv){
+  int nl=argc-1; const i64 B=32,N=1024,K=2048,tot=B*N*K; int G=32, R=15;
+  uint16_t*x=aligned_alloc(64,tot*2),*y=aligned_alloc(64,tot*2); uint8_t*q=aligned_alloc(64,tot/2),*s=aligned_alloc(64,tot/16);
+  int32_t*q4=aligned_alloc(64,tot/2); uint16_t*s4=aligned_alloc(64,tot/G*2);
+  for(i64 i=0;i<tot;i+=2){double u1=urand()+1e-300,u2=urand();double r=sqrt(-2*log(u1))*0.02;float f0=r*cos(6.283185307*u2),f1=r*sin(6.283185307*u2);
+    uint32_t b0,b1;memcpy(&b0,&f0,4);memcpy(&b1,&f1,4);x[i]=(b0+0x7fff+((b0>>16)&1))>>16;x[i+1]=(b1+0x7fff+((b1>>16)&1))>>16;}
+  memset(y,1,tot*2);memset(q,1,tot/2);memset(s,1,tot/16);memset(q4,1,tot/2);memset(s4,1,tot/G*2);
+  uint16_t amax=0;for(i64 i=0;i<tot;i++){uint16_t a=x[i]&0x7fff;if(a>amax)amax=a;} uint32_t ab=(uint32_t)amax<<16;float af;memcpy(&af,&ab,4);float gs=af/2688.0f;
+  nv_t nv[8]; i4_t i4[8]; mx_t mx[8];
+  for(int l=0;l<nl;l++){void*h=dlopen(argv[l+1],RTLD_NOW|RTLD_LOCAL); if(!h){fprintf(stderr,"%s\n",dlerror());return 1;} nv[l]=(nv_t)dlsym(h,"refitd_nvfp4"); i4[l]=(i4_t)dlsym(h,"refitd_int4"); mx[l]=(mx_t)dlsym(h,"refitd_mxfp4");}
+  double bc=1e9,bn[8],bi[8],bm[8]; for(int l=0;l<nl;l++)bn[l]=bi[l]=bm[l]=1e9;
+  for(int r=0;r<R;r++){double t0=now();memcpy(y,x,tot*2);double t1=now();if(t1-t0<bc)bc=t1-t0;
+    for(int l=0;l<nl;l++){t0=now();nv[l](x,N,K,N*K,K,q,N*K/2,K/2,s,N*K/16,K/16,gs,0,B*N);t1=now();if(t1-t0<bn[l])bn[l]=t1-t0;
+      t0=now();i4[l](x,N,K,N*K,K,q4,N*K/8,K/8,s4,N*K/G,K/G,G,0,0,B*N);t1=now();if(t1-t0<bi[l])bi[l]=t1-t0;
+      t0=now();mx[l](x,N,K,N*K,K,q,N*K/2,K/2,s,N*K/32,K/32,0,B*N);t1=now();if(t1-t0<bm[l])bm[l]=t1-t0;}}
+  X=x;Y=y;Q=q;S=s;Q4=q4;S4=s4;GS=gs; for(int l=0;l<nl;l++){NV[l]=nv[l];I4[l]=i4[l];MX[l]=mx[l];}
+  double c2=1e9,n2[8],i2[8],m2[8]; for(int l=0;l<nl;l++)n2[l]=i2[l]=m2[l]=1e9;
+  for(int r=0;r<R;r++){double t=run2(0,0,B*N); if(t<c2)c2=t; for(int l=0;l<nl;l++){t=run2(1,l,B*N);if(t<n2[l])n2[l]=t;t=run2(2,l,B*N);if(t<i2[l])i2[l]=t;t=run2(3,l,B*N);if(t<m2[l])m2[l]=t;}}
+  printf("2 threads, min of %d: memcpy %.1f ms\n",R,c2*1e3);
+  for(int l=0;l<nl;l++)printf("  %-28s nvfp4 %.1f (%.0f%%)  int4/g32 %.1f (%.0f%%)  mxfp4 %.1f (%.0f%%)\n",argv[l+1],n2[l]*1e3,100*c2/n2[l],i2[l]*1e3,100*c2/i2[l],m2[l]*1e3,100*c2/m2[l]);
+  printf("1 thread, 64M elems, min of %d: memcpy %.1f ms\n",R,bc*1e3);
+  for(int l=0;l<nl;l++)printf("  %-28s nvfp4 %.1f (%.0f%%)  int4/g32 %.1f (%.0f%%)  mxfp4 %.1f (%.0f%%)\n",argv[l+1],bn[l]*1e3,100*bc/bn[l],bi[l]*1e3,100*bc/bi[l],bm[l]*1e3,100*bc/bm[l]);
+}
