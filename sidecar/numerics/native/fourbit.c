@@ -209,6 +209,21 @@ static inline float e4m3_value(uint32_t b) {
                   : f32_from_bits(((e + 120u) << 23) | (m << 20));
 }
 
+/* A call's table of E2M1 thresholds per scale byte covers the bytes [*lo, *hi] met so far (a call's bytes
+   span a few binades); this widens it to [bmin, bmax], filling only the new bytes. NVFP4's divisor for
+   byte b is e4m3(b) * gs, MXFP4's multiplier 2^(127 - b). */
+static void grow_thresholds(i16x16 (*thr)[TESTS], uint32_t *lo, uint32_t *hi, uint32_t bmin, uint32_t bmax,
+                            float gs, int mxfp4) {
+    const uint32_t from = bmin < *lo ? bmin : *lo, to = bmax > *hi ? bmax : *hi;
+    for (uint32_t byte = from; byte <= to; byte++) {
+        if (byte >= *lo && byte <= *hi) continue;
+        if (mxfp4) thresholds(e8m0_multiplier(byte), 1, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
+        else thresholds(e4m3_value(byte) * gs, 0, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
+    }
+    *lo = from;
+    *hi = to;
+}
+
 /* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
    q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
 i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
@@ -246,14 +261,7 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
             }
             for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
             memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
-            if (bmin < lo_byte || bmax > hi_byte) {
-                const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
-                for (uint32_t byte = from; byte <= to; byte++)
-                    if (byte < lo_byte || byte > hi_byte)
-                        thresholds(e4m3_value(byte) * gs, 0, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
-                lo_byte = from;
-                hi_byte = to;
-            }
+            if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, gs, 0);
             i16x16 *th[FOUR_PIECE / 16];
             for (i64 j = 0; j < m; j++) th[j] = thr[codes[j]];
             e2m1_runs(xp, m, th, qr + p0 / 2);
@@ -293,14 +301,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 bmin = codes[j] < bmin ? codes[j] : bmin;
                 bmax = codes[j] > bmax ? codes[j] : bmax;
             }
-            if (bmin < lo_byte || bmax > hi_byte) {
-                const uint32_t from = bmin < lo_byte ? bmin : lo_byte, to = bmax > hi_byte ? bmax : hi_byte;
-                for (uint32_t byte = from; byte <= to; byte++)
-                    if (byte < lo_byte || byte > hi_byte)
-                        thresholds(e8m0_multiplier(byte), 1, E2M1_AT, E2M1_STRICT, TESTS, thr[byte]);
-                lo_byte = from;
-                hi_byte = to;
-            }
+            if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, 0.0f, 1);
             i16x16 *th[FOUR_PIECE / 16];
             for (i64 j = 0; j < m; j++) th[2 * j] = th[2 * j + 1] = thr[codes[j]];
             e2m1_runs(xp, 2 * m, th, qr + p0 / 2);
