@@ -15,6 +15,7 @@ from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
 from sidecar.client import RefitClient
 from sidecar.client.stream import FEED_DEPTH
+from sidecar.daemon.memory.staging import ring_groups
 from sidecar.errors import RefitError
 from sidecar.plan.build import RefitSpec, meta_state_dict, plan_from_hf_config
 from sidecar.plan.run import convert
@@ -51,25 +52,41 @@ class Export:
             del t
 
 
+def held_at_most(mode: str, plan, regions: int, n: int) -> int:
+    """How many exported tensors may be alive at once: the feed's queue, the item being written and
+    the generator's own; a ring also holds the items of up to ``regions`` ungranted layer groups
+    (``sidecar.client.stream``'s backpressure), which must stay well below the model's ``n``."""
+    bound = FEED_DEPTH + 3
+    if mode == "ring":
+        bound += sum(sorted((len(g.inputs) for g in ring_groups(plan)), reverse=True)[:regions])
+    assert bound < n * 2 // 3, f"the model is too small for the bound to mean anything ({bound} of {n})"
+    return bound
+
+
 @pytest.mark.parametrize("mode", ["staging", "ring", "frames"])
 def test_a_streamed_export_publishes_convert_bytes(mode, daemons):
-    config = make_hf_config(MODEL, **ARGS)
-    extra = {"staging_regions": 2} if mode == "ring" else {}
+    regions = 2
+    # a ring may hold two ungranted layers' items while the daemon is slow to grant: four layers
+    # leave that at half the model
+    args = {**ARGS, "num_layers": 4} if mode == "ring" else ARGS
+    config = make_hf_config(MODEL, **args)
+    extra = {"staging_regions": regions} if mode == "ring" else {}
     d = daemons(hf_config=config, world_size=1, format=FMT, **extra)
-    spec = plan_from_hf_config(config, RefitSpec(model_type=MODEL, fmt=FMT)).spec
+    plan = plan_from_hf_config(config, RefitSpec(model_type=MODEL, fmt=FMT))
+    spec = plan.spec
     declare = meta_state_dict(config)
     with (
         RefitClient(d.endpoint, rank=0, world_size=1, local=mode != "frames") as client,
         RefitReader(d.endpoint) as reader,
     ):
         for step in range(2):
-            sd = make_state_dict(MODEL, seed=step, **ARGS)
+            sd = make_state_dict(MODEL, seed=step, **args)
             export = Export(sd)
             result = client.push_step(step, export(), declare=declare)
             assert result.mover == ("zmq" if mode == "frames" else "staging")
             # staging and frames write each item at once; a ring holds an item until its layer
-            # group is granted a region: at most about a layer's tensors, never the model's
-            bound = FEED_DEPTH + 3 + (len(sd) // 2 if mode == "ring" else 0)
+            # group is granted a region: at most ``regions`` layers' tensors, never the model's
+            bound = held_at_most(mode, plan, regions, len(sd))
             assert export.most <= bound, f"{export.most} of {len(sd)} exported tensors alive at once"
             expected = convert(sd, spec)
             gen = reader.wait(min_step=step)
