@@ -31,7 +31,7 @@ from sidecar.numerics import kernels
 from sidecar.numerics.formats import Format, FormatParams
 from sidecar.plan import launch
 from sidecar.plan.build import RefitPlan, RefitSpec
-from sidecar.plan.run import _quantize_group
+from sidecar.plan.run import _quantize_groups
 
 VARIANTS: dict[str, tuple[Format, FormatParams]] = {
     "nvfp4": (Format.NVFP4, FormatParams()),
@@ -58,8 +58,8 @@ def _reference(plan: RefitPlan, tensors, outputs) -> None:
     """What run_unit does when the kernels decline: sidecar.numerics.cpu, the torch reference on a GPU."""
     for unit in plan.units:
         weights = {o.name: o for o in unit.outputs if o.scale_name}
-        for group in unit.scale_groups:
-            _quantize_group(unit.fmt, tuple(weights[n] for n in group), tensors, outputs, unit.params)
+        groups = [tuple(weights[n] for n in group) for group in unit.scale_groups]
+        _quantize_groups(unit.fmt, groups, tensors, outputs, unit.params)
 
 
 def _triton(plan: RefitPlan, tensors, outputs, group: kernels.FlagGroup) -> None:

@@ -410,10 +410,8 @@ def test_plan_units_run_on_the_native_kernels(fmt: Format, monkeypatch: pytest.M
     from sidecar.plan.run import convert
 
     calls: list[int] = []
-    real = cpu._POOL.run
-    monkeypatch.setattr(
-        cpu._POOL, "run", lambda fn, units, elems: calls.append(units) or real(fn, units, elems)
-    )
+    real = cpu._POOL.run_many
+    monkeypatch.setattr(cpu._POOL, "run_many", lambda many: calls.extend(u for _, u, _ in many) or real(many))
     state = test_plan.make_state_dict("qwen3_5_moe", unaligned=True, seed=3)
     assert any(t.dtype == torch.bfloat16 and ".experts." in n for n, t in state.items())
     got = convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))

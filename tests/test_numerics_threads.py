@@ -32,8 +32,8 @@ def test_shares_cover_the_units_once_on_three_threads(three_threads):
             seen.append((begin, end, threading.get_ident()))
         return end - begin
 
-    assert three_threads.run(share, 10, BIG) == [3, 3, 4]
-    assert sorted((b, e) for b, e, _ in seen) == [(0, 3), (3, 6), (6, 10)]
+    assert three_threads.run(share, 10, BIG) == [3, 4, 3]  # cut at the units nearest 10/3 and 20/3
+    assert sorted((b, e) for b, e, _ in seen) == [(0, 3), (3, 7), (7, 10)]
     assert len({t for _, _, t in seen}) == 3
     seen.clear()
     assert three_threads.run(share, 2, BIG) == [1, 1]  # fewer units than threads
@@ -114,3 +114,43 @@ def test_workers_follow_the_thread_count():
             assert len(threads) == n
     finally:
         torch.set_num_threads(before)
+
+
+def test_many_calls_split_as_one_by_elements(three_threads):
+    """run_many numbers the calls' units one after the other and splits them in about even elements
+    with one hand-off: each unit runs exactly once, on one of three threads, and each call gets one
+    result per share that ran part of it (an empty call none)."""
+    seen: list[tuple[int, int, int, int]] = []
+    lock = threading.Lock()
+
+    def call(c: int):
+        def share(begin: int, end: int) -> int:
+            with lock:
+                seen.append((c, begin, end, threading.get_ident()))
+            return end - begin
+
+        return share
+
+    # 24 units of BIG, then an empty call, then 4 units of 3 * BIG and 3 of BIG: 39 * BIG elements
+    calls = [(call(0), 24, BIG), (call(1), 0, BIG), (call(2), 4, 3 * BIG), (call(3), 3, BIG)]
+    results = three_threads.run_many(calls)
+    assert [sum(r) for r in results] == [24, 0, 4, 3]
+    assert results[1] == []
+    for c, (_, units, _) in enumerate(calls):
+        covered = sorted((b, e) for cc, b, e, _ in seen if cc == c)
+        assert [u for b, e in covered for u in range(b, e)] == list(range(units)), c
+    by_thread: dict[int, int] = {}
+    for c, b, e, t in seen:
+        by_thread[t] = by_thread.get(t, 0) + (e - b) * calls[c][2] // BIG
+    assert len(by_thread) == 3
+    # 39 * BIG in three shares cut at the unit starts nearest 13 and 26: [0, 13), [13, 27), [27, 39)
+    assert sorted(by_thread.values()) == [12, 13, 14]
+
+
+def test_many_small_calls_run_on_the_caller(three_threads):
+    """Calls too small to split, however many, run on the caller alone (no hand-off)."""
+    me, seen = threading.get_ident(), set()
+    calls = [(lambda b, e: seen.add(threading.get_ident()) or e - b, 4, 64) for _ in range(50)]
+    assert three_threads.run_many(calls) == [[4]] * 50
+    assert seen == {me}
+    assert three_threads.run_many([]) == []

@@ -6,7 +6,9 @@ that fold into ``[batch, rows, cols]`` (a slab's per-expert views do), writing i
 buffers under the same rule. Anything else (float16 / float32 input, odd strides, a CUDA tensor, no C
 compiler) goes to :mod:`sidecar.numerics.reference` unchanged. A call's work is split across
 ``torch.get_num_threads()`` threads, each running its share in C with the GIL released; small
-tensors run on the calling thread alone.
+tensors run on the calling thread alone. Each ``quantize_*`` is a ``prepare_*`` (the checks, the
+reference where it must run) and a run; many prepared calls run as one split (:func:`run_prepared`),
+which is how a slab's hundreds of expert projections take one hand-off to the threads, not one each.
 
 Errors are the reference's: input and ``out=`` checks are its own functions, and when the kernel sees
 NaN or Inf the reference is run on that tensor to raise its NonFiniteError, naming the first bad block
@@ -18,6 +20,7 @@ Usage::
 
     done = cpu.warm_up()                                      # build + load now, not on a step
     q, s = cpu.quantize(w, Format.BLOCK_FP8, out=(q_buf, s_buf), name="...weight")
+    cpu.run_prepared([cpu.prepare(v, fmt, out=o, name=n) for v, o, n in projections])
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,9 +52,19 @@ from sidecar.numerics.threads import MIN_SPLIT_ELEMS, Pool
 
 __all__ = [
     "MIN_SPLIT_ELEMS",
+    "Prepared",
     "fp8_per_tensor_scale",
     "native_applies",
     "nvfp4_global_scale",
+    "prepare",
+    "prepare_block_fp8",
+    "prepare_fp8_per_tensor",
+    "prepare_fp8_per_tensor_scale",
+    "prepare_int4",
+    "prepare_mxfp4",
+    "prepare_mxfp8",
+    "prepare_nvfp4",
+    "prepare_nvfp4_global_scale",
     "quantize",
     "quantize_block_fp8",
     "quantize_fp8_per_tensor",
@@ -57,6 +72,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "run_prepared",
     "warm_up",
 ]
 
@@ -137,6 +153,36 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A quantizer call checked and ready to run (``prepare_*``): ``share(begin, end)`` is the kernel
+    over ``units`` units of ``elems`` elements each, and ``finish`` turns the shares' results into the
+    call's return value (raising the reference's error for what the kernel flagged). Many of them run
+    as one hand-off to the threads (:func:`run_prepared`): a slab's expert projections. A call the
+    reference had to take ran at once: no units, and ``finish`` returns its result."""
+
+    share: Callable[[int, int], int] | None
+    units: int
+    elems: int
+    finish: Callable[[list[int]], Any]
+
+    @classmethod
+    def done(cls, result: Any) -> Prepared:
+        return cls(None, 0, 0, lambda _: result)
+
+
+def run_prepared(calls: Sequence[Prepared]) -> list[Any]:
+    """Run prepared calls together (one split across the threads) and return their results in order;
+    the first call whose ``finish`` raises stops the rest (their outputs may be written, not finished)."""
+    native = [c for c in calls if c.share is not None]
+    results = iter(_POOL.run_many([(c.share, c.units, c.elems) for c in native]))
+    return [c.finish(next(results) if c.share is not None else []) for c in calls]
+
+
+def _run(call: Prepared) -> Any:
+    return run_prepared([call])[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # block-FP8
 
@@ -145,22 +191,31 @@ def quantize_block_fp8(
     w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.reference.quantize_block_fp8`, natively where it applies."""
+    return _run(prepare_block_fp8(w, out=out, name=name))
+
+
+def prepare_block_fp8(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> Prepared:
+    """:func:`quantize_block_fp8`, checked and ready to run (:class:`Prepared`)."""
     lib = _lib_for(w)
     if lib is None or w.dim() < 2:
-        return ref.quantize_block_fp8(w, out=out, name=name)
+        return Prepared.done(ref.quantize_block_fp8(w, out=out, name=name))
     ref._check_input(w, name, Format.BLOCK_FP8)
     q, s = ref._check_out(out, w, Format.BLOCK_FP8.scale_shape(tuple(w.shape)), torch.float32, name)
     split = w.dim() - 2
     xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
     if xv is None or qv is None or sv is None:
-        return ref.quantize_block_fp8(w, out=(q, s), name=name)
+        return Prepared.done(ref.quantize_block_fp8(w, out=(q, s), name=name))
     batch, n, k, xbs, xrs = xv
-    units = batch * -(-n // BLOCK)
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
-    bad = _POOL.run(lambda b, e: lib.refitd_block_fp8(*args, b, e), units, BLOCK * k)
-    if any(r >= 0 for r in bad):
-        _raise_like_reference(lambda: ref.quantize_block_fp8(w, name=name), name)
-    return q, s
+
+    def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(r >= 0 for r in bad):
+            _raise_like_reference(lambda: ref.quantize_block_fp8(w, name=name), name)
+        return q, s
+
+    return Prepared(lambda b, e: lib.refitd_block_fp8(*args, b, e), batch * -(-n // BLOCK), BLOCK * k, finish)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,36 +226,44 @@ def quantize_mxfp8(
     w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.reference.quantize_mxfp8`, natively where it applies."""
+    return _run(prepare_mxfp8(w, out=out, name=name))
+
+
+def prepare_mxfp8(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> Prepared:
+    """:func:`quantize_mxfp8`, checked and ready to run (:class:`Prepared`)."""
     lib = _lib_for(w)
     if lib is None or w.dim() < 1 or w.shape[-1] % MX_BLOCK:
-        return ref.quantize_mxfp8(w, out=out, name=name)
+        return Prepared.done(ref.quantize_mxfp8(w, out=out, name=name))
     ref._check_input(w, name, Format.MXFP8)
     q, s = ref._check_out(out, w, Format.MXFP8.scale_shape(tuple(w.shape)), torch.uint8, name)
     split = _row_split(w)
     xv, qv, sv = _view3(w, split), _view3(q, split), _view3(s, split)
     if xv is None or qv is None or sv is None:
-        return ref.quantize_mxfp8(w, out=(q, s), name=name)
+        return Prepared.done(ref.quantize_mxfp8(w, out=(q, s), name=name))
     batch, n, k, xbs, xrs = xv
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
-    bad = _POOL.run(lambda b, e: lib.refitd_mxfp8(*args, b, e), batch * n, k)
-    if any(r >= 0 for r in bad):
-        _raise_like_reference(lambda: ref.quantize_mxfp8(w, name=name), name)
-    return q, s
+
+    def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(r >= 0 for r in bad):
+            _raise_like_reference(lambda: ref.quantize_mxfp8(w, name=name), name)
+        return q, s
+
+    return Prepared(lambda b, e: lib.refitd_mxfp8(*args, b, e), batch * n, k, finish)
 
 
 # --------------------------------------------------------------------------------------------------
-# FP8 per-tensor
+# shared scales: the amax over every tensor sharing one (an expert's gate and up)
 
 
-def _amax_bits(lib: ctypes.CDLL, t: torch.Tensor, view: tuple[int, int, int, int, int]) -> int:
-    return _amax_bits_of(lib, [(t, view)])
-
-
-def _amax_bits_of(
-    lib: ctypes.CDLL, views: Sequence[tuple[torch.Tensor, tuple[int, int, int, int, int]]]
-) -> int:
-    """The largest sign-cleared bf16 bits over several tensors, in one split call: their rows numbered
-    one after the other (an expert's gate and up share one scale: one hand-off to the threads)."""
+def _amax_call(
+    lib: ctypes.CDLL,
+    views: Sequence[tuple[torch.Tensor, tuple[int, int, int, int, int]]],
+    finish: Callable[[int], Any],
+) -> Prepared:
+    """The largest sign-cleared bf16 bits over several tensors as one call: their rows numbered one
+    after the other; ``finish`` gets that maximum."""
     spans = []  # (first row, end row, kernel args) a tensor
     rows = elems = 0
     for t, (batch, n, k, xbs, xrs) in views:
@@ -216,25 +279,43 @@ def _amax_bits_of(
                 worst = max(worst, lib.refitd_amax_bits(*args, b - first, e - first))
         return worst
 
-    return max(_POOL.run(share, rows, elems // max(rows, 1)))
+    return Prepared(share, rows, elems // max(rows, 1), lambda found: finish(max(found, default=0)))
+
+
+def _shared_views(tensors: Sequence[torch.Tensor], applies: Callable[[torch.Tensor], bool]):
+    """(lib, [(tensor, view)]) when every tensor takes the native amax, else None."""
+    views, lib = [], None
+    for t in tensors:
+        lib = _lib_for(t)
+        view = None if lib is None or not applies(t) else _view3(t, _row_split(t))
+        if view is None:
+            return None
+        views.append((t, view))
+    return (lib, views) if views else None
 
 
 def fp8_per_tensor_scale(*tensors: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """:func:`sidecar.numerics.reference.fp8_per_tensor_scale`, natively when every tensor qualifies."""
-    views = []
-    for t in tensors:
-        lib = _lib_for(t)
-        view = None if lib is None or t.dim() == 0 else _view3(t, _row_split(t))
-        if view is None:
-            return ref.fp8_per_tensor_scale(*tensors, name=name)
-        views.append((lib, t, view))
-    if not views:
-        return ref.fp8_per_tensor_scale(*tensors, name=name)
-    lib = views[0][0]
-    amax = _amax_bits_of(lib, [(t, view) for _, t, view in views])
-    if amax >= _BF16_NONFINITE:
-        _raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=name), name)
-    return torch.tensor(lib.refitd_scale_from_amax_bits(amax), dtype=torch.float32)
+    return _run(prepare_fp8_per_tensor_scale(*tensors, name=name))
+
+
+def prepare_fp8_per_tensor_scale(*tensors: torch.Tensor, name: str | None = None) -> Prepared:
+    """:func:`fp8_per_tensor_scale`, ready to run (:class:`Prepared`)."""
+    found = _shared_views(tensors, lambda t: t.dim() > 0)
+    if found is None:
+        return Prepared.done(ref.fp8_per_tensor_scale(*tensors, name=name))
+    lib, views = found
+
+    def finish(amax: int) -> torch.Tensor:
+        if amax >= _BF16_NONFINITE:
+            _raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=name), name)
+        return torch.tensor(lib.refitd_scale_from_amax_bits(amax), dtype=torch.float32)
+
+    return _amax_call(lib, views, finish)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 per-tensor
 
 
 def quantize_fp8_per_tensor(
@@ -245,33 +326,45 @@ def quantize_fp8_per_tensor(
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.reference.quantize_fp8_per_tensor`, natively where it applies."""
+    return _run(prepare_fp8_per_tensor(w, scale=scale, out=out, name=name))
+
+
+def prepare_fp8_per_tensor(
+    w: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> Prepared:
+    """:func:`quantize_fp8_per_tensor`, checked and ready to run (:class:`Prepared`). Without ``scale``
+    the tensor's own amax pass runs here, first."""
     lib = _lib_for(w)
     if lib is None or w.dim() == 0:
-        return ref.quantize_fp8_per_tensor(w, scale=scale, out=out, name=name)
+        return Prepared.done(ref.quantize_fp8_per_tensor(w, scale=scale, out=out, name=name))
     ref._check_input(w, name, Format.FP8_PER_TENSOR)
     q, s = ref._check_out(out, w, (), torch.float32, name)
     split = _row_split(w)
     xv, qv = _view3(w, split), _view3(q, split)
     if xv is None or qv is None:
-        return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
+        return Prepared.done(ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name))
     clamp = scale is not None
     if scale is None:
-        amax = _amax_bits(lib, w, xv)
-        if amax >= _BF16_NONFINITE:
-            _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, name=name), name)
-        value = lib.refitd_scale_from_amax_bits(amax)
+        value = float(_run(prepare_fp8_per_tensor_scale(w, name=name)))
     else:
         value = float(ref.check_shared_scale(scale, name))
         if not FLT_MIN <= value <= _FLT_MAX:  # 0, negative, subnormal, Inf or NaN: 1 / value is not
             # a finite positive multiplier, and the reference's NaN-producing arithmetic is the answer
-            return ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name)
+            return Prepared.done(ref.quantize_fp8_per_tensor(w, scale=scale, out=(q, s), name=name))
     batch, n, k, xbs, xrs = xv
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], value, int(clamp))
-    seen = _POOL.run(lambda b, e: lib.refitd_fp8_per_tensor(*args, b, e), batch * n, k)
-    if max(seen) >= _BF16_NONFINITE:  # only a shared scale's pass looks (a computed one already did)
-        _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, scale=scale, name=name), name)
-    s.fill_(value)
-    return q, s
+
+    def finish(seen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if max(seen) >= _BF16_NONFINITE:  # only a shared scale's pass looks (a computed one already did)
+            _raise_like_reference(lambda: ref.quantize_fp8_per_tensor(w, scale=scale, name=name), name)
+        s.fill_(value)
+        return q, s
+
+    return Prepared(lambda b, e: lib.refitd_fp8_per_tensor(*args, b, e), batch * n, k, finish)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,19 +385,22 @@ def _rows_native(lib, w: torch.Tensor, outs: tuple[torch.Tensor, ...]):
 
 def nvfp4_global_scale(*tensors: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """:func:`sidecar.numerics.fourbit.nvfp4_global_scale`, natively when every tensor qualifies."""
-    views = []
-    for t in tensors:
-        lib = _lib_for(t)
-        view = None if lib is None or t.dim() < 2 or t.shape[-1] % NVFP4_BLOCK else _view3(t, _row_split(t))
-        if view is None:
-            return fourbit.nvfp4_global_scale(*tensors, name=name)
-        views.append((lib, t, view))
-    if not views:
-        return fourbit.nvfp4_global_scale(*tensors, name=name)
-    amax = _amax_bits_of(views[0][0], [(t, view) for _, t, view in views])
-    if amax >= _BF16_NONFINITE:
-        _raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=name), name)
-    return torch.tensor(_nvfp4_global_scale_value(amax), dtype=torch.float32)
+    return _run(prepare_nvfp4_global_scale(*tensors, name=name))
+
+
+def prepare_nvfp4_global_scale(*tensors: torch.Tensor, name: str | None = None) -> Prepared:
+    """:func:`nvfp4_global_scale`, ready to run (:class:`Prepared`)."""
+    found = _shared_views(tensors, lambda t: t.dim() >= 2 and t.shape[-1] % NVFP4_BLOCK == 0)
+    if found is None:
+        return Prepared.done(fourbit.nvfp4_global_scale(*tensors, name=name))
+    lib, views = found
+
+    def finish(amax: int) -> torch.Tensor:
+        if amax >= _BF16_NONFINITE:
+            _raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=name), name)
+        return torch.tensor(_nvfp4_global_scale_value(amax), dtype=torch.float32)
+
+    return _amax_call(lib, views, finish)
 
 
 def _nvfp4_global_scale_value(amax_bits: int) -> float:
@@ -326,13 +422,25 @@ def quantize_nvfp4(
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_nvfp4`, natively where it applies."""
+    return _run(prepare_nvfp4(w, global_scale=global_scale, out=out, name=name))
+
+
+def prepare_nvfp4(
+    w: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> Prepared:
+    """:func:`quantize_nvfp4`, checked and ready to run (:class:`Prepared`). Without ``global_scale``
+    the tensor's own amax pass runs here, first."""
     lib = _lib_for(w)
     if lib is None or w.dim() < 2 or w.shape[-1] % NVFP4_BLOCK:
-        return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name)
+        return Prepared.done(fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name))
     q, s, g = fourbit.nvfp4_outputs(w, out, name)
     views = _rows_native(lib, w, (q, s))
     if views is None:
-        return fourbit.quantize_nvfp4(w, global_scale=global_scale, out=(q, s, g), name=name)
+        return Prepared.done(fourbit.quantize_nvfp4(w, global_scale=global_scale, out=(q, s, g), name=name))
     if global_scale is None:
         gs = nvfp4_global_scale(w, name=name)
     else:
@@ -340,30 +448,43 @@ def quantize_nvfp4(
     value = float(gs)
     (batch, n, k, xbs, xrs), qv, sv = views
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4], value)
-    bad = _POOL.run(lambda b, e: lib.refitd_nvfp4(*args, b, e), batch * n, k)
-    if any(r >= 0 for r in bad):
-        _raise_like_reference(lambda: fourbit.quantize_nvfp4(w, global_scale=gs, name=name), name)
-    g.fill_(value)
-    return q, s, g
+
+    def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if any(r >= 0 for r in bad):
+            _raise_like_reference(lambda: fourbit.quantize_nvfp4(w, global_scale=gs, name=name), name)
+        g.fill_(value)
+        return q, s, g
+
+    return Prepared(lambda b, e: lib.refitd_nvfp4(*args, b, e), batch * n, k, finish)
 
 
 def quantize_mxfp4(
     w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_mxfp4`, natively where it applies."""
+    return _run(prepare_mxfp4(w, out=out, name=name))
+
+
+def prepare_mxfp4(
+    w: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None, name: str | None = None
+) -> Prepared:
+    """:func:`quantize_mxfp4`, checked and ready to run (:class:`Prepared`)."""
     lib = _lib_for(w)
     if lib is None or w.dim() < 1 or w.shape[-1] % MXFP4_BLOCK:
-        return fourbit.quantize_mxfp4(w, out=out, name=name)
+        return Prepared.done(fourbit.quantize_mxfp4(w, out=out, name=name))
     q, s = fourbit.mxfp4_outputs(w, out, name)
     views = _rows_native(lib, w, (q, s))
     if views is None:
-        return fourbit.quantize_mxfp4(w, out=(q, s), name=name)
+        return Prepared.done(fourbit.quantize_mxfp4(w, out=(q, s), name=name))
     (batch, n, k, xbs, xrs), qv, sv = views
     args = (_ptr(w), n, k, xbs, xrs, _ptr(q), qv[3], qv[4], _ptr(s), sv[3], sv[4])
-    bad = _POOL.run(lambda b, e: lib.refitd_mxfp4(*args, b, e), batch * n, k)
-    if any(r >= 0 for r in bad):
-        _raise_like_reference(lambda: fourbit.quantize_mxfp4(w, name=name), name)
-    return q, s
+
+    def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(r >= 0 for r in bad):
+            _raise_like_reference(lambda: fourbit.quantize_mxfp4(w, name=name), name)
+        return q, s
+
+    return Prepared(lambda b, e: lib.refitd_mxfp4(*args, b, e), batch * n, k, finish)
 
 
 def quantize_int4(
@@ -375,10 +496,22 @@ def quantize_int4(
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_int4`, natively where it applies."""
+    return _run(prepare_int4(w, group=group, scale_dtype=scale_dtype, out=out, name=name))
+
+
+def prepare_int4(
+    w: torch.Tensor,
+    *,
+    group: int = INT4_GROUP,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    name: str | None = None,
+) -> Prepared:
+    """:func:`quantize_int4`, checked and ready to run (:class:`Prepared`)."""
     lib = _lib_for(w)
     kw = {"group": group, "scale_dtype": scale_dtype, "name": name}
     if lib is None or w.dim() < 2:
-        return fourbit.quantize_int4(w, out=out, **kw)
+        return Prepared.done(fourbit.quantize_int4(w, out=out, **kw))
     ref._check_input(w, name, Format.INT4_W4A16)
     fourbit._check_int4_args(w, group, scale_dtype, name)
     *lead, k = w.shape
@@ -394,15 +527,18 @@ def quantize_int4(
     )
     views = _rows_native(lib, w, (packed, s))
     if views is None:
-        return fourbit.quantize_int4(w, out=(packed, s, shape), **kw)
+        return Prepared.done(fourbit.quantize_int4(w, out=(packed, s, shape), **kw))
     (batch, n, k, xbs, xrs), qv, sv = views
     f32 = int(scale_dtype == torch.float32)
     args = (_ptr(w), n, k, xbs, xrs, _ptr(packed), qv[3], qv[4], _ptr(s), sv[3], sv[4], group, f32)
-    bad = _POOL.run(lambda b, e: lib.refitd_int4(*args, b, e), batch * n, k)
-    if any(r >= 0 for r in bad):
-        _raise_like_reference(lambda: fourbit.quantize_int4(w, **kw), name)
-    shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
-    return packed, s, shape
+
+    def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if any(r >= 0 for r in bad):
+            _raise_like_reference(lambda: fourbit.quantize_int4(w, **kw), name)
+        shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
+        return packed, s, shape
+
+    return Prepared(lambda b, e: lib.refitd_int4(*args, b, e), batch * n, k, finish)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -417,20 +553,29 @@ def quantize(
     name: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`sidecar.numerics.reference.quantize`, natively where it applies."""
+    return _run(prepare(w, fmt, out=out, name=name))
+
+
+def prepare(
+    w: torch.Tensor,
+    fmt: Format | str,
+    *,
+    out: tuple[torch.Tensor, ...] | None = None,
+    name: str | None = None,
+) -> Prepared:
+    """:func:`quantize`, checked and ready to run (:class:`Prepared`)."""
     fmt = Format.parse(fmt)
-    if fmt is Format.BLOCK_FP8:
-        return quantize_block_fp8(w, out=out, name=name)
-    if fmt is Format.MXFP8:
-        return quantize_mxfp8(w, out=out, name=name)
-    if fmt is Format.FP8_PER_TENSOR:
-        return quantize_fp8_per_tensor(w, out=out, name=name)
-    if fmt is Format.NVFP4:
-        return quantize_nvfp4(w, out=out, name=name)
-    if fmt is Format.MXFP4:
-        return quantize_mxfp4(w, out=out, name=name)
-    if fmt is Format.INT4_W4A16:
-        return quantize_int4(w, out=out, name=name)
-    return ref.quantize(w, fmt, out=out, name=name)  # its error for a format with nothing to quantize
+    prepare_fmt: Callable[..., Prepared] | None = {
+        Format.BLOCK_FP8: prepare_block_fp8,
+        Format.MXFP8: prepare_mxfp8,
+        Format.FP8_PER_TENSOR: prepare_fp8_per_tensor,
+        Format.NVFP4: prepare_nvfp4,
+        Format.MXFP4: prepare_mxfp4,
+        Format.INT4_W4A16: prepare_int4,
+    }.get(fmt)
+    if prepare_fmt is None:  # the reference's error for a format with nothing to quantize
+        return Prepared.done(ref.quantize(w, fmt, out=out, name=name))
+    return prepare_fmt(w, out=out, name=name)
 
 
 def _raise_like_reference(run_reference: Callable[[], object], name: str | None) -> None:

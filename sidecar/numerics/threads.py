@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -101,25 +101,66 @@ class Pool:
         """``fn(begin, end)`` over ``[0, units)`` in up to threads() even shares; their results. An error
         raised by any share is raised here, once every share has finished (they write the caller's
         buffers)."""
+        return self.run_many([(fn, units, elems_per_unit)])[0]
+
+    def run_many(self, calls: Sequence[tuple[Callable[[int, int], int], int, int]]) -> list[list[int]]:
+        """Several calls ``(fn, units, elems_per_unit)`` as one: their units numbered one after the
+        other and split into up to threads() shares of about even elements (one hand-off to the
+        workers for all of them: a slab's hundreds of expert projections). A share runs ``fn(begin,
+        end)`` for each call it covers part of; the results, a list a call (one per share that ran part
+        of it, in order; empty for a call of no units). Errors as :meth:`run`."""
+        sizes = [units * elems for _, units, elems in calls]
+        total = sum(sizes)
         threads = self.threads()
-        parts = min(threads, units, max(1, units * elems_per_unit // MIN_SPLIT_ELEMS))
+        parts = min(threads, max(1, total // MIN_SPLIT_ELEMS), sum(units for _, units, _ in calls))
+        if parts > 1:
+            workers = self._get(threads - 1)
+            if not self._busy.acquire(blocking=False):  # another call (or this call's caller) has them
+                parts = 1
+        results: list[list[int]] = [[] for _ in calls]
         if parts <= 1:
-            return [fn(0, units)]
-        workers = self._get(threads - 1)
-        if not self._busy.acquire(blocking=False):  # another call (or this call's caller) has them
-            return [fn(0, units)]
+            self._share(calls, results, (0, 0), (len(calls), 0))
+            return results
         try:
-            bounds = [units * i // parts for i in range(parts + 1)]
+            cuts = [_position(calls, sizes, total * i // parts) for i in range(parts)] + [(len(calls), 0)]
+            pieces: list[list[list[int]]] = [[[] for _ in calls] for _ in range(parts)]
             started = workers[: parts - 1]
             for i, worker in enumerate(started, start=1):
-                worker.start(lambda b=bounds[i], e=bounds[i + 1]: fn(b, e))
+                worker.start(lambda i=i: self._share(calls, pieces[i], cuts[i], cuts[i + 1]))
             try:
-                first = fn(bounds[0], bounds[1])
+                self._share(calls, pieces[0], cuts[0], cuts[1])
             finally:
                 done = [worker.wait() for worker in started]
             for _, err in done:
                 if err is not None:
                     raise err
-            return [first, *(result for result, _ in done)]
+            for piece in pieces:
+                for mine, part in zip(results, piece):
+                    mine.extend(part)
+            return results
         finally:
             self._busy.release()
+
+    @staticmethod
+    def _share(calls, results: list[list[int]], begin: tuple[int, int], end: tuple[int, int]) -> int:
+        """Run the calls' units from position ``begin`` to ``end`` (each ``(call, unit)``), appending each
+        call's result to ``results``."""
+        for c in range(begin[0], min(end[0] + 1, len(calls))):
+            fn, units, _ = calls[c]
+            b = begin[1] if c == begin[0] else 0
+            e = end[1] if c == end[0] else units
+            if b < e:
+                results[c].append(fn(b, e))
+        return 0
+
+
+def _position(calls, sizes: list[int], elem: int) -> tuple[int, int]:
+    """The (call, unit) at which the ``elem``-th element of the calls numbered one after the other
+    lies in, rounded to the nearest unit start."""
+    for c, size in enumerate(sizes):
+        if elem < size:
+            per = calls[c][2]
+            unit = (elem + per // 2) // per
+            return (c, unit) if unit < calls[c][1] else (c + 1, 0)
+        elem -= size
+    return len(calls), 0

@@ -13,49 +13,54 @@ from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 from sidecar.plan.launch import try_run_unit
 
-__all__ = ["convert", "iter_convert", "run_passthroughs", "run_unit"]
+__all__ = ["convert", "iter_convert", "run_passthroughs", "run_quantized_units", "run_unit"]
 
 # --------------------------------------------------------------------------------------------------
 # running units
 
 
-def _quantize_group(
+def _quantize_groups(
     fmt: Format,
-    group: tuple[OutputSpec, ...],
+    groups: Sequence[tuple[OutputSpec, ...]],
     inputs: Mapping[str, torch.Tensor],
     outputs: Mapping[str, torch.Tensor],
     params: FormatParams = DEFAULT_FORMAT_PARAMS,
 ) -> None:
-    views = [w.source_view(inputs[w.source]) for w in group]
-    if fmt.four_bit:
-        if fmt is Format.NVFP4:  # one global scale over the group (an expert's gate and up)
-            gs = cpu.nvfp4_global_scale(*views, name=" + ".join(w.name for w in group))
-            reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
-            for w, view in zip(group, views, strict=True):
-                q, s, extra = (outputs[n] for n in w.quantized_outputs)
-                g = torch.empty_like(gs) if reciprocal else extra
-                cpu.quantize_nvfp4(view, global_scale=gs, out=(q, s, g), name=w.name)  # type: ignore[arg-type]
-                if reciprocal:  # compressed-tensors' weight_global_scale: float32(1 / gs), SPEC §2.3
-                    extra.copy_(torch.reciprocal(g).reshape(extra.shape))
-            return
-        if fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
-            kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
-            for w, view in zip(group, views, strict=True):
-                out = tuple(outputs[n] for n in w.quantized_outputs)
-                cpu.quantize_int4(view, out=out, name=w.name, **kw)  # type: ignore[arg-type]
-            return
-        for w, view in zip(group, views, strict=True):
-            cpu.quantize(view, fmt, out=tuple(outputs[n] for n in w.quantized_outputs), name=w.name)
-        return
-    if fmt is Format.FP8_PER_TENSOR and len(group) > 1:
-        # the shared scale reads every member, so an error names them all
-        scale = cpu.fp8_per_tensor_scale(*views, name=" + ".join(w.name for w in group))
-        for w, view in zip(group, views, strict=True):
-            out = (outputs[w.name], outputs[w.scale_name])
-            cpu.quantize_fp8_per_tensor(view, scale=scale, out=out, name=w.name)
-        return
-    for w, view in zip(group, views, strict=True):
-        cpu.quantize(view, fmt, out=(outputs[w.name], outputs[w.scale_name]), name=w.name)
+    """Quantize a unit's scale groups (a slab's experts: gate and up share a group): the shared scales
+    of every group as one split across the threads, then every projection's kernel as another
+    (``cpu.run_prepared``), rather than one hand-off to the threads per projection."""
+    views = [[w.source_view(inputs[w.source]) for w in group] for group in groups]
+    label = [" + ".join(w.name for w in group) for group in groups]
+    shared: list[torch.Tensor | None] = [None] * len(groups)
+    if fmt is Format.NVFP4:  # one global scale over a group (an expert's gate and up)
+        shared = cpu.run_prepared([cpu.prepare_nvfp4_global_scale(*v, name=n) for v, n in zip(views, label)])
+    elif fmt is Format.FP8_PER_TENSOR:  # a group's scale reads every member (and names them all)
+        # a scale passed in clamps, which a tensor's own scale makes a no-op (reference.py): same bytes
+        shared = cpu.run_prepared(
+            [cpu.prepare_fp8_per_tensor_scale(*v, name=n) for v, n in zip(views, label)]
+        )
+    calls: list[cpu.Prepared] = []
+    after = []  # (compressed-tensors' weight_global_scale buffer, the scale it is 1 / of)
+    reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+    for group, vs, scale in zip(groups, views, shared, strict=True):
+        for w, view in zip(group, vs, strict=True):
+            out = tuple(outputs[n] for n in (w.quantized_outputs if fmt.four_bit else (w.name, w.scale_name)))
+            if fmt is Format.NVFP4:
+                q, s, extra = out
+                if reciprocal:  # float32(1 / gs), SPEC §2.3: the kernel's own copy of gs goes elsewhere
+                    after.append((extra, scale))
+                    out = (q, s, torch.empty_like(scale))
+                calls.append(cpu.prepare_nvfp4(view, global_scale=scale, out=out, name=w.name))  # type: ignore[arg-type]
+            elif fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
+                kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
+                calls.append(cpu.prepare_int4(view, out=out, name=w.name, **kw))  # type: ignore[arg-type]
+            elif scale is not None:
+                calls.append(cpu.prepare_fp8_per_tensor(view, scale=scale, out=out, name=w.name))  # type: ignore[arg-type]
+            else:
+                calls.append(cpu.prepare(view, fmt, out=out, name=w.name))
+    cpu.run_prepared(calls)
+    for extra, scale in after:
+        extra.copy_(torch.reciprocal(scale).reshape(extra.shape))
 
 
 def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
@@ -86,8 +91,41 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
                 dst.copy_(src)  # in the published dtype (RefitSpec.published_dtype): round to nearest even
         return
     weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
-    for group in unit.scale_groups:
-        _quantize_group(unit.fmt, tuple(weights[n] for n in group), inputs, outputs, unit.params)
+    groups = [tuple(weights[n] for n in group) for group in unit.scale_groups]
+    _quantize_groups(unit.fmt, groups, inputs, outputs, unit.params)
+
+
+def run_quantized_units(
+    units: Sequence[Unit],
+    inputs: Sequence[Mapping[str, torch.Tensor]],
+    outputs: Sequence[Mapping[str, torch.Tensor]],
+) -> bool:
+    """:func:`run_unit` for several quantizing units of one format on the CPU (``inputs[k]`` /
+    ``outputs[k]`` are unit k's): every scale group of every unit as one split across the quantizer
+    threads per pass, rather than a hand-off or two per unit (per-expert models: a unit is one expert's
+    gate and up, a few MiB).
+
+    Returns False, having run nothing, when the units do not all qualify (another format or
+    parameters, a tensor off the CPU, a missing buffer): :func:`run_unit` on each then runs them and
+    names the problem. An error while running (NaN, a mismatched buffer) is raised without saying which
+    unit: run them one by one to report it against its unit.
+    """
+    if not units or any(u.fmt is None or u.fmt != units[0].fmt or u.params != units[0].params for u in units):
+        return False
+    merged_in: dict[str, torch.Tensor] = {}
+    merged_out: dict[str, torch.Tensor] = {}
+    groups: list[tuple[OutputSpec, ...]] = []
+    for unit, ins, outs in zip(units, inputs, outputs, strict=True):
+        if any(n not in ins or ins[n].device.type != "cpu" for n in unit.inputs) or any(
+            o.name not in outs or outs[o.name].device.type != "cpu" for o in unit.outputs
+        ):
+            return False
+        merged_in.update((n, ins[n]) for n in unit.inputs)
+        merged_out.update((o.name, outs[o.name]) for o in unit.outputs)
+        weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
+        groups.extend(tuple(weights[n] for n in group) for group in unit.scale_groups)
+    _quantize_groups(units[0].fmt, groups, merged_in, merged_out, units[0].params)  # type: ignore[arg-type]
+    return True
 
 
 def run_passthroughs(
