@@ -76,23 +76,59 @@ def test_batches_respect_the_limits(monkeypatch):
     assert [len(r) for r in batches([job(u) for u in units])] == [1] * 10
 
 
-def test_batches_keep_quantizing_units_alone():
-    plan = RefitPlan.build(
-        [
-            TensorSpec("model.layers.0.mlp.experts.0.gate_proj.weight", torch.bfloat16, (256, 128)),
-            TensorSpec("model.layers.0.mlp.experts.0.up_proj.weight", torch.bfloat16, (256, 128)),
-            TensorSpec("model.layers.0.mlp.experts.0.down_proj.weight", torch.bfloat16, (128, 256)),
-            TensorSpec("model.layers.0.input_layernorm.weight", torch.bfloat16, (128,)),
-            TensorSpec("model.layers.0.post_attention_layernorm.weight", torch.bfloat16, (128,)),
-        ],
-        RefitSpec(model_type="qwen3_moe", fmt="block_fp8"),
-    )
-    runs = batches([job(u) for u in plan.units])
-    quantizing = [u.index for u in plan.units if u.fmt is not None]
-    assert quantizing
-    for run in runs:
-        if any(j[1].fmt is not None for j in run):
-            assert len(run) == 1
+def expert_plan(fmt: str = "block_fp8", experts: int = 2) -> RefitPlan:
+    specs = []
+    for e in range(experts):
+        for proj, shape in (("gate_proj", (256, 128)), ("up_proj", (256, 128)), ("down_proj", (128, 256))):
+            specs.append(TensorSpec(f"model.layers.0.mlp.experts.{e}.{proj}.weight", torch.bfloat16, shape))
+    specs += [
+        TensorSpec("model.layers.0.input_layernorm.weight", torch.bfloat16, (128,)),
+        TensorSpec("model.layers.0.post_attention_layernorm.weight", torch.bfloat16, (128,)),
+    ]
+    return RefitPlan.build(specs, RefitSpec(model_type="qwen3_moe", fmt=fmt))
+
+
+def cpu_job(unit, step=0, sync=False, device="cpu"):
+    """A job whose output buffers are on ``device`` (only their device is looked at)."""
+    outs = {o.name: torch.empty(0, device=device) for o in unit.outputs}
+    return (step, unit, {}, outs, sync)
+
+
+def test_batches_group_cpu_quantizations_of_one_step_and_format():
+    """Quantizing units on the CPU queued back to back share a run (one split across the threads
+    for all of them), apart from passthroughs, other steps, a unit closing a ring group (sync), and
+    units on another device; at most BATCH_QUANT_BYTES of input a run."""
+    plan = expert_plan(experts=4)
+    quant = [u for u in plan.units if u.fmt is not None]
+    small = [u for u in plan.units if u.fmt is None]
+    assert len(quant) == 12 and small  # gate, up, down: a unit each in block_fp8
+    jobs = [cpu_job(u) for u in quant[:3]] + [cpu_job(small[0])] + [cpu_job(u) for u in quant[3:5]]
+    jobs += [cpu_job(quant[5], step=1), cpu_job(quant[6], step=1, sync=True), cpu_job(quant[7], step=1)]
+    jobs += [cpu_job(u, step=1, device="meta") for u in quant[:2]]
+    runs = batches(jobs)
+    shape = [[(j[0], j[1].index) for j in run] for run in runs]
+    i = [u.index for u in quant]
+    assert shape == [
+        [(0, i[0]), (0, i[1]), (0, i[2])],
+        [(0, small[0].index)],
+        [(0, i[3]), (0, i[4])],
+        [(1, i[5])],
+        [(1, i[6])],
+        [(1, i[7])],
+        [(1, i[0])],
+        [(1, i[1])],
+    ]
+    assert [j for run in runs for j in run] == jobs  # order kept
+
+
+def test_batches_of_quantizations_respect_the_byte_limit(monkeypatch):
+    quant = [u for u in expert_plan(experts=4).units if u.fmt is not None]
+    monkeypatch.setattr(worker_mod, "BATCH_QUANT_BYTES", quant[0].bytes_in + quant[1].bytes_in)
+    assert [len(r) for r in batches([cpu_job(u) for u in quant])] == [2] * 6
+    monkeypatch.setattr(worker_mod, "BATCH_QUANT_BYTES", 64 << 20)
+    other = expert_plan("mxfp8", experts=1)
+    mixed = [cpu_job(quant[0]), *(cpu_job(u) for u in other.units if u.fmt is not None)]
+    assert [len(r) for r in batches(mixed)] == [1, 3]  # another format: another run
 
 
 def test_all_finite():
@@ -262,6 +298,49 @@ def test_worker_batch_with_a_wrong_buffer_reports_run_units_error(qworker):
     errors = {d.unit: d.error for d in done if d.error is not None}
     assert list(errors) == [5]
     assert "allocate outputs from the plan" in str(errors[5])
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "nvfp4", "int4_w4a16"])
+def test_worker_runs_queued_cpu_quantizations_as_one_batch(qworker, fmt, monkeypatch):
+    """Per-expert units queued together run as one batch (one run_quantized_units, not one run_unit
+    each), with the bytes run_unit gives each; a NaN in one expert fails that expert's unit alone
+    (the batch falls back to one by one, which names it)."""
+    plan = expert_plan(fmt, experts=4)
+    gen = torch.Generator().manual_seed(5)
+    srcs = {i.name: torch.randn(i.shape, generator=gen).mul(0.02).bfloat16() for i in plan.inputs}
+    want = {o.name: torch.zeros(o.shape, dtype=o.dtype) for o in plan.outputs}
+    for u in plan.units:
+        run_unit(u, srcs, want)
+    batched: list[int] = []
+    real = worker_mod.run_quantized_units
+    monkeypatch.setattr(
+        worker_mod, "run_quantized_units", lambda units, i, o: batched.append(len(units)) or real(units, i, o)
+    )
+    for bad in (None, "model.layers.0.mlp.experts.2.up_proj.weight"):
+        inputs = dict(srcs)
+        if bad is not None:
+            inputs[bad] = srcs[bad].clone()
+            inputs[bad][7, 9] = float("nan")
+        outs = {o.name: torch.zeros(o.shape, dtype=o.dtype) for o in plan.outputs}
+        release: queue.Queue = queue.Queue()
+        blocker(qworker, release)
+        submit_all(qworker, plan, inputs, outs)
+        release.put(None)
+        done = qworker.results(1 + len(plan.units))[1:]
+        assert sorted(d.unit for d in done) == [u.index for u in plan.units]
+        errors = {d.unit: d.error for d in done if d.error is not None}
+        quantizing = sum(u.fmt is not None for u in plan.units)
+        assert batched and batched[-1] == quantizing
+        if bad is None:
+            assert not errors
+            for name, t in want.items():
+                assert torch.equal(
+                    outs[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                ), name
+        else:
+            (unit,) = errors
+            assert bad in plan.units[unit].inputs
+            assert "NaN or Inf" in str(errors[unit]) and "experts.2.up_proj" in str(errors[unit])
 
 
 def test_worker_skips_a_cancelled_batch(qworker):

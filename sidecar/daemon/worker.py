@@ -28,7 +28,7 @@ from sidecar.daemon.spans import Span, run_span
 from sidecar.numerics import kernels
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import Unit
-from sidecar.plan.run import run_passthroughs, run_unit
+from sidecar.plan.run import run_passthroughs, run_quantized_units, run_unit
 
 log = logging.getLogger("refitd.worker")
 
@@ -39,6 +39,11 @@ BATCH_UNIT_BYTES = 256 << 10
 #: at most this many units (and this many input bytes) in one batch: its results are reported together
 BATCH_MAX_UNITS = 256
 BATCH_MAX_BYTES = 8 << 20
+#: Quantizing units on the CPU (per-expert models: an expert's gate and up, a few MiB) queued back to
+#: back run as one batch of up to this many input bytes: one split across the quantizer threads per
+#: pass for all of them (sidecar.plan.run.run_quantized_units), not a hand-off or two per unit. About
+#: 20-60 ms of work on two cores: cheap work queued meanwhile waits at most that long.
+BATCH_QUANT_BYTES = 64 << 20
 
 
 @dataclass(slots=True)
@@ -83,20 +88,44 @@ def batchable(job: tuple | SpanJob) -> bool:
     return unit.fmt is None and not sync and unit.bytes_in <= BATCH_UNIT_BYTES
 
 
+def cpu_quantization(job: tuple | SpanJob | None) -> bool:
+    """A unit quantized on the CPU that closes no staging-ring group: it may run in a batch with the
+    quantizing units queued beside it (:data:`BATCH_QUANT_BYTES`)."""
+    if job is None or not _quantization(job) or _closes_group(job):
+        return False
+    return all(t.device.type == "cpu" for t in job[3].values())
+
+
+def _same_kind(job: tuple, other: tuple) -> bool:
+    """Two jobs that may share a batch: both small passthroughs, or both CPU quantizations of one format
+    and parameters."""
+    if batchable(job) and batchable(other):
+        return True
+    return (
+        cpu_quantization(job)
+        and cpu_quantization(other)
+        and job[1].fmt == other[1].fmt
+        and job[1].params == other[1].params
+    )
+
+
 def batches(jobs: list) -> list[list]:
     """Split queued ``jobs`` (in order) into runs: consecutive batchable jobs of one step share a run
-    (up to BATCH_MAX_UNITS units and BATCH_MAX_BYTES); every other job is a run of its own."""
+    (up to BATCH_MAX_UNITS units and BATCH_MAX_BYTES), and so do consecutive CPU quantizations of one
+    step and format (up to BATCH_QUANT_BYTES); every other job is a run of its own."""
     runs: list[list] = []
     run_bytes = 0
     for job in jobs:
         last = runs[-1] if runs else None
+        limit = BATCH_QUANT_BYTES if cpu_quantization(job) else BATCH_MAX_BYTES
         if (
             last is not None
-            and batchable(job)
-            and batchable(last[0])
+            and not isinstance(job, SpanJob)
+            and not isinstance(last[0], SpanJob)
+            and _same_kind(job, last[0])
             and last[0][0] == job[0]
             and len(last) < BATCH_MAX_UNITS
-            and run_bytes + job[1].bytes_in <= BATCH_MAX_BYTES
+            and run_bytes + job[1].bytes_in <= limit
         ):
             last.append(job)
             run_bytes += job[1].bytes_in
@@ -118,13 +147,25 @@ def _closes_group(job: tuple | SpanJob) -> bool:
 
 def _unbatched_quantization(job: tuple | SpanJob | None) -> bool:
     """A quantization that does not run through the Triton kernels (the native CPU kernels, or the
-    torch reference): after it the worker looks at the queue again, so that cheap work queued
-    meanwhile goes first. (Queued Triton launches stay one batch: their NaN/Inf flags are read once
-    per batch, one host sync.)"""
+    torch reference): after one of those (or BATCH_QUANT_BYTES of them, for CPU quantizations that
+    batch) the worker looks at the queue again, so that cheap work queued meanwhile goes first.
+    (Queued Triton launches stay one batch: their NaN/Inf flags are read once per batch, one host
+    sync.)"""
     if job is None or not _quantization(job):
         return False
     device = next((t.device for t in job[3].values()), torch.device("cpu"))
     return not kernels.available(device)
+
+
+def _collected_enough(jobs: list) -> bool:
+    """Whether the worker stops taking queued jobs into this round: a quantization that does not
+    batch, or CPU quantizations of BATCH_QUANT_BYTES (see :func:`_unbatched_quantization`)."""
+    last = jobs[-1]
+    if not _unbatched_quantization(last):
+        return False
+    if not cpu_quantization(last):
+        return True
+    return sum(job[1].bytes_in for job in jobs if cpu_quantization(job)) >= BATCH_QUANT_BYTES
 
 
 def _synchronize(tensors: dict) -> None:
@@ -226,7 +267,7 @@ class QuantWorker:
             stop = False
             while not stop:
                 jobs = [self._jobs.get()[2]]
-                while len(jobs) < BATCH_MAX_UNITS and not _unbatched_quantization(jobs[-1]):
+                while len(jobs) < BATCH_MAX_UNITS and not _collected_enough(jobs):
                     try:  # whatever else is queued already
                         jobs.append(self._jobs.get_nowait()[2])
                     except queue.Empty:
@@ -310,9 +351,10 @@ class QuantWorker:
         self._unreported.append(Done(step, unit.index, time.monotonic() - t0, error, skip, t0))
 
     def _run_batch(self, run: list) -> bool:
-        """Run a batch of small passthroughs of one step together; False (nothing reported, maybe some
-        outputs copied, which running them one by one redoes) when any of them needs the one-by-one
-        path: a NaN, a mismatched buffer, anything unexpected, whose error that path then reports."""
+        """Run a batch of one step together: small passthroughs, or CPU quantizations of one format;
+        False (nothing reported, maybe some outputs written, which running them one by one redoes)
+        when any of them needs the one-by-one path: a NaN, a mismatched buffer, anything unexpected,
+        whose error that path then reports against its unit."""
         step = run[0][0]
         if self._skipped(step):
             for _, unit, *_ in run:
@@ -324,10 +366,11 @@ class QuantWorker:
                 units = [job[1] for job in run]
                 ins = [job[2] for job in run]
                 outs = [job[3] for job in run]
-                if not run_passthroughs(units, ins, outs):
-                    return False
+                if units[0].fmt is not None:  # quantizers refuse NaN/Inf in their inputs themselves
+                    if not run_quantized_units(units, ins, outs):
+                        return False
                 # the copies are checked, never staging: a rank may still write there
-                if not all_finite(
+                elif not run_passthroughs(units, ins, outs) or not all_finite(
                     [t for unit, tensors in zip(units, outs) for t in _outputs_of(unit, tensors)]
                 ):
                     return False
