@@ -4,7 +4,12 @@ Implementations, measured in the same run on the same bytes (outputs into existi
   reference    sidecar.numerics.reference, the pure-torch oracle, one call per slab;
   native       sidecar.numerics.cpu (the daemon's CPU path: native/quant.c, fourbit.c), one call per slab;
   native/proj  the same, one call per expert projection (gate, up, down views), as the daemon's
-               plan units make them;
+               plan units made them until they batched;
+  native/unit  ``sidecar.plan.run.run_unit`` on the plan's two slab units (gate_up, down): what the
+               daemon's quantize worker runs, every projection of a slab in one split;
+  native/batch the same bytes as a per-expert model's units (Qwen3-MoE's layout: a unit per expert's
+               gate and up, or per projection), queued together: ``run_quantized_units`` over
+               batches of BATCH_QUANT_BYTES, as the worker runs them;
 and the baselines:
   copy   a plain ``dst.copy_(src)`` of the bf16 slab into an existing buffer (the memory floor);
   naive  the straightforward implementation: pad, reshape, amax, divide, cast, whole tensor at once
@@ -34,8 +39,13 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+
+#: ``python bench/quant.py`` puts bench/ first on sys.path, where bench/transport.py would hide the
+#: transport package (the daemon's worker imports it): the repository goes first
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sidecar.config.environment import brief_openmp_spin
 
@@ -47,9 +57,13 @@ brief_openmp_spin()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from sidecar.cli.demo.synthetic import make_hf_config  # noqa: E402
+from sidecar.daemon.worker import BATCH_QUANT_BYTES  # noqa: E402
 from sidecar.numerics import cpu, fourbit, native  # noqa: E402
 from sidecar.numerics import reference as quant  # noqa: E402
 from sidecar.numerics.formats import FLT_MIN, FOUR_BIT_FORMATS, FP8_DTYPE, FP8_MAX, Format  # noqa: E402
+from sidecar.plan.build import RefitSpec, plan_from_hf_config  # noqa: E402
+from sidecar.plan.run import run_quantized_units, run_unit  # noqa: E402
 
 HIDDEN, INTER = 2048, 512  # Qwen3.5-35B-A3B
 
@@ -139,6 +153,55 @@ def per_projection_calls(fmt: str, slabs: dict[str, torch.Tensor]) -> list:
     return calls
 
 
+def slab_units(fmt: str, experts: int, slabs: dict[str, torch.Tensor]) -> list:
+    """``run_unit`` on each of a one-layer plan's slab units, over ``slabs``, into its own outputs."""
+    config = make_hf_config(
+        "qwen3_5_moe", num_layers=1, hidden=HIDDEN, intermediate=INTER, num_experts=experts
+    )
+    plan = plan_from_hf_config(config, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
+    calls = []
+    for unit in plan.units:
+        if unit.fmt is None or not unit.inputs[0].startswith("model.") or ".experts." not in unit.inputs[0]:
+            continue
+        (source,) = unit.inputs
+        inputs = {source: slabs["gate_up" if source.endswith("gate_up_proj") else "down"]}
+        outputs = {o.name: torch.empty(o.shape, dtype=o.dtype) for o in unit.outputs}
+        calls.append(lambda unit=unit, inputs=inputs, outputs=outputs: run_unit(unit, inputs, outputs))
+    assert len(calls) == 2, f"expected the gate_up and down slab units, found {len(calls)}"
+    return calls
+
+
+def expert_batches(fmt: str, experts: int, slabs: dict[str, torch.Tensor]) -> list:
+    """The worker's batches of a per-expert (qwen3_moe) plan's quantizing units over the slabs' views."""
+    config = make_hf_config("qwen3_moe", num_layers=1, hidden=HIDDEN, intermediate=INTER, num_experts=experts)
+    plan = plan_from_hf_config(config, RefitSpec(model_type="qwen3_moe", fmt=fmt))
+    gate_up, down = slabs["gate_up"], slabs["down"]
+    views = {}
+    for e in range(experts):
+        prefix = f"model.layers.0.mlp.experts.{e}"
+        views[f"{prefix}.gate_proj.weight"] = gate_up[e, :INTER]
+        views[f"{prefix}.up_proj.weight"] = gate_up[e, INTER:]
+        views[f"{prefix}.down_proj.weight"] = down[e]
+    units = [u for u in plan.units if u.fmt is not None and all(n in views for n in u.inputs)]
+    assert sum(len(u.inputs) for u in units) == 3 * experts
+    runs: list[list] = [[]]
+    for unit in units:
+        if runs[-1] and sum(u.bytes_in for u in runs[-1]) + unit.bytes_in > BATCH_QUANT_BYTES:
+            runs.append([])
+        runs[-1].append(unit)
+    calls = []
+    for run in runs:
+        ins = [{n: views[n] for n in u.inputs} for u in run]
+        outs = [{o.name: torch.empty(o.shape, dtype=o.dtype) for o in u.outputs} for u in run]
+        calls.append(lambda run=run, ins=ins, outs=outs: _batched(run, ins, outs))
+    return calls
+
+
+def _batched(units: list, ins: list, outs: list) -> None:
+    if not run_quantized_units(units, ins, outs):
+        raise RuntimeError("run_quantized_units declined the units: the n/batch column would time nothing")
+
+
 def timed(fn, repeat: int) -> float:
     fn()  # warm-up: page faults, allocator
     samples = []
@@ -223,6 +286,8 @@ def main() -> None:
     }
     naive = {"block_fp8": naive_block_fp8, "mxfp8": naive_mxfp8, "fp8_per_tensor": naive_per_tensor}
     proj_calls = {fmt: per_projection_calls(fmt, slabs) for fmt in ours}
+    unit_calls = {fmt: slab_units(fmt, args.experts, slabs) for fmt in ours}
+    batch_calls = {fmt: expert_batches(fmt, args.experts, slabs) for fmt in ours}
     base_lib = native._open(args.baseline_lib) if args.baseline_lib else None
 
     def with_base(fn):
@@ -248,6 +313,8 @@ def main() -> None:
             lambda fmt=fmt: [ours[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
             lambda fmt=fmt: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()],
             lambda fmt=fmt: [call() for call in proj_calls[fmt]],
+            lambda fmt=fmt: [call() for call in unit_calls[fmt]],
+            lambda fmt=fmt: [call() for call in batch_calls[fmt]],
         ]
         if base_lib is not None:
             fns.append(
@@ -255,19 +322,25 @@ def main() -> None:
                     lambda: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()]
                 )
             )
-        t_copy, t_ours, t_native, t_proj, *t_base = timed_together(fns, args.repeat)
+        t_copy, t_ours, t_native, t_proj, t_unit, t_batch, *t_base = timed_together(fns, args.repeat)
         rows.append(
             {
                 "format": fmt,
                 "ours_gbps": nbytes / t_ours / 1e9,
                 "native_gbps": nbytes / t_native / 1e9,
                 "native_proj_gbps": nbytes / t_proj / 1e9,
+                "native_unit_gbps": nbytes / t_unit / 1e9,
+                "native_batch_gbps": nbytes / t_batch / 1e9,
                 "naive_gbps": nbytes / t_naive / 1e9,
                 "copy_gbps": nbytes / t_copy / 1e9,
                 "vs_naive": t_naive / t_ours,
                 "vs_copy": t_copy / t_ours,
                 "native_vs_copy": t_copy / t_native,
                 "native_proj_vs_copy": t_copy / t_proj,
+                "native_unit_vs_copy": t_copy / t_unit,
+                "native_batch_vs_copy": t_copy / t_batch,
+                "unit_vs_proj": t_proj / t_unit,
+                "batch_vs_proj": t_proj / t_batch,
                 "native_vs_reference": t_ours / t_native,
             }
         )
@@ -278,20 +351,26 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU path: {done.impl}"
     )
     print(
-        f"{'format':<16}{'reference':>10}{'native':>8}{'n/proj':>8}{'naive':>8}{'copy':>8}   GB/s"
-        f" |{'ref':>6}{'native':>8}{'n/proj':>8}  of copy |{'native x ref':>13}"
+        f"{'format':<16}{'reference':>10}{'native':>8}{'naive':>8}{'copy':>8}   GB/s |{'ref':>6}{'native':>8}"
+        f"  of copy |{'native x ref':>13}"
     )
     for r in rows:
         print(
-            f"{r['format']:<16}{r['ours_gbps']:>10.2f}{r['native_gbps']:>8.2f}{r['native_proj_gbps']:>8.2f}"
-            f"{r['naive_gbps']:>8.2f}{r['copy_gbps']:>8.2f}        |{r['vs_copy'] * 100:>5.0f}%"
-            f"{r['native_vs_copy'] * 100:>7.0f}%{r['native_proj_vs_copy'] * 100:>7.0f}%          |"
-            f"{r['native_vs_reference']:>12.1f}x"
+            f"{r['format']:<16}{r['ours_gbps']:>10.2f}{r['native_gbps']:>8.2f}{r['naive_gbps']:>8.2f}"
+            f"{r['copy_gbps']:>8.2f}        |{r['vs_copy'] * 100:>5.0f}%{r['native_vs_copy'] * 100:>7.0f}%"
+            f"          |{r['native_vs_reference']:>12.1f}x"
             + (
                 f" | base {r['base_gbps']:.2f} GB/s, {r['base_vs_copy'] * 100:.0f}% of copy"
                 if "base_gbps" in r
                 else ""
             )
+        )
+    print("\nthe daemon's call paths, same rounds (of copy; x: against one call per projection)")
+    print(f"{'format':<16}{'n/proj':>8}{'n/unit':>8}{'n/batch':>9} |{'unit x proj':>12}{'batch x proj':>13}")
+    for r in rows:
+        print(
+            f"{r['format']:<16}{r['native_proj_vs_copy'] * 100:>7.0f}%{r['native_unit_vs_copy'] * 100:>7.0f}%"
+            f"{r['native_batch_vs_copy'] * 100:>8.0f}% |{r['unit_vs_proj']:>11.2f}x{r['batch_vs_proj']:>12.2f}x"
         )
     if args.stages:
         scales = {k: cpu.nvfp4_global_scale(t) for k, t in slabs.items()}
