@@ -173,6 +173,10 @@ def test_4bit_parameters_are_checked_before_anything_is_written(tmp_path, capsys
             ["--format", "int4_w4a16", "--int4-scale-dtype", "float32", "--engine", "vllm"],
             "cannot hold them; plan with int4_scale_dtype='bfloat16'",
         ),
+        (
+            ["--format", "int4_w4a16", "--int4-scale-dtype", "float32", "--engine", "sglang"],
+            "would round them to it; plan with int4_scale_dtype='bfloat16'",
+        ),
     ]
     for i, (flags, needle) in enumerate(cases):
         out = tmp_path / f"o{i}"

@@ -231,6 +231,13 @@ def sglang_quantization_config(
             )
         return nvfp4_quantization_config(skip)
     if fmt is Format.INT4_W4A16:
+        if spec.params.int4_scale_dtype != "bfloat16":
+            raise ValueError(
+                f"int4_w4a16 with {spec.params.int4_scale_dtype} scales: SGLang 0.5.23's "
+                "CompressedTensorsWNA16MoEMethod holds the group scales in the model dtype (create_weights: "
+                "params_dtype, compressed_tensors_wNa16_moe.py), bfloat16 for this BF16 model, and its weight "
+                "loader would round them to it; plan with int4_scale_dtype='bfloat16' (--int4-scale-dtype bfloat16)"
+            )
         return int4_quantization_config(with_fused_names(skip), spec.params)
     if fmt is Format.MXFP4:
         raise ValueError(MXFP4_REFUSAL)
