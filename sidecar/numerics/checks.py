@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -76,7 +77,13 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     the strides (each dim, by increasing stride, steps past everything the smaller ones reach), and
     for layouts that fail it (rare, never the daemon's) a count of the distinct offsets.
     """
-    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    return _overlapping_layout(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def _overlapping_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """:func:`_overlaps_itself` of a shape and strides (the daemon's buffers repeat a few layouts)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
     reach = 0
     for st, n in dims:
         if st <= reach:
@@ -103,8 +110,8 @@ def _check_out_buffers(
     buffer whose elements overlap (the native kernels would race on it)."""
     if out is None:
         return tuple(torch.empty(shape, dtype=dtype, device=w.device) for _, shape, dtype in wanted)
-    names = ", ".join(what for what, _, _ in wanted)
     if not (isinstance(out, (tuple, list)) and len(out) == len(wanted)):
+        names = ", ".join(what for what, _, _ in wanted)
         raise ValueError(f"{_label(name)}: out= must be a tuple of {len(wanted)} tensors ({names})")
     for (what, shape, dtype), t in zip(wanted, out):
         if not isinstance(t, torch.Tensor):

@@ -26,6 +26,7 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import struct
 import time
@@ -102,7 +103,14 @@ def _fold(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | Non
 def _view3(t: torch.Tensor, split: int) -> tuple[int, int, int, int, int] | None:
     """``t`` as (batch, rows, cols, batch stride, row stride) in elements: dims ``[:split]`` fold
     into batch, ``[split:-1]`` into rows; None unless the last dim is contiguous and both fold."""
-    shape, strides = tuple(t.shape), t.stride()
+    return _view3_of(tuple(t.shape), t.stride(), split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _view3_of(
+    shape: tuple[int, ...], strides: tuple[int, ...], split: int
+) -> tuple[int, int, int, int, int] | None:
+    """:func:`_view3` of a shape and strides (a slab's hundreds of projection views share them)."""
     if not shape or (shape[-1] != 1 and strides[-1] != 1):
         return None
     batch = _fold(shape[:split], strides[:split])
@@ -114,8 +122,13 @@ def _view3(t: torch.Tensor, split: int) -> tuple[int, int, int, int, int] | None
 
 def _row_split(t: torch.Tensor) -> int:
     """Where ``t``'s leading dims split into (batch, rows) for a rows format: all in rows if they fold."""
-    lead = t.dim() - 1
-    return 0 if _fold(t.shape[:lead], t.stride()[:lead]) is not None else max(0, lead - 1)
+    return _row_split_of(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_split_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    lead = len(shape) - 1
+    return 0 if _fold(shape[:lead], strides[:lead]) is not None else max(0, lead - 1)
 
 
 def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
