@@ -323,7 +323,16 @@ def zmq_baseline(endpoint: str, frames: list, repeat: int, modes: tuple[str, ...
 class DaemonProc:
     """``python -m sidecar.cli serve`` in a fresh runtime dir; ready once it answers STATUS."""
 
-    def __init__(self, *args: str, tcp_port: int | None = None, config: dict | None = None, label: str):
+    def __init__(
+        self,
+        *args: str,
+        tcp_port: int | None = None,
+        config: dict | None = None,
+        label: str,
+        cwd: Path | None = None,
+    ):
+        """``cwd``: the checkout whose ``sidecar`` runs (``python -m`` imports from there first);
+        default this one."""
         self.tmp = Path(tempfile.mkdtemp(prefix="refitd-bench-"))
         self.runtime = self.tmp / "run"
         self.label = label
@@ -340,7 +349,7 @@ class DaemonProc:
             self.endpoint = f"ipc://{self.runtime}/control.sock"
         self.log = open(self.tmp / "daemon.log", "w+b")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent
+            argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd or Path(__file__).resolve().parent.parent
         )
         self.next_step = 0
         self.startup_s = self._wait_ready()
