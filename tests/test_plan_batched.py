@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sidecar.cli.demo.synthetic import make_state_dict
-from sidecar.numerics import cpu, native
-from sidecar.numerics.formats import Format
+from sidecar.numerics import cpu, fourbit, native
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.build import RefitPlan, RefitSpec, UnitKind
 from sidecar.plan.run import convert, run_unit
 
@@ -30,9 +30,12 @@ QUANTIZED = [
 ]
 
 
-def _slab_units(fmt: Format) -> tuple[dict[str, torch.Tensor], RefitPlan, list]:
+def _slab_units(
+    fmt: Format, params: FormatParams = DEFAULT_FORMAT_PARAMS
+) -> tuple[dict[str, torch.Tensor], RefitPlan, list]:
     state = make_state_dict("qwen3_5_moe", num_layers=1, num_experts=EXPERTS, seed=4)
-    plan = RefitPlan.build(list(state.items()), RefitSpec(model_type="qwen3_5_moe", fmt=fmt))
+    spec = RefitSpec(model_type="qwen3_5_moe", fmt=fmt, params=params)
+    plan = RefitPlan.build(list(state.items()), spec)
     slabs = [u for u in plan.units if u.kind is UnitKind.SLAB and u.fmt is not None]
     assert slabs and all(len(u.scale_groups) in (EXPERTS, 2 * EXPERTS) for u in slabs)
     return state, plan, slabs
@@ -52,16 +55,51 @@ def test_a_slab_unit_takes_one_split_per_pass(fmt: Format, monkeypatch: pytest.M
         splits.clear()
         run_unit(unit, state, _outputs(unit))
         projections = sum(len(g) for g in unit.scale_groups)
-        if fmt in SHARED_SCALE:  # a scale a group (gate and up share one), then the kernels
+        if fmt is Format.NVFP4:  # a group a call: its amax, then its kernels while cached
+            assert splits == [EXPERTS], unit.inputs
+        elif fmt in SHARED_SCALE:  # a scale a group (gate and up share one), then the kernels
             assert splits == [EXPERTS, projections], unit.inputs
         else:
             assert splits == [projections], unit.inputs
 
 
+@pytest.mark.parametrize("groups_per_thread", [1, 1000])
+def test_nvfp4_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int, monkeypatch):
+    """NVFP4's groups run whole on a thread each (enough of them to share the threads) or as two
+    split passes (too few): the same bytes as the torch reference either way, under both names."""
+    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", groups_per_thread)
+    splits: list[int] = []
+    real = cpu._POOL.run_many
+    monkeypatch.setattr(cpu._POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
+    for names in ("modelopt", "compressed_tensors"):
+        state, _, slabs = _slab_units(Format.NVFP4, params=FormatParams(nvfp4_names=names))
+        for unit in slabs:
+            splits.clear()
+            got = _outputs(unit)
+            run_unit(unit, state, got)
+            projections = sum(len(g) for g in unit.scale_groups)
+            assert splits == ([EXPERTS] if groups_per_thread == 1 else [EXPERTS, projections])
+            for group in unit.scale_groups:
+                members = [o for o in unit.outputs if o.name in group]
+                views = [o.source_view(state[o.source]) for o in members]
+                gs = fourbit.nvfp4_global_scale(*views)
+                for o, v in zip(members, views, strict=True):
+                    q, s, g = fourbit.quantize_nvfp4(v, global_scale=gs)
+                    if names == "compressed_tensors":
+                        g = torch.reciprocal(g).reshape(1)
+                    for buf, want in zip(o.quantized_outputs, (q, s, g), strict=True):
+                        same = torch.equal(
+                            got[buf].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+                        )
+                        assert same, buf
+
+
+@pytest.mark.parametrize("groups_per_thread", [1, 1000])
 @pytest.mark.parametrize(
     "fmt", [Format.NVFP4, Format.MXFP4, Format.INT4_W4A16, Format.MXFP8, Format.BLOCK_FP8]
 )
-def test_nan_in_one_expert_of_a_slab_names_that_expert(fmt: Format):
+def test_nan_in_one_expert_of_a_slab_names_that_expert(fmt: Format, groups_per_thread: int, monkeypatch):
+    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", groups_per_thread)
     state, _, _ = _slab_units(fmt)
     name = next(n for n in state if n.endswith("experts.gate_up_proj"))
     slab = state[name].clone()
@@ -89,3 +127,37 @@ def test_prepared_calls_mixing_native_and_reference_give_each_its_own_bytes():
             for x, y in zip(one, other, strict=True):
                 assert x.dtype == y.dtype and x.shape == y.shape
                 assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), fmt
+
+
+def test_nvfp4_groups_with_a_member_off_the_native_path_match_the_reference(monkeypatch):
+    """A group one of whose tensors the native kernels do not take (a transposed view) runs as
+    quantize_nvfp4 would, beside whole groups on the threads: every group's bytes are the reference's."""
+    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", 1)
+    gen = torch.Generator().manual_seed(3)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=gen).mul(0.02).bfloat16()
+
+    tensors = [[bf16(64, 256), bf16(64, 256)] for _ in range(5)]
+    tensors[2][1] = bf16(256, 64).t()  # last dim strided: the reference's path
+    groups, outs = [], []
+    for k, ts in enumerate(tensors):
+        o = [tuple(torch.empty(s, dtype=d) for s, d in _nvfp4_buffers(t)) for t in ts]
+        outs.append(o)
+        groups.append((ts, o, [f"g{k}.gate", f"g{k}.up"], f"g{k}.gate + g{k}.up"))
+    scales = cpu.quantize_nvfp4_groups(groups)
+    for ts, o, gs in zip(tensors, outs, scales, strict=True):
+        want_gs = fourbit.nvfp4_global_scale(*ts)
+        assert torch.equal(gs.view(torch.int32), want_gs.view(torch.int32))
+        for t, got in zip(ts, o, strict=True):
+            for x, y in zip(got, fourbit.quantize_nvfp4(t, global_scale=want_gs), strict=True):
+                assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+def _nvfp4_buffers(t: torch.Tensor):
+    shape = tuple(t.shape)
+    return [
+        (Format.NVFP4.weight_shape(shape), Format.NVFP4.weight_dtype),
+        (Format.NVFP4.scale_shape(shape), Format.NVFP4.scale_dtype),
+        ((), torch.float32),
+    ]

@@ -31,27 +31,20 @@ def _quantize_groups(
     (``cpu.run_prepared``), rather than one hand-off to the threads per projection."""
     views = [[w.source_view(inputs[w.source]) for w in group] for group in groups]
     label = [" + ".join(w.name for w in group) for group in groups]
-    shared: list[torch.Tensor | None] = [None] * len(groups)
     if fmt is Format.NVFP4:  # one global scale over a group (an expert's gate and up)
-        shared = cpu.run_prepared([cpu.prepare_nvfp4_global_scale(*v, name=n) for v, n in zip(views, label)])
-    elif fmt is Format.FP8_PER_TENSOR:  # a group's scale reads every member (and names them all)
+        _nvfp4_groups(groups, views, label, outputs, params)
+        return
+    shared: list[torch.Tensor | None] = [None] * len(groups)
+    if fmt is Format.FP8_PER_TENSOR:  # a group's scale reads every member (and names them all)
         # a scale passed in clamps, which a tensor's own scale makes a no-op (reference.py): same bytes
         shared = cpu.run_prepared(
             [cpu.prepare_fp8_per_tensor_scale(*v, name=n) for v, n in zip(views, label)]
         )
     calls: list[cpu.Prepared] = []
-    after = []  # (compressed-tensors' weight_global_scale buffer, the scale it is 1 / of)
-    reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
     for group, vs, scale in zip(groups, views, shared, strict=True):
         for w, view in zip(group, vs, strict=True):
             out = tuple(outputs[n] for n in (w.quantized_outputs if fmt.four_bit else (w.name, w.scale_name)))
-            if fmt is Format.NVFP4:
-                q, s, extra = out
-                if reciprocal:  # float32(1 / gs), SPEC §2.3: the kernel's own copy of gs goes elsewhere
-                    after.append((extra, scale))
-                    out = (q, s, torch.empty_like(scale))
-                calls.append(cpu.prepare_nvfp4(view, global_scale=scale, out=out, name=w.name))  # type: ignore[arg-type]
-            elif fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
+            if fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
                 kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
                 calls.append(cpu.prepare_int4(view, out=out, name=w.name, **kw))  # type: ignore[arg-type]
             elif scale is not None:
@@ -59,8 +52,31 @@ def _quantize_groups(
             else:
                 calls.append(cpu.prepare(view, fmt, out=out, name=w.name))
     cpu.run_prepared(calls)
-    for extra, scale in after:
-        extra.copy_(torch.reciprocal(scale).reshape(extra.shape))
+
+
+def _nvfp4_groups(
+    groups: Sequence[tuple[OutputSpec, ...]],
+    views: list[list[torch.Tensor]],
+    label: list[str],
+    outputs: Mapping[str, torch.Tensor],
+    params: FormatParams,
+) -> None:
+    """NVFP4's groups through ``cpu.quantize_nvfp4_groups``; under compressed-tensors' names the
+    published ``weight_global_scale`` is float32(1 / gs) (SPEC §2.3), written after."""
+    reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+    jobs, extras = [], []
+    for group, vs, name in zip(groups, views, label, strict=True):
+        outs = []
+        for w in group:
+            q, s, extra = (outputs[n] for n in w.quantized_outputs)
+            if reciprocal:  # the kernel's own copy of gs goes elsewhere
+                extras.append((extra, len(jobs)))
+                extra = torch.empty((), dtype=torch.float32)
+            outs.append((q, s, extra))
+        jobs.append((vs, outs, [w.name for w in group], name))
+    scales = cpu.quantize_nvfp4_groups(jobs)
+    for extra, k in extras:
+        extra.copy_(torch.reciprocal(scales[k]).reshape(extra.shape))
 
 
 def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[str, torch.Tensor]) -> None:
