@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sidecar.numerics import cpu, fourbit, native
+from sidecar.numerics import cpu, cpu_fourbit, fourbit, native
 from sidecar.numerics.formats import FP8_DTYPE
 
 FINITE = 0x7F80  # sign-cleared bf16 bits below this are finite
@@ -138,7 +138,7 @@ def test_nvfp4_global_scale_of_every_bf16_amax():
     division for every finite amax, subnormal ones included."""
     amax = torch.arange(FINITE, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     want = torch.where(amax == 0, 1.0, amax.float() / torch.tensor(2688.0))
-    got = torch.tensor([cpu._nvfp4_global_scale_value(a) for a in range(FINITE)], dtype=torch.float32)
+    got = torch.tensor([cpu_fourbit._nvfp4_global_scale_value(a) for a in range(FINITE)], dtype=torch.float32)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     for a in (0, 1, 0x80, 0x3F80, 0x7F7F):  # and through the API, on tensors of that amax
         t = torch.tensor([[a, a & 0x7F00, 0, 0] * 4], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)

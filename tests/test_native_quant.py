@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from sidecar.numerics import cpu, native, threads
+from sidecar.numerics import cpu, native, native_calls, threads
 from sidecar.numerics import reference as ref
 from sidecar.numerics.cases import CASES, Case
 from sidecar.numerics.formats import FP8_DTYPE, Format
@@ -410,8 +410,10 @@ def test_plan_units_run_on_the_native_kernels(fmt: Format, monkeypatch: pytest.M
     from sidecar.plan.run import convert
 
     calls: list[int] = []
-    real = cpu._POOL.run_many
-    monkeypatch.setattr(cpu._POOL, "run_many", lambda many: calls.extend(u for _, u, _ in many) or real(many))
+    real = native_calls.POOL.run_many
+    monkeypatch.setattr(
+        native_calls.POOL, "run_many", lambda many: calls.extend(u for _, u, _ in many) or real(many)
+    )
     state = test_plan.make_state_dict("qwen3_5_moe", unaligned=True, seed=3)
     assert any(t.dtype == torch.bfloat16 and ".experts." in n for n, t in state.items())
     got = convert(state, RefitSpec(model_type="qwen3_5_moe", fmt=fmt))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sidecar.cli.demo.synthetic import make_state_dict
-from sidecar.numerics import cpu, fourbit, native
+from sidecar.numerics import cpu, cpu_fourbit, fourbit, native, native_calls
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.build import RefitPlan, RefitSpec, UnitKind
 from sidecar.plan.run import convert, run_unit
@@ -49,8 +49,8 @@ def _outputs(unit) -> dict[str, torch.Tensor]:
 def test_a_slab_unit_takes_one_split_per_pass(fmt: Format, monkeypatch: pytest.MonkeyPatch):
     state, _, slabs = _slab_units(fmt)
     splits: list[int] = []
-    real = cpu._POOL.run_many
-    monkeypatch.setattr(cpu._POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
+    real = native_calls.POOL.run_many
+    monkeypatch.setattr(native_calls.POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
     for unit in slabs:
         splits.clear()
         run_unit(unit, state, _outputs(unit))
@@ -67,10 +67,10 @@ def test_a_slab_unit_takes_one_split_per_pass(fmt: Format, monkeypatch: pytest.M
 def test_nvfp4_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int, monkeypatch):
     """NVFP4's groups run whole on a thread each (enough of them to share the threads) or as two
     split passes (too few): the same bytes as the torch reference either way, under both names."""
-    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", groups_per_thread)
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", groups_per_thread)
     splits: list[int] = []
-    real = cpu._POOL.run_many
-    monkeypatch.setattr(cpu._POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
+    real = native_calls.POOL.run_many
+    monkeypatch.setattr(native_calls.POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
     for names in ("modelopt", "compressed_tensors"):
         state, _, slabs = _slab_units(Format.NVFP4, params=FormatParams(nvfp4_names=names))
         for unit in slabs:
@@ -99,7 +99,7 @@ def test_nvfp4_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int,
     "fmt", [Format.NVFP4, Format.MXFP4, Format.INT4_W4A16, Format.MXFP8, Format.BLOCK_FP8]
 )
 def test_nan_in_one_expert_of_a_slab_names_that_expert(fmt: Format, groups_per_thread: int, monkeypatch):
-    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", groups_per_thread)
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", groups_per_thread)
     state, _, _ = _slab_units(fmt)
     name = next(n for n in state if n.endswith("experts.gate_up_proj"))
     slab = state[name].clone()
@@ -132,7 +132,7 @@ def test_prepared_calls_mixing_native_and_reference_give_each_its_own_bytes():
 def test_nvfp4_groups_with_a_member_off_the_native_path_match_the_reference(monkeypatch):
     """A group one of whose tensors the native kernels do not take (a transposed view) runs as
     quantize_nvfp4 would, beside whole groups on the threads: every group's bytes are the reference's."""
-    monkeypatch.setattr(cpu, "GROUPS_PER_THREAD", 1)
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", 1)
     gen = torch.Generator().manual_seed(3)
 
     def bf16(*shape):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from sidecar.numerics import native
-from sidecar.numerics.cpu import _POOL as cpu_threads
+from sidecar.numerics.native_calls import POOL as cpu_threads
 from sidecar.numerics.reference import NonFiniteError
 from sidecar.plan.build import Unit
 
