@@ -55,7 +55,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 ]
 
-from sidecar.numerics import cpu, kernels  # noqa: E402
+from sidecar.numerics import kernels, native  # noqa: E402
 from sidecar.numerics.checks import NonFiniteError  # noqa: E402
 from sidecar.numerics.kernels import fourbit_slab, triton_quant  # noqa: E402
 from sidecar.plan import launch  # noqa: E402
@@ -113,7 +113,7 @@ def _run(plan, tensors, monkeypatch, *, triton: bool):
     """Every unit of ``plan`` through run_unit: forced onto the kernels, or on the torch reference
     (no kernels, native CPU kernels off). Returns (outputs, units the kernels ran)."""
     monkeypatch.setattr(kernels, "available", lambda device=None: triton)
-    monkeypatch.setattr(cpu, "_lib_for", lambda w: None)
+    monkeypatch.setattr(native, "load", lambda: None)  # the native CPU kernels off: the torch reference
     ran: list[int] = []
     real = launch._try_run_fourbit
 
