@@ -13,7 +13,7 @@ import torch
 
 from sidecar.numerics import fourbit
 from sidecar.numerics import reference as ref
-from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
+from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
 from sidecar.numerics.native_calls import (
     BF16_NONFINITE,
     POOL,
@@ -110,16 +110,16 @@ def prepare_nvfp4(
     if lib is None or w.dim() < 2 or w.shape[-1] % NVFP4_BLOCK:
         return Prepared.done(fourbit.quantize_nvfp4(w, global_scale=global_scale, out=out, name=name))
     q, s, g = fourbit.nvfp4_outputs(w, out, name)
-    views = _rows_native(lib, w, (q, s))
-    if views is None:
+    kernel = _nvfp4_kernel_args(lib, w, q, s)
+    if kernel is None:
         return Prepared.done(fourbit.quantize_nvfp4(w, global_scale=global_scale, out=(q, s, g), name=name))
     if global_scale is None:
         gs = nvfp4_global_scale(w, name=name)
     else:
         gs = ref.check_shared_scale(global_scale, name, "global_scale")
     value = float(gs)
-    (batch, n, k, xbs, xrs), qv, sv = views
-    args = (ptr(w), n, k, xbs, xrs, ptr(q), qv[3], qv[4], ptr(s), sv[3], sv[4], value)
+    args, rows = kernel
+    args = (*args, value)
 
     def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if any(r >= 0 for r in bad):
@@ -127,7 +127,17 @@ def prepare_nvfp4(
         g.fill_(value)
         return q, s, g
 
-    return Prepared(lambda b, e: lib.refitd_nvfp4(*args, b, e), batch * n, k, finish)
+    return Prepared(lambda b, e: lib.refitd_nvfp4(*args, b, e), rows, w.shape[-1], finish)
+
+
+def _nvfp4_kernel_args(lib, w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[tuple, int] | None:
+    """``refitd_nvfp4``'s arguments up to the global scale, and ``w``'s rows; None when ``w``, ``q``
+    and ``s`` do not fold to ``[batch, rows, cols]`` alike (the reference runs)."""
+    views = _rows_native(lib, w, (q, s))
+    if views is None:
+        return None
+    (batch, n, k, xbs, xrs), qv, sv = views
+    return (ptr(w), n, k, xbs, xrs, ptr(q), qv[3], qv[4], ptr(s), sv[3], sv[4]), batch * n
 
 
 #: scale groups a thread below which :func:`quantize_nvfp4_groups` splits each pass across the threads
@@ -173,13 +183,11 @@ def _prepare_nvfp4_group(
     members = []
     for w, out, name in zip(tensors, outs, names, strict=True):
         q, s, g = fourbit.nvfp4_outputs(w, out, name)
-        views = None if found is None else _rows_native(found[0], w, (q, s))
-        if views is None:
+        kernel = None if found is None else _nvfp4_kernel_args(found[0], w, q, s)
+        if kernel is None:
             members = None
             break
-        (batch, n, k, xbs, xrs), qv, sv = views
-        args = (ptr(w), n, k, xbs, xrs, ptr(q), qv[3], qv[4], ptr(s), sv[3], sv[4])
-        members.append((w, name, args, batch * n, g))
+        members.append((w, name, *kernel, g))
     if found is None or members is None:
         gs = nvfp4_global_scale(*tensors, name=label)
         for w, out, name in zip(tensors, outs, names, strict=True):
@@ -271,19 +279,7 @@ def prepare_int4(
     kw = {"group": group, "scale_dtype": scale_dtype, "name": name}
     if lib is None or w.dim() < 2:
         return Prepared.done(fourbit.quantize_int4(w, out=out, **kw))
-    ref._check_input(w, name, Format.INT4_W4A16)
-    fourbit._check_int4_args(w, group, scale_dtype, name)
-    *lead, k = w.shape
-    packed, s, shape = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.INT4_W4A16.weight_shape(tuple(w.shape)), torch.int32),
-            ("scales", (*lead, k // group), scale_dtype),
-            ("shape", (2,), torch.int64),
-        ),
-        name,
-    )
+    packed, s, shape = fourbit.int4_outputs(w, out, group, scale_dtype, name)
     views = _rows_native(lib, w, (packed, s))
     if views is None:
         return Prepared.done(fourbit.quantize_int4(w, out=(packed, s, shape), **kw))

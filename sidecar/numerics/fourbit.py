@@ -332,6 +332,26 @@ def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # INT4 weight-only (SPEC §1.7)
 
 
+def int4_outputs(
+    w: torch.Tensor, out, group: int, scale_dtype: torch.dtype, name: str | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w``, ``group`` and ``scale_dtype`` checked for INT4 and its ``(packed, scale, shape)`` buffers,
+    as :func:`nvfp4_outputs`."""
+    _check_input(w, name, Format.INT4_W4A16)
+    _check_int4_args(w, group, scale_dtype, name)
+    *lead, k = w.shape
+    return _check_out_buffers(
+        out,
+        w,
+        (
+            ("values", Format.INT4_W4A16.weight_shape(tuple(w.shape)), torch.int32),
+            ("scales", (*lead, k // group), scale_dtype),
+            ("shape", (2,), torch.int64),
+        ),
+        name,
+    )
+
+
 def _check_int4_args(w: torch.Tensor, group: int, scale_dtype: torch.dtype, name: str | None) -> None:
     if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % INT4_PACK:
         raise ValueError(f"{_label(name)}: int4_w4a16 group must be a positive multiple of 8, got {group!r}")
@@ -361,19 +381,7 @@ def quantize_int4(
     Returns ``(packed int32 [..., N, K/8], scale [..., N, K/group] in scale_dtype, shape int64 [2])``
     (compressed-tensors' ``pack-quantized``: ``weight_packed``, ``weight_scale``, ``weight_shape``).
     """
-    _check_input(w, name, Format.INT4_W4A16)
-    _check_int4_args(w, group, scale_dtype, name)
-    *lead, k = w.shape
-    packed, s, shape = _check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.INT4_W4A16.weight_shape(tuple(w.shape)), torch.int32),
-            ("scales", (*lead, k // group), scale_dtype),
-            ("shape", (2,), torch.int64),
-        ),
-        name,
-    )
+    packed, s, shape = int4_outputs(w, out, group, scale_dtype, name)
     shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
     seven = _f32(float(INT4_MAX), w)
     for row0, (x, pv, sv) in _row_chunks(chunk_elems, w, packed, s):

@@ -41,12 +41,13 @@ def _quantize_groups(
             [cpu.prepare_fp8_per_tensor_scale(*v, name=n) for v, n in zip(views, label)]
         )
     calls: list[cpu.Prepared] = []
+    # INT4 in the engine's group and scale dtype
+    int4 = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
     for group, vs, scale in zip(groups, views, shared, strict=True):
         for w, view in zip(group, vs, strict=True):
             out = tuple(outputs[n] for n in (w.quantized_outputs if fmt.four_bit else (w.name, w.scale_name)))
-            if fmt is Format.INT4_W4A16:  # the engine's group and scale dtype
-                kw = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
-                calls.append(cpu.prepare_int4(view, out=out, name=w.name, **kw))  # type: ignore[arg-type]
+            if fmt is Format.INT4_W4A16:
+                calls.append(cpu.prepare_int4(view, out=out, name=w.name, **int4))  # type: ignore[arg-type]
             elif scale is not None:
                 calls.append(cpu.prepare_fp8_per_tensor(view, scale=scale, out=out, name=w.name))  # type: ignore[arg-type]
             else:

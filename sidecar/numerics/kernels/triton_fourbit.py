@@ -29,7 +29,7 @@ import triton.language as tl
 
 from sidecar.numerics import fourbit
 from sidecar.numerics import reference as ref
-from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK, Format
+from sidecar.numerics.formats import INT4_GROUP, MXFP4_BLOCK, NVFP4_BLOCK
 
 __all__ = ["quantize_int4", "quantize_mxfp4", "quantize_nvfp4"]
 
@@ -260,21 +260,10 @@ def quantize_int4(
     name: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sidecar.numerics.fourbit.quantize_int4` in one Triton launch (power-of-two groups)."""
-    ref._check_input(w, name, Format.INT4_W4A16)
-    fourbit._check_int4_args(w, group, scale_dtype, name)
+    packed, s, shape = fourbit.int4_outputs(w, out, group, scale_dtype, name)
     if group & (group - 1):
         raise ValueError(f"{ref._label(name)}: the Triton int4 kernel takes power-of-two groups, not {group}")
-    *lead, k = w.shape
-    packed, s, shape = ref._check_out_buffers(
-        out,
-        w,
-        (
-            ("values", Format.INT4_W4A16.weight_shape(tuple(w.shape)), torch.int32),
-            ("scales", (*lead, k // group), scale_dtype),
-            ("shape", (2,), torch.int64),
-        ),
-        name,
-    )
+    k = w.shape[-1]
     x2 = _rows(w)
     p2 = packed if packed.is_contiguous() else torch.empty_like(packed)
     s2 = s if s.is_contiguous() else torch.empty_like(s)
