@@ -483,11 +483,11 @@ def test_ahead_of_time_build_command(fresh_native, tmp_path: Path, capsys):
     assert "/bin/false" in err and "torch reference" in err
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.0, -1.0, 2.0**-140, float("inf"), float("nan"), 2.0**-126])
+@pytest.mark.parametrize("scale", [0.0, 2.0**-140, 2.0**-126])
 def test_odd_shared_scales_give_the_references_bytes(scale: float):
-    """A caller's shared scale that is not a normal positive float32 (0, negative, subnormal, Inf,
-    NaN: 1 / scale is then not a finite positive multiplier) gives the reference's bytes, NaN ones
-    included."""
+    """A caller's shared scale that is not a normal positive float32 but allowed (0, subnormal: 1 /
+    scale is then not a finite positive multiplier) gives the reference's bytes; NaN, Inf, negative
+    and -0.0 are refused on every path (tests/test_spec_examples.py)."""
     w = torch.tensor([[0.0, -0.0, 1.0, -3.0, 1e-30, 448.0, -1e30, 2.0**-133]], dtype=torch.bfloat16)
     s = torch.tensor(scale, dtype=torch.float32)
     _assert_same(cpu.quantize_fp8_per_tensor(w, scale=s), ref.quantize_fp8_per_tensor(w, scale=s))

@@ -143,6 +143,12 @@ def check_shared_scale(scale: object, name: str | None, what: str = "scale") -> 
             f"{_label(name)}: a shared {what}= must be one float32 value in a torch.Tensor "
             f"(torch.tensor(x, dtype=torch.float32)), got {got}"
         )
+    value = float(scale.reshape(()))  # one element: a cheap host read, also of a device tensor
+    if not math.isfinite(value) or value < 0 or math.copysign(1.0, value) < 0:
+        raise ValueError(
+            f"{_label(name)}: a shared {what}= must be finite and not negative (docs/spec.md §1.4), got "
+            f"{value!r}; compute it over the group's tensors (amax / 448, amax / 2688) instead"
+        )
     return scale.reshape(())
 
 
