@@ -19,7 +19,7 @@ Five sections, each recorded even when another fails:
    (values through ``.view(torch.uint8)``, scales exact), on fresh random slabs (ragged and batched
    shapes, fp16/fp32, a strided view, a zeroed 128x128 block, one NaN), the edge-case table of
    sidecar/numerics/cases.py, and every timed Qwen3.5 layer. The GPU reference itself is checked against
-   the CPU reference (SPEC.md's division trap: it divides by device tensors, never Python scalars).
+   the CPU reference (docs/spec.md §0's division trap: it divides by device tensors, never Python scalars).
 2. **timing** on a Qwen3.5-35B-A3B layer's routed experts (gate_up ``[256, 1024, 2048]`` + down
    ``[256, 2048, 512]``, bf16): a device-to-device copy of the same bytes, the torch reference per
    expert (as ``run_unit`` calls it) and batched, ``torch.compile`` of the reference, the kernels

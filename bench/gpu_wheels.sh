@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/ (git-ignored) with the wheels bench/gpu_run.sh installs on the GPU machine, which has
 # no network: pyzmq (missing there), msgpack, cuda-bindings and cuda-pathfinder, built for its
-# Python (3.12, x86_64 manylinux; see /work/.library/device/KINDS.md). Run here, where pip works:
+# Python (3.12, x86_64 manylinux). Run on a machine where pip works:
 #
 #     bench/gpu_wheels.sh            # or: make gpu-wheels
 #

@@ -16,8 +16,8 @@
 # starting during the install.
 #
 # Exit status of `up`: 0 up; 2 usage; 3 cannot install (not root, no apt, apt failed); 4 installed
-# but munged or Slurm did not come up (see the log tail printed). Recipe and pitfalls:
-# shared/research/slurm.md.
+# but munged or Slurm did not come up (see the log tail printed). Running refitd under Slurm:
+# README.md, "Running under Slurm".
 set -euo pipefail
 
 DIR=${TEST_SLURM_DIR:-/run/refitd-slurm}

@@ -5,7 +5,7 @@ Ranks 0 and 1 are local (they write into the staging arena); ranks 2 and 3 are r
 frames of at most 64 KiB under credits). Each step's weights come from a fresh seed, and the reader
 compares every published tensor byte for byte with ``sidecar.plan.run.convert`` of the full state dict.
 
-The fault tests break one step in one way and check the four promises of DESIGN.md decisions 5 and
+The fault tests break one step in one way and check the four promises of docs/design.md decisions 5 and
 6: the error is clear (kind and a message naming the culprit), it reaches every rank, the last good
 generation stays intact, and the daemon goes on serving. After every test no shared-memory segment
 of any daemon the test started is left in ``/dev/shm``.

@@ -142,7 +142,7 @@ def test_text_only_qwen3_5_config_uses_model_prefix():
     assert "model.embed_tokens.weight" in names
 
 
-# ---- the real models (research/fp8_formats.md §7)
+# ---- the real models (their published config.json files, tests/data)
 
 
 def test_qwen3_5_35b_a3b_listing():

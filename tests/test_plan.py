@@ -489,7 +489,7 @@ def test_iter_convert_names_missing_and_unknown_inputs():
         list(iter_convert(twice, spec, specs=specs))
 
 
-# ---- the real models: totals of research/fp8_formats.md §7
+# ---- the real models: parameter and scale totals computed from their config.json files
 
 
 def _routed(plan: RefitPlan, decoder_only: bool = True) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Every quantizer implementation against the edge-case table, the scalar oracle and SPEC.md's bounds."""
+"""Every quantizer implementation against the edge-case table, the scalar oracle and docs/spec.md's bounds."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """NIXL (UCX) bulk transfers between nodes' daemons: a small, polled wrapper around ``nixl_agent``.
 
 The progress thread is off: a UCX progress thread spins a whole core even when idle, and polling
-from the caller is faster (shared/research/feasibility.md §2). The price is that **both sides must
-be progressed**: the initiator by polling its transfer (``Transfer.poll`` / ``wait``), the passive
+from the caller is faster (measured with NIXL 1.5.1 between two processes). The price is that
+**both sides must be progressed**: the initiator by polling its transfer (``Transfer.poll`` / ``wait``), the passive
 side by calling ``notifications()`` or ``progress()`` while it waits on anything else, e.g.
 ``while not sock.poll(1): ep.progress()``. A passive side blocked in ``recv()`` stalls the
 transfer, READs and connection set-up included.

@@ -1,4 +1,4 @@
-"""Formats and the numeric constants of ../shared/SPEC.md, in one place."""
+"""Formats and the numeric constants of docs/spec.md, in one place."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""4-bit quantizers: the pure-torch reference of ../shared/SPEC.md §1.5-1.7, exact to the byte.
+"""4-bit quantizers: the pure-torch reference of docs/spec.md §1.5-1.7, exact to the byte.
 
 NVFP4 (E2M1 values, float8_e4m3fn scales per 16, one float32 global scale), MXFP4 (E2M1 values,
 E8M0 scales per 32) and INT4 weight-only (symmetric groups, compressed-tensors' ``pack-quantized``).
@@ -7,7 +7,7 @@ Triton kernels are checked against and the quantizer wherever they do not run; C
 
 All three are row formats: every output keeps the input's leading dims and only the last one
 changes, so the input is processed in chunks of whole rows (about ``chunk_elems`` float32 elements of
-scratch at a time), whatever its strides. Divisions that SPEC.md says are correctly rounded divide by
+scratch at a time), whatever its strides. Divisions that docs/spec.md says are correctly rounded divide by
 tensors on the input's device (on CUDA, ``t / 448.0`` is not).
 
 E2M1 rounding is done by comparisons against the midpoints between the eight magnitudes, with the

@@ -1,4 +1,4 @@
-"""FP8 quantizers: the pure-torch reference of ../shared/SPEC.md §1, exact to the byte.
+"""FP8 quantizers: the pure-torch reference of docs/spec.md §1, exact to the byte.
 
 This is the oracle every other implementation (the Triton and native C kernels included) is checked
 against, and the daemon's quantizer wherever those do not run (``sidecar.numerics.cpu`` dispatches).
@@ -17,7 +17,7 @@ How it stays fast without giving up exactness:
   it for every bf16/f16 amax). What remains is the float32 -> float8 cast, torch's scalar
   conversion loop: about two thirds of the time on a CPU (bench/quant.py);
 * outputs may be caller-provided (``out=``) so the daemon writes straight into shared memory;
-* every division that SPEC.md says must be correctly rounded divides by a tensor on the same device
+* every division that docs/spec.md says must be correctly rounded divides by a tensor on the same device
   (on CUDA, torch turns ``t / 448.0`` into ``t * (1/448)``, which is not).
 
 Names: block-FP8 returns ``scale_inv`` (the dequantization multiplier, checkpoint name

@@ -1,6 +1,6 @@
 """The attach check: the daemon's plan against an engine's manifest, before the first step.
 
-Two rules (../shared/DESIGN.md decision 2):
+Two rules (docs/design.md, decision 2):
 
 * the engine decides what is FP8: a routed expert the manifest holds in BF16 is published in BF16
   (``keep_bf16``), whatever the patterns say;

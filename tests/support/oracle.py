@@ -1,4 +1,4 @@
-"""A scalar, loop-by-loop oracle of ../shared/SPEC.md §1, independent of sidecar.numerics.reference.
+"""A scalar, loop-by-loop oracle of docs/spec.md §1, independent of sidecar.numerics.reference.
 
 Everything is float32 numpy scalar arithmetic (IEEE round-to-nearest) and an explicit e4m3fn rounding
 table, so it shares no code, and no vectorised torch behaviour, with the implementations it checks.

@@ -1,4 +1,4 @@
-"""GPU kernels for the quantizers of ../shared/SPEC.md §1, behind guards.
+"""GPU kernels for the quantizers of docs/spec.md §1, behind guards.
 
 ``import sidecar.numerics.kernels`` never imports Triton; the kernels (``sidecar.numerics.kernels.triton_quant``) load
 on first use. The torch reference (``sidecar.numerics.reference``) stays the oracle and the CPU path; the kernels

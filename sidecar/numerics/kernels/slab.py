@@ -8,7 +8,7 @@ A **slab** is one layer's grouped routed experts, ``[E, R, K]``, cut along its r
 one checkpoint tensor with its own caller-provided values and scale tensors (``outs[e][p]``).
 
 Why pointer tables rather than "outputs laid out one after another": the daemon's arena places each
-output where its plan says, and nothing in SPEC.md or the plan promises that one slab's 2E weights and
+output where its plan says, and nothing in docs/spec.md or the plan promises that one slab's 2E weights and
 2E scales sit at a fixed stride from each other (they are interleaved weight, scale, weight, ...). A
 table of base addresses (one int64 per output, 8 KiB for a 256-expert gate_up slab) costs one small
 host-to-device copy, made once per set of output tensors (:func:`prepare_outputs`), because the

@@ -1,4 +1,4 @@
-"""Triton kernels of ../shared/SPEC.md §1: one launch quantizes a whole layer slab.
+"""Triton kernels of docs/spec.md §1: one launch quantizes a whole layer slab.
 
 Each kernel reads the slab ``[E, R, K]`` through its strides (any float dtype, contiguous or not)
 and writes each (expert, part)'s values and scales straight into the caller's tensors, whose base
@@ -11,7 +11,7 @@ Exactness, operation by operation, against sidecar.numerics.reference (the torch
   flush-to-zero question, and one reduction that also finds NaN/Inf (their magnitude bits are
   ``>= 0x7F800000``). A program that sees one ``atomic_min``s its tile id into a one-int32 flag; the
   host reads the flag once per launch and raises NonFiniteError naming the tensor and the first tile;
-* ``amax / 448`` and ``1 / scale`` are ``tl.math.div_rn`` (correctly rounded), as SPEC.md demands;
+* ``amax / 448`` and ``1 / scale`` are ``tl.math.div_rn`` (correctly rounded), as docs/spec.md §0 demands;
 * E8M0 bytes come from the quotient's bits (biased exponent + (mantissa != 0), clamped to
   [1, 254]) and ``2^-(byte-127)`` is built from bits (``2^-127`` as the subnormal ``1 << 22``);
 * values are clamped to +-448 and then cast round-to-nearest-even to float8_e4m3fn.

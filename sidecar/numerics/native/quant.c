@@ -1,7 +1,7 @@
 /*
  * refitd native CPU quantizers: bfloat16 -> float8_e4m3fn (this file; NVFP4, MXFP4 and INT4 in fourbit.c,
  * shared helpers in common.h), byte-exact with sidecar/numerics/reference.py and fourbit.py
- * (../shared/SPEC.md section 1).
+ * (docs/spec.md section 1).
  *
  * C99 plus GCC vector extensions (gcc and clang take them; the 4-bit codes) and, where -march has AVX2,
  * its intrinsics (the 4-bit block maxima); no torch headers, no
