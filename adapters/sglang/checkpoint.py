@@ -8,13 +8,12 @@ attach is refused listing it.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from adapters.checkpoint import TensorCollector, config_size, engine_manifest, param_dtype
+from adapters.checkpoint import DenseMapper, config_size, engine_manifest, split_params
 from adapters.sglang.fourbit import (
     INFO_CAPABILITY,
     INFO_MOE_BACKEND,
@@ -62,35 +61,25 @@ def _scale_shape(fmt: Format, leaf: str, weight_shape: tuple[int, ...]) -> tuple
     return shape
 
 
-class _Builder(TensorCollector):
+class _Builder(DenseMapper):
+    PACKED_MODULES = PACKED_MODULES
+    KV_SCALE_LEAVES = KV_SCALE_LEAVES
+    SCALE_LEAVES = ("weight_scale_inv", "weight_scale", "input_scale")
+    UNMAPPED_NOTE = " (SGLang would skip it silently and serve what it holds now)"
+
     def __init__(self, ckpt: Mapping[str, tuple[int, ...]], fmt: Format, params: FormatParams) -> None:
-        super().__init__()
-        self.ckpt, self.fmt, self.params = ckpt, fmt, params
+        super().__init__(ckpt)
+        self.fmt, self.params = fmt, params
         #: NVFP4's activation-scale parameters SGLang keeps as held across updates (not published)
         self.held: set[str] = set()
 
-    def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
-        module, _, leaf = engine_name.rpartition(".")
-        if leaf in KV_SCALE_LEAVES or (engine_name == "lm_head.weight" and tied):
-            return
-        parent, _, proj = module.rpartition(".")
-        shards = [module]
-        if proj in PACKED_MODULES:
-            shards = [f"{parent}.{s}" for s in PACKED_MODULES[proj] if f"{parent}.{s}.weight" in self.ckpt]
-            if not shards:
-                self.problems.append(f"{engine_name}: none of its packed shards is in the checkpoint")
-        for shard in shards:
-            ckpt_leaf = _scale_leaf(self.fmt, leaf)
-            target, weight = f"{shard}.{ckpt_leaf}", self.ckpt.get(f"{shard}.weight")
-            if target in self.ckpt:
-                self.add(target, dtype, self.ckpt[target])
-            elif leaf in ("weight_scale_inv", "weight_scale", "input_scale") and weight is not None:
-                self.add(target, dtype, _scale_shape(self.fmt, leaf, weight))
-            else:
-                self.problems.append(
-                    f"{engine_name}: no checkpoint tensor {target} maps to it (SGLang would skip it silently "
-                    "and serve what it holds now)"
-                )
+    def checkpoint_leaf(self, leaf: str) -> str:
+        return _scale_leaf(self.fmt, leaf)
+
+    def dense_scale_shape(
+        self, leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        return _scale_shape(self.fmt, leaf, weight_shape)
 
     def experts(
         self, moe: str, params: Mapping[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]
@@ -197,21 +186,15 @@ def build_manifest(
     quant: SglangQuant = resolve_quant(quant_config)
     tied = bool(text.get("tie_word_embeddings", False))
     b = _Builder(ckpt, quant.fmt, quant.params)
-    experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
-    for name, dtype, shape in params:
-        m = _experts_match(name)
-        if m is None and quant.fmt.four_bit and _expert_layer_state(name):
-            continue  # what processing derives on the MoE layer (g1_alphas, ...): nothing loads it
-        if m is not None:
-            experts[m[0]][(m[1], m[2])] = (param_dtype(dtype), tuple(int(d) for d in shape))
-        else:
-            b.dense(name, param_dtype(dtype), tied)
+    # what processing derives on a 4-bit MoE layer (g1_alphas, ...): nothing loads it
+    experts, dense = split_params(
+        params, _experts_match, skip=lambda n: quant.fmt.four_bit and _expert_layer_state(n)
+    )
+    for name, dtype in dense:
+        b.dense(name, dtype, tied)
     for moe, group in experts.items():
         b.experts(moe, group)
-    if b.problems:
-        raise ValueError(
-            "cannot map SGLang's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems)
-        )
+    b.refuse_problems("SGLang")
     return engine_manifest(
         EngineKind.SGLANG,
         quant.fmt,

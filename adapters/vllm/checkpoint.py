@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from adapters.checkpoint import TensorCollector, engine_manifest, param_dtype
+from adapters.checkpoint import DenseMapper, engine_manifest, split_params
 from adapters.vllm.compressed_nvfp4 import CT_NVFP4_MOE_METHOD
 from adapters.vllm.quant import (
     BLOCK_FP8_ALIGN,
@@ -81,12 +80,15 @@ ENGINE_ONLY_LEAVES = frozenset({"input_global_scale"})
 _PACKED_PER_ELEMENT = {Format.NVFP4: 2, Format.MXFP4: 2, Format.INT4_W4A16: INT4_PACK}
 
 
-class _Builder(TensorCollector):
+class _Builder(DenseMapper):
     """Collects manifest tensors, the BF16-held routed experts, and every problem found."""
 
+    PACKED_MODULES = PACKED_MODULES
+    KV_SCALE_LEAVES = KV_SCALE_LEAVES
+    SCALE_LEAVES = SCALE_LEAVES
+
     def __init__(self, ckpt: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype]) -> None:
-        super().__init__()
-        self.ckpt = ckpt
+        super().__init__(ckpt)
         self.dtypes = dtypes
         #: the routed-expert format (NVFP4: ``.weight`` is packed uint8 ``[out, in/2]``)
         self.fmt = Format.BF16
@@ -98,29 +100,15 @@ class _Builder(TensorCollector):
         #: the config quantizes activations with static scales (compressed-tensors NVFP4 W4A4)
         self.static_activations = False
 
-    def dense(self, engine_name: str, dtype: torch.dtype, tied: bool) -> None:
-        name = checkpoint_name(engine_name)
-        module, _, leaf = name.rpartition(".")
-        if leaf in KV_SCALE_LEAVES:
-            return
-        if name == "lm_head.weight" and tied:
-            return
-        parent, _, proj = module.rpartition(".")
-        shards = [module]
-        if proj in PACKED_MODULES:
-            shards = [f"{parent}.{s}" for s in PACKED_MODULES[proj] if f"{parent}.{s}.weight" in self.ckpt]
-        for shard in shards:
-            target, weight = f"{shard}.{leaf}", self.ckpt.get(f"{shard}.weight")
-            if target in self.ckpt:
-                self.add(target, self._accepted(target, dtype), self.ckpt[target])
-            elif leaf in SCALE_LEAVES and weight is not None:
-                self.add(target, dtype, _scale_shape(leaf, dtype, weight))
-            else:
-                self.problems.append(f"{engine_name}: no checkpoint tensor {target} maps to it")
-        if not shards:
-            self.problems.append(f"{engine_name}: none of its packed shards is in the checkpoint")
+    def checkpoint_name(self, engine_name: str) -> str:
+        return checkpoint_name(engine_name)
 
-    def _accepted(self, target: str, engine_dtype: torch.dtype) -> torch.dtype:
+    def dense_scale_shape(
+        self, leaf: str, dtype: torch.dtype, weight_shape: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        return _scale_shape(leaf, dtype, weight_shape)
+
+    def accepted_dtype(self, target: str, engine_dtype: torch.dtype) -> torch.dtype:
         """The dtype the engine takes ``target`` in: its own, except an FP32 parameter whose
         checkpoint tensor is BF16 (Qwen3.5's ``A_log`` in ``QwenGatedDeltaNetAttention``): vLLM's
         default weight loader upcasts on copy, exactly, so the BF16 a trainer sends is what it loads."""
@@ -296,18 +284,13 @@ def build_manifest(
     moe_tp = 1 if ep_size > 1 else tp_size
     b = _Builder(ckpt, {n: d for n, _, d in listed})
     b.fmt, b.params, b.static_activations = quant.fmt, quant.params, quant.static_activations
-    experts: dict[str, dict[tuple[str, str], tuple[torch.dtype, tuple[int, ...]]]] = defaultdict(dict)
     drafted = [(_draft_checkpoint_name(n, ckpt, model.mtp_in_layers), d, s) for n, d, s in draft_params]
-    for engine_name, dtype, shape in [*params, *drafted]:
-        m = _experts_match(engine_name)
-        if m is not None:
-            experts.setdefault(m[0], {})[(m[1], m[2])] = (param_dtype(dtype), tuple(int(d) for d in shape))
-        else:
-            b.dense(engine_name, param_dtype(dtype), tied)
+    experts, dense = split_params([*params, *drafted], _experts_match)
+    for engine_name, dtype in dense:
+        b.dense(engine_name, dtype, tied)
     for moe, group in experts.items():
         b.experts(moe, group, moe_tp=moe_tp, ep=ep_size, num_experts=text.get("num_experts"))
-    if b.problems:
-        raise ValueError("cannot map vLLM's parameters to checkpoint tensors:\n  " + "\n  ".join(b.problems))
+    b.refuse_problems("vLLM")
     return engine_manifest(
         EngineKind.VLLM,
         quant.fmt,
