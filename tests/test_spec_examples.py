@@ -108,3 +108,19 @@ def test_a_zero_caller_scale_saturates_with_the_sign():
     q, s, gs = fourbit.quantize_nvfp4(w, global_scale=torch.tensor(0.0))
     assert float(gs) == 0.0 and _u8(s) == [0x7E]
     assert fourbit.unpack_e2m1(q)[0, :3].tolist() == [7, 15, 0]
+
+
+def test_the_spec_has_a_rule_and_a_name_row_for_every_format():
+    """docs/spec.md covers every format the code knows: a §1 rule for each quantized one and a row of
+    the §2.3 names table for each (bf16 included), so a new Format cannot land without its contract."""
+    from pathlib import Path
+
+    from sidecar.numerics.formats import Format
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "spec.md").read_text()
+    rules = text[text.index("## 1. Quantizers") : text.index("## 2. Checkpoint conversion")]
+    names = text[text.index("### 2.3 Output names") : text.index("### 2.4 Engines")]
+    for fmt in Format:
+        if fmt.quantized:
+            assert f"(`{fmt.value}`" in rules, f"docs/spec.md §1 has no rule for {fmt.value}"
+        assert f"| `{fmt.value}`" in names, f"docs/spec.md §2.3 has no names row for {fmt.value}"
