@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any
 
-from sidecar.config.settings import KNOBS, DaemonConfig
+from sidecar.config.settings import GROUP_OF, KNOBS, DaemonConfig
 from sidecar.config.values import plain
 
 HEADER = "# refitd config: later sources win (this file < REFITD_* variables < flags)."
@@ -34,9 +34,12 @@ def toml_value(value: Any) -> str:
 
 def example_toml(config: DaemonConfig | None = None) -> str:
     """The example file (``config`` None), or a file that loads back to ``config``."""
-    lines = [HEADER]
+    lines, title = [HEADER], None
     for f in dataclasses.fields(DaemonConfig):
         knob = KNOBS[f.name]
+        if GROUP_OF[f.name] != title:
+            title = GROUP_OF[f.name]
+            lines += ["", f"# ---- {title}"]
         if config is not None and getattr(config, f.name) is not None:
             line = f"{f.name} = {toml_value(getattr(config, f.name))}"
         else:

@@ -126,6 +126,14 @@ class DaemonConfig(
 
 #: field name -> how it is spelled and converted; the file key is the name, the variable REFITD_<NAME>
 KNOBS: dict[str, Knob] = {f.name: f.metadata["knob"] for f in dataclasses.fields(DaemonConfig)}
+#: field name -> the title of the group declaring it (``--help`` and the example file list them by group)
+GROUP_OF: dict[str, str] = {
+    name: cls.TITLE
+    for cls in DaemonConfig.__mro__[1:]
+    if "TITLE" in vars(cls)
+    for name in vars(cls)["__annotations__"]
+    if name in KNOBS
+}
 
 __all__ = [
     "CONFIG_ENV",
@@ -133,6 +141,7 @@ __all__ = [
     "DEFAULT_GPU_REGIONS",
     "ENV_PREFIX",
     "EXIT_CONFIG",
+    "GROUP_OF",
     "KNOBS",
     "MAX_IPC_PATH_BYTES",
     "NON_SETTING_ENV",

@@ -20,6 +20,7 @@ from sidecar.config.runtime_dir import _default_runtime_dir
 from sidecar.config.settings import (
     CONFIG_ENV,
     ENV_PREFIX,
+    GROUP_OF,
     KNOBS,
     NON_SETTING_ENV,
     DaemonConfig,
@@ -141,11 +142,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--config", dest="config_file", metavar="PATH", help=f"TOML config file [env {CONFIG_ENV}]"
     )
     defaults = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for name, knob in KNOBS.items():
         default = defaults[name]
         default = getattr(default, "value", default)
         shown = f"; default {default}" if default not in (None, (), dataclasses.MISSING) else ""
-        group.add_argument(
+        title = GROUP_OF[name]
+        if title not in groups:
+            groups[title] = parser.add_argument_group(f"settings: {title}")
+        groups[title].add_argument(
             knob.flag,
             dest=name,
             default=None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.groups.common import OPT_COUNT as _OPT_COUNT
@@ -25,6 +26,8 @@ _FORMATS = ", ".join(f.value for f in Format)
 @dataclass(frozen=True, kw_only=True)
 class FormatSettings:
     """What the daemon publishes: the model, the routed experts' format and its parameters, what stays BF16. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "formats"
 
     model_type: str | None = field(
         default=None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.groups.common import OPT_PATH as _OPT_PATH
@@ -26,6 +27,8 @@ from sidecar.config.values import MiB, knob, parse_size
 @dataclass(frozen=True, kw_only=True)
 class IdentitySettings:
     """The daemon's identity and sockets: where it listens, who may connect, what a message may hold. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "identity and sockets"
 
     runtime_dir: Path = field(
         metadata=knob(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.groups.common import OPT_COUNT as _OPT_COUNT
@@ -29,6 +29,8 @@ from sidecar.config.values import ForwardMover, NodeLayout, NodeRole, knob
 @dataclass(frozen=True, kw_only=True)
 class LayoutSettings:
     """Layouts and forwarding: the trainer's ranks, a node's share of the engine, disaggregated nodes. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "layouts and forwarding"
 
     world_size: int = field(
         default=1, metadata=knob("--world-size", v.count, "N", "trainer ranks that push each step")

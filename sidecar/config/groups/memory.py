@@ -15,6 +15,7 @@ default) or on the GPU (``device``: only where both fit the budget too).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.groups.common import AUTO_SIZE as _AUTO_SIZE
@@ -35,6 +36,8 @@ DEFAULT_DEVICE_BUDGET = 4 << 30
 @dataclass(frozen=True, kw_only=True)
 class MemorySettings:
     """Memory and GPUs: the arenas, their sizes, and the device memory tiers. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "memory and GPUs"
 
     staging_bytes: int | None = field(
         default=None,

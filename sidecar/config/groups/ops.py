@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.groups.common import OPT_PATH as _OPT_PATH
@@ -19,6 +20,8 @@ from sidecar.config.values import LogFormat, LogLevel, knob
 @dataclass(frozen=True, kw_only=True)
 class OpsSettings:
     """Logs, metrics and timelines. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "logs, metrics and timelines"
 
     log_format: LogFormat = field(
         default=LogFormat.TEXT,

@@ -13,6 +13,7 @@ these can change on SIGHUP (``RELOADABLE``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sidecar.config import values as v
 from sidecar.config.values import DrainMode, knob
@@ -21,6 +22,8 @@ from sidecar.config.values import DrainMode, knob
 @dataclass(frozen=True, kw_only=True)
 class TimeoutSettings:
     """Timeouts, in seconds, and what SIGTERM does to a step in flight. (one group of :class:`sidecar.config.settings.DaemonConfig`)"""
+
+    TITLE: ClassVar[str] = "timeouts"
 
     step_timeout_s: float = field(
         default=300.0,
