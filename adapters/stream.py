@@ -109,7 +109,7 @@ def _abandon(worker: Any, stream: StreamedStep | None) -> None:
         worker.reader._send(Kind.WAIT, {"cancel": True}, wait=False)
         if stream is not None:
             _release(worker.reader, stream.live)
-    except Exception:  # noqa: BLE001 (the interrupt is what the caller must see)
+    except Exception:  # the interrupt is what the caller must see
         log.exception("engine worker %s: telling the daemon the interrupted load is over", worker.name)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import shutil
 import signal
@@ -485,9 +486,17 @@ def test_ahead_of_time_build_command(fresh_native, tmp_path: Path, capsys):
 
 @pytest.mark.parametrize("scale", [0.0, -0.0, -1.0, 2.0**-140, float("inf"), float("nan"), 2.0**-126])
 def test_odd_shared_scales_give_the_references_bytes(scale: float):
-    """A caller's shared scale that is not a normal positive float32 (0, negative, subnormal, Inf,
-    NaN: 1 / scale is then not a finite positive multiplier) gives the reference's bytes, NaN ones
-    included."""
+    """A caller's shared scale that is not a normal positive float32 (0, subnormal: 1 / scale is then
+    not a finite positive multiplier) gives the reference's bytes; one that is negative, -0.0, Inf
+    or NaN is refused by both with the same error (SPEC §1.4)."""
     w = torch.tensor([[0.0, -0.0, 1.0, -3.0, 1e-30, 448.0, -1e30, 2.0**-133]], dtype=torch.bfloat16)
     s = torch.tensor(scale, dtype=torch.float32)
+    if not math.isfinite(scale) or math.copysign(1.0, scale) < 0:
+        errors = []
+        for fn in (cpu.quantize_fp8_per_tensor, ref.quantize_fp8_per_tensor):
+            with pytest.raises(ValueError, match="finite and not negative") as err:
+                fn(w, scale=s)
+            errors.append(str(err.value))
+        assert errors[0] == errors[1]
+        return
     _assert_same(cpu.quantize_fp8_per_tensor(w, scale=s), ref.quantize_fp8_per_tensor(w, scale=s))
