@@ -1,8 +1,10 @@
 """Progress of the CLI's long commands (``refitd convert``, ``refitd demo``'s phases) on stderr.
 
 On a terminal: a tqdm bar (bytes done of the total, rate, time left, and what else the command
-counts: shards read, tensors written). Not on a terminal (a log file, a CI job): one plain line each
-time a unit of work finishes (a shard read; a demo step), with the same figures. ``quiet``: nothing.
+counts: shards read, tensors written; or, without a byte count, the units: a demo's steps). Not on
+a terminal (a log file, a CI job): one plain line each time a unit of work finishes (a shard read; a
+demo step), with the same figures. A long phase (a demo starting its daemon) is a line of its own
+either way. ``quiet``: nothing.
 
     with Progress("convert", total_bytes, units=163, unit_name="shard", quiet=args.quiet) as progress:
         progress.advance(nbytes)                   # bytes done
@@ -52,21 +54,26 @@ class Progress:
         self.done = 0
         self.units_done = 0
         self.counters: dict[str, int] = {}
-        self.t0 = clock()
+        self.t0 = self.t_units = clock()  # t_units: since the last phase began (units' rate)
         self.bar: Any = None
         isatty = getattr(self.stream, "isatty", None)
         if not quiet and callable(isatty) and isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=self.total,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc=what,
-                file=self.stream,
-                dynamic_ncols=True,
-            )
+            if self.total:  # bytes, with the units beside them
+                self.bar = tqdm(
+                    total=self.total,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    desc=what,
+                    file=self.stream,
+                    dynamic_ncols=True,
+                )
+            else:  # no byte count: the units themselves
+                self.bar = tqdm(
+                    total=units, unit=f" {unit_name}", desc=what, file=self.stream, dynamic_ncols=True
+                )
 
     def __enter__(self) -> Progress:
         return self
@@ -88,6 +95,8 @@ class Progress:
         if self.quiet:
             return
         if self.bar is not None:
+            if not self.total:
+                self.bar.update(1)
             self.bar.set_postfix_str(self._counts(), refresh=True)
             return
         print(f"refitd {self.what}: {self.line(label)}", file=self.stream, flush=True)
@@ -95,19 +104,36 @@ class Progress:
     def line(self, label: str) -> str:
         """``shard 3/163 read (label): 12.0 GiB of 680.0 GiB, 1234 tensors written, 210.0 MiB/s, 52m10s left``."""
         elapsed = max(self.clock() - self.t0, 1e-9)
-        rate = self.done / elapsed
         of = f"/{self.units}" if self.units is not None else ""
-        parts = [f"{human_bytes(self.done)} of {human_bytes(self.total)}"]
+        parts = [f"{human_bytes(self.done)} of {human_bytes(self.total)}"] if self.total else []
         if self._counts():
             parts.append(self._counts())
-        parts.append(f"{human_bytes(rate)}/s")
-        if rate > 0 and self.total >= self.done:
-            parts.append(f"{_duration((self.total - self.done) / rate)} left")
+        if self.total:
+            rate = self.done / elapsed
+            parts.append(f"{human_bytes(rate)}/s")
+            if rate > 0 and self.total >= self.done:
+                parts.append(f"{_duration((self.total - self.done) / rate)} left")
+        else:
+            parts.append(f"{_duration(elapsed)} so far")
+            if self.units is not None and self.units >= self.units_done:
+                each = (self.clock() - self.t_units) / self.units_done
+                parts.append(f"{_duration(each * (self.units - self.units_done))} left")
         return f"{self.unit_name} {self.units_done}{of} done ({label}): " + ", ".join(parts)
+
+    def phase(self, text: str) -> None:
+        """A long phase begins (starting a daemon, an engine): one line, on a terminal too."""
+        if self.quiet:
+            return
+        self.t_units = self.clock()
+        line = f"refitd {self.what}: {text} ({_duration(self.t_units - self.t0)} in)"
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def _counts(self) -> str:
         of = f"/{self.units}" if self.units is not None else ""
-        head = [f"{self.units_done}{of} {self.unit_name}s"] if self.bar is not None else []
+        head = [f"{self.units_done}{of} {self.unit_name}s"] if self.bar is not None and self.total else []
         return ", ".join(head + [f"{v} {k}" for k, v in self.counters.items()])
 
     def close(self) -> None:
