@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError
 
 from sidecar.cli.convert_source import CheckpointDir, check_against_config
-from sidecar.cli.convert_write import ShardWriter, Staged, check_out
+from sidecar.cli.convert_write import ShardWriter, Staged, check_finite, check_out
 from sidecar.cli.plan import format_params_of
 from sidecar.cli.progress import Progress
 from sidecar.numerics.formats import (
@@ -142,8 +142,10 @@ def convert_outputs(
 
     for unit in plan.units:
         inputs = {n: read(n) for n in unit.inputs}
-        if unit.fmt is None:
-            yield from ((o.name, inputs[o.source]) for o in unit.outputs)
+        if unit.fmt is None:  # written as read: checked finite here (quantizers refuse NaN/Inf)
+            for o in unit.outputs:
+                check_finite(o.name, inputs[o.source])
+                yield o.name, inputs[o.source]
             continue
         outputs = {o.name: torch.empty(o.shape, dtype=o.dtype) for o in unit.outputs}
         run_unit(unit, inputs, outputs)

@@ -8,8 +8,8 @@ place only once all of it is written. OUT must be new or an empty directory; one
 symlink is refused. A conversion that fails at any point (a NaN in a late tensor, a torn live
 generation, an interrupt) removes its temporary directory: OUT is as it was.
 
-Every tensor written is checked finite first (as the daemon checks what it publishes), whatever
-the format.
+Every passthrough tensor is checked finite before it is written (:func:`check_finite`, as the
+daemon checks what it publishes); the quantizers refuse non-finite input themselves.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sidecar.cli.convert_source import INDEX_NAME
 from sidecar.daemon.copyout import finite
 from sidecar.numerics.checks import NonFiniteError
 
-__all__ = ["ShardWriter", "Staged", "check_out"]
+__all__ = ["ShardWriter", "Staged", "check_finite", "check_out"]
 
 #: dtypes whose NaN/Inf the daemon refuses in what it publishes (FP8 and packed codes come from
 #: the quantizers, which refuse non-finite input)
@@ -84,10 +84,21 @@ class Staged:
             shutil.rmtree(old)  # never follows a symlink in it
 
 
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """NonFiniteError if ``tensor`` (a passthrough, written as read) holds NaN or Inf: the daemon
+    refuses to publish it, so convert refuses to write it. Quantized outputs need no check: every
+    quantizer refuses non-finite input (SPEC §1.4) and makes finite scales from finite values."""
+    if tensor.dtype in CHECKED_DTYPES and tensor.numel() and not finite(tensor):
+        raise NonFiniteError(
+            f"tensor {name!r} holds NaN or Inf; refusing to write it (the daemon refuses it too): fix "
+            "the checkpoint, or convert the step before it"
+        )
+
+
 class ShardWriter:
     """Writes tensors into numbered safetensors shards of at most ``max_bytes`` (one tensor over it
-    gets a shard of its own) in ``out`` (a :class:`Staged` directory), then the index. Each tensor is
-    checked finite as it is added. ``on_flush(shard file, bytes)`` after each shard is saved."""
+    gets a shard of its own) in ``out`` (a :class:`Staged` directory), then the index.
+    ``on_flush(shard file, bytes)`` after each shard is saved."""
 
     def __init__(self, out: Path, max_bytes: int, on_flush: Callable[[str, int], None] | None = None) -> None:
         self.out, self.max_bytes, self.on_flush = out, max_bytes, on_flush
@@ -98,11 +109,6 @@ class ShardWriter:
         self.written: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype in CHECKED_DTYPES and tensor.numel() and not finite(tensor):
-            raise NonFiniteError(
-                f"tensor {name!r} holds NaN or Inf; refusing to write it (the daemon refuses it too): fix "
-                "the checkpoint, or convert the step before it"
-            )
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
