@@ -158,6 +158,12 @@ class EngineWorker:
             self._load(gen)
         except Exception as exc:  # reported to the daemon and the caller, never swallowed
             error = f"{type(exc).__name__}: {exc}"
+        except BaseException as exc:  # interrupted: acknowledged as failed (best effort), re-raised
+            try:
+                self.reader.release(gen, ok=False, error=f"interrupted: {type(exc).__name__}")
+            except Exception:  # a revoked hold, a closed socket: the interrupt is the news
+                log.exception("engine worker %s: acknowledging the interrupted load", self.name)
+            raise
         seconds = time.perf_counter() - t0
         if not gen.intact():  # checked after the copies finished, before acknowledging
             torn = gen.revoked_error()

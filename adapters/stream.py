@@ -76,12 +76,52 @@ def streams(reader: RefitReader) -> bool:
 def load_streamed(worker: Any, min_step: int | None, timeout: float | None) -> Any:
     """``EngineWorker.load_next`` in streaming mode (see the module docstring): ``worker`` is the
     ``adapters.engine.EngineWorker`` calling (not imported here: it imports this module), and the
-    result its ``LoadResult``."""
+    result its ``LoadResult``.
+
+    Whatever ends it, the engine never claims a step it does not hold whole: the first group of a
+    step begun clears ``worker.loaded_step()`` (only a finished step or a completed rollback sets it
+    again), so a ``BaseException`` (KeyboardInterrupt, CancelledError, SystemExit) that escapes
+    halfway leaves a worker the daemon streams nothing to: its next load is whole. The exception
+    is re-raised once the daemon was told the wait is over and the live generation let go."""
+    held: list[StreamedStep | None] = [None]
+    try:
+        return _load_streamed(worker, min_step, timeout, held)
+    except Exception:
+        raise
+    except BaseException:
+        _abandon(worker, held[0])
+        raise
+
+
+def _abandon(worker: Any, stream: StreamedStep | None) -> None:
+    """A BaseException ends a streamed load: cancel the wait (the daemon streams this reader nothing
+    more of it) and release the live generation it held; best effort, the exception is the news."""
+    if stream is not None and stream.taken:
+        log.error(
+            "engine worker %s: interrupted after %d groups of step %d: it holds no whole step; the next "
+            "load is a whole one",
+            worker.name,
+            len(stream.taken),
+            stream.step,
+        )
+        worker.forget_loaded()
+    try:
+        worker.reader._send(Kind.WAIT, {"cancel": True}, wait=False)
+        if stream is not None:
+            _release(worker.reader, stream.live)
+    except Exception:  # the interrupt is what the caller must see
+        log.exception("engine worker %s: telling the daemon the interrupted load is over", worker.name)
+
+
+def _load_streamed(
+    worker: Any, min_step: int | None, timeout: float | None, held: list[StreamedStep | None]
+) -> Any:
     reader = worker.reader
     deadline = time.monotonic() + (worker.timeout if timeout is None else timeout)
     reader._send(Kind.WAIT, {"min_step": min_step, "loaded": worker.loaded_step()})
     stream: StreamedStep | None = None
     while True:
+        held[0] = stream
         now = time.monotonic()
         if now >= deadline:
             reader._send(Kind.WAIT, {"cancel": True}, wait=False)
@@ -116,7 +156,7 @@ def load_streamed(worker: Any, min_step: int | None, timeout: float | None) -> A
         if msg.kind is Kind.STREAM:
             if stream is not None:  # a new stream before the old one ended: the old step is over
                 _rollback(worker, stream, f"step {msg.get('step')} streams before step {stream.step} ended")
-            stream = _open(worker, msg)
+            stream = _open(worker, msg, min_step)
         elif msg.kind is Kind.GROUP:
             if stream is None or msg.get("step") != stream.step or msg.get("generation") != stream.index:
                 continue  # of a step this engine does not stream (it joined late, or it rolled back)
@@ -134,7 +174,7 @@ def load_streamed(worker: Any, min_step: int | None, timeout: float | None) -> A
         elif msg.kind is Kind.GENERATION:
             gen = reader._generation(msg.fields)
             if min_step is not None and gen.step < min_step:  # answer to an earlier, abandoned wait
-                reader.release(gen)
+                _release(reader, gen)  # not loaded: a hold revoked meanwhile does not matter
                 continue
             if stream is not None and (gen.index, gen.step) == (stream.index, stream.step):
                 return _finish(worker, stream, gen)
@@ -151,9 +191,12 @@ def _silence_s(reader: RefitReader) -> float:
     return float(limit) if ok else DEFAULT_SILENCE_S
 
 
-def _open(worker: Any, msg: Message) -> StreamedStep | None:
+def _open(worker: Any, msg: Message, min_step: int | None) -> StreamedStep | None:
     """A STREAM: map the step's generation and the live one; None (the step is then loaded whole
-    when it is published) if the message cannot be used."""
+    when it is published) if the message cannot be used, or if it is not one to stream on top of
+    what this engine holds: a step below ``min_step`` (it answers a WAIT given up since), or a live
+    generation other than the step the engine holds whole (a STREAM the daemon sent while an
+    earlier WAIT still said the engine held it)."""
     reader = worker.reader
     try:
         step, index = msg.require("step", int), msg.require("generation", int)
@@ -182,6 +225,18 @@ def _open(worker: Any, msg: Message) -> StreamedStep | None:
         )
         _release(reader, live)
         return None
+    holds = worker.loaded_step()
+    if (min_step is not None and step < min_step) or live.step is None or live.step != holds:
+        log.info(
+            "engine worker %s: not streaming step %d on top of step %s (it holds %s whole, waits for >= %s)",
+            worker.name,
+            step,
+            live.step,
+            holds,
+            min_step,
+        )
+        _release(reader, live)
+        return None
     return StreamedStep(step, index, target.epoch, target, live, groups)
 
 
@@ -193,7 +248,7 @@ def _load_groups(worker: Any, stream: StreamedStep, ready: Any) -> Any:
     for g in ready:
         if type(g) is not int or not 0 <= g < len(stream.groups) or g in stream.taken:
             continue
-        stream.taken.append(g)  # before the copy: a copy that fails halfway is rolled back too
+        _take(worker, stream, [g])  # before the copy: a copy that fails halfway is rolled back too
         t0 = time.perf_counter()
         try:
             worker.load_group(stream.target, stream.groups[g])
@@ -212,12 +267,20 @@ def _load_groups(worker: Any, stream: StreamedStep, ready: Any) -> Any:
     return None
 
 
+def _take(worker: Any, stream: StreamedStep, groups: list[int]) -> None:
+    """Groups of ``stream`` about to be loaded: from the first one on, the engine holds no one whole
+    step (``loaded_step()`` None) until the step is finished or rolled back."""
+    if groups:
+        worker.forget_loaded()
+        stream.taken += groups
+
+
 def _finish(worker: Any, stream: StreamedStep, gen: Generation) -> Any:
     """The streamed step was sealed and published: load what is left, check, acknowledge. A copy
     found torn, or a load that failed, returns the engine to the live generation first."""
     reader, error = worker.reader, None
     rest = [g for g in range(len(stream.groups)) if g not in stream.taken]
-    stream.taken += rest
+    _take(worker, stream, rest)
     t0 = time.perf_counter()
     try:
         if rest:
@@ -281,7 +344,9 @@ def _rollback(worker: Any, stream: StreamedStep, why: str) -> None:
         problem = f"{type(exc).__name__}: {exc}"
         _close_groups(worker)
     _release(worker.reader, stream.live)
-    if problem is not None:
+    if problem is None:
+        worker.loaded(stream.live.step)  # whole again: the step it held before this one streamed
+    else:
         worker.forget_loaded()
         raise RefitError(
             f"engine worker {worker.name}: {why}, and reloading step {stream.live.step} failed ({problem}): "

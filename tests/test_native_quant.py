@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import shutil
 import signal
@@ -483,11 +484,19 @@ def test_ahead_of_time_build_command(fresh_native, tmp_path: Path, capsys):
     assert "/bin/false" in err and "torch reference" in err
 
 
-@pytest.mark.parametrize("scale", [0.0, 2.0**-140, 2.0**-126])
+@pytest.mark.parametrize("scale", [0.0, -0.0, -1.0, 2.0**-140, float("inf"), float("nan"), 2.0**-126])
 def test_odd_shared_scales_give_the_references_bytes(scale: float):
-    """A caller's shared scale that is not a normal positive float32 but allowed (0, subnormal: 1 /
-    scale is then not a finite positive multiplier) gives the reference's bytes; NaN, Inf, negative
-    and -0.0 are refused on every path (tests/test_spec_examples.py)."""
+    """A caller's shared scale that is not a normal positive float32 (0, subnormal: 1 / scale is then
+    not a finite positive multiplier) gives the reference's bytes; one that is negative, -0.0, Inf
+    or NaN is refused by both with the same error (docs/spec.md §1.4)."""
     w = torch.tensor([[0.0, -0.0, 1.0, -3.0, 1e-30, 448.0, -1e30, 2.0**-133]], dtype=torch.bfloat16)
     s = torch.tensor(scale, dtype=torch.float32)
+    if not math.isfinite(scale) or math.copysign(1.0, scale) < 0:
+        errors = []
+        for fn in (cpu.quantize_fp8_per_tensor, ref.quantize_fp8_per_tensor):
+            with pytest.raises(ValueError, match="finite and not negative") as err:
+                fn(w, scale=s)
+            errors.append(str(err.value))
+        assert errors[0] == errors[1]
+        return
     _assert_same(cpu.quantize_fp8_per_tensor(w, scale=s), ref.quantize_fp8_per_tensor(w, scale=s))

@@ -16,6 +16,13 @@ scripts for this). Two sources:
 ``config.json`` (the source's, with the ``quantization_config`` the ``--engine`` reads; see
 :func:`quantization_config_for`). Exit codes: 0 ok; 1 conversion failed (the message says why);
 2 usage.
+
+What it reads is checked before anything is written (``sidecar.cli.convert_source``: every header
+bounded by its file, the shards against the index, the tensors against ``config.json``), and every
+tensor written is checked finite. It writes into a fresh directory beside OUT, renamed to OUT only
+when complete (``sidecar.cli.convert_write``): OUT must be new or empty (``--force`` replaces it),
+a symlink is never followed, and a failed conversion leaves OUT as it was. Progress goes to stderr:
+a bar on a terminal, else a line a source shard; ``--quiet`` for none.
 """
 
 from __future__ import annotations
@@ -28,8 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
+from sidecar.cli.convert_source import CheckpointDir, check_against_config
+from sidecar.cli.convert_write import ShardWriter, Staged, check_finite, check_out
 from sidecar.cli.plan import format_params_of
+from sidecar.cli.progress import Progress
 from sidecar.numerics.formats import (
     DEFAULT_FORMAT_PARAMS,
     INT4_SCALE_DTYPE_NAMES,
@@ -44,7 +55,6 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEFAULT_SHARD_BYTES = 2 << 30
-INDEX_NAME = "model.safetensors.index.json"
 ENGINES = ("sglang", "vllm")
 #: a ModelOpt NVFP4 checkpoint written from BF16 weights has no calibrated activation scales
 NO_INPUT_SCALE = (
@@ -103,70 +113,39 @@ def quantization_config_for(
 
 
 # --------------------------------------------------------------------------------------------------
-# reading a BF16 checkpoint directory, tensor by tensor
+# reading a BF16 checkpoint directory (checked: sidecar.cli.convert_source), tensor by tensor
 
 
-class CheckpointDir:
-    """A safetensors checkpoint directory: which file holds each tensor, its dtype and shape."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        self.path = path
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{path} holds no *.safetensors files: give a Hugging Face checkpoint directory")
-        self.where: dict[str, Path] = {}
-        self.specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    if name in self.where:
-                        raise ValueError(f"{name} is in both {self.where[name].name} and {f.name}")
-                    sl = st.get_slice(name)
-                    self.where[name] = f
-                    self.specs.append((name, tuple(sl.get_shape()), _st_dtype(sl.get_dtype())))
-        self._open: dict[Path, Any] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        f = self.where[name]
-        if f not in self._open:
-            self._open[f] = safe_open(str(f), framework="pt")
-        return self._open[f].get_tensor(name)
-
-
-_ST_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn",
-    "U8": "uint8",
-    "I64": "int64",
-    "I32": "int32",
-}
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    if name not in _ST_DTYPES:
-        raise ValueError(f"safetensors dtype {name} is not one a BF16 trainer checkpoint holds")
-    return getattr(torch, _ST_DTYPES[name])
-
-
-def convert_outputs(source: CheckpointDir, plan: RefitPlan | RefitSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def convert_outputs(
+    source: CheckpointDir, plan: RefitPlan | RefitSpec, progress: Progress | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every output of ``plan`` (built over ``source.specs``; a RefitSpec: the plan of it), unit by
     unit: each unit's inputs are read, quantized (in the plan's format parameters, as the daemon
-    does), and dropped."""
+    does), and dropped. ``progress``: bytes read, and each source shard once all of it was read."""
     from sidecar.plan.run import run_unit
 
     if isinstance(plan, RefitSpec):
         plan = RefitPlan.build(source.specs, plan)
+    left: dict[Path, int] = {}
+    for f in source.where.values():
+        left[f] = left.get(f, 0) + 1
+
+    def read(name: str) -> torch.Tensor:
+        tensor = source.get(name)
+        if progress is not None:
+            progress.advance(tensor.numel() * tensor.element_size())
+            f = source.where[name]
+            left[f] -= 1
+            if left[f] == 0:
+                progress.unit_done(f.name)
+        return tensor
+
     for unit in plan.units:
-        inputs = {n: source.get(n) for n in unit.inputs}
-        if unit.fmt is None:
-            yield from ((o.name, inputs[o.source]) for o in unit.outputs)
+        inputs = {n: read(n) for n in unit.inputs}
+        if unit.fmt is None:  # written as read: checked finite here (quantizers refuse NaN/Inf)
+            for o in unit.outputs:
+                check_finite(o.name, inputs[o.source])
+                yield o.name, inputs[o.source]
             continue
         outputs = {o.name: torch.empty(o.shape, dtype=o.dtype) for o in unit.outputs}
         run_unit(unit, inputs, outputs)
@@ -174,58 +153,7 @@ def convert_outputs(source: CheckpointDir, plan: RefitPlan | RefitSpec) -> Itera
 
 
 # --------------------------------------------------------------------------------------------------
-# writing
-
-
-class ShardWriter:
-    """Writes tensors into numbered safetensors shards of at most ``max_bytes`` (one tensor over it
-    gets a shard of its own), then the index."""
-
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out, self.max_bytes = out, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[list[str]] = []
-        self.total = 0
-        self.written: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total += size
-        self.written.append((name, tensor.dtype, tuple(tensor.shape)))
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
-            return
-        n = len(self.files)
-        save_file(self.pending, str(self.out / f"part-{n:05d}.tmp"), metadata={"format": "pt"})
-        self.files.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def discard(self) -> None:
-        """Remove every shard this writer saved (all still ``.tmp``: nothing is renamed before
-        :meth:`finish`), so a conversion that fails part-way leaves no partial checkpoint."""
-        for i in range(len(self.files) + 1):  # + 1: a shard whose save failed half-way
-            (self.out / f"part-{i:05d}.tmp").unlink(missing_ok=True)
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> list[str]:
-        self.flush()
-        count, names, weight_map = len(self.files), [], {}
-        for i, tensors in enumerate(self.files):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            (self.out / f"part-{i:05d}.tmp").rename(self.out / final)
-            names.append(final)
-            weight_map.update({t: final for t in tensors})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        return names
+# writing (into a fresh directory renamed to OUT when complete: sidecar.cli.convert_write)
 
 
 def write_checkpoint(
@@ -239,40 +167,44 @@ def write_checkpoint(
     params: FormatParams = DEFAULT_FORMAT_PARAMS,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     verify: Callable[[], None] | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Write ``tensors`` as shards + index + ``config.json`` (``hf_config`` with the matching
-    ``quantization_config``) into ``out``; returns the config written. ``layout``: the ``(name,
+    ``quantization_config``) as ``out``; returns the config written. ``layout``: the ``(name,
     dtype, shape)`` of every tensor that ``tensors`` yields (the plan's outputs), from which the
     config is worked out before anything is written: a format or parameter the engine cannot load
-    is refused with ``out`` untouched. ``verify`` runs once every shard is saved, before the
-    shards are named and the index and config written (a live generation's copy checks it was not
-    rewritten meanwhile). A failure while writing (a NaN found when a later unit is quantized, or
-    ``verify`` raising) removes the shards already saved: ``out`` holds no partial checkpoint, and
-    converting again into it works."""
+    is refused with ``out`` untouched. ``verify`` runs once every shard is saved, before anything
+    is placed (a live generation's copy checks it was not rewritten meanwhile). Everything is
+    written into a fresh directory and renamed to ``out`` only when complete
+    (:class:`~sidecar.cli.convert_write.Staged`); ``out`` must be new or empty unless ``force``.
+    Any failure (a tensor holding NaN or Inf, ``verify`` raising, an interrupt) leaves ``out`` as
+    it was, and converting again works."""
     layout = [(n, d, tuple(s)) for n, d, s in layout]
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     qc = quantization_config_for(fmt, hf_config, layout, engine=engine, params=params)
     if qc is not None:
         config["quantization_config"] = qc
-    out.mkdir(parents=True, exist_ok=True)
-    leftovers = [
-        p.name for p in out.iterdir() if p.suffix in (".safetensors", ".tmp") or p.name == INDEX_NAME
-    ]
-    if leftovers:
-        raise ValueError(f"{out} already holds a checkpoint ({leftovers[:3]}): give an empty directory")
-    writer = ShardWriter(out, max_shard_bytes)
-    try:
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        writer.flush()
+    with Staged(out, force) as staged:
+        writer = ShardWriter(staged.path, max_shard_bytes)
+        if progress is not None:
+            writer.on_flush = lambda part, nbytes: progress.count("shards written")
+        counted = tensors if progress is None else _counted(tensors, progress)
+        writer.write_all(counted)
         if verify is not None:
             verify()
-    except BaseException:
-        writer.discard()
-        raise
-    writer.finish()
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        writer.finish()
+        (staged.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        staged.place()
     return config
+
+
+def _counted(
+    tensors: Iterable[tuple[str, torch.Tensor]], progress: Progress
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        yield name, tensor
+        progress.count("tensors written")
 
 
 def convert_directory(
@@ -287,16 +219,25 @@ def convert_directory(
     quantize_linears: bool | None = None,
     params: FormatParams = DEFAULT_FORMAT_PARAMS,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    force: bool = False,
+    quiet: bool = True,
 ) -> dict[str, Any]:
-    """A BF16 checkpoint directory -> a quantized one (the daemon's plan and kernels).
+    """A BF16 checkpoint directory -> a quantized one (the daemon's plan and kernels), after every
+    check of :mod:`sidecar.cli.convert_source` (headers, index, config). ``quiet=False``: progress
+    on stderr (:class:`~sidecar.cli.progress.Progress`).
     ``quantize_linears``: block-FP8 attention/dense/shared-expert linears too, as DeepSeek-V3's own
     checkpoint (``RefitSpec.quantize_linears``); a daemon started on the written ``config.json``
     follows it (its ``weight_block_size``). ``params``: the format parameters the engine holds
     (INT4 group and scale dtype, NVFP4 names: what its manifest would say at attach); one of another
     format than ``fmt`` away from its default is refused."""
+    check_out(out, force)  # before reading anything: a refused OUT costs no time
     hf_config = json.loads((source / "config.json").read_text())
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{source}/config.json is not a JSON object")
     if "quantization_config" in hf_config:
         raise ValueError(f"{source}/config.json has a quantization_config: convert takes a BF16 checkpoint")
+    checkpoint = CheckpointDir(source)
+    check_against_config(checkpoint.specs, hf_config, source)  # absurd counts refused before any listing
     spec = RefitSpec(
         model_type=model_type_of(hf_config),
         fmt=fmt,
@@ -308,18 +249,21 @@ def convert_directory(
         params=params,
     )
     spec = with_checkpoint_scheme(spec, hf_config)
-    checkpoint = CheckpointDir(source)
     plan = RefitPlan.build(checkpoint.specs, spec)
-    return write_checkpoint(
-        out,
-        convert_outputs(checkpoint, plan),
-        hf_config,
-        fmt,
-        [(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs],
-        engine=engine,
-        params=spec.params,
-        max_shard_bytes=max_shard_bytes,
-    )
+    total = sum(checkpoint.bytes_of.values())
+    with Progress("convert", total, units=len(checkpoint.files), unit_name="shard", quiet=quiet) as progress:
+        return write_checkpoint(
+            out,
+            convert_outputs(checkpoint, plan, progress),
+            hf_config,
+            fmt,
+            [(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs],
+            engine=engine,
+            params=spec.params,
+            max_shard_bytes=max_shard_bytes,
+            force=force,
+            progress=progress,
+        )
 
 
 def convert_generation(
@@ -331,11 +275,14 @@ def convert_generation(
     timeout: float = 600.0,
     engine: str = "sglang",
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    force: bool = False,
+    quiet: bool = True,
 ) -> dict[str, Any]:
     """The live generation of the daemon at ``endpoint`` -> a checkpoint directory, in the format
     and format parameters its status says (a daemon from before ``format_params``: the defaults)."""
     from adapters.base import RefitReader
 
+    check_out(out, force)
     with RefitReader(endpoint, name="refitd-convert", timeout=timeout) as reader:
         status = reader.status(timeout=timeout)
         fmt = Format.parse(status["format"])
@@ -351,17 +298,27 @@ def convert_generation(
 
         try:
             layout = [(n, t.dtype, tuple(t.shape)) for n, t in gen.tensors.items()]
-            config = write_checkpoint(
-                out,
-                gen.tensors.items(),
-                hf_config,
-                fmt,
-                layout,
-                engine=engine,
-                params=params,
-                max_shard_bytes=max_shard_bytes,
-                verify=untorn,
-            )
+            total = sum(t.numel() * t.element_size() for t in gen.tensors.values())
+            with Progress("convert", total, unit_name="tensor", quiet=quiet) as progress:
+
+                def read() -> Iterator[tuple[str, torch.Tensor]]:
+                    for name, tensor in gen.tensors.items():
+                        progress.advance(tensor.numel() * tensor.element_size())
+                        yield name, tensor
+
+                config = write_checkpoint(
+                    out,
+                    read(),
+                    hf_config,
+                    fmt,
+                    layout,
+                    engine=engine,
+                    params=params,
+                    max_shard_bytes=max_shard_bytes,
+                    verify=untorn,
+                    force=force,
+                    progress=progress,
+                )
         finally:
             reader.release(gen)
     return config
@@ -425,6 +382,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="block-FP8 the attention/dense linears too (DeepSeek-V3-style checkpoints)",
     )
     p.add_argument("--max-shard-size", type=int, default=DEFAULT_SHARD_BYTES, help="bytes per shard")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it already holds files (by default only a new or empty OUT is written)",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress (by default: a bar on a terminal, else one line a shard on stderr)",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -448,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 engine=args.engine,
                 max_shard_bytes=args.max_shard_size,
+                force=args.force,
+                quiet=args.quiet,
             )
         else:
             if args.source is None or args.fmt is None:
@@ -464,8 +433,10 @@ def run(args: argparse.Namespace) -> int:
                 quantize_linears=args.quantize_linears,
                 params=format_params_of(args),
                 max_shard_bytes=args.max_shard_size,
+                force=args.force,
+                quiet=args.quiet,
             )
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         print(f"refitd convert: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     if (written.get("quantization_config") or {}).get("quant_algo") == "NVFP4":

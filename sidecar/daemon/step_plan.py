@@ -14,10 +14,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from sidecar.daemon.memory.staging import ArenaTooSmall
+from sidecar.daemon.memory.tiers import least_budget_for, staging_for
 from sidecar.daemon.step import StepState
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.plan.attach import check_manifest, with_engine_dtype, with_engine_params
 from sidecar.plan.build import RefitPlan, layer_of_name
+from transport.arena import ArenaKind
 
 if TYPE_CHECKING:  # pragma: no cover
     from sidecar.daemon.context import LoopContext
@@ -39,14 +41,53 @@ def plan_in_trainer_form(ctx: LoopContext, state: StepState) -> None:
     try:
         ctx.adopt_plan(plan)
     except ArenaTooSmall as exc:
-        raise RefitError(
-            f"{exc} (this step's inputs take {plan.bytes_in} bytes of staging, the checkpoint's "
-            f"{ctx.plan.bytes_in}: FP32 masters take twice BF16's); set staging_bytes to at least "
-            f"{plan.bytes_in}, or push the checkpoint's dtype",
-            kind=ErrorKind.CAPACITY,
-            step=state.step,
-        ) from None
+        raise RefitError(_capacity_advice(ctx, plan, exc), kind=ErrorKind.CAPACITY, step=state.step) from None
     log.info("step %d: the plan follows the trainer's inputs (%d of them)", state.step, len(plan.inputs))
+
+
+def _capacity_advice(ctx: LoopContext, plan: RefitPlan, exc: ArenaTooSmall) -> str:
+    """What to change when the arenas cannot hold ``plan`` (the trainer's inputs in another form
+    than the config's): the setting that binds on these arenas, with a value that works. On GPU
+    arenas sized from ``device_budget`` (``staging_bytes`` unset) that is ``device_budget``: setting
+    ``staging_bytes`` there would make ``refitd serve`` refuse to start."""
+    why = (
+        f"this step's inputs take {plan.bytes_in} bytes of staging, the checkpoint's {ctx.plan.bytes_in} "
+        "(FP32 masters take twice BF16's)"
+    )
+    config, arenas = ctx.config, ctx.arenas
+    sized_by_budget = (
+        arenas.kind is ArenaKind.CUDA_IPC
+        and config.staging_bytes is None
+        and config.device_budget is not None
+        and arenas.staging_regions
+    )
+    if not sized_by_budget:
+        return f"{exc} ({why}); set staging_bytes to at least {plan.bytes_in}, or push the checkpoint's dtype"
+    try:
+        need = least_budget_for(
+            ctx.plan,
+            plan,
+            regions=config.ring_regions,
+            budget=config.device_budget,
+            host_generations=config.host_generations,
+            gpus=arenas.lanes,
+        )
+    except ArenaTooSmall:  # sized to the config's layers, no budget alone makes a region hold them
+        try:
+            staging, budget = staging_for(ctx.plan, plan, regions=config.ring_regions, gpus=arenas.lanes)
+        except ArenaTooSmall as more:
+            return f"the device rings cannot hold this step's inputs ({why}): {more}; push the checkpoint's dtype"
+        return (
+            f"the device rings, sized from device_budget = {config.device_budget} B to the config's layers, "
+            f"cannot stage this step's inputs ({why}), whatever the budget: set staging_bytes to at least "
+            f"{staging} B together with device_budget to at least {budget} B ({budget >> 20} MiB: the staging "
+            "ring and a publish ring of its size), or push the checkpoint's dtype"
+        )
+    return (
+        f"the device rings sized from device_budget = {config.device_budget} B cannot stage this step's inputs "
+        f"({why}): raise device_budget to at least {need} B ({need >> 20} MiB) and leave staging_bytes "
+        "unset, or push the checkpoint's dtype"
+    )
 
 
 def plan_from_declarations(ctx: LoopContext, engines: list[EngineState], state: StepState) -> None:

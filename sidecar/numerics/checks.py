@@ -127,12 +127,42 @@ def _check_out_buffers(
                 "that share memory (an expand()-ed or as_strided view); pass a buffer with one location "
                 "per element (.clone() it, or allocate it from the plan)"
             )
+    spans = [("the input", w), *((f"the out {what} buffer", t) for (what, _, _), t in zip(wanted, out))]
+    for i in range(1, len(spans)):
+        for j in range(i):
+            if _shares_bytes(spans[i][1], spans[j][1]):
+                raise ValueError(
+                    f"{_label(name)}: {spans[i][0]} shares memory with {spans[j][0]} (SPEC §1.4: out= "
+                    "buffers must not overlap the input or each other; the kernels write scales before "
+                    "they finish reading a row): pass separate buffers, allocated from the plan"
+                )
     return tuple(out)
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` addresses of the bytes ``t`` may touch; None when it holds no elements."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    reach = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (reach + 1) * t.element_size()
+
+
+def _shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: their byte spans intersect (conservative for two
+    strided views that interleave without sharing an element; no caller of the quantizers makes
+    those, and refusing them costs nothing)."""
+    if a.device != b.device:
+        return False
+    sa, sb = _byte_span(a), _byte_span(b)
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+
+
 def check_shared_scale(scale: object, name: str | None, what: str = "scale") -> torch.Tensor:
-    """A caller's shared scale, as a 0-d float32 tensor; anything else (a Python float included) is
-    refused with the same ValueError on every path."""
+    """A caller's shared scale, as a 0-d float32 tensor; anything else (a Python float included), and
+    (SPEC §1.4) a value that is NaN, ±Inf, negative or -0.0, is refused with the same ValueError on
+    every path (reference, native, Triton). +0.0 is taken: what a zero scale quantizes to is in
+    SPEC §1.4."""
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
         got = (
             type(scale).__name__
@@ -143,11 +173,11 @@ def check_shared_scale(scale: object, name: str | None, what: str = "scale") -> 
             f"{_label(name)}: a shared {what}= must be one float32 value in a torch.Tensor "
             f"(torch.tensor(x, dtype=torch.float32)), got {got}"
         )
-    value = float(scale.reshape(()))  # one element: a cheap host read, also of a device tensor
-    if not math.isfinite(value) or value < 0 or math.copysign(1.0, value) < 0:
+    value = float(scale.reshape(()))
+    if not math.isfinite(value) or math.copysign(1.0, value) < 0:
         raise ValueError(
-            f"{_label(name)}: a shared {what}= must be finite and not negative (docs/spec.md §1.4), got "
-            f"{value!r}; compute it over the group's tensors (amax / 448, amax / 2688) instead"
+            f"{_label(name)}: a shared {what}= must be finite and not negative (docs/spec.md §1.4), got {value!r}; "
+            "compute it from the tensors' amax (nvfp4_global_scale / the per-tensor scale) instead"
         )
     return scale.reshape(())
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from sidecar.cli.plan import human_bytes
+from sidecar.cli.progress import Progress
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 
 WORLD_SIZE = 2
@@ -298,14 +299,19 @@ def run_colocated(args: argparse.Namespace) -> int:
         return 2
     rows, problems = [], []
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
+    progress = Progress("demo", 0, units=args.steps, unit_name="step", quiet=getattr(args, "quiet", False))
+    with progress, tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps(hf_config(kwargs)))
+        progress.phase("starting the daemon")
         daemon, endpoint = start_daemon(Path(tmp) / "run", config, args.format, args.staging_regions, params)
         failures, results, attached = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs: list = []
         try:
             wait_ready(endpoint, daemon)
+            progress.phase(
+                "starting the reference engine (a process of its own: importing torch takes a while)"
+            )
             procs.append(
                 ctx.Process(
                     target=engine, args=(endpoint, args.format, args.steps, kwargs, results, attached, params)
@@ -319,6 +325,7 @@ def run_colocated(args: argparse.Namespace) -> int:
                 ctx.Process(target=trainer, args=(endpoint, r, args.steps, kwargs, failures))
                 for r in range(WORLD_SIZE)
             ]
+            progress.phase(f"starting {WORLD_SIZE} trainer ranks; {args.steps} steps follow")
             for p in procs[1:]:
                 p.start()
             if not args.json:
@@ -342,6 +349,8 @@ def run_colocated(args: argparse.Namespace) -> int:
                     )
                     if not args.json:
                         _row(rows[-1])
+                    verified = not bad and loaded.get("engine_exact") and loaded.get("ok")
+                    progress.unit_done(f"step {checked.step}, {'verified' if verified else 'NOT verified'}")
                     if bad or not loaded.get("engine_exact") or not loaded.get("ok"):
                         problems.append(f"step {step}: published mismatches {bad[:3]}, engine {loaded}")
                     previous = {k: v.clone() for k, v in expected.items()}

@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="stream each step through N layer-sized staging regions (the GPU default is 4); 0: whole steps",
     )
     p.add_argument("--json", action="store_true", help="print one JSON summary object instead of the table")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (by default: each phase and step as it ends; a bar on a terminal)",
+    )
     p.set_defaults(run=run)
     return p
 

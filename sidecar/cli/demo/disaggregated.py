@@ -35,6 +35,7 @@ from sidecar.cli.demo.colocated import (
     weights,
 )
 from sidecar.cli.plan import human_bytes
+from sidecar.cli.progress import Progress
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -106,8 +107,10 @@ def run_disaggregated(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     daemons: list[subprocess.Popen] = []
     procs: list = []
-    with tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
+    progress = Progress("demo", 0, units=args.steps, unit_name="step", quiet=getattr(args, "quiet", False))
+    with progress, tempfile.TemporaryDirectory(prefix="refitd-demo-") as tmp:
         root = Path(tmp)
+        progress.phase(f"starting {len(HOSTS) + 1} daemons (a trainer node, {len(HOSTS)} inference nodes)")
         config = root / "config.json"
         config.write_text(json.dumps(make_hf_config("qwen3_5_moe", **kwargs)))
         trainer_key, trainer_pub = write_keypair(root, "trainer")
@@ -147,6 +150,7 @@ def run_disaggregated(args: argparse.Namespace) -> int:
         try:
             for ep, proc in zip([*locals_, trainer_ep], daemons):
                 wait_ready(ep, proc)
+            progress.phase(f"starting {len(locals_)} reference engines (processes of their own)")
             for i, ep in enumerate(locals_):
                 attached = ctx.Event()
                 procs.append(
@@ -165,6 +169,7 @@ def run_disaggregated(args: argparse.Namespace) -> int:
                 for r in range(WORLD_SIZE)
             ]
             procs += trainers
+            progress.phase(f"starting {WORLD_SIZE} trainer ranks; {args.steps} steps follow")
             for p in trainers:
                 p.start()
             with RefitReader(trainer_ep, name="demo-status", timeout=120) as status:
@@ -188,6 +193,10 @@ def run_disaggregated(args: argparse.Namespace) -> int:
                     peers = _peers_at(status, step)
                     record = next(h for h in status.status()["history"] if h["step"] == step)
                     rows.append({**record, "nodes": nodes, "forward": [peers[ep] for ep in endpoints]})
+                    verified = all(n["published_exact"] and n.get("engine_exact") for n in nodes)
+                    progress.unit_done(
+                        f"step {step}, {'verified' if verified else 'NOT verified'} on every node"
+                    )
             for v in verifiers:
                 v.worker.detach()
             for p in procs:

@@ -29,10 +29,13 @@ import torch
 from sidecar.daemon.memory.staging import (
     ArenaTooSmall,
     Group,
+    RingStaging,
     group_atoms,
     lane_regions,
     layer_groups,
     pack,
+    region_size,
+    ring_groups,
 )
 from sidecar.plan.build import RefitPlan
 from transport.layout import ALIGN, Layout
@@ -43,6 +46,7 @@ __all__ = [
     "PublishRing",
     "copy_out",
     "fit_device_tier",
+    "least_budget_for",
     "publish_region_size",
 ]
 
@@ -310,3 +314,77 @@ def fit_device_tier(
         f"{_gib(need)} ({need} B) in all, as 2 MiB allocations more. Raise device_budget to at least "
         f"{_gib(need + (4 << 20))}" + (", or set generation_residency = 'host'" if generations else "")
     )
+
+
+def least_budget_for(
+    start_plan: RefitPlan,
+    plan: RefitPlan,
+    *,
+    regions: int,
+    budget: int,
+    host_generations: bool,
+    gpus: int = 1,
+) -> int:
+    """The least ``device_budget`` (a whole MiB) with which a daemon that sizes its device tier for
+    ``start_plan`` (the config's, at start) can also carve its rings for ``plan`` (the trainer's
+    inputs, e.g. FP32 masters: twice the staging bytes): what a capacity error on GPU arenas
+    advises, checked the way the daemon carves them (:func:`fit_device_tier`, then the staging and
+    publish rings), so that following it works."""
+    outputs = output_layout(plan)
+
+    def fits(b: int) -> bool:
+        try:
+            tier = fit_device_tier(
+                start_plan, regions=regions, budget=b, host_generations=host_generations, gpus=gpus
+            )
+            cap = tier.max_group_bytes
+            if cap is None:  # as Arenas.apply_plan cuts groups on GPU arenas: to what a region holds
+                held = lane_regions(tier.regions, len(ring_groups(plan)), gpus)
+                cap = (tier.staging // held) // ALIGN * ALIGN
+            ring = RingStaging(
+                plan, regions=tier.regions, capacity=tier.staging, max_group_bytes=cap, lanes=gpus
+            )
+            if host_generations:
+                PublishRing(ring.groups, plan, outputs, regions=ring.regions, capacity=tier.publish)
+        except ArenaTooSmall:
+            return False
+        return True
+
+    mib = 1 << 20
+    lo, hi = max(budget // mib, 1), max(budget // mib, 1) * 2
+    while not fits(hi * mib):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 20:  # a TiB: the tier is sized to the config's layers, whatever the budget
+            raise ArenaTooSmall(f"no device_budget holds this step's inputs' rings (tried up to {hi} MiB)")
+    while hi - lo > 1:  # the boundary, to a MiB (hi always fits)
+        mid = (lo + hi) // 2
+        if fits(mid * mib):
+            hi = mid
+        else:
+            lo = mid
+    return hi * mib
+
+
+def staging_for(start_plan: RefitPlan, plan: RefitPlan, *, regions: int, gpus: int = 1) -> tuple[int, int]:
+    """``(staging_bytes, device_budget)`` with which GPU arenas (host generations) hold both plans'
+    rings whole-layer: where no budget alone does (a trainer's FP32 expert slab can outgrow the
+    config's whole BF16 layer, and the daemon sizes its tier to the config's layers). Checked the
+    way ``Arenas`` carves them: the staging ring, then a publish ring of the same size."""
+    from transport.cuda_ipc import allocation_size
+
+    staging = max(
+        lane_regions(regions, len(groups), gpus) * region_size(groups)
+        for groups in (ring_groups(start_plan), ring_groups(plan))
+    )
+    for p in (start_plan, plan):  # ArenaTooSmall if this reasoning missed a case
+        held = lane_regions(regions, len(ring_groups(p)), gpus)
+        ring = RingStaging(
+            p,
+            regions=regions,
+            capacity=staging,
+            max_group_bytes=(staging // held) // ALIGN * ALIGN,
+            lanes=gpus,
+        )
+        PublishRing(ring.groups, p, output_layout(p), regions=ring.regions, capacity=staging)
+    mib = 1 << 20
+    return staging, -(-2 * allocation_size(staging) // mib) * mib
