@@ -112,6 +112,11 @@ class Arenas:
         self.staging_tainted = False
         self.retired_staging = 0  # staging retirements so far (logs, tests)
         self._staging_retired: set[int] = set()  # lanes closed and unlinked, their successor not made yet
+        #: GPU staging retired after a failed step, one per lane, kept allocated: a rank may still map
+        #: it, and CUDA leaves a cudaFree before the importer's cudaIpcCloseMemHandle undefined (the
+        #: memory may come back from the next cudaMalloc). The lane's next retirement makes it the
+        #: fresh staging again (zeroed) instead of allocating: at most two stagings per GPU, ever
+        self.quarantine: dict[int, Arena] = {}
         self.stagings: list[Arena] = []  # one per GPU (lane); one on shm
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
@@ -184,7 +189,11 @@ class Arenas:
         The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
         first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
         stays set: the next call tries again, and no step starts before one succeeds. With several
-        GPUs every GPU's staging arena is retired (all were handed to the step's ranks)."""
+        GPUs every GPU's staging arena is retired (all were handed to the step's ranks). GPU staging
+        is never freed here (:meth:`_retire_gpu_staging`)."""
+        if self.kind is ArenaKind.CUDA_IPC:
+            self._retire_gpu_staging()
+            return
         if not self._staging_retired:
             for old in self.stagings:
                 old.close()
@@ -203,6 +212,27 @@ class Arenas:
             self.stagings[lane] = fresh
             self._staging_retired.discard(lane)
             log.info("staging is now %s", fresh.name)
+        self.staging_tainted = False
+        self.retired_staging += 1
+
+    def _retire_gpu_staging(self) -> None:
+        """Swap each GPU's staging with the one retired before (zeroed), or a fresh allocation at
+        the lane's first failure; the failed step's arena waits in :attr:`quarantine`, still
+        allocated, so a rank's late write lands in memory no step reads and nothing is freed under
+        an importer. Without room for the fresh one the error propagates (:attr:`staging_tainted`
+        stays set: no step starts on the failed staging; the next call tries again, lane by lane)."""
+        if not self._staging_retired:
+            self._staging_retired = set(range(len(self.stagings)))
+        for lane in sorted(self._staging_retired):
+            old = self.stagings[lane]
+            fresh = self.quarantine.pop(lane, None)
+            if fresh is None:
+                fresh = self._create(_role("staging", lane), old.size, lane=lane)
+            fresh.zero()
+            fresh.relayout(old.layout)
+            self.quarantine[lane], self.stagings[lane] = old, fresh
+            self._staging_retired.discard(lane)
+            log.info("staging arena %s retired after a failed step; staging is now %s", old.name, fresh.name)
         self.staging_tainted = False
         self.retired_staging += 1
 
@@ -347,6 +377,8 @@ class Arenas:
             per[lane] = sum(
                 allocation_size(a.size) for a in arenas if a is not None and a.kind is ArenaKind.CUDA_IPC
             )
+        for lane, arena in self.quarantine.items():
+            per[lane] += allocation_size(arena.size)
         per[0] += sum(
             allocation_size(g.arena.size) for g in self.generations if g.arena.kind is ArenaKind.CUDA_IPC
         )
@@ -359,7 +391,8 @@ class Arenas:
         return [a.name for a in arenas if a.kind is ArenaKind.SHM] + page
 
     def all_arenas(self) -> list[Arena]:
-        return [*self.stagings, *self.publish_arenas, *(g.arena for g in self.generations)]
+        gens = (g.arena for g in self.generations)
+        return [*self.stagings, *self.quarantine.values(), *self.publish_arenas, *gens]
 
     # ---- publish cycle
 
