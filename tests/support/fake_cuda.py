@@ -41,6 +41,17 @@ from transport.cuda_driver import IPC_HANDLE_BYTES, CudaError
 GIB = 1 << 30
 
 
+def _read_only_mapping(ptr: int) -> bool:
+    """Whether this process maps ``ptr`` without write permission (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return "w" not in perms
+    return False
+
+
 class _HostArray:
     """``__array_interface__`` over ``nbytes`` at ``ptr``: tensors made from it keep ``owner`` alive."""
 
@@ -84,12 +95,17 @@ class FakeCuda:
         visible: list[str] | None = None,
         current: int = 0,
         read_only_register: bool = True,
+        pageable_host_page_tables: bool = False,
     ):
         if node is None:
             node = FakeNode([f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(gpus)], total)
         self.node, self.total = node, node.total
         self.uuids = list(node.uuids if visible is None else visible)  # this process's CUDA order
         self.current, self.read_only_register = current, read_only_register
+        #: x86 without HMM: a read-only mapping registers only with READ_ONLY; Grace / HMM: either way
+        self.pageable_host_page_tables = pageable_host_page_tables
+        #: set by a test to hold every cudaHostRegister until it is set (a slow page-lock)
+        self.register_gate: threading.Event | None = None
         self.pid, node.next_pid = node.next_pid, node.next_pid + 1
         self.calls: collections.Counter[str] = collections.Counter()
         self.buffers: dict[int, tuple[int, np.ndarray]] = {}  # ptr -> (device, bytes)
@@ -228,12 +244,18 @@ class FakeCuda:
         return torch.from_numpy(np.asarray(_HostArray(ptr, nbytes, owner)))
 
     def host_register(self, device, ptr, nbytes, *, read_only):
+        if self.register_gate is not None and not self.register_gate.wait(60):
+            raise CudaError("cudaHostRegister: the test never opened register_gate")
         with self._lock:
             self._on(device, f"cudaHostRegister({nbytes} B)")
             self.calls["host_register"] += 1
             if read_only and not self.read_only_register:
                 raise CudaError(
                     f"cudaHostRegister({nbytes} B) failed: cudaErrorNotSupported (operation not supported)"
+                )
+            if not read_only and not self.pageable_host_page_tables and _read_only_mapping(ptr):
+                raise CudaError(
+                    f"cudaHostRegister({nbytes} B) failed: cudaErrorInvalidValue (invalid argument)"
                 )
             if ptr in self.registered:  # as CUDA: cudaErrorHostMemoryAlreadyRegistered
                 raise CudaError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")

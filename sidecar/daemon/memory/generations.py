@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sidecar.daemon.memory.direct import direct_offsets
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, lane_regions, region_size, ring_groups
@@ -37,6 +38,9 @@ from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
 from transport.layout import ALIGN, Layout
 from transport.shm import ShmArena, segment_name
+
+if TYPE_CHECKING:
+    from transport.host_pins import BackgroundPins
 
 log = logging.getLogger("refitd.generations")
 
@@ -99,7 +103,8 @@ class Arenas:
         #: the device publish rings' memory, one per GPU (GPU arenas, host generations)
         self.publish_arenas: list[Arena] = []
         self.publish_ring: PublishRing | None = None  # its layout for the plan (the same on every GPU)
-        self.pins: list = []  # page-locked host generations (transport.cuda_ipc.HostPin)
+        #: page-locking the host generations, on a thread (transport.host_pins: READY does not wait)
+        self.pinning: BackgroundPins | None = None
         self._publish_views: dict[tuple[int, int], dict] = {}
         #: inputs whose remote frames the daemon may write straight into the step's generation
         #: (sidecar.daemon.memory.direct): byte offsets there; empty on GPU arenas and with a
@@ -140,8 +145,12 @@ class Arenas:
                 self.generations.append(
                     Generation(i, self._create(f"gen{i}", publish_bytes, self.gen_kind, sealed=True))
                 )
-                if on_gpu and self.gen_kind is ArenaKind.SHM:
-                    self._pin(self.generations[-1].arena)
+            if on_gpu and self.gen_kind is ArenaKind.SHM:
+                from transport.host_pins import BackgroundPins
+
+                self.pinning = BackgroundPins(
+                    [g.arena for g in self.generations], self._pin, what="host generations"
+                )
         except BaseException:
             self.close()
             raise
@@ -236,14 +245,17 @@ class Arenas:
         self.staging_tainted = False
         self.retired_staging += 1
 
-    def _pin(self, arena: Arena) -> None:
-        """Page-lock a host generation on the arenas' GPU, so copies into it (and engines' copies out
-        of it, from their own pinned mappings) are DMAs."""
+    @property
+    def pins(self) -> list:
+        """The host generations page-locked so far (transport.cuda_ipc.HostPin)."""
+        return [] if self.pinning is None else self.pinning.pins
+
+    def _pin(self, arena: Arena):
+        """Page-lock a host generation on the arenas' GPU (on the pinning thread), so copies into
+        it (and engines' copies out of it, from their own pinned mappings) are DMAs."""
         from transport.cuda_ipc import pin_shm_arena
 
-        pin = pin_shm_arena(arena, driver=self.staging.driver, device=self.staging.device, read_only=False)
-        if pin is not None:
-            self.pins.append(pin)
+        return pin_shm_arena(arena, driver=self.staging.driver, device=self.staging.device, read_only=False)
 
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm):
@@ -473,8 +485,8 @@ class Arenas:
 
     def close(self) -> None:
         """Unmap and unlink every segment (idempotent); page-locked ones are unregistered first."""
-        for pin in self.pins:
-            pin.release()
+        if self.pinning is not None:
+            self.pinning.release()
         self._publish_views = {}  # device memory is freed once no view of it is left
         for arena in self.all_arenas():
             arena.close()
