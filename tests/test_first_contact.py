@@ -165,6 +165,24 @@ def test_a_sticky_cuda_error_stops_the_daemon_and_tells_every_peer(tmp_path, cud
         d.close()
 
 
+def test_serve_exits_1_after_a_sticky_cuda_error(tmp_path, monkeypatch):
+    """``refitd serve`` whose loop stopped on a sticky CUDA error exits 1 (Restart=on-failure,
+    Slurm and Ray restart a failed process; a clean 0 would leave the node without a daemon)."""
+    import json
+
+    from sidecar.cli.main import main
+    from sidecar.daemon.loop import Daemon
+
+    def wedged(self, poll=None):
+        self.fatal = "sticky CUDA error: CudaError: cudaErrorIllegalAddress"
+
+    monkeypatch.setattr(Daemon, "serve_forever", wedged)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(make_hf_config("qwen3_5_moe", **MODEL)))
+    argv = ["serve", "--hf-config", str(config), "--runtime-dir", str(tmp_path / "run"), "--world-size", "1"]
+    assert main(argv) == 1
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. staging of a failed step is never freed under an importer
 
