@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +37,7 @@ from transport.cuda_driver import CudaError, sticky_cuda_error
 from transport.cuda_ipc import CudaIpcArena, HostPin
 from transport.layout import Layout
 
+ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = Layout.build([("w", torch.bfloat16, (3, 5)), ("s", torch.float32, (4,))])
 MODEL = dict(num_layers=2, num_experts=4)
 
@@ -415,3 +420,37 @@ def test_the_daemon_is_ready_before_its_host_generations_are_page_locked(tmp_pat
         fake.register_gate.set()
         d.close()
     assert fake.registered == {}
+
+
+# --------------------------------------------------------------------------------------------------
+# bench/gpu_run.sh's first-contact section, without a GPU
+
+
+@pytest.mark.timeout(300)
+def test_gpu_run_dry_run_prepares_every_first_contact_check():
+    """``bash bench/gpu_run.sh --dry-run`` runs each first-contact check up to its first call that
+    needs a GPU, one line per check, and exits 0: the first lent device runs them for real."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    run = subprocess.run(
+        ["bash", "bench/gpu_run.sh", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("first-contact ")]
+    names = [
+        "ipc-own-gpu",
+        "sticky-fault",
+        "free-under-import",
+        "read-only-pin",
+        "lru-threads",
+        "unpin-lanes",
+        "startup-pin",
+    ]
+    assert [line.split(":")[0] for line in lines] == [
+        f"first-contact {n} {name}" for n, name in enumerate(names, 1)
+    ]
+    assert all(": DRY-RUN - prepared; stops before " in line for line in lines), lines
