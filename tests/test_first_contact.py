@@ -422,6 +422,31 @@ def test_the_daemon_is_ready_before_its_host_generations_are_page_locked(tmp_pat
     assert fake.registered == {}
 
 
+@pytest.mark.timeout(300)
+def test_an_engine_workers_first_load_does_not_wait_for_its_page_lock(tmp_path, cuda):
+    """Each engine TP worker page-locks the generations it maps (2 x 331 GiB for DeepSeek-V3): its
+    first load must not wait for that. The fake holds cudaHostRegister; the reader hands the
+    generation out (unpinned, copies pageable), and it is pinned once the registration completes."""
+    fake = cuda(FakeCuda())
+    hf = make_hf_config("qwen3_5_moe", **MODEL)
+    with RunningDaemon(tmp_path, hf_config=hf, world_size=1) as d:  # shm arenas: nothing pinned by the daemon
+        with RefitClient(d.endpoint, 0, 1, timeout=60) as client:
+            client.push_step(0, make_state_dict("qwen3_5_moe", seed=0, **MODEL))
+        fake.register_gate = threading.Event()
+        got: list = []
+        with RefitReader(d.endpoint, name="tp-worker-3", pin=True) as reader:
+            loading = threading.Thread(target=lambda: got.append(reader.wait(min_step=0, timeout=60)))
+            loading.start()
+            loading.join(30)
+            handed_out = bool(got)
+            fake.register_gate.set()
+            loading.join(90)
+            assert handed_out, "the first load waited for the page-lock"
+            assert not got[0].pinned and reader.wait_pinned(30) and len(fake.registered) == 1
+            reader.release(got[0])
+    assert fake.registered == {}
+
+
 # --------------------------------------------------------------------------------------------------
 # bench/gpu_run.sh's first-contact section, without a GPU
 

@@ -68,8 +68,11 @@ def sticky_cuda_error(exc: BaseException | None) -> bool:
     a RuntimeError "CUDA error: ...") or Triton ("Triton Error [CUDA]: ...")."""
     seen = 0
     while exc is not None and seen < 8:
-        text = str(exc)
-        cuda = isinstance(exc, RuntimeError) and ("CUDA" in text or "cuda" in text)
+        try:
+            text = str(exc) if isinstance(exc, RuntimeError) else ""
+        except Exception:  # an exception that cannot even be printed is no CUDA error of ours
+            text = ""
+        cuda = "CUDA" in text or "cuda" in text
         if cuda and any(name in text or words in text for name, words in STICKY_CUDA_ERRORS.items()):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1

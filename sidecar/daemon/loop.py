@@ -423,9 +423,9 @@ class Daemon:
     def _internal_error(self, identity: bytes | None, what: str, exc: BaseException, step) -> None:
         """A bug met while handling ``what``: log it with its traceback, count it, fail the step the
         message belongs to (or answer its sender) with an INTERNAL error. Never raises."""
-        if stop_on_sticky(self, exc):
-            return
         try:
+            if stop_on_sticky(self, exc):
+                return
             log.error("internal error handling %s: %s", what, safe_repr(exc), exc_info=exc)
             self._message_error(ErrorKind.INTERNAL)
             err = RefitError(
