@@ -195,7 +195,16 @@ def child_late_write(args: dict) -> None:
     driver.ipc_close(0, ptr)
 
 
-CHILDREN = {"map_staging": child_map_staging, "fault": child_fault, "late_write": child_late_write}
+def child_ping(args: dict) -> None:
+    _say(ok=True, args=args, visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+CHILDREN = {
+    "map_staging": child_map_staging,
+    "fault": child_fault,
+    "late_write": child_late_write,
+    "ping": child_ping,
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +233,9 @@ def ipc_own_gpu(gate: Gate):
     from transport.layout import Layout
 
     layout = Layout.build([("w", torch.float32, (1024,))])
+    probe = {"ipc_handle": bytes(range(64)), "layout": layout.to_wire(), "kind": "cuda_ipc"}
+    if _handle(_wire(probe)) != probe:  # the handle reaches the child as it left
+        return "ERROR", "the handle does not survive its trip to the child"
     gate.gpu("default_driver() (cudaGetDeviceCount) and cudaMalloc of the daemon's staging")
     from transport.cuda_driver import default_driver
 
@@ -256,6 +268,10 @@ def ipc_own_gpu(gate: Gate):
 
 @check(2, "sticky-fault")
 def sticky_fault(gate: Gate):
+    ping = Child("ping", {"n": 1}, env={"CUDA_VISIBLE_DEVICES": "0"})  # the children's plumbing
+    got = ping.report()
+    if ping.finish() != 0 or got.get("args") != {"n": 1} or got.get("visible") != "0":
+        return "ERROR", f"a child process does not answer as expected: {got}"
     gate.gpu("a child launching an out-of-bounds Triton store")
     got = Child("fault", {}).report()
     if "error" in got:
