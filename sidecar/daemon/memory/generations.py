@@ -188,18 +188,17 @@ class Arenas:
 
     def retire_staging(self) -> None:
         """Replace the staging arena with a fresh one of the same size and layout, after unlinking
-        (shm) or dropping (GPU: freed once no view of it is alive) the old one.
+        the old one (shm; on a GPU the old one is kept allocated instead: :meth:`_retire_gpu_staging`).
 
         Called before a step starts when the last one failed (:attr:`staging_tainted`): a rank the
         daemon stopped trusting (declared dead while frozen, timed out, or part of a failed step)
         may still hold the old arena mapped writable and write into it later; those writes now land
         in memory nobody reads. READY then names the new arena (another name), and clients remap
         and close the old one. Nothing may run from staging meanwhile (no step, no unit in flight).
-        The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
-        first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
-        stays set: the next call tries again, and no step starts before one succeeds. With several
-        GPUs every GPU's staging arena is retired (all were handed to the step's ranks). GPU staging
-        is never freed here (:meth:`_retire_gpu_staging`)."""
+        On shm the old segment goes first (the caller drops its views of it first). If the new one
+        cannot be made, the error propagates and :attr:`staging_tainted` stays set: the next call
+        tries again, and no step starts before one succeeds. With several GPUs every GPU's staging
+        arena is retired (all were handed to the step's ranks)."""
         if self.kind is ArenaKind.CUDA_IPC:
             self._retire_gpu_staging()
             return
