@@ -22,8 +22,8 @@ SKIP (this machine cannot show it, e.g. one GPU), ERROR (the check itself broke)
    DeepSeek-size set of output sets is prepared once (a second pass rebuilds no pointer table).
 6. unpin-lanes: a D2H copy on cuda:1 into memory pinned on cuda:0, released at once: the copy must
    land whole (needs two GPUs; on one, ``active_devices`` is checked).
-7. startup-pin: cudaHostRegister GiB/s, extrapolated to 2 x 331 GiB against TimeoutStartSec=300,
-   and the arenas reaching READY before their host generations are pinned.
+7. startup-pin: cudaHostRegister GiB/s, extrapolated to 2 x 331 GiB against TimeoutStartSec=300
+   (what READY waited for before the fix; READY not waiting is tested against the fake driver).
 """
 
 from __future__ import annotations
