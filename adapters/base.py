@@ -140,7 +140,8 @@ class RefitReader:
         self.device = device
         self.streaming = streaming
         self.pin = pin
-        self._pins: dict[str, Any] = {}  # segment name -> its HostPin
+        self._pins: dict[str, Any] = {}  # segment name -> its page-locking (transport.host_pins)
+        self.pin_failure: str | None = None  # why a generation could not be page-locked, if one could not
         self.endpoint = endpoint
         self.curve = curve
         self.manifest = manifest
@@ -459,7 +460,7 @@ class RefitReader:
             device=getattr(arena, "device", None) if handle.get("kind") == "cuda_ipc" else None,
             reader=self.name,
             reader_timeout_s=_number_or_none(self.attach_info.get("reader_timeout_s")),
-            pinned=handle["name"] in self._pins,
+            pinned=self._pinned(handle["name"]),
         )
         epoch, page = fields.get("epoch"), fields.get("epochs")
         if isinstance(epoch, int) and not isinstance(epoch, bool) and isinstance(page, dict):
@@ -473,29 +474,56 @@ class RefitReader:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
 
     def _pin(self, name: str, arena: Any) -> None:
-        """Page-lock a host generation's read-only mapping on this process's GPU; a failure (an old
-        driver without READ_ONLY registration, a locked-memory limit) is logged and the engine
-        copies from pageable memory, as before."""
-        from transport.cuda_ipc import default_driver, pin_shm_arena
+        """Page-lock a host generation's read-only mapping on this process's GPU, on a thread
+        (``transport.host_pins``): the first load does not wait for it (its copies are pageable
+        until the pin lands; ``Generation.pinned`` says which at hand-out). Where CUDA does not
+        support READ_ONLY registration the mapping is registered without the flag where the
+        platform allows it; a failure is logged once and kept in :attr:`pin_failure`."""
+        from transport.cuda_ipc import default_driver
+        from transport.host_pins import BackgroundPins, pin_read_only
 
         try:
             driver = default_driver()
-            pin = pin_shm_arena(arena, driver=driver, device=driver.current_device(), read_only=True)
+            device = driver.current_device()
         except Exception as exc:
+            self._pin_failed(name, str(exc))
+            return
+
+        def pin(arena: Any) -> Any:
+            got, why = pin_read_only(arena, driver=driver, device=device)
+            if why is not None:
+                self._pin_failed(name, why)
+            return got
+
+        self._pins[name] = BackgroundPins([arena], pin, what=f"reader {self.name}")
+
+    def _pin_failed(self, name: str, why: str) -> None:
+        if self.pin_failure is None:  # once: every generation would say the same
             log.warning(
                 "reader %s: could not page-lock generation %s (copies stay pageable): %s",
                 self.name,
                 name,
-                exc,
+                why,
             )
-            return
-        if pin is not None:
-            self._pins[name] = pin
+        self.pin_failure = why
+
+    def _pinned(self, name: str) -> bool:
+        pins = self._pins.get(name)
+        return pins is not None and bool(pins.pins)
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait until every page-lock started is done (pinned or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for pins in list(self._pins.values()):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not pins.wait(left):
+                return False
+        return True
 
     def _unpin(self, name: str) -> None:
-        pin = self._pins.pop(name, None)
-        if pin is not None:
-            pin.release()
+        pins = self._pins.pop(name, None)
+        if pins is not None:
+            pins.release()
 
     def _epoch_view(self, handle: dict[str, Any]) -> EpochView:
         """The daemon's epoch page, mapped read-only once per daemon start (kept, like its arenas,

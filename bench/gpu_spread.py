@@ -87,6 +87,8 @@ def _run(plan, gpus: list[int], budget: int) -> dict[str, Any]:
         host_generations=True,
         budget=budget,
     )
+    if arenas.pinning is not None:  # host generations are page-locked on a thread (issue 34): timed pinned
+        arenas.pinning.wait()
     try:
         ring, gen = arenas.ring, arenas.generations[0]
         errors: list[BaseException] = []

@@ -127,6 +127,8 @@ def _measure(device: torch.device, plan, budget: int, args) -> dict[str, Any]:
         host_generations=True,
         budget=budget,
     )
+    if arenas.pinning is not None:  # host generations are page-locked on a thread (issue 34): timed pinned
+        arenas.pinning.wait()
     try:
         ring, gen = arenas.ring, arenas.generations[0]
         peak_used, samples, seconds = _used(device) - base_used, [], 0.0

@@ -554,8 +554,9 @@ def test_staging_of_a_failed_step_is_retired_on_gpu_arenas_and_late_writes_land_
     """Issue 21 on CUDA arenas: a rank the daemon stopped trusting keeps the staging arena mapped
     writable (an IPC mapping). Once its step failed, the daemon replaces the arena with a fresh
     allocation before the next step: the next READY names another arena (name and IPC handle), a
-    write through the old mapping lands in memory no step reads, and the old allocation is freed
-    once the daemon holds no view of it."""
+    write through the old mapping lands in memory no step reads, and the old allocation stays
+    allocated (issue 34: a cudaFree under an importer's mapping is undefined behaviour) until the
+    arenas close."""
     from sidecar.daemon.memory.generations import Arenas
     from sidecar.plan.build import RefitPlan, RefitSpec, TensorSpec
     from transport import cuda_ipc
@@ -592,7 +593,8 @@ def test_staging_of_a_failed_step_is_retired_on_gpu_arenas_and_late_writes_land_
             assert not fresh.tensor(name).view(torch.uint8).any(), f"{name}: a late write reached staging"
         frees = daemon.calls["free"]
         del daemon_view
-        assert daemon.calls["free"] == frees + 1 and old.released  # freed once the daemon let go
+        assert daemon.calls["free"] == frees and not old.released  # kept: the rank may still map it
+        assert arenas.quarantine == {0: old}
         frozen.close()
     finally:
         arenas.close()
@@ -751,6 +753,9 @@ class FakeRuntime:
         self.log.append(("retain", dev))
         return (0, ("primary", dev))
 
+    def cuDevicePrimaryCtxGetState(self, dev):  # (flags, active): retained here, or current from the start
+        return (0, 0, int(("retain", dev) in self.log or self.ctx == ("primary", dev)))
+
     def cuCtxGetCurrent(self):
         return (0, self.ctx)
 
@@ -778,6 +783,7 @@ def test_the_real_driver_wrapper_over_a_fake_runtime(nvml_off):
     reader = HostCudaDriver(rt, rt)  # a second "process" on the same runtime
     peer = CudaIpcArena.open(handle, writable=False, driver=reader)
     assert rt.log[-1] == ("open", 2, 1) and peer.tensor("w")[2, 4].item() == 1.5
+    assert daemon.active_devices() == [0, 2]  # device 0's context from the start, 2's made for the arena
     peer.close()
     arena.close()
     assert rt.log[-2:] == [("close", 2), ("free", 2)] and rt.device == 0

@@ -211,6 +211,21 @@ def test_notifier_without_watchdog_never_pings(notify_socket):
         assert [m.split("\n")[0] for m in drain(notify_socket)] == ["READY=1"]
 
 
+def test_notifier_stops_feeding_the_watchdog_after_a_sticky_cuda_error(notify_socket):
+    """Issue 34: a daemon whose GPU context is poisoned (``fatal`` set) sends no WATCHDOG=1, so a
+    daemon wedged on the way out is restarted by systemd rather than kept alive."""
+    env = {"NOTIFY_SOCKET": notify_socket.address, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "42"}
+    notifier, daemon = SystemdNotifier(env, pid=42), fake_daemon()
+    daemon.fatal = None
+    notifier.on_ready(daemon)
+    notifier.on_tick(daemon, 100.0)
+    assert drain(notify_socket)[-1] == "WATCHDOG=1"
+    daemon.fatal = "sticky CUDA error: CudaError: cudaErrorIllegalAddress"
+    for t in (101.0, 102.0, 103.0):
+        notifier.on_tick(daemon, t)
+    assert "WATCHDOG=1" not in drain(notify_socket)
+
+
 def test_describe_counts_engines():
     daemon = fake_daemon()
     daemon.engines = {b"a": 1, b"b": 2}

@@ -45,6 +45,40 @@ class CudaError(RuntimeError):
     """A CUDA runtime call failed, or CUDA is not usable in this process."""
 
 
+#: CUDA errors that poison the process's context: every later CUDA call fails with them too, and
+#: only a new process recovers (cudaErrorIllegalAddress, ...: "the process must be terminated and
+#: relaunched"). By the runtime's name and by the text torch and Triton print for them.
+STICKY_CUDA_ERRORS = {
+    "cudaErrorIllegalAddress": "an illegal memory access was encountered",
+    "cudaErrorLaunchFailure": "unspecified launch failure",
+    "cudaErrorHardwareStackError": "hardware stack error",
+    "cudaErrorIllegalInstruction": "an illegal instruction was encountered",
+    "cudaErrorMisalignedAddress": "misaligned address",
+    "cudaErrorInvalidAddressSpace": "operation not supported on global/shared address space",
+    "cudaErrorInvalidPc": "invalid program counter",
+    "cudaErrorAssert": "device-side assert triggered",
+    "cudaErrorLaunchTimeout": "the launch timed out and was terminated",
+    "cudaErrorECCUncorrectable": "uncorrectable ECC error encountered",
+}
+
+
+def sticky_cuda_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a sticky CUDA error: this process can make
+    no CUDA call again. Raised by refitd's own calls (CudaError), torch (``torch.AcceleratorError``,
+    a RuntimeError "CUDA error: ...") or Triton ("Triton Error [CUDA]: ...")."""
+    seen = 0
+    while exc is not None and seen < 8:
+        try:
+            text = str(exc) if isinstance(exc, RuntimeError) else ""
+        except Exception:  # an exception that cannot even be printed is no CUDA error of ours
+            text = ""
+        cuda = "CUDA" in text or "cuda" in text
+        if cuda and any(name in text or words in text for name, words in STICKY_CUDA_ERRORS.items()):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 # --------------------------------------------------------------------------------------------------
 # the CUDA seam
 
@@ -241,6 +275,20 @@ class CudaDriver:
     def current_device(self) -> int:
         return int(self._check(self.rt.cudaGetDevice(), "cudaGetDevice"))
 
+    def active_devices(self) -> list[int]:
+        """The CUDA indices this process has a primary context on (torch's included), asked
+        without making one (``cuDevicePrimaryCtxGetState``)."""
+        self._check(self.cu.cuInit(0), "cuInit")
+        out = []
+        for i in range(self.device_count()):
+            dev = self._check(self.cu.cuDeviceGet(i), f"cuDeviceGet({i})")
+            _flags, active = self._check(
+                self.cu.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState"
+            )
+            if active:
+                out.append(i)
+        return out
+
     def mem_get_info(self, device: int) -> tuple[int, int]:
         with self.on(device):
             free, total = self._check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")
@@ -389,6 +437,20 @@ def _probe_with(imports: Any, bindings: int | None) -> tuple[CudaDriver | None, 
 @functools.lru_cache(maxsize=1)
 def _probe() -> tuple[CudaDriver | None, str | None]:
     return _probe_with(_import_cudart, _bindings_major())
+
+
+def active_devices(driver: Driver, device: int) -> list[int]:
+    """Every GPU this process may have work in flight on (``device`` at least); a driver without
+    ``active_devices`` (a test fake) answers ``[device]``."""
+    ask = getattr(driver, "active_devices", None)
+    try:
+        others = ask() if ask is not None else []
+    except Exception as exc:  # a driver that cannot tell: at least the memory's own device
+        log.warning(
+            "could not list this process's GPU contexts (%s): synchronizing cuda:%d only", exc, device
+        )
+        others = []
+    return sorted({device, *others})
 
 
 def default_driver(*, required: bool = True) -> CudaDriver | None:

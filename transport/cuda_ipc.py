@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from transport.arena import ArenaKind, arena_kind
-from transport.cuda_driver import IPC_HANDLE_BYTES, CudaError, Driver, default_driver
+from transport.cuda_driver import IPC_HANDLE_BYTES, CudaError, Driver, active_devices, default_driver
 from transport.gpus import (
     InsufficientGpuMemory,
     check_free_memory,
@@ -195,9 +195,17 @@ class DeviceMemory:
         return self.driver.tensor(self.ptr + offset, nbytes, self.device, self)
 
 
+def _synchronize_all(driver: Driver, device: int) -> None:
+    """Wait for every GPU of this process, not only ``device``: with several lanes another GPU's
+    stream may be copying out of (or into) the memory, and a finalizer runs on whatever thread
+    dropped the last reference."""
+    for d in active_devices(driver, device):
+        driver.synchronize(d)
+
+
 def _release(driver: Driver, ptr: int, device: int, owned: bool, uuid: str) -> None:
     try:
-        driver.synchronize(device)  # pending copies out of (or into) the memory finish first
+        _synchronize_all(driver, device)  # pending copies out of (or into) it, on any lane, finish first
         (driver.free if owned else driver.ipc_close)(device, ptr)
     except Exception as exc:  # at interpreter exit the runtime may already be gone
         log.warning("could not %s arena memory on %s: %s", "free" if owned else "unmap", uuid, exc)
@@ -356,6 +364,11 @@ class CudaIpcArena(CarvedArena):
     def driver(self) -> Driver:
         return self._memory().driver
 
+    def zero(self) -> None:
+        """Zero the arena's bytes (synchronously), as a fresh allocation is."""
+        mem = self._memory()
+        mem.driver.memset(mem.device, mem.ptr + self.offset, 0, self.size)
+
     def synchronize(self) -> None:
         """Wait for every stream of this arena's GPU (its writes land before anyone is told)."""
         mem = self._memory()
@@ -388,7 +401,7 @@ class HostPin:
 
 def _unpin(driver: Driver, device: int, ptr: int) -> None:
     try:
-        driver.synchronize(device)  # DMAs in flight out of (or into) it finish first
+        _synchronize_all(driver, device)  # DMAs in flight out of (or into) it, on any lane, finish first
         driver.host_unregister(device, ptr)
     except Exception as exc:  # at interpreter exit the runtime may already be gone
         log.warning("could not unregister page-locked host memory at %#x: %s", ptr, exc)
@@ -401,6 +414,12 @@ def pin_shm_arena(arena: ShmArena, *, driver: Driver, device: int, read_only: bo
         return None
     ptr, nbytes = region
     return HostPin(driver, device, ptr, nbytes, read_only=read_only)
+
+
+def own_device(driver: Driver | None = None) -> int:
+    """This process's current CUDA index (``cudaGetDevice``: the GPU a trainer rank or engine
+    worker set, 0 where it set none), to map an arena on instead of the arena's own GPU."""
+    return (default_driver() if driver is None else driver).current_device()
 
 
 def open_any_arena(

@@ -179,6 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     finally:
         daemon.close()
+    if daemon.fatal is not None:  # a sticky CUDA error: exit 1 so systemd, Slurm or Ray restarts it
+        log.critical("refitd stopped: %s; exiting with status %d for a restart", daemon.fatal, EXIT_FAILURE)
+        return EXIT_FAILURE
     if signals.force_exit:
         log.warning("refitd stopped without draining (a second stop signal)")
         return EXIT_FAILURE

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import zmq
 
-from sidecar.client.local import StagingWriter
+from sidecar.client.local import StagingWriter, pieces_device
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
 from sidecar.client.placement import placed_row, ring_arenas
 from sidecar.client.remote import RemoteSender
@@ -286,6 +286,7 @@ class RefitClient:
     ) -> StepResult:
         try:
             self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
+            self._local.device = pieces_device(pieces)  # GPU staging is mapped on the rank's own GPU
             self._slot_arenas = {}
             self._hello(step, deadline)
             # the rows packed once (StepPieces): the daemon compares them with the last step's

@@ -25,7 +25,8 @@ import torch
 from sidecar.client import pieces as P
 from sidecar.client.pieces import Link, Piece
 from sidecar.ops.gcpause import gc_paused
-from transport.cuda_ipc import open_any_arena
+from transport.arena import ArenaKind
+from transport.cuda_ipc import open_any_arena, own_device
 from transport.wire import Kind, ProtocolError
 
 #: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
@@ -81,6 +82,12 @@ def _same_places(old: list[Piece], new: list[Piece]) -> bool:
     return True
 
 
+def pieces_device(pieces: Iterable[Piece]) -> int | None:
+    """The one CUDA index every GPU piece lives on (the rank's GPU), None when there is none or several."""
+    devices = {p.tensor.get_device() for p in pieces} - {-1}
+    return devices.pop() if len(devices) == 1 else None
+
+
 class StagingWriter:
     """Writes a local rank's pieces into the daemon's staging arena (the client's worker thread only)."""
 
@@ -97,6 +104,21 @@ class StagingWriter:
         #: several GPUs (docs/multi_gpu.md): the staging arenas of the other GPUs, by the index
         #: READY's ``stagings`` and SLOT's ``arena`` give them (``arena`` is index 0)
         self.others: dict[int, Any] = {}
+        #: the CUDA index GPU staging is mapped on in this process: the rank's own GPU (the pieces'
+        #: device, :func:`pieces_device`; None: the current device), never the daemon's index
+        self.device: int | None = None
+
+    def _map(self, handle: dict) -> Any:
+        """Map a staging arena on this rank's own GPU. CUDA opens another GPU's allocation as peer
+        memory (cudaIpcMemLazyEnablePeerAccess) even where that GPU is not visible here (Ray
+        actors, Slurm --gpus-per-task, CUDA_VISIBLE_DEVICES per rank), and mapping it on the arena's
+        own index instead would fail there, or, where every GPU is visible, make this process a
+        primary context (hundreds of MiB) on every staging GPU and run the copy on that GPU's
+        stream, behind the trainer's own work there."""
+        device = None
+        if handle.get("kind") == ArenaKind.CUDA_IPC.value:
+            device = self.device if self.device is not None else own_device()
+        return open_any_arena(handle, writable=True, device=device)
 
     def open(self, handle: dict) -> None:
         """Map the arena READY names (again only when it is another one, or carved another way:
@@ -113,7 +135,7 @@ class StagingWriter:
                 "protocol; run the same refitd version on both"
             )
         self.close()
-        self.arena = open_any_arena(handle, writable=True)
+        self.arena = self._map(handle)
         self._layout_id = layout_id
 
     def open_lanes(self, handles: Any, count: int) -> None:
@@ -137,7 +159,7 @@ class StagingWriter:
                 continue
             if old is not None:
                 old.close()
-            self.others[k] = open_any_arena(handle, writable=True)
+            self.others[k] = self._map(handle)
         for k in [k for k in self.others if k >= count]:
             self.others.pop(k).close()
 

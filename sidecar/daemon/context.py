@@ -37,6 +37,7 @@ class LoopContext(Protocol):
     peers: Peers
     last_step: int | None
     streams: Any  # sidecar.daemon.streams.Streams (which imports this): streamed refit
+    fatal: str | None  # a sticky CUDA error stopped the daemon (sidecar.daemon.faults)
 
     @property
     def plan(self) -> RefitPlan | None: ...
@@ -58,6 +59,9 @@ class LoopContext(Protocol):
 
     def send_error(self, identity: bytes, err: RefitError, *, untagged: bool = False) -> None:
         """Answer ``identity`` with ``err`` (``untagged``: naming no attempt); never raises."""
+
+    def request_stop(self) -> None:
+        """Stop the serve loop (a second call: without draining)."""
 
     def fail_step(self, err: RefitError) -> None:
         """Fail the step in progress on every rank and drop it."""

@@ -46,6 +46,7 @@ from sidecar.config.settings import (
 )
 from sidecar.daemon import status as status_report
 from sidecar.daemon.engines import Engines
+from sidecar.daemon.faults import stop_on_sticky
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
@@ -110,6 +111,7 @@ class Daemon:
         self.message_errors: dict[str, int] = {}  # messages answered with an error, by ErrorKind value
         self._stop = False
         self._force = False  # a second stop request: no draining
+        self.fatal: str | None = None  # a sticky CUDA error stopped the daemon (sidecar.daemon.faults)
         self.draining = False  # stopping after the step in flight: new steps are refused
         self._reload = None  # SIGHUP: a callable returning the new config, applied on the loop
         self._closed = False
@@ -422,6 +424,8 @@ class Daemon:
         """A bug met while handling ``what``: log it with its traceback, count it, fail the step the
         message belongs to (or answer its sender) with an INTERNAL error. Never raises."""
         try:
+            if stop_on_sticky(self, exc):
+                return
             log.error("internal error handling %s: %s", what, safe_repr(exc), exc_info=exc)
             self._message_error(ErrorKind.INTERNAL)
             err = RefitError(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sidecar.config.settings import ArenaKind
+from sidecar.daemon.faults import stop_on_sticky
 from sidecar.daemon.spans import Span, SpanTable
 from sidecar.daemon.worker import Done, run_spans
 from sidecar.errors import ErrorKind, RefitError
@@ -271,6 +272,8 @@ class Pipeline:
         for k, unit in enumerate(units if ctx.observers else ()):
             notify(ctx.observers, "on_unit_done", ctx, done.step, unit, done.start + k * share, share)
         if done.error is not None:
+            if stop_on_sticky(ctx, done.error):  # the GPU context is gone: the daemon exits for a restart
+                return
             kind = ErrorKind.NON_FINITE if isinstance(done.error, NonFiniteError) else ErrorKind.INVALID
             if not isinstance(done.error, ValueError):
                 kind = ErrorKind.INTERNAL

@@ -23,6 +23,7 @@ import msgpack
 import torch
 
 from sidecar.config.settings import NodeRole
+from sidecar.daemon.faults import stop_on_sticky
 from sidecar.daemon.peers import Peer
 from sidecar.daemon.setup import record_segments
 from sidecar.daemon.step import Skeleton, StepState, begin_rows, wire_type
@@ -252,6 +253,10 @@ class Trainers:
         try:
             self.ctx.arenas.retire_staging()
         except Exception as exc:  # a full GPU or /dev/shm: the next BEGIN tries again
+            if stop_on_sticky(self.ctx, exc):  # no CUDA call can succeed again: the daemon exits
+                raise RefitError(
+                    f"the daemon stops for a restart: {self.ctx.fatal}", kind=ErrorKind.SHUTDOWN, step=step
+                ) from None
             log.exception("could not make a fresh staging arena")
             raise RefitError(
                 f"the daemon retired its staging arena after a failed step and could not make a new one "

@@ -164,6 +164,8 @@ class SystemdNotifier(Observer):
     def on_tick(self, daemon: Daemon, now: float) -> None:
         if self._stopping or not self.socket:
             return
+        if getattr(daemon, "fatal", None) is not None:
+            return  # a sticky CUDA error: no more WATCHDOG=1 from a daemon that can do no GPU work
         if self.watchdog_s is not None and (self._next_ping is None or now >= self._next_ping):
             self.send("WATCHDOG=1")
             self._next_ping = now + self.watchdog_s

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sidecar.daemon.memory.direct import direct_offsets
 from sidecar.daemon.memory.staging import ArenaTooSmall, RingStaging, lane_regions, region_size, ring_groups
@@ -37,6 +38,9 @@ from transport.arena import Arena, ArenaKind
 from transport.epochs import EpochPage
 from transport.layout import ALIGN, Layout
 from transport.shm import ShmArena, segment_name
+
+if TYPE_CHECKING:
+    from transport.host_pins import BackgroundPins
 
 log = logging.getLogger("refitd.generations")
 
@@ -99,7 +103,8 @@ class Arenas:
         #: the device publish rings' memory, one per GPU (GPU arenas, host generations)
         self.publish_arenas: list[Arena] = []
         self.publish_ring: PublishRing | None = None  # its layout for the plan (the same on every GPU)
-        self.pins: list = []  # page-locked host generations (transport.cuda_ipc.HostPin)
+        #: page-locking the host generations, on a thread (transport.host_pins: READY does not wait)
+        self.pinning: BackgroundPins | None = None
         self._publish_views: dict[tuple[int, int], dict] = {}
         #: inputs whose remote frames the daemon may write straight into the step's generation
         #: (sidecar.daemon.memory.direct): byte offsets there; empty on GPU arenas and with a
@@ -112,6 +117,11 @@ class Arenas:
         self.staging_tainted = False
         self.retired_staging = 0  # staging retirements so far (logs, tests)
         self._staging_retired: set[int] = set()  # lanes closed and unlinked, their successor not made yet
+        #: GPU staging retired after a failed step, one per lane, kept allocated: a rank may still map
+        #: it, and CUDA leaves a cudaFree before the importer's cudaIpcCloseMemHandle undefined (the
+        #: memory may come back from the next cudaMalloc). The lane's next retirement makes it the
+        #: fresh staging again (zeroed) instead of allocating: at most two stagings per GPU, ever
+        self.quarantine: dict[int, Arena] = {}
         self.stagings: list[Arena] = []  # one per GPU (lane); one on shm
         self.generations: list[Generation] = []
         self.epochs: EpochPage | None = None
@@ -135,8 +145,12 @@ class Arenas:
                 self.generations.append(
                     Generation(i, self._create(f"gen{i}", publish_bytes, self.gen_kind, sealed=True))
                 )
-                if on_gpu and self.gen_kind is ArenaKind.SHM:
-                    self._pin(self.generations[-1].arena)
+            if on_gpu and self.gen_kind is ArenaKind.SHM:
+                from transport.host_pins import BackgroundPins
+
+                self.pinning = BackgroundPins(
+                    [g.arena for g in self.generations], self._pin, what="host generations"
+                )
         except BaseException:
             self.close()
             raise
@@ -174,17 +188,20 @@ class Arenas:
 
     def retire_staging(self) -> None:
         """Replace the staging arena with a fresh one of the same size and layout, after unlinking
-        (shm) or dropping (GPU: freed once no view of it is alive) the old one.
+        the old one (shm; on a GPU the old one is kept allocated instead: :meth:`_retire_gpu_staging`).
 
         Called before a step starts when the last one failed (:attr:`staging_tainted`): a rank the
         daemon stopped trusting (declared dead while frozen, timed out, or part of a failed step)
         may still hold the old arena mapped writable and write into it later; those writes now land
         in memory nobody reads. READY then names the new arena (another name), and clients remap
         and close the old one. Nothing may run from staging meanwhile (no step, no unit in flight).
-        The old arena goes first, so a GPU needs no room for two (the caller drops its views of it
-        first). If the new one cannot be made, the error propagates and :attr:`staging_tainted`
-        stays set: the next call tries again, and no step starts before one succeeds. With several
-        GPUs every GPU's staging arena is retired (all were handed to the step's ranks)."""
+        On shm the old segment goes first (the caller drops its views of it first). If the new one
+        cannot be made, the error propagates and :attr:`staging_tainted` stays set: the next call
+        tries again, and no step starts before one succeeds. With several GPUs every GPU's staging
+        arena is retired (all were handed to the step's ranks)."""
+        if self.kind is ArenaKind.CUDA_IPC:
+            self._retire_gpu_staging()
+            return
         if not self._staging_retired:
             for old in self.stagings:
                 old.close()
@@ -206,14 +223,38 @@ class Arenas:
         self.staging_tainted = False
         self.retired_staging += 1
 
-    def _pin(self, arena: Arena) -> None:
-        """Page-lock a host generation on the arenas' GPU, so copies into it (and engines' copies out
-        of it, from their own pinned mappings) are DMAs."""
+    def _retire_gpu_staging(self) -> None:
+        """Swap each GPU's staging with the one retired before (zeroed), or a fresh allocation at
+        the lane's first failure; the failed step's arena waits in :attr:`quarantine`, still
+        allocated, so a rank's late write lands in memory no step reads and nothing is freed under
+        an importer. Without room for the fresh one the error propagates (:attr:`staging_tainted`
+        stays set: no step starts on the failed staging; the next call tries again, lane by lane)."""
+        if not self._staging_retired:
+            self._staging_retired = set(range(len(self.stagings)))
+        for lane in sorted(self._staging_retired):
+            old = self.stagings[lane]
+            fresh = self.quarantine.pop(lane, None)
+            if fresh is None:
+                fresh = self._create(_role("staging", lane), old.size, lane=lane)
+            fresh.zero()
+            fresh.relayout(old.layout)
+            self.quarantine[lane], self.stagings[lane] = old, fresh
+            self._staging_retired.discard(lane)
+            log.info("staging arena %s retired after a failed step; staging is now %s", old.name, fresh.name)
+        self.staging_tainted = False
+        self.retired_staging += 1
+
+    @property
+    def pins(self) -> list:
+        """The host generations page-locked so far (transport.cuda_ipc.HostPin)."""
+        return [] if self.pinning is None else self.pinning.pins
+
+    def _pin(self, arena: Arena):
+        """Page-lock a host generation on the arenas' GPU (on the pinning thread), so copies into
+        it (and engines' copies out of it, from their own pinned mappings) are DMAs."""
         from transport.cuda_ipc import pin_shm_arena
 
-        pin = pin_shm_arena(arena, driver=self.staging.driver, device=self.staging.device, read_only=False)
-        if pin is not None:
-            self.pins.append(pin)
+        return pin_shm_arena(arena, driver=self.staging.driver, device=self.staging.device, read_only=False)
 
     def synchronize(self) -> None:
         """Make every write into GPU arenas visible before a generation goes live (no-op on shm):
@@ -347,6 +388,8 @@ class Arenas:
             per[lane] = sum(
                 allocation_size(a.size) for a in arenas if a is not None and a.kind is ArenaKind.CUDA_IPC
             )
+        for lane, arena in self.quarantine.items():
+            per[lane] += allocation_size(arena.size)
         per[0] += sum(
             allocation_size(g.arena.size) for g in self.generations if g.arena.kind is ArenaKind.CUDA_IPC
         )
@@ -359,7 +402,8 @@ class Arenas:
         return [a.name for a in arenas if a.kind is ArenaKind.SHM] + page
 
     def all_arenas(self) -> list[Arena]:
-        return [*self.stagings, *self.publish_arenas, *(g.arena for g in self.generations)]
+        gens = (g.arena for g in self.generations)
+        return [*self.stagings, *self.quarantine.values(), *self.publish_arenas, *gens]
 
     # ---- publish cycle
 
@@ -440,8 +484,8 @@ class Arenas:
 
     def close(self) -> None:
         """Unmap and unlink every segment (idempotent); page-locked ones are unregistered first."""
-        for pin in self.pins:
-            pin.release()
+        if self.pinning is not None:
+            self.pinning.release()
         self._publish_views = {}  # device memory is freed once no view of it is left
         for arena in self.all_arenas():
             arena.close()

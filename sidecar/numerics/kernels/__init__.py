@@ -335,6 +335,7 @@ def collecting(group: FlagGroup, tag: Any) -> Iterator[FlagGroup]:
 #: (device, stream) -> int32 scratch for fp8_per_tensor's partial amaxes; grows, never shrinks.
 #: Launches on one stream run in order, so they can share one scratch.
 _scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+_scratch_lock = threading.Lock()
 
 
 def _stream_id(device: torch.device) -> int:
@@ -345,9 +346,10 @@ def scratch(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` int32 elements of scratch on ``device`` for the current stream; allocated
     when a launch needs more than any before (a warm-up reserves the plan's largest)."""
     key = (device, _stream_id(device))
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _scratch[key] = torch.empty(max(n, 1024), dtype=torch.int32, device=device)
+    with _scratch_lock:  # the per-GPU quantization threads share the dict
+        buf = _scratch.get(key)
+        if buf is None or buf.numel() < n:
+            buf = _scratch[key] = torch.empty(max(n, 1024), dtype=torch.int32, device=device)
     return buf
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from sidecar.numerics.formats import (
     FormatParams,
     Nvfp4Names,
 )
+from sidecar.numerics.kernels.lru import IdentityLru
 from sidecar.numerics.kernels.slab import FLAG_CLEAR, pointer_table
 
 __all__ = ["FourBitLaunch", "amax_slab", "fourbit_problems", "probe", "quantize_slab_fourbit", "supports"]
@@ -114,8 +114,7 @@ class _Tables:
 
 
 #: output sets' pointer tables, by identity (LRU; weak references, as slab.prepare_outputs)
-TABLES_CACHE_SIZE = 512
-_tables: OrderedDict[tuple, _Tables] = OrderedDict()
+_tables: IdentityLru[_Tables] = IdentityLru()
 
 
 def _pointer_tables(slab: torch.Tensor, fmt: Format, outs: FourBitOuts) -> tuple[torch.Tensor, ...]:
@@ -125,16 +124,13 @@ def _pointer_tables(slab: torch.Tensor, fmt: Format, outs: FourBitOuts) -> tuple
     columns = [[bufs[i] for row in outs for bufs in row] for i in range(n)]
     tensors = [t for col in columns for t in col]
     key = (fmt, tuple(slab.shape), slab.device, len(outs[0]), tuple(map(id, tensors)))
-    hit = _tables.get(key)
-    if hit is not None and hit.same(tensors):
-        _tables.move_to_end(key)
+    hit = _tables.get(key, tensors)
+    if hit is not None:
         return hit.tables
     entry = _Tables(
         tuple(pointer_table(col, slab.device) for col in columns), [weakref.ref(t) for t in tensors]
     )
-    _tables[key] = entry
-    while len(_tables) > TABLES_CACHE_SIZE:
-        _tables.popitem(last=False)
+    _tables.put(key, entry)
     return entry.tables
 
 

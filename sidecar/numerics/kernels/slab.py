@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sidecar.numerics.formats import BLOCK, FLOAT_DTYPES, FP8_DTYPE, MX_BLOCK, Format
+from sidecar.numerics.kernels.lru import IdentityLru
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -289,9 +289,8 @@ class PreparedOutputs:
         return len(tensors) == len(self.refs) and all(r() is t for r, t in zip(self.refs, tensors))
 
 
-#: entries cached (LRU); a daemon needs about two generations x two slabs per layer
-PREPARED_CACHE_SIZE = 512
-_prepared: OrderedDict[tuple, PreparedOutputs] = OrderedDict()
+#: prepared output sets (LRU, shared by the per-GPU threads: sidecar.numerics.kernels.lru)
+_prepared: IdentityLru[PreparedOutputs] = IdentityLru()
 
 
 def prepare_outputs(
@@ -314,9 +313,8 @@ def prepare_outputs(
     values, scales = flat_outputs(outs)
     tensors = values + scales
     key = (fmt, tuple(slab.shape), slab.device, len(outs[0]) if outs else 1, tuple(map(id, tensors)))
-    hit = _prepared.get(key)
-    if hit is not None and hit.same(tensors):
-        _prepared.move_to_end(key)
+    hit = _prepared.get(key, tensors)
+    if hit is not None:
         return hit
     if strict:
         check_outputs(slab, fmt, outs, names())
@@ -329,9 +327,7 @@ def prepare_outputs(
         aligned=is_aligned(values),
         refs=[weakref.ref(t) for t in tensors],
     )
-    _prepared[key] = entry
-    while len(_prepared) > PREPARED_CACHE_SIZE:
-        _prepared.popitem(last=False)
+    _prepared.put(key, entry)
     return entry
 
 
