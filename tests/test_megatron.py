@@ -37,6 +37,8 @@ if not HAVE_MEGATRON:
         )
     pytest.skip("Megatron runs in .venv-megatron: make test-megatron", allow_module_level=True)
 
+from sidecar.cli.main import main as refitd_main  # noqa: E402
+
 #: a tiny Qwen3-MoE, as transformers 5.x writes its config (moe_intermediate_size / TP stays a
 #: multiple of 128: block-FP8's rule)
 CONFIG = {
@@ -71,11 +73,6 @@ def child_env(**extra: str) -> dict[str, str]:
     test's REFITD_REQUIRE_MEGATRON)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REFITD_REQUIRE_")}
     return {**env, "PYTHONPATH": str(REPO), **extra}
-
-
-def refitd(*args: str, **kw) -> subprocess.CompletedProcess:
-    env = child_env()
-    return subprocess.run([sys.executable, "-m", "sidecar.cli.main", *args], env=env, cwd=REPO, **kw)
 
 
 class Daemon:
@@ -168,7 +165,7 @@ def test_megatron_export_publishes_convert_bytes(tp, ep, tmp_path, free_port):
         export = tmp_path / f"export{step}"
         for i, fmt in enumerate(FORMATS):
             want = tmp_path / f"want{step}_{fmt}"
-            refitd("convert", "--format", fmt, str(export), str(want), check=True, capture_output=True)
+            assert refitd_main(["convert", "--format", fmt, str(export), str(want)]) == 0
             expected, published = tensors(want), tensors(tmp_path / f"published{step}_{i}")
             assert set(published) == set(expected), sorted(set(published) ^ set(expected))[:10]
             bad = [n for n, t in expected.items() if not same_bytes(published[n], t)]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from integrations.megatron import declare_of, push_megatron  # noqa: E402
+from sidecar.cli.main import main as refitd_main  # noqa: E402
 from sidecar.client import RefitClient  # noqa: E402
 
 
@@ -85,13 +85,9 @@ def main() -> None:
             save_file(export, str(out / "model.safetensors"))
             (out / "config.json").write_text(config)
             for i, endpoint in enumerate(args.endpoint):
-                subprocess.run(
-                    [sys.executable, "-m", "sidecar.cli.main", "convert", "--from-daemon", endpoint,
-                     "--config", str(args.dir / "config.json"), "--min-step", str(step), "--timeout", "120",
-                     str(args.dir / f"published{step}_{i}")],
-                    check=True,
-                    cwd=REPO,
-                )  # fmt: skip
+                args_ = ["convert", "--from-daemon", endpoint, "--config", str(args.dir / "config.json"),
+                         "--min-step", str(step), "--timeout", "120", str(args.dir / f"published{step}_{i}")]  # fmt: skip
+                assert refitd_main(args_) == 0, f"refitd {' '.join(args_)} failed"
         dist.barrier()
     for client in clients:
         client.close()
