@@ -12,11 +12,13 @@ VENV=${MEGATRON_VENV:-.venv-megatron}
 stamp="$VENV/.installed-$(cat tests/megatron-nodeps.txt tests/megatron-deps.txt tests/support/cuda_stubs.py | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 
-py312=${PYTHON312:-$(command -v python3.12 || true)}
-if [ -z "$py312" ] && command -v pyenv >/dev/null; then
-    py312=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)
-fi
-if [ -z "$py312" ] || ! "$py312" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+is312() { [ -n "$1" ] && "$1" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; }
+root=$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")  # pyenv's versions, not its shim
+py312=""
+for candidate in "${PYTHON312:-}" "$(command -v python3.12 || true)" $(ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -r); do
+    if is312 "$candidate"; then py312=$candidate; break; fi
+done
+if [ -z "$py312" ]; then
     echo "setup_megatron: Megatron-Core 0.19 needs Python 3.12: set PYTHON312 to its interpreter" >&2
     exit 1
 fi
@@ -29,7 +31,7 @@ py="$VENV/bin/python"
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$py" tests/support/cuda_stubs.py "$site"
 PYTHONPATH=$PWD "$py" -m sidecar.numerics.native || true  # native CPU quantizers (the torch path if not)
-PYTHONPATH=$PWD "$py" -c "from tests.support.megatron_cpu import install; install(); import torch; assert not torch.cuda.is_available()" 2>/dev/null || {
+PYTHONPATH=$PWD "$py" -c "from tests.support.megatron_cpu import install; install(); import torch; assert not torch.cuda.is_available()" >/dev/null 2>&1 || {
     echo "setup_megatron: megatron.bridge does not import in $VENV with tests/support/megatron_cpu.py" >&2
     PYTHONPATH=$PWD "$py" -c "from tests.support.megatron_cpu import install; install()"
     exit 1
