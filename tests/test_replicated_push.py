@@ -109,7 +109,9 @@ def test_every_rank_passes_the_whole_export_and_each_tensor_is_sent_once(mode, d
 
 
 @pytest.mark.parametrize("first", [0, 1])
-def test_a_rank_inside_the_export_before_the_other_calls_push_step_does_not_deadlock(first, daemons):
+def test_a_rank_inside_the_export_before_the_other_calls_push_step_does_not_deadlock(
+    first, daemons, wait_until
+):
     """The first rank is blocked in the export's collective, waiting for the other, before the
     other calls push_step at all: BEGIN went out before the stream was read, so READY comes."""
     config = make_hf_config(MODEL, **ARGS)
@@ -128,9 +130,9 @@ def test_a_rank_inside_the_export_before_the_other_calls_push_step_does_not_dead
     def body(rank: int):
         if rank != first:
             assert in_export.wait(LOCKSTEP_S)
-            deadline = threading.Event()
-            while barrier.n_waiting == 0 and not deadline.wait(0.01):  # the first rank is in the collective
-                pass
+            wait_until(
+                "the first rank waiting in the collective", lambda: barrier.n_waiting, timeout=LOCKSTEP_S
+            )
         export = waiting_export() if rank == first else lockstep_export(sd, barrier)
         return clients[rank].push_step(0, export, declare=declare, replicated=True)
 
