@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang test-megatron lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,13 @@ test-sglang: venv
 	tests/setup_sglang.sh
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
 
+# Megatron-Core 0.19.2 + Megatron-Bridge 0.6.2 on the CPU over gloo (in .venv-megatron, Python 3.12):
+# README's Megatron call at TP=1, TP=2, EP=2, TP=2 x EP=2 against real daemons; fails, never skips,
+# when Megatron cannot run (REFITD_REQUIRE_MEGATRON=1); workarounds: tests/support/megatron_cpu.py
+test-megatron:
+	tests/setup_megatron.sh
+	REFITD_REQUIRE_MEGATRON=1 PYTHONPATH=$(CURDIR) .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
+
 bench: venv
 	$(PY) bench/quant.py
 
@@ -57,4 +64,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) .venv-engines .venv-sglang build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines .venv-sglang .venv-megatron build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -22,6 +22,7 @@ class RefitdSync:
 
     def __init__(self, rank: int, world_size: int, endpoint: str = ENDPOINT):
         self.client = RefitClient(endpoint, rank=rank, world_size=world_size)
+        self.declare: dict | None = None  # Megatron: the export's tensors, as meta tensors
 
     # ---- FSDP2 / DTensor policies: verl's FSDP workers, NeMo-RL's DTensorPolicyWorker
 
@@ -34,22 +35,17 @@ class RefitdSync:
 
     # ---- Megatron-Core policies: NeMo-RL's MegatronPolicyWorker, verl-megatron, slime
 
-    def push_megatron(self, step: int, bridge: Any, model: Any, hf_config: dict, *, sends: bool) -> int:
-        """Replaces the loop over ``bridge.export_hf_weights(model)`` that feeds the engine. The export
-        is streamed: declared once (names, shapes, dtypes from the HF config), then each gathered
-        tensor is written to refitd as the bridge yields it and dropped, so the full model is never
-        held. ``sends``: this rank is its TP group's first (it sends what the bridge gathered); the
-        other TP ranks still run the export for its collectives and push nothing. With expert
-        parallelism declare only the experts this EP rank yields."""
-        from sidecar.plan.build import meta_state_dict
+    def push_megatron(self, step: int, bridge: Any, model: Any) -> int:
+        """Replaces the loop over ``bridge.export_hf_weights(model)`` that feeds the engine. The same
+        call on every rank (TP, EP, PP, DP alike): the export is streamed, declared once (names,
+        shapes, dtypes from the HF config), each rank reads it in lockstep (its gathers are
+        collectives) and each gathered tensor is written to refitd by exactly one rank, then dropped,
+        so the full model is never held (``integrations.megatron``)."""
+        from integrations.megatron import declare_of, push_megatron
 
-        export = bridge.export_hf_weights(model)
-        if not sends:
-            for _ in export:  # the gathers are collectives: every rank takes part
-                pass
-            return self.client.push_step(step, {}).generation
-        declare = meta_state_dict(hf_config)  # or only this rank's share of it
-        return self.client.push_step(step, export, declare=declare).generation
+        if self.declare is None:
+            self.declare = declare_of(bridge)
+        return push_megatron(self.client, step, bridge, model, declare=self.declare).generation
 
     def close(self) -> None:
         self.client.close()
