@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean rl-demo
 
 venv: $(STAMP)
 
@@ -47,6 +47,12 @@ test-engines: venv
 test-sglang: venv
 	tests/setup_sglang.sh
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
+
+# GRPO on a tiny MoE policy, its rollouts sampled by an engine refitd refits every step, per expert
+# format: trainer-vs-engine KL (NeMo-RL's gen_kl_error), reward, refit and pause -> rl-demo-results/
+rl-demo: venv
+	$(PIP) install -q -e ".[rl-demo]"
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --out rl-demo-results
 
 bench: venv
 	$(PY) bench/quant.py
