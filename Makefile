@@ -49,10 +49,13 @@ test-sglang: venv
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
 
 # GRPO on a tiny MoE policy, its rollouts sampled by an engine refitd refits every step, per expert
-# format: trainer-vs-engine KL (NeMo-RL's gen_kl_error), reward, refit and pause -> rl-demo-results/
+# format: trainer-vs-engine KL (NeMo-RL's gen_kl_error), reward, refit and pause -> rl-demo-results/.
+# BF16 rollouts from the live vLLM in .venv-live (tests/setup_live.sh), the others from the reference engine
 rl-demo: venv
+	tests/setup_live.sh
 	$(PIP) install -q -e ".[rl-demo]"
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --out rl-demo-results
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --bf16-engine vllm \
+		--vllm-python .venv-live/bin/python --out rl-demo-results
 
 bench: venv
 	$(PY) bench/quant.py

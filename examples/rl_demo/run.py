@@ -41,7 +41,7 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
     """``args.steps`` GRPO steps with ``fmt`` experts in the engine: one row a step."""
     import json
 
-    from examples.rl_demo.engines import ReferenceRollouts
+    from examples.rl_demo.engines import ReferenceRollouts, VllmRollouts
     from examples.rl_demo.trainer import run_rank
     from sidecar.cli.demo.colocated import start_daemon, wait_ready
 
@@ -57,9 +57,13 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
         )
         stack.callback(_stop, daemon)
         wait_ready(endpoint, daemon)
-        engine = ReferenceRollouts(endpoint, json.loads(config_path.read_text()), fmt)
-        engine.attach()
+        kind = "vllm" if fmt == "bf16" and args.bf16_engine == "vllm" else "reference"
+        if kind == "vllm":
+            engine = VllmRollouts(endpoint, config_path.parent, fmt, args.vllm_python, tmp_path)
+        else:
+            engine = ReferenceRollouts(endpoint, json.loads(config_path.read_text()), fmt)
         stack.callback(engine.close)
+        engine.attach()
         job = {
             "endpoint": endpoint, "init_file": str(tmp_path / "gloo-init"), "task": task, "vocab": args.vocab,
             "seed": args.seed, "lr": args.lr, "steps": args.steps,
@@ -90,7 +94,7 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
             got = reports.next()
             rows.append(
                 {
-                    "format": fmt, "engine": "reference", "step": step, "gen_kl_error": got["gen_kl_error"],
+                    "format": fmt, "engine": kind, "step": step, "gen_kl_error": got["gen_kl_error"],
                     "mean_lp_diff": got["mean_lp_diff"], "reward": float(rewards.mean()), "refit_s": got["refit_s"],
                     "pause_s": refit.pause_s, "load_s": refit.load_s, "tokens": got["tokens"],
                     "bytes_out": got["bytes_out"],
@@ -189,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("rl-demo-results"))
     ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--bf16-engine", choices=("vllm", "reference", "auto"), default="auto",
+        help="the engine sampling BF16 rollouts: the live vLLM (--vllm-python's venv, tests/setup_live.sh), "
+        "refitd's reference engine, or vLLM where that venv exists (default)",
+    )  # fmt: skip
+    ap.add_argument("--vllm-python", type=Path, default=Path(".venv-live/bin/python"))
     ap.add_argument("--no-plot", action="store_true", help="write the tables only (no matplotlib needed)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -198,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         ap.error(f"unknown format(s) {unknown}: choose from {', '.join(FORMATS)}")
+    if args.bf16_engine == "auto":
+        args.bf16_engine = "vllm" if args.vllm_python.exists() else "reference"
+        if "bf16" in formats and args.bf16_engine == "reference":
+            print(f"no {args.vllm_python} (tests/setup_live.sh): BF16 rollouts from the reference engine")
+    if "bf16" in formats and args.bf16_engine == "vllm" and not args.vllm_python.exists():
+        ap.error(
+            f"--bf16-engine vllm: no {args.vllm_python}; run tests/setup_live.sh (or give --vllm-python)"
+        )
     torch.set_num_threads(1)
     task = policy.Task()
     rows: list[dict[str, Any]] = []
