@@ -51,6 +51,9 @@ def test_one_grpo_step_refitted_through_refitd_stays_on_policy(tmp_path, capsys)
     assert row["tokens"] == task.prompts * task.group * task.response_len
     # the engine sampled from block-FP8 experts, not the trainer's weights: some error, under the bar
     assert 0.0 < row["gen_kl_error"] < policy.GEN_KL_BAR
+    # the never-refitted contrast engine holds the same first generation at step 0 (its logprobs come
+    # from one forward pass over the whole sequences, the sampler's from one a token: float noise)
+    assert row["stale_kl"] == pytest.approx(row["gen_kl_error"], rel=1e-3)
     assert row["refit_s"] > 0 and row["pause_s"] > 0 and 0.0 <= row["reward"] <= 1.0
     assert (tmp_path / "rl_demo.csv").read_text().splitlines()[0] == ",".join(report.COLUMNS)
 

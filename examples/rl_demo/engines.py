@@ -42,13 +42,23 @@ class ReferenceRollouts:
         from adapters.reference import ReferenceEngine
 
         self.engine = ReferenceEngine.from_config(hf_config, expert_format=fmt)
+        # the contrast: a second engine that loads the first generation and is never refitted again
+        self.stale = ReferenceEngine.from_config(hf_config, expert_format=fmt)
+        self._stale_open = True  # until the first refit is whole
         self.worker = EngineWorker(
-            endpoint,
-            name=name,
-            manifest=self.engine.manifest(),
-            load=lambda g: self.engine.load(g.tensors),
-            load_group=lambda g, names: self.engine.load_part({n: g.tensors[n] for n in names}),
+            endpoint, name=name, manifest=self.engine.manifest(), load=self._load, load_group=self._load_group
         )
+
+    def _load(self, gen) -> None:
+        self.engine.load(gen.tensors)
+        if self._stale_open:
+            self.stale.load(gen.tensors)
+
+    def _load_group(self, gen, names) -> None:  # a streamed refit: each layer group as it is published
+        part = {n: gen.tensors[n] for n in names}
+        self.engine.load_part(part)
+        if self._stale_open:
+            self.stale.load_part(part)
 
     def attach(self, timeout: float = 60.0) -> None:
         self.worker.attach(timeout=timeout)
@@ -60,6 +70,7 @@ class ReferenceRollouts:
         loaded = self.worker.load_intact(min_step=min_step, timeout=timeout)
         if not loaded.ok:
             raise RuntimeError(f"the engine could not load step {loaded.step}: {loaded.error}")
+        self._stale_open = False
         t0 = time.perf_counter()
         with torch.no_grad():
             self.engine.forward(torch.zeros(1, 1, dtype=torch.long))
@@ -67,8 +78,14 @@ class ReferenceRollouts:
         return Refit(step=loaded.step, pause_s=loaded.seconds + warm, load_s=loaded.seconds)
 
     def rollouts(self, prompt_ids: torch.Tensor, task: policy.Task, seed: int) -> dict[str, Any]:
+        """The step's rollouts, and ``stale_lp``: the never-refitted engine's logprobs of the same
+        tokens (what an engine left on the first step's weights would say of them)."""
         with torch.no_grad():
-            return policy.sample(self.engine.forward, prompt_ids, task, seed)
+            out = policy.sample(self.engine.forward, prompt_ids, task, seed)
+            out["stale_lp"] = policy.token_logprobs(
+                self.stale.forward(out["tokens"]), out["tokens"], task.prompt_len
+            )
+        return out
 
     def close(self) -> None:
         self.worker.detach()

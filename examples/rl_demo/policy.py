@@ -39,25 +39,37 @@ class Task:
         return self.prompt_len + self.response_len
 
 
-def config(vocab: int = 64):
-    """The policy's transformers config (checkpoint dtype BF16, as an RL checkpoint is held)."""
-    from transformers import Qwen3_5MoeTextConfig
+def config(vocab: int = 64, model: str = "qwen3_5_moe"):
+    """The policy's transformers config (checkpoint dtype BF16, as an RL checkpoint is held);
+    ``model="qwen3_moe"``: a Qwen3-MoE of the same sizes (the reference engine does not hold it)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 
-    return Qwen3_5MoeTextConfig(
+    if model == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            dtype="bfloat16",
+        )  # fmt: skip
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+        return cfg
+
+    cfg = Qwen3_5MoeTextConfig(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         dtype="bfloat16",
     )  # fmt: skip
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]  # config.json names it: vLLM picks its model class by it
+    return cfg
 
 
-def build_policy(vocab: int = 64, seed: int = 0) -> torch.nn.Module:
+def build_policy(vocab: int = 64, seed: int = 0, model: str = "qwen3_5_moe") -> torch.nn.Module:
     """The policy in FP32 (the trainer's master weights), the same on every rank for one seed."""
-    from transformers import Qwen3_5MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5MoeForCausalLM(config(vocab)).float()
+    model = AutoModelForCausalLM.from_config(config(vocab, model)).float()
     with torch.no_grad():
         model.lm_head.weight.mul_(HEAD_SCALE)
     return model

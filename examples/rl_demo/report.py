@@ -13,7 +13,7 @@ from examples.rl_demo.policy import GEN_KL_BAR
 
 COLUMNS = (
     "format", "engine", "step", "gen_kl_error", "mean_lp_diff", "reward", "refit_s", "pause_s", "load_s",
-    "tokens", "bytes_out",
+    "tokens", "bytes_out", "stale_kl",
 )  # fmt: skip
 FP8 = ("block_fp8", "mxfp8", "fp8_per_tensor")
 
@@ -48,6 +48,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mean_gen_kl": sum(kls) / len(kls),
                 "reward_first": mine[0]["reward"],
                 "reward_last": mine[-1]["reward"],
+                "max_stale_kl": max(
+                    (r["stale_kl"] for r in mine if r.get("stale_kl") is not None), default=None
+                ),
                 "refit_s": median("refit_s"),
                 "pause_s": median("pause_s"),
             }
@@ -89,6 +92,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         mine = [r for r in rows if r["format"] == fmt]
         ax.plot([r["step"] for r in mine], [r["gen_kl_error"] for r in mine], marker="o", ms=3,
                 label=f"{fmt} ({mine[0]['engine']})")  # fmt: skip
+    stale = [r for r in rows if r.get("stale_kl") is not None]
+    if stale:  # the contrast, for one format: its engine left on the first step's weights
+        fmt = "block_fp8" if any(r["format"] == "block_fp8" for r in stale) else stale[0]["format"]
+        mine = [r for r in stale if r["format"] == fmt]
+        ax.plot([r["step"] for r in mine], [r["stale_kl"] for r in mine], color="gray", ls=":", marker="x",
+                label=f"{fmt} engine never refitted (kept step 0)")  # fmt: skip
     ax.axhline(GEN_KL_BAR, color="red", ls="--", lw=1, label=f"NeMo-RL bar {GEN_KL_BAR}")
     ax.set_yscale("log")
     ax.set_xlabel("GRPO step (engine refitted through refitd before each)")

@@ -49,7 +49,7 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix=f"rl-demo-{fmt}-") as tmp, contextlib.ExitStack() as stack:
         tmp_path = Path(tmp)
-        policy.config(args.vocab).save_pretrained(tmp_path / "model")
+        policy.config(args.vocab, args.model).save_pretrained(tmp_path / "model")
         config_path = tmp_path / "model" / "config.json"
         # the ranks push FP32 masters: twice the checkpoint's BF16 bytes of staging
         daemon, endpoint = start_daemon(
@@ -66,7 +66,7 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
         engine.attach()
         job = {
             "endpoint": endpoint, "init_file": str(tmp_path / "gloo-init"), "task": task, "vocab": args.vocab,
-            "seed": args.seed, "lr": args.lr, "steps": args.steps,
+            "seed": args.seed, "lr": args.lr, "steps": args.steps, "model": args.model,
         }  # fmt: skip
         inboxes = [ctx.Queue() for _ in range(WORLD)]
         outbox = ctx.Queue()
@@ -88,16 +88,15 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
             half = len(rewards) // WORLD  # whole groups: prompts is even
             for r in range(WORLD):
                 part = slice(r * half, (r + 1) * half)
-                inboxes[r].put(
-                    {"tokens": out["tokens"][part], "engine_lp": out["engine_lp"][part], "adv": adv[part]}
-                )
+                batch = {k: v[part] for k, v in out.items()}  # tokens, engine_lp (and stale_lp)
+                inboxes[r].put({**batch, "adv": adv[part]})
             got = reports.next()
             rows.append(
                 {
                     "format": fmt, "engine": kind, "step": step, "gen_kl_error": got["gen_kl_error"],
                     "mean_lp_diff": got["mean_lp_diff"], "reward": float(rewards.mean()), "refit_s": got["refit_s"],
                     "pause_s": refit.pause_s, "load_s": refit.load_s, "tokens": got["tokens"],
-                    "bytes_out": got["bytes_out"],
+                    "bytes_out": got["bytes_out"], "stale_kl": got["stale_kl"] if kind == "reference" else None,
                 }
             )  # fmt: skip
             if args.verbose:
@@ -193,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("rl-demo-results"))
     ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument(
+        "--model", choices=("qwen3_5_moe", "qwen3_moe"), default="qwen3_5_moe",
+        help="the policy's family (qwen3_moe: BF16 on vLLM only; the reference engine holds Qwen3.5-MoE)",
+    )  # fmt: skip
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

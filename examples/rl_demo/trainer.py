@@ -45,7 +45,7 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], inbox, outbox) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{job['init_file']}", rank=rank, world_size=world)
     task: policy.Task = job["task"]
-    model = policy.build_policy(job["vocab"], seed=job["seed"])
+    model = policy.build_policy(job["vocab"], seed=job["seed"], model=job["model"])
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -62,7 +62,9 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], inbox, outbox) -> None
             tokens, engine_lp, adv = batch["tokens"], batch["engine_lp"], batch["adv"]
             trainer_lp = policy.token_logprobs(model(input_ids=tokens).logits, tokens, task.prompt_len)
             k3, diff, n = policy.gen_kl_sums(trainer_lp, engine_lp)
-            sums = torch.tensor([k3, diff, float(n)], dtype=torch.float64)
+            stale = batch.get("stale_lp")
+            stale_k3 = policy.gen_kl_sums(trainer_lp, stale)[0] if stale is not None else float("nan")
+            sums = torch.tensor([k3, diff, float(n), stale_k3], dtype=torch.float64)
             dist.all_reduce(sums)
             loss = policy.grpo_loss(trainer_lp, adv, int(sums[2]))
             loss.backward()
@@ -77,6 +79,7 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], inbox, outbox) -> None
                         "refit_s": refit_s,
                         "gen_kl_error": float(sums[0] / sums[2]),
                         "mean_lp_diff": float(sums[1] / sums[2]),
+                        "stale_kl": float(sums[3] / sums[2]),
                         "tokens": int(sums[2]),
                         "bytes_out": pushed.bytes_out,
                     }

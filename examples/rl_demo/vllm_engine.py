@@ -27,6 +27,7 @@ def serve(args: argparse.Namespace) -> None:
 
     os.environ.update(VLLM_ENV)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache, not 92% of the machine's memory
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -53,9 +54,9 @@ def serve(args: argparse.Namespace) -> None:
                 results = refit_engine(llm, min_step=msg["min_step"], timeout=120)
                 conn.send(
                     {
-                        "step": results[0]["step"],
+                        "step": results[0].step,  # LoadResult, one a worker
                         "pause_s": time.perf_counter() - t0,
-                        "load_s": max(r["seconds"] for r in results),
+                        "load_s": max(r.seconds for r in results),
                     }
                 )
             elif msg["op"] == "rollouts":
