@@ -50,12 +50,13 @@ test-sglang: venv
 
 # GRPO on a tiny MoE policy, its rollouts sampled by an engine refitd refits every step, per expert
 # format: trainer-vs-engine KL (NeMo-RL's gen_kl_error), reward, refit and pause -> rl-demo-results/.
-# BF16 rollouts from the live vLLM in .venv-live (tests/setup_live.sh), the others from the reference engine
+# BF16 rollouts from the live vLLM in .venv-live (tests/setup_live.sh; the reference engine, said so, if it
+# cannot start), the FP8 and 4-bit ones from the reference engine
 rl-demo: venv
 	tests/setup_live.sh
 	$(PIP) install -q -e ".[rl-demo]"
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --bf16-engine vllm \
-		--vllm-python .venv-live/bin/python --out rl-demo-results
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --vllm-python .venv-live/bin/python \
+		--out rl-demo-results
 
 bench: venv
 	$(PY) bench/quant.py

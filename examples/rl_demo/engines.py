@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class Refit:
     step: int  # the step the engine now holds
-    pause_s: float  # generation stopped for the refit: the load into the engine, until it can sample
+    pause_s: float  # generation stopped for the refit of a published step, until the engine can sample
     load_s: float  # the load alone, as the engine worker reports it to the daemon
 
 
@@ -64,18 +64,17 @@ class ReferenceRollouts:
         self.worker.attach(timeout=timeout)
 
     def refit(self, min_step: int, timeout: float = 120.0) -> Refit:
-        """Wait for a generation of ``min_step`` or later, load it whole and intact; the pause is the
-        load (from the published generation held to every tensor copied in) and the first forward
-        pass's dequantization of the experts (the reference engine caches them dequantized)."""
+        """Load the generation of ``min_step`` or later (published: the driver waited for it) whole and
+        intact; the pause is the load and the first forward pass's dequantization of the experts
+        (the reference engine caches them dequantized)."""
+        t0 = time.perf_counter()
         loaded = self.worker.load_intact(min_step=min_step, timeout=timeout)
         if not loaded.ok:
             raise RuntimeError(f"the engine could not load step {loaded.step}: {loaded.error}")
         self._stale_open = False
-        t0 = time.perf_counter()
         with torch.no_grad():
             self.engine.forward(torch.zeros(1, 1, dtype=torch.long))
-        warm = time.perf_counter() - t0
-        return Refit(step=loaded.step, pause_s=loaded.seconds + warm, load_s=loaded.seconds)
+        return Refit(step=loaded.step, pause_s=time.perf_counter() - t0, load_s=loaded.seconds)
 
     def rollouts(self, prompt_ids: torch.Tensor, task: policy.Task, seed: int) -> dict[str, Any]:
         """The step's rollouts, and ``stale_lp``: the never-refitted engine's logprobs of the same

@@ -40,14 +40,15 @@ class Task:
 
 
 def config(vocab: int = 64, model: str = "qwen3_5_moe"):
-    """The policy's transformers config (checkpoint dtype BF16, as an RL checkpoint is held);
+    """The policy's transformers config (checkpoint dtype BF16, as an RL checkpoint is held; head
+    dimension 64: vLLM's CPU attention takes no smaller);
     ``model="qwen3_moe"``: a Qwen3-MoE of the same sizes (the reference engine does not hold it)."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig
 
     if model == "qwen3_moe":
         cfg = Qwen3MoeConfig(
             vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            num_key_value_heads=2, head_dim=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
             dtype="bfloat16",
         )  # fmt: skip
         cfg.architectures = ["Qwen3MoeForCausalLM"]
@@ -55,8 +56,8 @@ def config(vocab: int = 64, model: str = "qwen3_5_moe"):
 
     cfg = Qwen3_5MoeTextConfig(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
         dtype="bfloat16",
     )  # fmt: skip

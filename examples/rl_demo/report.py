@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ COLUMNS = (
 FP8 = ("block_fp8", "mxfp8", "fp8_per_tensor")
 
 
-def write_tables(rows: list[dict[str, Any]], out: Path) -> None:
+def write_tables(rows: list[dict[str, Any]], out: Path, notes: Sequence[str] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rl_demo.json").write_text(json.dumps({"gen_kl_bar": GEN_KL_BAR, "rows": rows}, indent=1) + "\n")
+    doc = {"gen_kl_bar": GEN_KL_BAR, "notes": list(notes), "rows": rows}
+    (out / "rl_demo.json").write_text(json.dumps(doc, indent=1) + "\n")
     with (out / "rl_demo.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()

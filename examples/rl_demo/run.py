@@ -57,13 +57,25 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
         )
         stack.callback(_stop, daemon)
         wait_ready(endpoint, daemon)
-        kind = "vllm" if fmt == "bf16" and args.bf16_engine == "vllm" else "reference"
+        kind = "vllm" if fmt == "bf16" and args.bf16_engine in ("vllm", "auto") else "reference"
         if kind == "vllm":
             engine = VllmRollouts(endpoint, config_path.parent, fmt, args.vllm_python, tmp_path)
-        else:
+            try:
+                engine.attach()
+            except RuntimeError as exc:
+                engine.close()
+                if args.bf16_engine == "vllm":
+                    raise
+                note = f"{fmt}: the vLLM engine did not start ({exc}); rollouts from the reference engine"
+                print(note, flush=True)
+                args.notes.append(note)
+                kind = "reference"
+            else:
+                stack.callback(engine.close)
+        if kind == "reference":
             engine = ReferenceRollouts(endpoint, json.loads(config_path.read_text()), fmt)
-        stack.callback(engine.close)
-        engine.attach()
+            stack.callback(engine.close)
+            engine.attach()
         job = {
             "endpoint": endpoint, "init_file": str(tmp_path / "gloo-init"), "task": task, "vocab": args.vocab,
             "seed": args.seed, "lr": args.lr, "steps": args.steps, "model": args.model,
@@ -77,7 +89,8 @@ def run_format(fmt: str, args: argparse.Namespace, task: policy.Task) -> list[di
         reports = Reports(outbox, procs)
         t_start = time.perf_counter()
         for step in range(args.steps):
-            with reports.interrupts():  # a rank that fails stops the engine's wait for its push
+            with reports.interrupts():  # a rank that fails stops the wait for its push
+                reports.published(step)  # then the engine's pause is the refit alone, not the push
                 refit = engine.refit(min_step=step)
             if refit.step != step:
                 raise RuntimeError(f"the engine loaded step {refit.step}, expected {step}")
@@ -114,6 +127,7 @@ class Reports:
     def __init__(self, outbox, procs) -> None:
         self.outbox, self.procs = outbox, procs
         self.steps: queue.Queue = queue.Queue()
+        self.pushes: queue.Queue = queue.Queue()
         self.error: str | None = None
         self._waiting = False
         threading.Thread(target=self._read, daemon=True).start()
@@ -131,12 +145,15 @@ class Reports:
                 return
             if "error" in msg:
                 self._fail(f"trainer rank {msg['rank']} failed:\n{msg['error']}")
+            elif "pushed" in msg:
+                self.pushes.put(msg["pushed"])
             elif "step" in msg:
                 self.steps.put(msg)
 
     def _fail(self, error: str) -> None:
         self.error = error
         self.steps.put(None)
+        self.pushes.put(None)
         if self._waiting:
             _thread.interrupt_main()
 
@@ -153,6 +170,17 @@ class Reports:
             raise RuntimeError(self.error) from None
         finally:
             self._waiting = False
+
+    def published(self, step: int) -> None:
+        """Wait until rank 0's push of ``step`` returned (the daemon published it)."""
+        try:
+            got = self.pushes.get(timeout=STEP_TIMEOUT)
+        except queue.Empty:
+            raise RuntimeError(f"step {step} was not published within {STEP_TIMEOUT:.0f} s") from None
+        if got is None:
+            raise RuntimeError(self.error)
+        if got != step:
+            raise RuntimeError(f"rank 0 pushed step {got}, expected {step}")
 
     def next(self) -> dict[str, Any]:
         try:
@@ -201,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--bf16-engine", choices=("vllm", "reference", "auto"), default="auto",
         help="the engine sampling BF16 rollouts: the live vLLM (--vllm-python's venv, tests/setup_live.sh), "
-        "refitd's reference engine, or vLLM where that venv exists (default)",
+        "refitd's reference engine, or vLLM where that venv exists and the engine starts, else the reference "
+        "engine, said in the output and the JSON's notes (default)",
     )  # fmt: skip
     ap.add_argument("--vllm-python", type=Path, default=Path(".venv-live/bin/python"))
     ap.add_argument("--no-plot", action="store_true", help="write the tables only (no matplotlib needed)")
@@ -211,10 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in formats if f not in FORMATS]
     if unknown:
         ap.error(f"unknown format(s) {unknown}: choose from {', '.join(FORMATS)}")
-    if args.bf16_engine == "auto":
-        args.bf16_engine = "vllm" if args.vllm_python.exists() else "reference"
-        if "bf16" in formats and args.bf16_engine == "reference":
-            print(f"no {args.vllm_python} (tests/setup_live.sh): BF16 rollouts from the reference engine")
+    args.notes = []
+    if args.bf16_engine == "auto" and not args.vllm_python.exists():
+        args.bf16_engine = "reference"
+        if "bf16" in formats:
+            args.notes.append(
+                f"no {args.vllm_python} (tests/setup_live.sh): BF16 rollouts from the reference engine"
+            )
+            print(args.notes[-1])
     if "bf16" in formats and args.bf16_engine == "vllm" and not args.vllm_python.exists():
         ap.error(
             f"--bf16-engine vllm: no {args.vllm_python}; run tests/setup_live.sh (or give --vllm-python)"
@@ -226,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rows += run_format(fmt, args, task)
         print(f"{fmt}: {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
-        report.write_tables(rows, args.out)  # what ran so far stays written
+        report.write_tables(rows, args.out, args.notes)  # what ran so far stays written
     table = report.summary(rows)
     report.print_summary(table)
     if not args.no_plot:

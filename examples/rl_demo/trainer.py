@@ -56,6 +56,8 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], inbox, outbox) -> None
             t0 = time.perf_counter()
             pushed = client.push_step(step, model.state_dict())  # this rank's shards, where they lie
             refit_s = time.perf_counter() - t0
+            if rank == 0:  # published: the driver asks the engine to refit now
+                outbox.put({"rank": rank, "pushed": step})
             batch = inbox.get(timeout=ROLLOUT_TIMEOUT)
             if batch is None:  # the driver stopped
                 return
