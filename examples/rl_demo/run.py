@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model", choices=("qwen3_5_moe", "qwen3_moe"), default="qwen3_5_moe",
         help="the policy's family (qwen3_moe: BF16 on vLLM only; the reference engine holds Qwen3.5-MoE)",
     )  # fmt: skip
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--bf16-engine", choices=("vllm", "reference", "auto"), default="auto",
