@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang test-megatron lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang test-megatron lint format bench gpu-wheels clean rl-demo
 
 venv: $(STAMP)
 
@@ -54,6 +54,16 @@ test-sglang: venv
 test-megatron:
 	tests/setup_megatron.sh
 	REFITD_REQUIRE_MEGATRON=1 PYTHONPATH=$(CURDIR) .venv-megatron/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
+
+# GRPO on a tiny MoE policy, its rollouts sampled by an engine refitd refits every step, per expert
+# format: trainer-vs-engine KL (NeMo-RL's gen_kl_error), reward, refit and pause -> rl-demo-results/.
+# BF16 rollouts from the live vLLM in .venv-live (tests/setup_live.sh; the reference engine, said so, if it
+# cannot start), the FP8 and 4-bit ones from the reference engine
+rl-demo: venv
+	tests/setup_live.sh
+	$(PIP) install -q -e ".[rl-demo]"
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --vllm-python .venv-live/bin/python \
+		--out rl-demo-results
 
 bench: venv
 	$(PY) bench/quant.py

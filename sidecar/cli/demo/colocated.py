@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,8 +197,14 @@ def wait_attached(attached, proc, what: str, timeout: float = 120.0) -> None:
 
 
 def start_daemon(
-    run_dir: Path, config: Path, fmt: str, regions: int = 0, params: FormatParams = DEFAULT_FORMAT_PARAMS
+    run_dir: Path,
+    config: Path,
+    fmt: str,
+    regions: int = 0,
+    params: FormatParams = DEFAULT_FORMAT_PARAMS,
+    extra: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, str]:
+    """``refitd serve`` for the demo's trainers (``extra``: more of its options)."""
     cmd = [
         sys.executable,
         "-m",
@@ -213,7 +220,7 @@ def start_daemon(
     if params != DEFAULT_FORMAT_PARAMS:  # sized for what the engine holds (its manifest decides at attach)
         cmd += ["--int4-group", str(params.int4_group), "--int4-scale-dtype", params.int4_scale_dtype]
         cmd += ["--nvfp4-names", params.nvfp4_names.value]
-    return subprocess.Popen(cmd), f"ipc://{run_dir / 'control.sock'}"
+    return subprocess.Popen([*cmd, *extra]), f"ipc://{run_dir / 'control.sock'}"
 
 
 def wait_ready(endpoint: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
