@@ -47,6 +47,7 @@ from sidecar.client.local import StagingWriter
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
 from sidecar.client.placement import placed_row, ring_arenas
 from sidecar.client.remote import RemoteSender
+from sidecar.client.replicated import owned_items, piece_owners
 from sidecar.client.stream import StreamFeed, write_stream
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
@@ -107,6 +108,8 @@ class RefitClient:
         #: several GPUs: group -> the staging arena (index) its SLOT named; absent: arena 0
         self._slot_arenas: dict[int, int] = {}
         self._step_pieces = StepPieces()  # the last step's pieces and BEGIN rows, while unchanged
+        #: while waiting for READY: the ranks the daemon last said have not begun (its PONGs)
+        self._waiting_for: list[int] = []
         # the two data paths, given a narrow view of this connection (worker thread only)
         link = Link(send=self._send, keepalive=self._keepalive, poll=self._poll, heartbeat=self._heartbeat)
         self._local = StagingWriter(link)
@@ -123,6 +126,7 @@ class RefitClient:
         wait: str = "published",
         timeout: float | None = None,
         declare: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        replicated: bool = False,
     ) -> StepResult | Future:
         """Push this rank's part of ``step``.
 
@@ -133,7 +137,15 @@ class RefitClient:
         (a Megatron-Bridge export): BEGIN declares ``declare``'s pieces, then the stream is read on
         this thread one item at a time, each written to the daemon as it comes and never kept, so
         the whole model is never held at once. Each item must be one of the declared pieces; a
-        missing, extra, repeated or mismatched one fails the step (nothing is published).
+        missing, extra, repeated or mismatched one fails the step (nothing is published). The stream
+        is read only once this rank's BEGIN is out.
+
+        ``replicated=True``: every rank passes the same whole tensors (a gathered export read on
+        every rank, e.g. ``bridge.export_hf_weights(model)`` on every TP/EP/PP rank, with the same
+        ``declare``), and each tensor is sent by exactly one rank, the bytes spread over the ranks
+        (``sidecar.client.replicated``); every rank reads the whole stream (its collectives run in
+        lockstep) and drops what another rank sends as it comes. Every rank of the step makes this
+        same call; one that never does is named in the others' errors.
 
         ``wait="published"`` (default) returns the StepResult once every rank's data is quantized and
         published; ``wait="loaded"`` also waits until every engine worker attached at publication
@@ -145,12 +157,7 @@ class RefitClient:
         if wait not in ("published", "loaded", "committed"):
             raise ValueError(f"wait={wait!r}: choose 'published', 'loaded' or 'committed'")
         committed = threading.Event()
-        if declare is not None:
-            feed = StreamFeed()
-            future = self._submit(step, declare, timeout, committed, loaded=wait == "loaded", feed=feed)
-            feed.pour(named_tensors, future)  # on this thread: the trainer's export runs here
-        else:
-            future = self._submit(step, named_tensors, timeout, committed, loaded=wait == "loaded")
+        future = self._start(step, named_tensors, timeout, committed, wait == "loaded", declare, replicated)
         if wait in ("published", "loaded"):
             return future.result()
         while not committed.wait(0.05):
@@ -165,12 +172,15 @@ class RefitClient:
         named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
         *,
         timeout: float | None = None,
+        declare: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        replicated: bool = False,
     ) -> Future:
-        """Like ``push_step`` but returns at once with a Future of the StepResult.
+        """Like ``push_step`` but returns at once with a Future of the StepResult; with ``declare``
+        once the stream is read (on this thread), its last items possibly still being written.
 
         The tensors must stay unchanged until the future is done (or use ``wait="committed"``).
         """
-        return self._submit(step, named_tensors, timeout, threading.Event())
+        return self._start(step, named_tensors, timeout, threading.Event(), False, declare, replicated)
 
     def close(self) -> None:
         """Release the connection. Never blocks for long: a step in flight stops at its next wait
@@ -190,14 +200,35 @@ class RefitClient:
 
     # ------------------------------------------------------------------------------------------
 
-    def _submit(self, step, named_tensors, timeout, committed, *, loaded: bool = False, feed=None) -> Future:
+    def _start(self, step, named_tensors, timeout, committed, loaded, declare, replicated) -> Future:
+        """Submit the step; a stream (``declare``) is then read on this thread."""
+        if declare is None:
+            if replicated:
+                named_tensors = owned_items(named_tensors, self.rank, self.world_size)
+            return self._submit(step, named_tensors, timeout, committed, loaded=loaded)
+        feed = StreamFeed()
+        future = self._submit(
+            step, declare, timeout, committed, loaded=loaded, feed=feed, replicated=replicated
+        )
+        feed.pour(named_tensors, future)  # on this thread: the trainer's export runs here
+        return future
+
+    def _submit(
+        self, step, named_tensors, timeout, committed, *, loaded: bool = False, feed=None, replicated=False
+    ) -> Future:
         if self._closed:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if feed is not None:  # a stream: BEGIN declares these pieces (meta tensors), the feed brings the data
-            rows = feed.declared = pieces(named_tensors)
+            rows = pieces(named_tensors)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            if replicated:  # this rank declares what it sends; the others' items are dropped as they come
+                owner = piece_owners(rows, self.world_size)
+                rows = [p for p in rows if owner[p.name] == self.rank]
+                feed.others = frozenset(n for n, r in owner.items() if r != self.rank)
+                feed.drain_until = deadline
+            feed.declared = rows
             return self._executor.submit(self._push, step, rows, deadline, committed, loaded, [], None, feed)
         rows, packed = self._step_pieces.of(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -305,6 +336,8 @@ class RefitClient:
                     begin["nixl"] = offer
             try:
                 self._send(Kind.BEGIN, begin)
+                if feed is not None:
+                    feed.begun.set()  # the trainer's thread may read the stream now
                 ready = self._await(step, deadline, {Kind.READY}).fields
                 ids = ready.get("pieces", [])
                 if len(ids) != len(pieces):
@@ -368,6 +401,7 @@ class RefitClient:
     def _hello(self, step: int, deadline: float) -> None:
         """Open a new attempt: what the daemon still sends about an earlier one is ignored from now on."""
         self._attempt += 1
+        self._waiting_for = []
         self._send(
             Kind.HELLO,
             {
@@ -405,8 +439,14 @@ class RefitClient:
             raise self._closed_error(step)
         now = time.monotonic()
         if now > deadline:
-            self._abort(step, f"rank {self.rank} timed out {what}")
             hint = curve_hint(self.curve) if "WELCOME" in what else ""  # never heard from the daemon
+            if "READY" in what and self._waiting_for:
+                hint = (
+                    f": rank(s) {self._waiting_for} of {self.world_size} never began step {step} (no BEGIN "
+                    "reached the daemon); every rank must call push_step for every step, at the same point "
+                    "(a gathered export: the same call on every rank, with replicated=True)"
+                )
+            self._abort(step, f"rank {self.rank} timed out {what}{hint}")
             raise RefitError(
                 f"rank {self.rank} timed out {what}{hint}", kind=ErrorKind.TIMEOUT, rank=self.rank, step=step
             )
@@ -499,7 +539,12 @@ class RefitClient:
             if err.step in (None, step):
                 raise err
             return True  # a stale error about an earlier step
-        return msg.kind is Kind.PONG
+        if msg.kind is Kind.PONG:
+            waiting = msg.get("waiting_for")
+            if msg.get("step") == step and isinstance(waiting, list):
+                self._waiting_for = [r for r in waiting if type(r) is int]
+            return True
+        return False
 
     def _restarted(self, step: int, new: str | None) -> None:
         """The step's daemon is gone (or forgot this client): drop the connection, fail the step once."""

@@ -14,7 +14,10 @@ undeclared or twice, or differs in dtype or shape fails the step, and nothing is
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -43,22 +46,49 @@ class StreamFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None  # what the trainer's export raised
         self.declared: list[Piece] = []  # every piece BEGIN declares (READY may skip some)
+        #: set once this rank's BEGIN is sent: the stream is read only then (see :meth:`pour`)
+        self.begun = threading.Event()
+        #: replicated=True: the names other ranks send, discarded as they come
+        self.others: frozenset[str] = frozenset()
+        #: replicated=True: after a failed step keep reading (discarding) until then, so every
+        #: rank leaves the export's collectives together (time.monotonic(); 0: stop at once)
+        self.drain_until = 0.0
 
     def pour(self, items: Mapping[str, Any] | Iterable[tuple[str, Any]], future: Future) -> None:
-        """Read ``items`` on this thread, each handed over as soon as the worker can take it; stops
-        early when the step ``future`` already ended (failed). Never raises: an error of the export
-        fails the step, which ``future`` reports."""
+        """Read ``items`` on this thread, each handed over as soon as the worker can take it. Reading
+        starts once this rank's BEGIN is out: the daemon hears of every rank before any rank waits
+        on another inside the export's collectives (READY needs every rank's BEGIN). Stops early
+        when the step ``future`` already ended (failed), except that a replicated stream is read to
+        its end while its deadline allows (the other ranks' collectives wait for this rank). Never
+        raises: an error of the export fails the step, which ``future`` reports."""
+        while not self.begun.wait(FEED_POLL_S):
+            if future.done():
+                return
         try:
-            source = items.items() if isinstance(items, Mapping) else items
+            source = iter(items.items() if isinstance(items, Mapping) else items)
             for name, value in source:
+                if name in self.others:
+                    value = None  # another rank sends it: dropped before the next item is made
+                    continue
                 ready = None
                 if isinstance(value, torch.Tensor) and value.is_cuda:  # written once the trainer's work is
                     ready = torch.cuda.current_stream(value.device).record_event()
                 if not self._put((name, value, ready), future):
+                    self._drain(source)
                     return
         except Exception as exc:  # the trainer's export failed: the step fails with it
             self.error = exc
         self._put(_END, future)
+
+    def _drain(self, source: Iterable[tuple[str, Any]]) -> None:
+        """The step failed: read the rest of a replicated stream, discarding it, while its deadline
+        allows (a rank that never began fails it at the deadline: then nothing is read)."""
+        if time.monotonic() >= self.drain_until:
+            return
+        with contextlib.suppress(Exception):  # the step's error is what the trainer hears
+            for _ in source:
+                if time.monotonic() >= self.drain_until:
+                    return
 
     def _put(self, item: Any, future: Future) -> bool:
         while not future.done():

@@ -477,7 +477,12 @@ class Trainers:
             )
 
     def handle_ping(self, identity: bytes, msg: Message) -> None:
-        self.ctx.send(identity, Kind.PONG, {"instance": self.ctx.instance})
+        fields: dict[str, Any] = {"instance": self.ctx.instance}
+        state = self.ctx.step
+        if state is not None and not state.all_begun and identity in state.peers.values():
+            # a rank waiting for READY: which ranks have not begun (named in its error if it times out)
+            fields.update(step=state.step, waiting_for=state.missing_ranks())
+        self.ctx.send(identity, Kind.PONG, fields)
 
     def step_protocol_error(self, identity: bytes, exc: ProtocolError) -> bool:
         """A ProtocolError from a rank taking part in the step in progress fails that step on every
