@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang test-verl lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,12 @@ test-sglang: venv
 	tests/setup_sglang.sh
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
 
+# refitd's verl backend (integrations/verl.py) against verl 0.9.1's real registry, config dataclasses and
+# FSDP export on CPU (in .venv-verl); fails, never skips, when verl cannot import (REFITD_REQUIRE_ENGINES=1)
+test-verl: venv
+	tests/setup_verl.sh
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/test_integration_verl.py
+
 bench: venv
 	$(PY) bench/quant.py
 
@@ -57,4 +63,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) .venv-engines .venv-sglang build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines .venv-sglang .venv-verl build *.egg-info .pytest_cache .ruff_cache .hypothesis
