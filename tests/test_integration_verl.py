@@ -399,3 +399,39 @@ def test_the_manager_refuses_another_backend(verl, tmp_path):
 
     with pytest.raises(ValueError, match="drives the refitd backend"):
         RefitdCheckpointEngineManager(CheckpointEngineConfig(backend="naive"), None, [])
+
+
+def test_the_backend_module_loads_no_daemon(verl):
+    """What verl imports on every worker (custom_backend_module) brings refitd's client, not its daemon."""
+    code = "import sys, integrations.verl; print(sorted(m for m in sys.modules if m.startswith('sidecar.daemon')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_example_config_builds_the_backend_and_the_manager_class(verl, tmp_path):
+    """examples/verl_refitd.yaml merged over verl's generated trainer config, as a user would."""
+    import verl as verl_pkg
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs, load_class_from_fqn
+
+    from sidecar.cli.demo.synthetic import make_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(make_hf_config("qwen3_5_moe", num_layers=2, num_experts=4)))
+    base = OmegaConf.load(Path(verl_pkg.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    OmegaConf.set_struct(base, False)
+    cfg = OmegaConf.merge(base, OmegaConf.load(REPO / "examples/verl_refitd.yaml"))
+    cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.refitd.hf_config = str(path)
+    rollout = cfg.actor_rollout_ref.rollout
+    ce = omega_conf_to_dataclass(rollout.checkpoint_engine)
+    import_external_libs(ce.custom_backend_module)
+    engine = verl.CheckpointEngineRegistry.new(ce.backend, bucket_size=1, **ce.engine_kwargs[ce.backend])
+    assert type(engine).__name__ == "RefitdCheckpointEngine" and engine.pusher.wait == "published"
+    assert load_class_from_fqn(rollout.checkpoint_manager_class, "CheckpointEngineManager").__name__ == (
+        "RefitdCheckpointEngineManager"
+    )
+    assert (
+        rollout.engine_kwargs.vllm.worker_extension_cls == "integrations.verl_vllm.RefitdVerlWorkerExtension"
+    )
+    assert rollout.quantization is None
