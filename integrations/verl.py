@@ -155,9 +155,20 @@ class RefitdCheckpointEngineManager(CheckpointEngineManager):
             LOAD_METHOD, kwargs={"endpoint": self.endpoint, "min_step": step, "timeout": self.load_timeout}
         )
 
+    def build_actor_ranks(self) -> None:
+        """Once: verl's prepare -> build_topology -> init_process_group on the actor workers (each
+        learns its refitd rank and world size); rollout workers take no part."""
+        n = self.actor_wg.world_size
+        metadata = resolved(self.actor_wg.execute_checkpoint_engine(["prepare"] * n))
+        actor_kwargs, _ = self.backend_cls.build_topology(n, 0, metadata)
+        resolved(self.actor_wg.execute_checkpoint_engine(["init_process_group"] * n, **actor_kwargs))
+        self.actor_ranks_built = True
+
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
         await self.abort_replicas()
+        if not getattr(self, "actor_ranks_built", False):
+            await asyncio.to_thread(self.build_actor_ranks)
         pending = self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
         metrics: dict[str, Any] = {}
         for m in await asyncio.to_thread(resolved, pending):

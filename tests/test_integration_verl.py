@@ -285,6 +285,14 @@ class ActorGroup:
 
     def __init__(self, engines, events: list[str], weights_of):
         self.engines, self.events, self.weights_of = engines, events, weights_of
+        self.world_size = len(engines)
+
+    def execute_checkpoint_engine(self, method: list[str], **kwargs: list):
+        """verl's DP_COMPUTE dispatch: entry i of each list goes to worker i."""
+        self.events.append(f"{method[0]}:")
+        return [
+            getattr(e, method[i])(**{k: v[i] for k, v in kwargs.items()}) for i, e in enumerate(self.engines)
+        ]
 
     def update_weights(self, global_steps=None, mode="auto"):
         assert mode == "refitd"
@@ -329,8 +337,6 @@ def manager_setup(verl, daemons, tmp_path):
         verl.CheckpointEngineRegistry.new("refitd", bucket_size=1, **ce.engine_kwargs["refitd"])
         for _ in range(WORLD)
     ]
-    for r, e in enumerate(engines):
-        e.init_process_group(rank=r, world_size=WORLD)
     weights = {}
 
     def weights_of(step):
@@ -356,7 +362,11 @@ def test_the_manager_orders_abort_push_load_reset_resume(manager_setup):
         events.clear()
         metrics = manager.update_weights(global_steps=step)  # verl's auto_await: callable without a loop
         assert metrics["refitd/step"] == step and "refitd/load_s" in metrics
+        assert [(e.pusher.rank, e.pusher.world_size) for e in engines] == [(0, WORLD), (1, WORLD)]
         order = [e.split(":")[0].rstrip("0123456789") for e in events]
+        if step == 1:  # the actor ranks are set up once, through verl's topology calls
+            assert order[2:4] == ["prepare", "init_process_group"], events
+            order = order[:2] + order[4:]
         assert order == [
             "abort",
             "abort",
