@@ -207,6 +207,12 @@ def test_verls_fsdp_export_publishes_byte_equal_to_refitd_convert(verl, tmp_path
                     assert all(r["dtypes"] == ["torch.float32"] for r in ranks)
                     assert {r["metrics"]["refitd/step"] for r in ranks} == {step}
                     assert len({r["metrics"]["refitd/generation"] for r in ranks}) == 1
+                    ratio = max(r["metrics"]["refitd/push_s"] for r in ranks) / max(
+                        r["export_s"] for r in ranks
+                    )
+                    print(
+                        f"{fmt} step {step}: send_weights {ratio:.2f}x verl's export alone"
+                    )  # a figure, not a check
                     expected = converted(tmp_path / "ckpt" / f"step{step}", tmp_path / f"out{step}", fmt)
                     gen = reader.wait(min_step=step, timeout=60)
                     try:

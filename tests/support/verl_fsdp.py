@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,14 +111,25 @@ def _run_rank(rank: int, world: int, job: dict[str, Any], results, checked) -> N
         optim.zero_grad()
         metrics = asyncio.run(engine.send_weights(verl_export(model, config), global_steps=step))
         # the checkpoint the test converts: verl's same export, every rank iterating it (collectives)
+        t0 = time.perf_counter()  # the baseline: verl's export alone (its gathers), cast as the push casts
         full = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in verl_export(model, config)}
+        export_s = time.perf_counter() - t0
         dtypes = sorted({str(t.dtype) for _, t in verl_export(model, config)})
         if rank == 0:
             out = Path(job["out"]) / f"step{step}"
             out.mkdir(parents=True)
             save_file(full, str(out / "model.safetensors"))
             (out / "config.json").write_text(json.dumps(job["hf_config"]))
-        results.put({"rank": rank, "step": step, "metrics": metrics, "names": len(full), "dtypes": dtypes})
+        results.put(
+            {
+                "rank": rank,
+                "step": step,
+                "metrics": metrics,
+                "names": len(full),
+                "dtypes": dtypes,
+                "export_s": export_s,
+            }
+        )
         if not checked[i].wait(240):
             raise TimeoutError(f"the test never checked step {step}")
     engine.close()
