@@ -103,8 +103,11 @@ class RefitdCheckpointEngine:
         return await asyncio.to_thread(run)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
-        """Inside a vLLM worker: the next generation the daemon publishes after the last one loaded,
-        as one batch for NeMo-RL's loader (BF16 only, see the module doc), released after it."""
+        """Inside a vLLM worker: the next generation the daemon publishes after the last one this
+        worker loaded (the first call: the live one, once there is one), as one batch for NeMo-RL's
+        loader (BF16 only, see the module doc), released after it. NeMo-RL tells a transport no step
+        number, so a first refit that starts before the trainer's push is published loads the
+        generation live before it."""
         name = self.name or f"nemo-rl-rollout{self.rollout_rank if self.rollout_rank is not None else ''}"
         min_step = 0 if self.last_loaded is None else self.last_loaded + 1
         timeout = self.pusher.timeout
