@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang test-megatron lint format bench gpu-wheels clean rl-demo
+.PHONY: venv demo test test-engines test-sglang test-megatron test-verl lint format bench gpu-wheels clean rl-demo
 
 venv: $(STAMP)
 
@@ -65,6 +65,12 @@ rl-demo: venv
 	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(PY) -m examples.rl_demo.run --vllm-python .venv-live/bin/python \
 		--out rl-demo-results
 
+# refitd's verl backend (integrations/verl.py) against verl 0.9.1's real registry, config dataclasses and
+# FSDP export on CPU (in .venv-verl); fails, never skips, when verl cannot import (REFITD_REQUIRE_ENGINES=1)
+test-verl: venv
+	tests/setup_verl.sh
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/test_integration_verl.py
+
 bench: venv
 	$(PY) bench/quant.py
 
@@ -74,4 +80,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) .venv-engines .venv-sglang .venv-megatron build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines .venv-sglang .venv-megatron .venv-verl .venv-live build *.egg-info .pytest_cache .ruff_cache .hypothesis

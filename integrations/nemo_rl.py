@@ -1,0 +1,131 @@
+"""refitd as a NeMo-RL weight transport: ``policy.generation.refit_transport: "module:Class"``.
+
+NeMo-RL (``nemo_rl/utils/checkpoint_engines/base.py``, read at NVIDIA-NeMo/RL@2bce0689) builds the
+transport named ``"module:Class"`` with ``create_checkpoint_engine``: ``Class(bucket_size=...,
+**engine_kwargs)`` in every policy worker and in every vLLM worker; then ``prepare()`` everywhere,
+``init_policy_process_group(worker_rank=, train_world_size=, rollout_world_size=, metadata=)`` on
+the policy side, ``init_rollout_process_group(rollout_rank=, ...)`` inside vLLM, ``send_weights``
+(policy) while the vLLM workers iterate ``receive_weight_batches`` and load each batch with their own
+loader, and ``finalize()``. The config::
+
+    policy:
+      generation:
+        refit_transport: "integrations.nemo_rl:RefitdCheckpointEngine"
+        refit_cfg:
+          "integrations.nemo_rl:RefitdCheckpointEngine": {hf_config: /models/m/config.json}
+
+What crosses: every policy rank hands ``send_weights`` the same gathered Hugging Face tensors (the
+DTensor worker's ``full_tensor()``, the Megatron bridge's export); each is pushed by one rank
+(``replicated=True``, :mod:`integrations.push`). The rollout side reads the published generation
+from the node's daemon. NeMo-RL's vLLM loader takes BF16 only as refitd publishes it: its FP8 path
+(``quantization/fp8.py load_weights``) re-quantizes what it is handed, and it runs no
+``process_weights_after_loading`` per refit. So ``receive_weight_batches`` yields a BF16 generation
+as one batch and refuses a quantized one, naming the path that loads it (refitd's vLLM adapter,
+``adapters.vllm.refit_engine``). Framework-free: NeMo-RL is never imported (its base class is
+abstract only; ``create_checkpoint_engine`` instantiates by name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from adapters.base import RefitReader
+from integrations.push import GatheredPush, read_hf_config
+from sidecar.errors import ErrorKind, RefitError
+
+SETTING = 'policy.generation.refit_cfg["integrations.nemo_rl:RefitdCheckpointEngine"].hf_config'
+
+
+class RefitdCheckpointEngine:
+    """One per NeMo-RL worker (policy or vLLM). ``engine_kwargs``: ``hf_config`` (required),
+    ``endpoint`` (the node's daemon; default ``$REFITD_ENDPOINT`` or a default daemon's socket),
+    ``wait`` (``"published"``, ``"committed"``), ``timeout`` seconds, ``name`` (the reader's name in
+    the daemon's status). ``bucket_size`` is not used: the daemon owns the staging memory."""
+
+    #: NeMo-RL frees the CUDA cache after a load when this is set
+    cleanup_after_load: bool = True
+
+    def __init__(
+        self,
+        bucket_size: int = 0,
+        *,
+        hf_config: str | Mapping[str, Any] | None = None,
+        endpoint: str | None = None,
+        wait: str = "published",
+        timeout: float = 600.0,
+        name: str | None = None,
+        **unused: Any,
+    ) -> None:
+        if unused:  # NeMo-RL's own call may grow keywords (e.g. a default device): never fatal
+            self.unused = dict(unused)
+        self.bucket_size = bucket_size
+        self.pusher = GatheredPush(
+            read_hf_config(hf_config, where=SETTING), endpoint=endpoint, wait=wait, timeout=timeout
+        )
+        self.name = name
+        self.rollout_rank: int | None = None
+        self.last_loaded: int | None = None
+
+    def prepare(self) -> dict[str, Any]:
+        return {"endpoint": self.pusher.endpoint}
+
+    def init_policy_process_group(
+        self, *, worker_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
+        self.pusher.set_rank(worker_rank, train_world_size)
+
+    def init_rollout_process_group(
+        self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int, metadata: list[Any]
+    ) -> None:
+        self.rollout_rank = rollout_rank
+
+    def finalize(self) -> None:
+        """Nothing per refit: the connection and the daemon's generation outlive it."""
+
+    def close(self) -> None:
+        self.pusher.close()
+
+    async def send_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], step: int | None = None
+    ) -> dict:
+        """Push this rank's view of the gathered stream (read on a worker thread, gathers included)."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def run() -> dict[str, Any]:
+            if device is not None:
+                torch.cuda.set_device(device)
+            return self.pusher.push(weights, step)
+
+        return await asyncio.to_thread(run)
+
+    async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
+        """Inside a vLLM worker: the next generation the daemon publishes after the last one this
+        worker loaded (the first call: the live one, once there is one), as one batch for NeMo-RL's
+        loader (BF16 only, see the module doc), released after it. NeMo-RL tells a transport no step
+        number, so a first refit that starts before the trainer's push is published loads the
+        generation live before it."""
+        name = self.name or f"nemo-rl-rollout{self.rollout_rank if self.rollout_rank is not None else ''}"
+        min_step = 0 if self.last_loaded is None else self.last_loaded + 1
+        timeout = self.pusher.timeout
+        with RefitReader(self.pusher.endpoint, name=name, timeout=timeout) as reader:
+            gen = await asyncio.to_thread(reader.wait, min_step=min_step, timeout=timeout)
+            try:
+                quantized = sorted(
+                    {str(t.dtype) for t in gen.tensors.values()} - {"torch.bfloat16", "torch.float32"}
+                )
+                if quantized:
+                    raise RefitError(
+                        f"step {gen.step} is published quantized ({', '.join(quantized)}); NeMo-RL's vLLM loader "
+                        "would re-quantize it. Load it with refitd's vLLM adapter (adapters.vllm.refit_engine), or "
+                        "run the daemon with --format bf16 for this transport",
+                        kind=ErrorKind.ENGINE,
+                        step=gen.step,
+                    )
+                yield [(n, t.clone()) for n, t in gen.tensors.items()]
+                self.last_loaded = gen.step
+            finally:
+                reader.release(gen)
