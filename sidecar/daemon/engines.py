@@ -150,6 +150,8 @@ class Engines:
             self._replan_params(name, plan)
             if plan.keep_bf16 == self.ctx.plan.keep_bf16:
                 return
+        if plan.outputs == self.ctx.plan.outputs:
+            return  # the engine's BF16 experts are published BF16 already (--format bf16): nothing changes
         kept = sorted(plan.keep_bf16 - self.ctx.plan.keep_bf16)
         disagree = [e.name for e in self.engines.values() if e.keep_bf16 != plan.keep_bf16]
         if disagree:
