@@ -337,4 +337,6 @@ def test_a_bf16_daemon_takes_the_fused_form_for_an_engine_without_a_warning(daem
         finally:
             engine.release(gen)
         assert not bad, bad[:5]
+        with RefitReader(d.endpoint, name="engine-1", manifest=manifest) as late:
+            late.attach(timeout=30)  # checked against the plan of the fused step: per-expert names
     assert not [r for r in caplog.records if "publishing them in BF16" in r.getMessage()]
