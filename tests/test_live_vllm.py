@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from support import vllm_live as live
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.timeout(1200)]
 
 
 def _engine(model_dir: Path, **kw):
