@@ -23,7 +23,7 @@ from support import vllm_live as live
 
 pytestmark = [pytest.mark.live, pytest.mark.timeout(1200)]
 
-LONG = [(7 * i + 3) % 500 + 5 for i in range(40)]  # 40 tokens: more than two KV blocks of 16
+LONG = [(7 * i + 3) % 500 + 5 for i in range(70)]  # 70 tokens: two whole KV blocks of 32 (vLLM CPU's unit)
 MAX = 48
 
 
@@ -60,10 +60,11 @@ async def _scenario(tmp_path):
     trainer = live.Trainer("qwen3_moe", daemon.endpoint, tmp_path / "model", tmp_path / "ckpt")
     os.environ.update(VLLM_ENV)
     args = vllm_engine_args(RefitSpec(model_type="qwen3_moe", fmt="bf16"), cfg)
-    kw = {**live.ENGINE_KW, **args, "enable_prefix_caching": True, "block_size": 16}
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tmp_path / "model"), **kw))
+    kw = {**live.ENGINE_KW, **args, "enable_prefix_caching": True, "block_size": 32, "max_model_len": 160}
+    engine = None
     out = {}
     try:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tmp_path / "model"), **kw))
         await engine.collective_rpc("refit_attach", args=(daemon.endpoint, None, 120.0, False))
         trainer.push(0)
         await refit_serving_engine(engine, min_step=0)
@@ -89,7 +90,8 @@ async def _scenario(tmp_path):
         out["second_long"] = await _generate(engine, LONG)
         return out
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         trainer.close()
         daemon.close()
 
