@@ -8,6 +8,7 @@ the cause). docs/engines.md records the answers.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,9 +41,15 @@ if __name__ == "__main__":
 
 
 def cause(log: str) -> str:
-    """The engine's own error: the last line that names an exception."""
-    lines = [ln.strip() for ln in log.splitlines() if "Error" in ln or "error" in ln or "not supported" in ln]
-    lines = [ln for ln in lines if "Traceback" not in ln and "is ignored" not in ln]
+    """The engine's own error: the last line naming an exception that is not the engine core's
+    "initialization failed" wrapper."""
+    lines = [
+        ln.strip()
+        for ln in log.splitlines()
+        if re.search(r"(Error|Exception|NotImplemented)\b.*:", ln)
+        and "initialization failed" not in ln
+        and "is ignored" not in ln
+    ]
     return lines[-1][-400:] if lines else log.strip().splitlines()[-1][-400:]
 
 

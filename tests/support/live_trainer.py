@@ -8,7 +8,6 @@ checkpoint (the Hugging Face form ``refitd convert`` reads) in ROOT/step{N}, and
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    _, _model, endpoint, model_dir, root = sys.argv
+    _, _model_type, endpoint, model_dir, root = sys.argv  # the model type: what the config says
     model_dir, root = Path(model_dir), Path(root)
     config = AutoConfig.from_pretrained(model_dir)
     with RefitClient(endpoint, rank=0, world_size=1) as client:
@@ -60,7 +59,6 @@ def main() -> None:
             for f in model_dir.iterdir():
                 if f.suffix == ".json":
                     shutil.copy(f, out / f.name)
-            json.loads((out / "config.json").read_text())
             print(f"pushed {step}", flush=True)
 
 
