@@ -27,13 +27,16 @@ LONG = [(7 * i + 3) % 500 + 5 for i in range(70)]  # 70 tokens: two whole KV blo
 MAX = 48
 
 
-async def _generate(engine, prompt, max_tokens=MAX):
+async def _generate(engine, prompt, max_tokens=MAX, started: asyncio.Event | None = None):
+    """Greedy tokens, finish reason, cached prompt tokens; ``started`` is set at the first output."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, detokenize=False, ignore_eos=True)
     final = None
     async for out in engine.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
         final = out
+        if started is not None and out.outputs[0].token_ids:
+            started.set()
     c = final.outputs[0]
     return list(c.token_ids), c.finish_reason, final.num_cached_tokens
 
@@ -79,8 +82,9 @@ async def _scenario(tmp_path):
         out["ref1"] = await _reference(engine)
         # refit_serving_engine with requests in flight
         trainer.push(2)
-        flight = [asyncio.ensure_future(_generate(engine, p)) for p in live.PROMPTS * 2]
-        await asyncio.sleep(0.5)  # let them decode some tokens (no assertion rests on how many)
+        started = asyncio.Event()
+        flight = [asyncio.ensure_future(_generate(engine, p, started=started)) for p in live.PROMPTS * 2]
+        await asyncio.wait_for(started.wait(), 120)  # decoding is under way when the refit pauses it
         out["timing"] = await refit_serving_engine(engine, min_step=2)
         after = [asyncio.ensure_future(_generate(engine, p)) for p in live.PROMPTS]
         out["first_long"] = await _generate(engine, LONG)  # the first post-refit request repeating LONG
