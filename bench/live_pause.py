@@ -93,6 +93,6 @@ async def main(rounds: int, model: str) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "qwen3_5_moe"])
+    p.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe"])
     a = p.parse_args()
     asyncio.run(main(a.rounds, a.model))
