@@ -53,7 +53,12 @@ class Rig:
         self.trainer = live.Trainer(model, self.daemon.endpoint, self.model_dir, root / "ckpt")
         os.environ.update(VLLM_ENV)
         args = vllm_engine_args(RefitSpec(model_type=model, fmt="bf16"), cfg, include_vision=False)
-        self.llm = _engine(self.model_dir, **args)
+        try:
+            self.llm = _engine(self.model_dir, **args)
+        except BaseException:  # an engine that cannot start leaves no daemon or trainer behind
+            self.trainer.close()
+            self.daemon.close()
+            raise
 
     def attach(self, streaming: bool | None = None) -> None:
         self.llm.collective_rpc("refit_attach", args=(self.daemon.endpoint, None, 120.0, streaming))
