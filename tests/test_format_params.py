@@ -290,7 +290,7 @@ def test_vllm_engine_args_follow_the_plans_parameters():
     group = qc["config_groups"]["group_0"]
     assert group["weights"]["strategy"] == "tensor_group" and group["weights"]["group_size"] == 16
     assert group["input_activations"] is None  # NVFP4 weights, BF16 activations: nothing to carry over
-    assert qc["ignore"] == modelopt["hf_overrides"]["quantization_config"]["exclude_modules"]
+    assert qc["ignore"] == modelopt["hf_overrides"]["quantization_config"]["ignore"]
     q = resolve_quant(qc)
     assert (q.fmt, q.params, q.static_activations) == (Format.NVFP4, CT_NAMES, False)
     mx = {

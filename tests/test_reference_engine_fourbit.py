@@ -109,7 +109,7 @@ def test_vllm_gives_four_bit_args_and_trtllm_takes_nvfp4_only(fmt):
     if fmt == "nvfp4":
         assert args["quantization"] == "modelopt_fp4" and qc["quant_algo"] == "NVFP4"
         assert resolve_quant(qc).fmt is Format.NVFP4 and resolve_quant(qc).static_activations
-        ignored = qc["exclude_modules"]
+        ignored = qc["ignore"]
     else:
         assert args["quantization"] == "compressed-tensors"
         want = "pack-quantized" if fmt == "int4_w4a16" else "mxfp4-pack-quantized"

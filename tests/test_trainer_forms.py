@@ -257,3 +257,86 @@ def test_a_trainer_without_the_configs_mtp_layers_is_told_what_to_do(daemons):
     )
     with RefitClient(d2.endpoint, rank=0, world_size=1) as client:
         assert client.push_step(0, sd).step == 0
+
+
+def _run_plan(plan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every output of ``plan`` computed from ``tensors`` by run_unit into buffers from the plan (as
+    the daemon writes a generation)."""
+    from sidecar.plan.run import run_unit
+
+    out = plan.allocate()
+    for unit in plan.units:
+        run_unit(unit, tensors, out)
+    return out
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+@pytest.mark.parametrize(
+    ("fmt", "first_bf16"),
+    [("bf16", 0), ("mxfp8", 1), ("nvfp4", 1)],
+    ids=["bf16", "mxfp8-first", "nvfp4-first"],
+)
+def test_experts_kept_bf16_take_the_fused_form(model, fmt, first_bf16):
+    """issue 32 (3): ``--format bf16`` (and the first layers kept BF16 in any format) refused a
+    transformers-5 trainer's fused ``mlp.experts.gate_up_proj`` / ``down_proj`` ("not part of the
+    plan": rebuild_for returned None) where the config lists per-expert names. The kept slab now
+    publishes each expert's rows under its checkpoint name, byte for byte what the per-expert form
+    publishes."""
+    cfg = config_of(model)
+    spec = RefitSpec(model_type=model, fmt=fmt, num_first_layers_in_bf16=first_bf16)
+    plan = plan_from_hf_config(cfg, spec)
+    sd = per_expert_state_dict(model, cfg, torch.bfloat16, seed=3)
+    trainer = fused(model, cfg, sd)
+    other = plan.rebuild_for([(n, t) for n, t in trainer.items()])
+    assert other is not None
+    assert [(o.name, o.dtype, o.shape) for o in other.outputs] == [
+        (o.name, o.dtype, o.shape) for o in plan.outputs
+    ]
+    checkpoint = sd if all(i.name in sd for i in plan.inputs) else trainer  # the config's own form
+    want = _run_plan(plan, checkpoint)
+    got = _run_plan(other, trainer)
+    bad = [n for n in want if not same_bytes(want[n], got[n])]
+    assert not bad, bad[:5]
+
+
+def test_a_bf16_daemon_takes_the_fused_form_for_an_engine_without_a_warning(daemons, caplog):
+    """issue 32 (3), as a trainer meets it: ``refitd serve --format bf16`` planned from the config, an
+    engine attached holding every expert in BF16 (its manifest), a transformers-5 trainer pushing the
+    fused experts: the step is published with the per-expert bytes, and the daemon no longer warns
+    that it will publish the engine's BF16 experts in BF16 (that was asked)."""
+    import logging
+
+    from adapters.base import RefitReader
+    from sidecar.client import RefitClient
+    from sidecar.plan.constraints import EngineKind
+    from sidecar.protocol.manifest import Manifest, ManifestTensor
+
+    model = "qwen3_moe"
+    cfg = config_of(model)
+    plan = plan_from_hf_config(cfg, RefitSpec(model_type=model, fmt="bf16"))
+    manifest = Manifest(
+        engine=EngineKind.REFERENCE,
+        engine_version="test",
+        moe_backend="ReferenceFusedMoE",
+        expert_format=plan.spec.format,
+        tensors=tuple(ManifestTensor(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs),
+    )
+    sd = per_expert_state_dict(model, cfg, torch.bfloat16, seed=5)
+    d = daemons(hf_config=cfg, world_size=1, format="bf16")
+    with (
+        caplog.at_level(logging.WARNING),
+        RefitReader(d.endpoint, name="engine-0", manifest=manifest) as engine,
+        RefitClient(d.endpoint, rank=0, world_size=1) as client,
+    ):
+        engine.attach(timeout=30)
+        client.push_step(0, fused(model, cfg, sd))
+        gen = engine.wait(min_step=0)
+        try:
+            bad = [n for n, t in sd.items() if not same_bytes(gen.tensors[n], t)]
+            assert sorted(gen.tensors) == sorted(sd)
+        finally:
+            engine.release(gen)
+        assert not bad, bad[:5]
+        with RefitReader(d.endpoint, name="engine-1", manifest=manifest) as late:
+            late.attach(timeout=30)  # checked against the plan of the fused step: per-expert names
+    assert not [r for r in caplog.records if "publishing them in BF16" in r.getMessage()]

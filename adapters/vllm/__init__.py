@@ -106,6 +106,7 @@ from adapters.vllm.quant import (
     VllmQuant,
     resolve_quant,
 )
+from adapters.vllm.serving import ServingRefit, refit_serving_engine
 from adapters.vllm.worker import (
     RefitWorkerExtension,
     engine_parameters,
@@ -123,6 +124,7 @@ __all__ = [
     "VLLM_ENV",
     "WORKER_EXTENSION",
     "RefitWorkerExtension",
+    "ServingRefit",
     "VllmQuant",
     "bf16_modules",
     "build_manifest",
@@ -133,6 +135,7 @@ __all__ = [
     "load_generation",
     "ordered_weights",
     "refit_engine",
+    "refit_serving_engine",
     "resolve_quant",
     "routed_bf16_modules",
     "vllm_engine_args",

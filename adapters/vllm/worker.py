@@ -18,6 +18,7 @@ from adapters.vllm.checkpoint import build_manifest
 from adapters.vllm.checks import check_vllm_constraints, fallback_note
 from adapters.vllm.last_good import last_good_scales
 from adapters.vllm.quant import PARAM_SOURCE_LAYERWISE, PARAM_SOURCE_LIVE
+from adapters.vllm.reload_fixups import redo_skipped_post_load
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.numerics.formats import Format
 from sidecar.protocol.manifest import Manifest
@@ -396,14 +397,22 @@ class RefitWorkerExtension:
             manifest, info={**manifest.info, "device_capability": _device_capability()}
         )
 
-    def refit_attach(self, endpoint: str, name: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+    def refit_attach(
+        self, endpoint: str, name: str | None = None, timeout: float = 600.0, streaming: bool | None = None
+    ) -> dict[str, Any]:
         """Attach with this worker's manifest: refused locally (:func:`check_vllm_constraints`, naming
-        the engine setting that works) or by the daemon (listing every mismatch)."""
+        the engine setting that works) or by the daemon (listing every mismatch). ``streaming=False``
+        loads whole generations only (default: streamed where this vLLM has layerwise reload)."""
         _require_vllm("RefitWorkerExtension.refit_attach")
         from adapters.engine import EngineWorker
 
         manifest = self.refit_manifest()
         hf_config = self.model_config.hf_config.to_dict()
+        # what vLLM skips on a reload for the MoE backend it resolved (reload_fixups.py)
+        redo_skipped_post_load(_model(self))
+        draft = _draft(self)
+        if draft is not None:
+            redo_skipped_post_load(draft[0])
         fmt = manifest.expert_format
         self._refit = EngineWorker(
             endpoint,
@@ -412,6 +421,7 @@ class RefitWorkerExtension:
             load=lambda gen: load_generation(self, gen.tensors, fmt),
             # streamed refit through layerwise reload (None: whole generations, see streamed_group_loader)
             load_group=streamed_group_loader(self),
+            streaming=streaming,
             timeout=timeout,
             check=lambda m: check_vllm_constraints(m, hf_config),
         )

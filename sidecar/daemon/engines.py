@@ -13,6 +13,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from sidecar.daemon.load_rounds import EngineState, LoadRound, new_round
 from sidecar.daemon.memory.staging import ArenaTooSmall
 from sidecar.daemon.peers import Peer
@@ -150,6 +152,8 @@ class Engines:
             self._replan_params(name, plan)
             if plan.keep_bf16 == self.ctx.plan.keep_bf16:
                 return
+        if _published(plan) == _published(self.ctx.plan):
+            return  # the engine's BF16 experts are published BF16 already (--format bf16): nothing changes
         kept = sorted(plan.keep_bf16 - self.ctx.plan.keep_bf16)
         disagree = [e.name for e in self.engines.values() if e.keep_bf16 != plan.keep_bf16]
         if disagree:
@@ -332,3 +336,8 @@ class Engines:
             for identity in rnd.trainers:
                 self.ctx.send(identity, Kind.LOADED, report)
             notify(self.ctx.observers, "on_step_loaded", self, report)
+
+
+def _published(plan: RefitPlan) -> set[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What ``plan`` publishes, whatever the order and the form of its inputs."""
+    return {(o.name, o.dtype, tuple(o.shape)) for o in plan.outputs}

@@ -110,8 +110,17 @@ def check_manifest(
     ``check.plan.spec.params`` may differ from ``spec.params``, and the daemon then re-plans."""
     keep = engine_bf16_modules(manifest, spec.model_type)
     spec = with_engine_params(spec, manifest)
+    inputs = list(inputs)
+    expected = manifest.by_name()
     try:
-        plan = RefitPlan.build(list(inputs), spec, keep_bf16=keep, share=share)
+        plan = RefitPlan.build(inputs, spec, keep_bf16=keep, share=share)
+        if any(o.name not in expected for o in plan.outputs):
+            # slabs kept BF16 (a trainer's fused experts) that the engine takes per expert
+            split = RefitPlan.build(inputs, spec, keep_bf16=keep, share=share, split_slabs=True)
+            if sum(o.name not in expected for o in split.outputs) < sum(
+                o.name not in expected for o in plan.outputs
+            ):
+                plan = split
     except ValueError as exc:
         return AttachCheck(None, keep, [f"the plan cannot be built with the engine's BF16 experts: {exc}"])
     check = AttachCheck(plan, keep)
@@ -121,7 +130,6 @@ def check_manifest(
             f"the engine's routed experts are {manifest.expert_format.value} (MoE backend "
             f"{manifest.moe_backend or 'unknown'}) but the daemon publishes {spec.fmt.value}"
         )
-    expected = manifest.by_name()
     published = {o.name: o for o in plan.outputs}
     for name, t in expected.items():
         o = published.get(name)

@@ -136,6 +136,33 @@ def _slab_outputs(
     return outputs, groups
 
 
+def _slab_split_outputs(r: Routed, dtype: torch.dtype, held: range | None = None) -> list[OutputSpec]:
+    """A slab kept unquantized, published per expert under the checkpoint's names (gate rows
+    [0, I) and up rows [I, 2I) of gate_up, or down), each a view of the slab copied as it is: what a
+    plan made from a config lists when a trainer pushes transformers 5's fused experts in BF16."""
+    num_experts, rows, cols = r.spec.shape
+    if r.proj == "gate_up_proj":
+        i = rows // 2
+        parts = ((ExpertProj.GATE, (0, i)), (ExpertProj.UP, (i, rows)))
+    else:
+        i = rows
+        parts = ((ExpertProj.DOWN, None),)
+    return [
+        _output(
+            f"{r.prefix}.{e}.{proj.value}{WEIGHT_SUFFIX}",
+            dtype,
+            (i, cols),
+            Role.PASSTHROUGH,
+            r.spec.name,
+            expert=e,
+            rows=span,
+            proj=proj,
+        )
+        for e in (range(num_experts) if held is None else held)
+        for proj, span in parts
+    ]
+
+
 #: formats whose gate_proj and up_proj of one expert share a scale (SPEC §2.3): per-tensor FP8's
 #: scale, NVFP4's global scale
 _SHARED_SCALE_FORMATS = (Format.FP8_PER_TENSOR, Format.NVFP4)

@@ -73,6 +73,7 @@ class RefitPlan:
         *,
         keep_bf16: Collection[str] = (),
         share: tuple[EngineLayout, int] | None = None,
+        split_slabs: bool = False,
     ) -> RefitPlan:
         """Plan a refit of ``specs`` (TensorSpec, ``(name, shape, dtype)`` or ``(name, tensor)``).
 
@@ -82,7 +83,9 @@ class RefitPlan:
         name); a routed expert or linear listed there passes through whatever else the spec says.
         ``share=(layout, node)`` plans only what ``node`` of an :class:`EngineLayout` holds: routed
         experts outside its expert-parallel share are left out (per-expert inputs are ``dropped``,
-        slabs publish only the node's experts). Raises ValueError listing every problem found.
+        slabs publish only the node's experts). ``split_slabs``: a slab kept unquantized publishes
+        its experts under per-expert names, as a quantized slab does (:meth:`rebuild_for` asks for it
+        when the plan it follows lists per-expert names). Raises ValueError listing every problem found.
         """
         inputs = source = tuple(TensorSpec.coerce(s) for s in specs)
         dupes = sorted(n for n, c in Counter(i.name for i in inputs).items() if c > 1)
@@ -114,7 +117,7 @@ class RefitPlan:
         if share is not None:
             held, dropped = _node_share(routed, *share)
             inputs = tuple(i for i in inputs if i.name not in dropped)
-        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held, spec)
+        units = _make_units(inputs, routed, reasons, fmt, layers, linears, held, spec, split_slabs)
         outputs = tuple(o for u in units for o in u.outputs)
         clashes = sorted(n for n, c in Counter(o.name for o in outputs).items() if c > 1)
         if clashes:
@@ -222,17 +225,22 @@ class RefitPlan:
         specs = tuple(TensorSpec.coerce(s) for s in specs)
         if set(specs) == set(self.source or self.inputs):
             return self
-        try:
-            other = RefitPlan.build(specs, self.spec, keep_bf16=self.keep_bf16, share=self.share)
-        except ValueError:
-            return None
         mine = {o.name: o for o in self.outputs}
-        theirs = {o.name: o for o in other.outputs}
-        if mine.keys() != theirs.keys() or any(
-            (o.dtype, o.shape) != (mine[n].dtype, mine[n].shape) for n, o in theirs.items()
-        ):
-            return None
-        return dataclasses.replace(other, outputs=tuple(theirs[o.name] for o in self.outputs))
+        # slabs kept unquantized (BF16 format, first/last BF16 layers) publish per expert when this
+        # plan's outputs are per-expert, as quantized slabs always do
+        for split in (False, True):
+            try:
+                other = RefitPlan.build(
+                    specs, self.spec, keep_bf16=self.keep_bf16, share=self.share, split_slabs=split
+                )
+            except ValueError:
+                return None
+            theirs = {o.name: o for o in other.outputs}
+            if mine.keys() == theirs.keys() and all(
+                (o.dtype, o.shape) == (mine[n].dtype, mine[n].shape) for n, o in theirs.items()
+            ):
+                return dataclasses.replace(other, outputs=tuple(theirs[o.name] for o in self.outputs))
+        return None
 
     def allocate(self, *, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """An empty tensor for every output, in plan order (tests and the CPU path; the daemon

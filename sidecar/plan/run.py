@@ -97,7 +97,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
         return
     if unit.fmt is None:
         for o in unit.outputs:
-            src, dst = inputs[o.source], outputs[o.name]
+            src, dst = o.source_view(inputs[o.source]), outputs[o.name]  # a kept slab: one expert's rows
             if dst.dtype != o.dtype or tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(
                     f"passthrough {o.name!r}: the input is {src.dtype} {tuple(src.shape)} but its output "
@@ -188,7 +188,7 @@ def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def _run_allocating(unit: Unit, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run ``unit`` into fresh tensors on its input's device; a passthrough returns its input."""
     if unit.fmt is None:  # the input itself, or its cast to the published dtype
-        return {o.name: tensors[o.source].to(o.dtype) for o in unit.outputs}
+        return {o.name: o.source_view(tensors[o.source]).to(o.dtype) for o in unit.outputs}
     device = tensors[unit.inputs[0]].device
     out = {o.name: torch.empty(o.shape, dtype=o.dtype, device=device) for o in unit.outputs}
     run_unit(unit, tensors, out)

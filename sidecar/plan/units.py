@@ -11,7 +11,7 @@ import torch
 
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.classify import Routed, check_experts, check_quantizable, check_slabs, raise_problems
-from sidecar.plan.outputs import _SHARED_SCALE_FORMATS, _slab_outputs, _weight_and_scale
+from sidecar.plan.outputs import _SHARED_SCALE_FORMATS, _slab_outputs, _slab_split_outputs, _weight_and_scale
 from sidecar.plan.spec import (
     WEIGHT_SUFFIX,
     EngineLayout,
@@ -125,8 +125,11 @@ def _make_units(
     linears: Collection[str] = (),
     held: Mapping[str, range] | None = None,
     spec: RefitSpec | None = None,
+    split_slabs: bool = False,
 ) -> list[Unit]:
-    """Units in input order; a unit reading two inputs sits where the first of them is."""
+    """Units in input order; a unit reading two inputs sits where the first of them is.
+    ``split_slabs``: a slab kept unquantized is published per expert (:func:`_slab_split_outputs`)
+    rather than as the slab."""
     params = DEFAULT_FORMAT_PARAMS if spec is None else spec.params
     units: list[Unit] = []
     done: set[str] = set()
@@ -136,6 +139,21 @@ def _make_units(
         r = routed.get(inp.name)
         if inp.name in linears:
             units.append(_linear_unit(len(units), inp, fmt, layers[inp.name], params))
+            done.add(inp.name)
+        elif split_slabs and r is not None and r.expert is None and reasons[inp.name] is not None:
+            dtype = inp.dtype if spec is None else spec.published_dtype(inp.name, inp.dtype)
+            outs = _slab_split_outputs(r, dtype, None if held is None else held[r.prefix])
+            units.append(
+                Unit(
+                    index=len(units),
+                    kind=UnitKind.PASSTHROUGH,
+                    inputs=(inp.name,),
+                    outputs=tuple(outs),
+                    layer=r.layer,
+                    bytes_in=inp.nbytes,
+                    keep_reason=reasons[inp.name],
+                )
+            )
             done.add(inp.name)
         elif r is None or reasons[inp.name] is not None:
             dtype = inp.dtype if spec is None else spec.published_dtype(inp.name, inp.dtype)
