@@ -1,6 +1,7 @@
 # Sourced by every tests/setup_*.sh that builds an engine's or framework's venv (vLLM: setup_engines.sh,
-# SGLang: setup_sglang.sh): what setting one up for its real code on CPU always takes. The venv sees the
-# project venv's packages (torch 2.13 CPU, pyzmq, pytest: one .pth line, after the venv's own), so no
+# SGLang: setup_sglang.sh, verl: setup_verl.sh; setup_megatron.sh, whose venv has its own Python 3.12
+# and torch, uses only the import check and the stamp): what setting one up for its real code on CPU
+# always takes. The venv sees the project venv's packages (torch 2.13 CPU, pyzmq, pytest: one .pth line, after the venv's own), so no
 # torch is ever installed into it (never a CUDA one); the engine's wheel is installed with --no-deps,
 # downloaded once into a wheel cache and reused; the light packages it imports are lists in
 # pyproject.toml. A setup script is these steps in order:
@@ -79,12 +80,13 @@ engine_install_list() {
     "$py" -m pip install -q "${flags[@]}" "${items[@]}"
 }
 
-# engine_refuse_cuda: fail when the venv's own site-packages holds a torch or a CUDA wheel (a dependency
-# pulled one in): the venv must run on .venv's CPU torch
+# engine_refuse_cuda [PATTERN]: fail when the venv's own site-packages holds a torch or a CUDA wheel (a
+# dependency pulled one in): the venv must run on .venv's CPU torch. PATTERN (an extended regex of
+# package names, e.g. 'vllm|sglang') names more packages this venv must not hold
 engine_refuse_cuda() {
-    local own bad
+    local own bad names='torch|nvidia-cu[a-z]*-cu[0-9]+|nvidia-cublas.*|flashinfer.*|sgl-kernel|sglang-kernel'
     own=$("$py" -m pip list --path "$site" --format=freeze 2>/dev/null)
-    bad=$(grep -iE '^(torch|nvidia-cu[a-z]*-cu[0-9]+|nvidia-cublas.*|flashinfer.*|sgl-kernel|sglang-kernel)==' <<<"$own" || true)
+    bad=$(grep -iE "^($names${1:+|$1})==" <<<"$own" || true)
     if [ -n "$bad" ]; then
         echo "$who: $venv must use .venv's CPU torch and no CUDA packages; remove: $bad" >&2
         exit 1

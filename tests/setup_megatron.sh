@@ -8,7 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source tests/engine_venv.sh  # engine_check_import, engine_venv_done (this venv has its own Python and torch)
+
 VENV=${MEGATRON_VENV:-.venv-megatron}
+who=setup_megatron venv=$VENV
 stamp="$VENV/.installed-$(cat tests/megatron-nodeps.txt tests/megatron-deps.txt tests/support/cuda_stubs.py | sha256sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 
@@ -31,9 +34,7 @@ py="$VENV/bin/python"
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$py" tests/support/cuda_stubs.py "$site"
 PYTHONPATH=$PWD "$py" -m sidecar.numerics.native || true  # native CPU quantizers (the torch path if not)
-PYTHONPATH=$PWD "$py" -c "from tests.support.megatron_cpu import install; install(); import torch; assert not torch.cuda.is_available()" >/dev/null 2>&1 || {
-    echo "setup_megatron: megatron.bridge does not import in $VENV with tests/support/megatron_cpu.py" >&2
-    PYTHONPATH=$PWD "$py" -c "from tests.support.megatron_cpu import install; install()"
-    exit 1
-}
-touch "$stamp"
+PYTHONPATH=$PWD engine_check_import \
+    "from tests.support.megatron_cpu import install; install(); import torch; assert not torch.cuda.is_available()" \
+    "megatron.bridge (with tests/support/megatron_cpu.py)"
+engine_venv_done

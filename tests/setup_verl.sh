@@ -8,25 +8,16 @@
 # `verl-test` extra, also --no-deps: nothing may pull a torch, never a CUDA one). verl 0.9.1 wants
 # transformers <5.11, so this venv holds its own transformers in front of .venv's.
 set -euo pipefail
-source "$(dirname "$0")/engine_venv.sh"  # engine_venv_open, engine_wheel_install, pyproject_list
+source "$(dirname "$0")/engine_venv.sh"
 
 VERL_VENV=${VERL_VENV:-.venv-verl}
 VERL_VERSION=${VERL_VERSION:-0.9.1}
 VERL_WHEEL_DIR=${VERL_WHEEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/refitd/wheels}
 
-stamp="$VERL_VENV/.installed-verl-$VERL_VERSION"
-engine_venv_open setup_verl "$VERL_VENV" "$stamp"
+engine_venv_open setup_verl "$VERL_VENV" "$VERL_VENV/.installed-verl-$VERL_VERSION"
 engine_wheel_install verl "$VERL_VERSION" "$VERL_WHEEL_DIR"
-mapfile -t deps < <(pyproject_list project optional-dependencies verl-test)
-"$py" -m pip install -q --no-deps "${deps[@]}"
-own=$("$py" -m pip list --path "$site" --format=freeze 2>/dev/null)
-bad=$(grep -iE '^(torch|nvidia-[a-z0-9-]+|vllm|sglang)==' <<<"$own" || true)
-if [ -n "$bad" ]; then
-    echo "setup_verl: $VERL_VENV must use .venv's CPU torch and no CUDA packages; remove: $bad" >&2
-    exit 1
-fi
-"$py" -c "import verl.checkpoint_engine.base, verl.workers.engine.fsdp.transformer_impl" || {
-    echo "setup_verl: verl $VERL_VERSION's checkpoint engine or FSDP engine does not import in $VERL_VENV (above)" >&2
-    exit 1
-}
-touch "$stamp"
+engine_install_list --no-deps project optional-dependencies verl-test
+engine_refuse_cuda 'nvidia-[a-z0-9-]+|vllm|sglang'  # verl's extras would pull an engine: never here
+engine_check_import "import verl.checkpoint_engine.base, verl.workers.engine.fsdp.transformer_impl" \
+    "verl $VERL_VERSION's checkpoint engine or FSDP engine"
+engine_venv_done

@@ -22,18 +22,17 @@ tensors would otherwise trigger collections that walk the trainer's whole heap.
 ZeroMQ sockets are not thread-safe: every socket operation happens on the client's one worker
 thread, which also runs ``push_step_async``'s futures.
 
-This module is the session (HELLO/WELCOME, BEGIN/READY, COMMIT/ACK/RESULT, heartbeats, errors, a
-restarted daemon); the bytes move through two components that get a narrow ``Link`` to it:
-``sidecar.client.local.StagingWriter`` (same node) and ``sidecar.client.remote.RemoteSender`` (NIXL
-or frames). ``sidecar.client.pieces`` holds ``Shard``, ``StepResult`` and the pure helpers.
+This module is the step protocol (BEGIN/READY, COMMIT/ACK/RESULT/LOADED) and the public API;
+``sidecar.client.session`` is the connection (socket, HELLO/WELCOME, heartbeats, errors, a restarted
+daemon, the per-step grants). The bytes move through components that get a narrow ``Link`` to the
+session: ``sidecar.client.local.StagingWriter`` (same node), ``sidecar.client.remote.RemoteSender``
+(NIXL or frames) and ``sidecar.client.ring.RingWriter`` (a staging ring: a layer group per SLOT).
+``sidecar.client.pieces`` holds ``Shard``, ``StepResult`` and the pure helpers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -41,28 +40,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import zmq
 
 from sidecar.client.local import StagingWriter, pieces_device
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
-from sidecar.client.placement import placed_row, ring_arenas
 from sidecar.client.remote import RemoteSender
 from sidecar.client.replicated import owned_items, piece_owners
+from sidecar.client.ring import RingWriter
+from sidecar.client.session import Session
 from sidecar.client.stream import StreamFeed, write_stream
 from sidecar.errors import DaemonRestarted, ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
-from transport.curve import curve_hint, set_client
-from transport.wire import Kind, Limits, Message, ProtocolError, decode, encode
+from transport.wire import Kind, Message, ProtocolError
 
 __all__ = ["DaemonRestarted", "RefitClient", "RefitError", "Shard", "StepResult"]
 
 log = logging.getLogger("refitd.client")
-
-#: a send the socket cannot take at once (no connection yet: e.g. a server refusing our CURVE key)
-#: is retried this often until the step's deadline, never blocked on
-SEND_RETRY_S = 0.05
-#: on close, queued messages (an ABORT) get this long to leave; close() never waits longer
-CLOSE_LINGER_MS = 100
 
 
 class RefitClient:
@@ -91,29 +83,14 @@ class RefitClient:
         self.want_local = endpoint.startswith("ipc://") if local is None else local
         self.timeout, self.curve = timeout, curve
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"refitd-rank{rank}")
-        self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None  # created and used on the worker thread only
-        self._welcome: dict[str, Any] = {}
-        self.instance: str | None = None  # the daemon instance of the latest WELCOME
-        self._step_instance: str | None = None  # this step's daemon (None until its WELCOME)
-        #: this push's number, in its HELLO and every message after it; the daemon names it in every
-        #: answer, and answers naming another (a late answer to a push that failed) are ignored
-        self._attempt = 0
-        self._deadline = float("inf")  # the step in flight's: every wait and send ends by it
-        self._last_heard = 0.0
-        self._last_sent = 0.0
-        self._closed = False
         self.mover = mover
-        self._slots: dict[int, int] = {}  # staging ring: group -> region offset granted this step
-        #: several GPUs: group -> the staging arena (index) its SLOT named; absent: arena 0
-        self._slot_arenas: dict[int, int] = {}
         self._step_pieces = StepPieces()  # the last step's pieces and BEGIN rows, while unchanged
-        #: while waiting for READY: the ranks the daemon last said have not begun (its PONGs)
-        self._waiting_for: list[int] = []
-        # the two data paths, given a narrow view of this connection (worker thread only)
-        link = Link(send=self._send, keepalive=self._keepalive, poll=self._poll, heartbeat=self._heartbeat)
-        self._local = StagingWriter(link)
-        self._remote = RemoteSender(link, rank=rank, mover=mover)
+        # the connection, and the data paths given a narrow view of it (worker thread only)
+        s = self._session = Session(endpoint, rank, world_size, want_local=self.want_local, curve=curve)
+        link = Link(send=s.send, keepalive=s.keepalive, poll=s.poll, heartbeat=s.heartbeat)
+        s.local = self._local = StagingWriter(link)
+        s.remote = self._remote = RemoteSender(link, rank=rank, mover=mover)
+        self._ring = RingWriter(s, self._local, self._remote)
 
     # ------------------------------------------------------------------------------------------
     # public API
@@ -185,12 +162,12 @@ class RefitClient:
     def close(self) -> None:
         """Release the connection. Never blocks for long: a step in flight stops at its next wait
         (within a heartbeat) with an UNAVAILABLE error, and queued messages get CLOSE_LINGER_MS."""
-        if self._closed:
+        if self._session.closed:
             return
-        self._closed = True
+        self._session.closed = True
         self._executor.submit(self._close_on_worker).result()
         self._executor.shutdown(wait=True)
-        self._ctx.term()
+        self._session.term()
 
     def __enter__(self) -> RefitClient:
         return self
@@ -216,7 +193,7 @@ class RefitClient:
     def _submit(
         self, step, named_tensors, timeout, committed, *, loaded: bool = False, feed=None, replicated=False
     ) -> Future:
-        if self._closed:
+        if self._session.closed:
             raise RefitError("the client is closed", kind=ErrorKind.UNAVAILABLE, rank=self.rank, step=step)
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -241,68 +218,59 @@ class RefitClient:
 
     def _close_on_worker(self) -> None:
         self._remote.close()
-        self._drop_connection()
+        self._session.drop()
 
-    def _drop_connection(self) -> None:
-        """Forget the daemon this client talked to: its socket (and anything queued on it either
-        way) and its staging mapping. The next push says HELLO on a fresh socket."""
-        self._local.close()
-        if self._sock is not None:
-            self._sock.close(linger=CLOSE_LINGER_MS)
-            self._sock = None
-        self._welcome, self._slots, self._remote.credits = {}, {}, 0
+    # ---- the session, as the step protocol (and tests' hooks) use it
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-            set_client(self._sock, self.curve)
-            self._sock.connect(self.endpoint)
-        return self._sock
+    @property
+    def instance(self) -> str | None:
+        """The daemon instance of the latest WELCOME."""
+        return self._session.instance
+
+    @property
+    def _welcome(self) -> dict[str, Any]:
+        return self._session.welcome
+
+    @property
+    def _slots(self) -> dict[int, int]:
+        return self._session.step.slots
 
     def _send(self, kind: Kind, fields: dict[str, Any], frames=()) -> None:
-        """Send without ever blocking past the step's deadline. A socket that cannot take the message
-        (no connection: a server refusing our CURVE key never completes the handshake) is retried
-        until then, and the step fails with TIMEOUT."""
-        self._send_within(kind, fields, frames, wait=True)
+        self._session.send(kind, fields, frames)
 
-    def _try_send(self, kind: Kind, fields: dict[str, Any]) -> None:
-        """A courtesy message (PING, ABORT): dropped if the socket cannot take it at once."""
-        self._send_within(kind, fields, (), wait=False)
+    def _keepalive(self, step: int, deadline: float, what: str, *, silence_ok: bool = False) -> None:
+        self._session.keepalive(step, deadline, what, silence_ok=silence_ok)
 
-    def _send_within(self, kind: Kind, fields: dict[str, Any], frames, *, wait: bool) -> None:
-        if "attempt" not in fields:
-            fields = {**fields, "attempt": self._attempt}
-        sock, parts = self._socket(), encode(Message(kind, fields, list(frames)))
-        while True:
-            try:
-                sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                left = self._deadline - time.monotonic()
-                if not wait:
-                    return
-                if left <= 0:
-                    step = fields.get("step")
-                    raise RefitError(
-                        f"rank {self.rank} could not send {kind.name} to {self.endpoint} within the step's "
-                        "timeout: no connection to the daemon came up" + curve_hint(self.curve),
-                        kind=ErrorKind.TIMEOUT,
-                        rank=self.rank,
-                        step=step if isinstance(step, int) else None,
-                    ) from None
-                if self._closed:
-                    raise self._closed_error(fields.get("step")) from None
-                sock.poll(int(min(left, SEND_RETRY_S) * 1000) + 1, zmq.POLLOUT)
-        self._last_sent = time.monotonic()
+    def _poll(self, step: int, timeout: float = 0.0) -> None:
+        self._session.poll(step, timeout)
 
-    def _closed_error(self, step: Any) -> RefitError:
-        return RefitError(
-            "the client was closed while the step was in flight",
-            kind=ErrorKind.UNAVAILABLE,
-            rank=self.rank,
-            step=step if isinstance(step, int) else None,
-        )
+    def _heartbeat(self) -> float:
+        return self._session.heartbeat()
+
+    def _frame_limit(self) -> int:
+        return self._session.frame_limit()
+
+    def _await(self, step: int, deadline: float, kinds: set[Kind]) -> Message:
+        return self._session.wait_for(step, deadline, kinds)
+
+    def _abort(self, step: int, reason: str) -> None:
+        self._session.abort(step, reason)
+
+    # ---- data
+
+    def open_staging(self, ready: dict) -> None:
+        """Map the staging arena(s) READY names (``RingWriter.open_staging``)."""
+        self._ring.open_staging(ready)
+
+    def granted_region(self, group: int, placed: int, arenas: int) -> tuple[int, int]:
+        """(offset, staging arena) of the region SLOT granted ``group`` (``RingWriter.granted_region``)."""
+        return self._ring.granted_region(group, placed, arenas)
+
+    def _write_ring(
+        self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None, *, reg: Any = None
+    ) -> tuple[str, str]:
+        """Staging ring: write each layer group once its region is granted (``RingWriter.write``)."""
+        return self._ring.write(step, pieces, ids, ready, deadline, srcs, reg=reg)
 
     def _push(
         self,
@@ -316,10 +284,10 @@ class RefitClient:
         feed: StreamFeed | None = None,
     ) -> StepResult:
         try:
-            self._slots, self._local.ready_events, self._deadline = {}, ready or [], deadline
+            self._session.begin(deadline)
+            self._local.ready_events = ready or []
             self._local.device = pieces_device(pieces)  # GPU staging is mapped on the rank's own GPU
-            self._slot_arenas = {}
-            self._hello(step, deadline)
+            self._session.hello(step, deadline, self._send)
             # the rows packed once (StepPieces): the daemon compares them with the last step's
             begin = {
                 "step": step,
@@ -381,7 +349,7 @@ class RefitClient:
             )
         except RefitError as exc:
             if exc.kind in (ErrorKind.TIMEOUT, ErrorKind.UNAVAILABLE):
-                self._drop_connection()  # whatever is queued on it belongs to this step: start afresh
+                self._session.drop()  # whatever is queued on it belongs to this step: start afresh
             raise
         except ProtocolError as exc:
             self._abort(step, f"protocol error: {exc}")
@@ -394,275 +362,6 @@ class RefitClient:
                 rank=self.rank,
                 step=step,
             ) from exc
-
-    def _abort(self, step: int, reason: str) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self._try_send(Kind.ABORT, {"step": step, "rank": self.rank, "reason": reason})
-
-    def _hello(self, step: int, deadline: float) -> None:
-        """Open a new attempt: what the daemon still sends about an earlier one is ignored from now on."""
-        self._attempt += 1
-        self._waiting_for = []
-        self._send(
-            Kind.HELLO,
-            {
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "local": self.want_local,
-                "attempt": self._attempt,
-                "step": step,
-            },
-        )
-        self._last_heard = time.monotonic()
-        self._step_instance = None  # until WELCOME: stale replies to an earlier connection are ignored
-        welcome = self._await(step, deadline, {Kind.WELCOME}, silence_ok=True).fields
-        instance = welcome.get("instance")
-        if self.instance is not None and instance != self.instance:
-            log.warning(
-                "rank %d: the daemon at %s restarted between steps (instance %s -> %s); reconnected",
-                self.rank,
-                self.endpoint,
-                self.instance,
-                instance,
-                extra={"step": step, "rank": self.rank},
-            )
-            self._local.close()  # the old daemon's segment: never written again
-        self._welcome, self.instance = welcome, instance
-        self._step_instance = instance if isinstance(instance, str) else None
-
-    # ---- waiting
-
-    def _keepalive(self, step: int, deadline: float, what: str, *, silence_ok: bool = False) -> None:
-        """Raise on a passed deadline (aborting the step) or a silent daemon; ping when one is due."""
-        if self._closed:
-            raise self._closed_error(step)
-        now = time.monotonic()
-        if now > deadline:
-            hint = curve_hint(self.curve) if "WELCOME" in what else ""  # never heard from the daemon
-            if "READY" in what and self._waiting_for:
-                hint = (
-                    f": rank(s) {self._waiting_for} of {self.world_size} never began step {step} (no BEGIN "
-                    "reached the daemon); every rank must call push_step for every step, at the same point "
-                    "(a gathered export: the same call on every rank, with replicated=True)"
-                )
-            self._abort(step, f"rank {self.rank} timed out {what}{hint}")
-            raise RefitError(
-                f"rank {self.rank} timed out {what}{hint}", kind=ErrorKind.TIMEOUT, rank=self.rank, step=step
-            )
-        if not silence_ok and now - self._last_heard > self._silence_limit():
-            raise RefitError(
-                f"the daemon at {self.endpoint} stopped answering ({now - self._last_heard:.1f} s of silence)"
-                + curve_hint(self.curve),
-                kind=ErrorKind.UNAVAILABLE,
-                rank=self.rank,
-                step=step,
-            )
-        if now - self._last_sent > self._heartbeat():
-            self._try_send(Kind.PING, {"step": step, "rank": self.rank})
-
-    def _heartbeat(self) -> float:
-        return float(self._welcome.get("heartbeat_interval_s", 1.0))
-
-    def _frame_limit(self) -> int:
-        return int(self._welcome.get("max_frame_bytes", 64 << 20))
-
-    def _silence_limit(self) -> float:
-        return max(3 * self._heartbeat(), float(self._welcome.get("rank_timeout_s", 10.0)))
-
-    def _await(self, step: int, deadline: float, kinds: set[Kind], *, silence_ok: bool = False) -> Message:
-        """The next message of ``kinds`` for ``step``; raises on an ERROR for it, a timeout or a silent daemon."""
-        sock = self._socket()
-        what = "waiting for " + "/".join(k.name for k in kinds)
-        while True:
-            self._keepalive(step, deadline, what, silence_ok=silence_ok)
-            wait = min(self._heartbeat(), max(0.001, deadline - time.monotonic()))
-            if self._remote.pulling:  # the daemon READs from this process: progress the endpoint meanwhile
-                self._remote.progress()
-                wait = 0.001
-            if not sock.poll(int(wait * 1000)):
-                continue
-            msg = self._recv(sock)
-            self._last_heard = time.monotonic()
-            if self._handle_async(msg, step):
-                continue
-            if msg.kind in kinds and msg.get("step", step) == step:
-                return msg
-
-    def _recv(self, sock: zmq.Socket) -> Message:
-        frames = sock.recv_multipart(copy=False)
-        with gc_paused():  # a READY lists every piece (and the staging layout): many small objects
-            return decode(frames, Limits(max_header_bytes=256 << 20))
-
-    def _handle_async(self, msg: Message, step: int) -> bool:
-        """Credits and errors that may arrive at any time; True if consumed. Raises DaemonRestarted
-        when a reply comes from another daemon instance than this step's, or the daemon no longer
-        knows this client. A message naming an attempt other than this push's answers an earlier
-        push (its late COMMIT, say) and is ignored, an ERROR included; one naming none (a step's
-        failure told before this push's HELLO reached the daemon) is taken as before."""
-        attempt = msg.get("attempt")
-        if attempt is not None and attempt != self._attempt:
-            log.debug(
-                "rank %d ignored %s answering its attempt %r (now %d): %s",
-                self.rank,
-                msg.kind.name,
-                attempt,
-                self._attempt,
-                msg.get("message", ""),
-            )
-            return True
-        instance = msg.get("instance")
-        unknown = msg.kind is Kind.ERROR and msg.get("kind") == ErrorKind.UNKNOWN_PEER.value
-        if self._step_instance is None:  # waiting for WELCOME: replies to what an earlier step sent
-            if unknown:
-                log.debug("rank %d ignored a stale reply before WELCOME: %s", self.rank, msg.get("message"))
-                return True
-        elif unknown or (isinstance(instance, str) and instance != self._step_instance):
-            self._restarted(step, instance if isinstance(instance, str) else None)
-        if msg.kind is Kind.CREDIT:
-            if msg.get("step") == step:
-                self._remote.credits += int(msg.get("frames", 1))
-            return True
-        if msg.kind is Kind.SLOT:
-            if msg.get("step") == step:
-                group = int(msg.require("group", int))
-                self._slots[group] = int(msg.require("offset", int))
-                if "arena" in msg.fields:  # several GPUs: the staging arena of the region
-                    self._slot_arenas[group] = int(msg.require("arena", int))
-            return True
-        if msg.kind is Kind.PULLED:
-            if msg.get("step") == step:
-                self._remote.pulled.append(msg.fields)
-            return True
-        if msg.kind is Kind.ERROR:
-            err = RefitError.from_wire(msg.fields)
-            if err.step in (None, step):
-                raise err
-            return True  # a stale error about an earlier step
-        if msg.kind is Kind.PONG:
-            waiting = msg.get("waiting_for")
-            if msg.get("step") == step and isinstance(waiting, list):
-                self._waiting_for = [r for r in waiting if type(r) is int]
-            return True
-        return False
-
-    def _restarted(self, step: int, new: str | None) -> None:
-        """The step's daemon is gone (or forgot this client): drop the connection, fail the step once."""
-        old = self._step_instance
-        self._step_instance = None
-        if new is not None:
-            self.instance = new  # the next WELCOME from it is no news
-        self._drop_connection()
-        if new is None or new == old:
-            what = f"the daemon (instance {old}) no longer knows this client"
-        else:
-            what = f"daemon restarted (instance {old} -> {new})"
-        log.warning(
-            "rank %d: %s; step %d was lost", self.rank, what, step, extra={"step": step, "rank": self.rank}
-        )
-        raise DaemonRestarted(
-            f"{what}; step {step} was lost, push again", old=old, new=new, rank=self.rank, step=step
-        )
-
-    def _poll(self, step: int, timeout: float = 0.0) -> None:
-        """Take in what the daemon sent (credits, grants, errors: raised), waiting up to ``timeout``
-        seconds for the first message; progresses a NIXL pull first."""
-        self._remote.progress()
-        sock = self._socket()
-        wait = int(timeout * 1000)
-        while sock.poll(wait):
-            msg = self._recv(sock)
-            self._last_heard = time.monotonic()
-            self._handle_async(msg, step)
-            wait = 0
-
-    # ---- data
-
-    def open_staging(self, ready: dict) -> None:
-        """Map the staging arena READY names (a local rank), and, where the ring spreads over
-        several GPUs, every GPU's (``stagings``: the arena SLOT's ``arena`` indexes)."""
-        self._local.open(ready["staging"])
-        arenas = ring_arenas(ready)
-        if arenas > 1:
-            self._local.open_lanes(ready.get("stagings"), arenas)
-
-    def granted_region(self, group: int, placed: int, arenas: int) -> tuple[int, int]:
-        """(offset, staging arena) of the region SLOT granted ``group``: ProtocolError when SLOT
-        names an arena the ring does not have, or another than READY placed the group in (its
-        writes would land in a region nobody reads as that group's). The step then fails on every
-        rank (the client ABORTs it) and the last published generation stays live."""
-        arena = self._slot_arenas.get(group, 0)
-        if arena != placed or not 0 <= arena < arenas:
-            raise ProtocolError(
-                f"SLOT grants group {group} a region in staging arena {arena}, but READY placed it in "
-                f"arena {placed} of {arenas}: the daemon and the client disagree; run the same refitd "
-                "version on both"
-            )
-        return self._slots[group], arena
-
-    def _write_ring(
-        self, step: int, pieces, ids, ready: dict, deadline: float, srcs=None, *, reg: Any = None
-    ) -> tuple[str, str]:
-        """Staging ring: write each of this rank's layer groups once the daemon grants it a region
-        (SLOT), in whatever order the grants come; the daemon quantizes a group, then reuses its
-        region for a later one. Same node: straight into the region; else ZeroMQ frames, except the
-        pieces READY says the daemon READs over NIXL (``reg``: this step's registration), each
-        group's as it is granted: this rank waits for their PULLEDs, and sends frames for any
-        whose READ failed."""
-        placement = ready.get("placement")
-        if not isinstance(placement, list) or len(placement) != len(pieces):
-            raise ProtocolError(
-                f"READY places {len(placement or ())} pieces, this rank declared {len(pieces)}"
-            )
-        local = "staging" in ready
-        if local:
-            self.open_staging(ready)
-        pull = set(ready.get("pull") or ()) if reg is not None and not local else set()
-        groups: dict[int, list[tuple[Piece, int, int, Any]]] = {}
-        placed: dict[int, int] = {}  # group -> the staging arena READY places it in
-        by_id: dict[int, tuple[Piece, Any]] = {}  # pulled pieces: sent as frames only if their READ fails
-        arenas = ring_arenas(ready)
-        for i, (piece, pid, row) in enumerate(zip(pieces, ids, placement)):
-            src = srcs[i] if srcs is not None else None  # remote: the host copy made for the step
-            group, rel, arena = placed_row(row, arenas)
-            placed[group] = arena
-            if pid in pull:
-                by_id[pid] = (piece, src)
-            else:
-                groups.setdefault(group, []).append((piece, pid, rel, src))
-        waiting, why = set(by_id), str(ready.get("mover_reason") or "")
-        self._remote.pulled, self._remote.pulling = [], bool(waiting)
-        framed = sum(len(rows) for rows in groups.values())
-        while groups or waiting:
-            failed, failed_why = self._remote.take_pulled(waiting)
-            if failed:  # their group is granted (its READ was posted): frames go at once
-                why, framed = failed_why, framed + len(failed)
-                ps, hs = [by_id[p][0] for p in failed], [by_id[p][1] for p in failed]
-                self._remote.stream(step, ps, failed, deadline, self._frame_limit(), hs)
-            granted = [g for g in groups if g in self._slots]
-            if not granted:
-                if groups or waiting:
-                    what = "a staging region (SLOT)" if groups else "the daemon to pull its shards (PULLED)"
-                    self._keepalive(step, deadline, f"waiting for {what}")
-                    self._poll(step, 0.001 if self._remote.pulling else self._heartbeat())
-                continue
-            for g in granted:
-                offset, arena = self.granted_region(g, placed[g], arenas)
-                rows = groups.pop(g)
-                del self._slots[g]
-                if local:
-                    self._local.write_group(step, rows, offset, deadline, arena)
-                else:
-                    host = [r[3] for r in rows] if srcs is not None else None
-                    rps, rids = [r[0] for r in rows], [r[1] for r in rows]
-                    self._remote.stream(step, rps, rids, deadline, self._frame_limit(), host)
-        self._remote.pulling = False
-        if local:
-            return "staging", ""
-        if not by_id or framed == len(pieces):
-            return "zmq", why
-        return ("nixl+zmq" if framed else "nixl"), why
 
 
 def _without_skipped(skip: Any, pieces: list[Piece], ids: list[Any], srcs: list | None) -> tuple:

@@ -5,8 +5,11 @@ the sockets and one routing table ``{Kind: (PeerRole, handler)}``: a request's r
 before any handler runs. The handlers live in components built with the loop as their narrow
 context (sidecar.daemon.context): trainers (sidecar.daemon.trainers), engines and readers
 (sidecar.daemon.engines), the step's pipeline (sidecar.daemon.pipeline), NIXL pulls
-(sidecar.daemon.pull) and inbound forwarding (sidecar.forward.receiver). The loop is
-single-threaded: only the quantization worker (and, on a trainer node, the forwarders) run beside it.
+(sidecar.daemon.pull) and inbound forwarding (sidecar.forward.receiver). How a step ends (publish,
+fail, time out) is sidecar.daemon.lifecycle; SIGHUP's reload and the drain on stop are
+sidecar.daemon.control; the quantizer's warm-up is sidecar.daemon.warmup. The step, plan, arenas,
+worker and history stay here, the state those components share. The loop is single-threaded:
+only the quantization worker (and, on a trainer node, the forwarders) run beside it.
 
 Lifecycle::
 
@@ -34,19 +37,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 import zmq
 
 from sidecar.config.settings import (
-    RELOADABLE,
-    ArenaKind,
+    ArenaKind,  # noqa: F401 (tests reach it here)
     DaemonConfig,
-    DrainMode,
     NodeRole,
 )
+from sidecar.daemon import control
 from sidecar.daemon import status as status_report
 from sidecar.daemon.engines import Engines
 from sidecar.daemon.faults import stop_on_sticky
+from sidecar.daemon.lifecycle import StepLifecycle
 from sidecar.daemon.memory.generations import Arenas
 from sidecar.daemon.peers import Peers
 from sidecar.daemon.pipeline import Pipeline
@@ -55,16 +57,16 @@ from sidecar.daemon.setup import bind, make_arenas, record_segments, refit_spec,
 from sidecar.daemon.step import StepState
 from sidecar.daemon.streams import Streams
 from sidecar.daemon.trainers import Trainers
+from sidecar.daemon.warmup import warm_up
 from sidecar.daemon.worker import QuantWorker
 from sidecar.daemon.workers import QuantWorkers, make_worker
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.forward.receiver import Receiver
 from sidecar.forward.sender import Forwarding
 from sidecar.forward.types import FORWARD_KINDS, curve_user_id
-from sidecar.numerics import cpu, kernels
+from sidecar.numerics import kernels
 from sidecar.ops.gcpause import StepHold, freeze_long_lived
 from sidecar.ops.observers import Observer, notify
-from sidecar.plan import launch
 from sidecar.plan.build import RefitPlan, plan_from_hf_config
 from sidecar.protocol.enums import PeerRole
 from transport.nixl import keep_signal_handlers
@@ -87,7 +89,7 @@ Handler = Callable[[bytes, Message], None]
 
 
 class Daemon:
-    """The serve loop: sockets, the routing table, the step's lifecycle; handlers in components."""
+    """The serve loop: sockets, the routing table, ticks and the shared state; the rest in components."""
 
     def __init__(self, config: DaemonConfig, *, observers: Iterable[Observer] = ()):
         self.config = config
@@ -125,6 +127,7 @@ class Daemon:
         self.prefix = f"refitd-{os.getuid()}-{self.instance[:8]}"
         self.quantizer: kernels.WarmUp | None = None  # which quantizer runs, and why (status, metrics)
         # the components, each given this loop as its narrow context (sidecar.daemon.context)
+        self.lifecycle = StepLifecycle(self)  # publishes, fails and times out the step
         self.pipeline = Pipeline(self)
         self.pulls = Pulls(self)
         self.pipeline.pulls = self.pulls  # a granted ring group's remote pieces are READ at once
@@ -195,51 +198,16 @@ class Daemon:
             if self._reload is not None:
                 load, self._reload = self._reload, None
                 self.reload(load)
-        self._drain(poll)
+        control.drain(self, poll)
 
     def request_reload(self, load_config) -> None:
         """Re-read the configuration (``load_config() -> DaemonConfig``) on the serve loop (SIGHUP)."""
         self._reload = load_config
 
     def reload(self, load_config) -> list[str]:
-        """Apply what may change safely (timeouts, logging, drain); name what needs a restart."""
-        try:
-            new = load_config()
-        except ValueError as exc:  # ConfigError: keep the running configuration
-            log.error("SIGHUP: the new configuration is invalid, keeping the current one:\n%s", exc)
-            return []
-        old, changed, refused = self.config.to_dict(), [], []
-        for key, value in new.to_dict().items():
-            if value != old.get(key):
-                (changed if key in RELOADABLE else refused).append(key)
-        if changed:
-            self.config = self.config.replace(**{k: getattr(new, k) for k in changed})
-            logging.getLogger("refitd").setLevel(self.config.log_level.level)
-            log.info("SIGHUP: reloaded %s", ", ".join(f"{k}={getattr(self.config, k)}" for k in changed))
-        if refused:
-            log.warning(
-                "SIGHUP: %s changed but needs a restart; still running with the old values",
-                ", ".join(refused),
-            )
-        if not changed and not refused:
-            log.info("SIGHUP: the configuration is unchanged")
-        return changed
-
-    def _drain(self, poll: Callable[[Daemon], None] | None = None) -> None:
-        """On stop: with drain=finish, let the step in flight publish (or fail) within shutdown_timeout_s."""
-        if self.step is None or self.config.drain is not DrainMode.FINISH:
-            return
-        self.draining = True
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
-        log.info(
-            "draining: waiting up to %.0f s for step %d to finish",
-            self.config.shutdown_timeout_s,
-            self.step.step,
-        )
-        while self.step is not None and time.monotonic() < deadline and not self._force:
-            self.tick()
-            if poll is not None:
-                poll(self)
+        """Apply what may change safely (timeouts, logging, drain); name what needs a restart
+        (sidecar.daemon.control)."""
+        return control.reload(self, load_config)
 
     def tick(self, timeout_ms: int | None = None) -> None:
         """One turn of the loop: messages, worker results, timers."""
@@ -452,7 +420,7 @@ class Daemon:
         return status_report.status(self)
 
     # ------------------------------------------------------------------------------------------
-    # the step: begun by a trainer BEGIN, ended here (published or failed), nowhere else
+    # the step: begun by a trainer BEGIN, ended by the lifecycle (published or failed), nowhere else
 
     def begin_step(self, state: StepState) -> None:
         self.step = state
@@ -504,94 +472,21 @@ class Daemon:
         reply=Kind.RESULT,
         extra=None,
     ) -> None:
-        """Publish ``gen`` (a sealed local step, or a forwarded one): flip it live, answer ``trainers``
-        (RESULT, or FORWARDED to a forwarder), start the engines' LoadRound, hand it to waiting readers."""
-        self.arenas.synchronize()  # GPU arenas: every kernel's writes land before anyone is told
-        self.arenas.publish(gen, record["step"])
-        self.last_step = record["step"]
-        self.history = [*self.history[-9:], record]
-        for identity in trainers:
-            self.send(identity, reply, {**record, **(extra or {})})
-        notify(self.observers, "on_step_published", self, record, state)
-        self.streams.published(record["step"])
-        self.engine_side.published(record["step"], trainers)
+        """Flip ``gen`` live and answer ``trainers`` (sidecar.daemon.lifecycle)."""
+        self.lifecycle.publish(gen, record, state, trainers, reply, extra)
 
     def fail_step(self, err: RefitError) -> None:
-        state = self.step
-        if state is None:
-            return
-        if err.step is None:
-            err = RefitError(err.message, kind=err.kind, rank=err.rank, step=state.step)
-        log.error(
-            "step %d failed: %s",
-            state.step,
-            err,
-            extra={"step": state.step, "rank": err.rank, "phase": "fail"},
-        )
-        rolled_back = self.streams.failed(state, err)  # streaming engines return to the live step at once
-        if rolled_back:
-            err = RefitError(
-                f"{err.message} (engine workers that had loaded part of step {state.step} reload it from the "
-                f"last good generation: {', '.join(rolled_back)})",
-                kind=err.kind,
-                rank=err.rank,
-                step=err.step,
-                rolled_back=rolled_back,
-            )
-        notify(self.observers, "on_step_failed", self, err)
-        self.trainers.tell_failed(state, err)
-        self.worker.cancel(state.step)
-        pulling = self.pulls.busy
-        self.pulls.cancel()
-        if state.target is not None:
-            state.target.step = None  # half-written: never hand it out
-        if state.staged or pulling:
-            # ranks of this step hold staging mapped writable, and one the daemon gave up on (frozen,
-            # timed out) may write into it later; a NIXL READ UCX could not cancel may still land in
-            # it: it is replaced before the next step (Trainers)
-            self.arenas.staging_tainted = True
-        if self.arenas.ring is not None:
-            self.arenas.ring.reset()
-        self.end_step()
-        self.start_pending()
+        """Fail the step in progress on every rank (sidecar.daemon.lifecycle)."""
+        self.lifecycle.fail(err)
 
     # ------------------------------------------------------------------------------------------
     # timers
 
     def _check_timers(self, now: float) -> None:
         self.engine_side.expire_readers(now)  # first: a dead reader's holds must not hold up the step below
-        state = self.step
-        if state is not None:
-            if now > state.deadline:
-                missing = state.missing_ranks()
-                why = f"ranks {missing} never began it" if missing else "it was not complete"
-                if not missing and state.target is None and state.blocked is not None:
-                    why = (
-                        f"its generation {state.blocked['generation']} was still held by "
-                        f"{', '.join(state.blocked['readers'])}"
-                    )
-                self.fail_step(
-                    RefitError(
-                        f"step {state.step} timed out after {self.config.step_timeout_s:.1f} s: {why}",
-                        kind=ErrorKind.TIMEOUT,
-                        step=state.step,
-                    )
-                )
+        if self.step is not None:
+            if self.lifecycle.check(now):  # failed: past its deadline, or a rank went silent
                 return
-            for rank, identity in state.peers.items():
-                peer = self.peers.get(identity)
-                silent = now - peer.last_seen if peer is not None else float("inf")
-                if rank not in state.committed and silent > self.config.rank_timeout_s:
-                    self.fail_step(
-                        RefitError(
-                            f"rank {rank} stopped responding mid-step (silent for {silent:.1f} s, "
-                            f"rank_timeout_s={self.config.rank_timeout_s}): it died or hung",
-                            kind=ErrorKind.RANK_DIED,
-                            rank=rank,
-                            step=state.step,
-                        )
-                    )
-                    return
             self.pipeline.claim(now)
         if self.engine_side.rounds:
             self.engine_side.finish_rounds(now)
@@ -600,22 +495,8 @@ class Daemon:
             self.start_pending()
 
     def _warm_up(self) -> kernels.WarmUp:
-        """Probe the kernels on the arenas' GPU (each GPU the groups are spread over) and compile the
-        plan's specialisations there, before READY; on host arenas the native CPU kernels (else the
-        torch reference, as when the probe fails). Returns the first GPU's."""
-        on_gpu = self.arenas is not None and self.arenas.kind is ArenaKind.CUDA_IPC
-        device = torch.device("cuda", self.arenas.staging.device) if on_gpu else torch.device("cpu")
-        done = launch.warm_up(self.plan, device)
-        for staging in self.arenas.stagings[1:] if on_gpu else ():
-            other = launch.warm_up(self.plan, torch.device("cuda", staging.device))
-            log.info("quantizing with %s on cuda:%d", other.impl, staging.device)
-        if device.type == "cpu":  # build + load the native CPU kernels now, never on a step
-            done = cpu.warm_up()
-        log.info("quantizing with %s on %s%s", done.impl, device, f" ({done.reason})" if done.reason else "")
-        return done
-
-    # ------------------------------------------------------------------------------------------
-    # bookkeeping
+        """Probe and compile the quantizer where the arenas live (sidecar.daemon.warmup)."""
+        return warm_up(self.plan, self.arenas)
 
 
 def _check_generic_fields(msg: Message) -> None:
