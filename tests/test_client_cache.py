@@ -184,7 +184,7 @@ def test_a_ready_names_a_mapped_arena_by_layout_id_and_a_new_layout_remaps(monke
         def close(self):
             self.closed = True
 
-    monkeypatch.setattr(local_mod, "open_any_arena", lambda handle, writable: Mapped(handle))
+    monkeypatch.setattr(local_mod, "open_any_arena", lambda handle, writable, device=None: Mapped(handle))
     full = {"kind": "shm", "name": "refitd-x-staging", "size": 4096, "layout": [["w", "bfloat16", [4], 0, 8]]}
     full["layout_id"] = "aaaa"
     peer = Peer(b"id", PeerRole.TRAINER, 0.0, rank=0, local=True)
