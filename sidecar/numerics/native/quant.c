@@ -24,6 +24,7 @@
  */
 
 #include "common.h"
+#include "fp8_vec.h"
 
 #define REFITD_NATIVE_ABI 2
 
@@ -111,12 +112,20 @@ i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
             if (bad) return unit;
             /* No clamp: every |x| * RN(1 / scale_inv) <= 448 * (1 + 2^-22), which rounds to 448
                exactly as the clamped value would (reference._block_fp8_3d). */
+#if REFITD_FP8_VEC
+            fp8_scale_vec scales[GROUP_BLOCKS];
+            for (i64 j = j0; j < j1; j++) fp8_scale_init(&scales[j - j0], mult[j - j0]);
+#endif
             for (i64 r = 0; r < rows; r++) {
                 const uint16_t *xr = xb + r * x_rstride;
                 uint8_t *qr = qb + r * q_rstride;
                 for (i64 j = j0; j < j1; j++) {
                     const i64 c0 = j * BLOCK, w = k - c0 < BLOCK ? k - c0 : BLOCK;
+#if REFITD_FP8_VEC
+                    fp8_convert(xr + c0, qr + c0, w, &scales[j - j0], 0);
+#else
                     convert_row(xr + c0, qr + c0, w, mult[j - j0]);
+#endif
                 }
             }
         }
@@ -158,6 +167,15 @@ i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 mult[j] = e8m0_multiplier(bytes[j]);
             }
             for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)bytes[j];
+#if REFITD_FP8_VEC
+            for (i64 j = 0; j < m; j++) {
+                const uint16_t *xj = xp + j * MX_BLOCK;
+                uint8_t *qj = qr + (j0 + j) * MX_BLOCK;
+                if (bytes[j] >= MX_VEC_MIN_BYTE) mxfp8_block(xj, qj, bytes[j]);
+                else convert_row(xj, qj, MX_BLOCK, mult[j]);
+            }
+            continue;
+#endif
             for (i64 j = 0; j < m; j++)
                 for (i64 t = 0; t < MX_BLOCK; t++) spread[j * MX_BLOCK + t] = mult[j];
             /* No clamp: 2^e >= RN(amax / 448), so every |x| * 2^-e <= 448 * (1 + 2^-23). */
@@ -190,9 +208,18 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
                           i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
     const float mult = 1.0f / scale;
     uint32_t m = 0;
+#if REFITD_FP8_VEC
+    fp8_scale_vec sv;
+    fp8_scale_init(&sv, mult);
+#endif
     for (i64 unit = begin; unit < end; unit++) {
         const uint16_t *xr = x + (unit / n) * x_bstride + (unit % n) * x_rstride;
         uint8_t *qr = q + (unit / n) * q_bstride + (unit % n) * q_rstride;
+#if REFITD_FP8_VEC
+        const uint32_t r = fp8_convert(xr, qr, k, &sv, clamp);
+        m = r > m ? r : m;
+        continue;
+#endif
         if (clamp) {
             const uint32_t r = row_amax_bits(xr, k);
             m = r > m ? r : m;
