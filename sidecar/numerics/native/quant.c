@@ -151,6 +151,28 @@ i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
         for (i64 j0 = 0; j0 < blocks; j0 += MX_PIECE) {
             const i64 m = blocks - j0 < MX_PIECE ? blocks - j0 : MX_PIECE;
             const uint16_t *xp = xr + j0 * MX_BLOCK;
+#if REFITD_FP8_VEC
+            /* block maxima eight at a time (block_amaxes), the bytes from their bits: amax / 448 has
+               significand 1.m / 1.75 and exponent E - 8, so ceil(log2) is E - 8, plus one where m > 1.75
+               (the division never rounds onto a power of two: 1.m is a bf16) */
+            uint32_t amax[MX_PIECE], code[MX_PIECE];
+            block_amaxes(xp, m, MX_BLOCK / 16, amax);
+            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            for (i64 j = 0; j < m; j++) {
+                const int32_t e = (int32_t)(amax[j] >> 23) - 8 + ((amax[j] & UINT32_C(0x7FFFFF)) > UINT32_C(0x600000));
+                code[j] = (uint32_t)(e < 1 ? 1 : (e > 254 ? 254 : e));
+            }
+            for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)code[j];
+            uint32_t least = 255;
+            for (i64 j = 0; j < m; j++) least = code[j] < least ? code[j] : least;
+            if (least >= MX_VEC_MIN_BYTE) {
+                mxfp8_blocks(xp, qr + j0 * MX_BLOCK, code, m);
+            } else { /* a block with amax below 2^-113 */
+                for (i64 j = 0; j < m; j++)
+                    convert_row(xp + j * MX_BLOCK, qr + (j0 + j) * MX_BLOCK, MX_BLOCK, e8m0_multiplier(code[j]));
+            }
+            continue;
+#endif
             uint16_t tree[MX_PIECE * MX_BLOCK / 2], twig[MX_PIECE * MX_BLOCK / 4];
             uint32_t bytes[MX_PIECE];
             float mult[MX_PIECE], spread[MX_PIECE * MX_BLOCK];
@@ -167,15 +189,6 @@ i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 mult[j] = e8m0_multiplier(bytes[j]);
             }
             for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)bytes[j];
-#if REFITD_FP8_VEC
-            for (i64 j = 0; j < m; j++) {
-                const uint16_t *xj = xp + j * MX_BLOCK;
-                uint8_t *qj = qr + (j0 + j) * MX_BLOCK;
-                if (bytes[j] >= MX_VEC_MIN_BYTE) mxfp8_block(xj, qj, bytes[j]);
-                else convert_row(xj, qj, MX_BLOCK, mult[j]);
-            }
-            continue;
-#endif
             for (i64 j = 0; j < m; j++)
                 for (i64 t = 0; t < MX_BLOCK; t++) spread[j * MX_BLOCK + t] = mult[j];
             /* No clamp: 2^e >= RN(amax / 448), so every |x| * 2^-e <= 448 * (1 + 2^-23). */
