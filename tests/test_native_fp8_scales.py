@@ -15,7 +15,7 @@ import torch
 
 from sidecar.numerics import cpu, native
 from sidecar.numerics import reference as ref
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import FP8_DTYPE
 
 pytestmark = pytest.mark.skipif(
     shutil.which(native.compiler()[0]) is None, reason="no C compiler: the native quantizers cannot be built"
