@@ -25,7 +25,8 @@ gives n/unit's and the copy's GB/s per thread, so a figure can be read on anothe
 
 ``--baseline-lib`` adds a column "base": the native slab call run with another build of
 native/ (e.g. the previous commit's, built with the same flags), timed in the same
-round-robin as the others, for a before/after comparison on the same moments of a shared machine.
+round-robin as the others, for a before/after comparison on the same moments of a shared machine;
+and "base n/unit": the slab units (``run_unit``, this tree's Python) on that build's kernels.
 
 ``--stages`` also times NVFP4's two passes apart, round-robin with the copy: the global-amax pass
 (``cpu.nvfp4_global_scale``, a read of the slab) and the block kernel given that scale; the one-call
@@ -339,6 +340,7 @@ def main() -> None:
                     lambda: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()]
                 )
             )
+            fns.append(lambda fmt=fmt: with_base(lambda: [call() for call in unit_calls[fmt]]))
         t_copy, t_ours, t_native, t_proj, t_unit, t_batch, *t_base = timed_together(fns, args.repeat)
         rows.append(
             {
@@ -363,6 +365,7 @@ def main() -> None:
         )
         if t_base:
             rows[-1].update(base_gbps=nbytes / t_base[0] / 1e9, base_vs_copy=t_copy / t_base[0])
+            rows[-1].update(base_unit_gbps=nbytes / t_base[1] / 1e9, base_unit_vs_copy=t_copy / t_base[1])
     host, threads = machine(), torch.get_num_threads()
     print(
         f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
@@ -401,6 +404,11 @@ def main() -> None:
             f"{r['native_batch_vs_copy'] * 100:>8.0f}% |{r['unit_vs_proj']:>11.2f}x{r['batch_vs_proj']:>12.2f}x |"
             f"{r['native_unit_gbps']:>12.2f}{r['native_unit_gbps_per_thread']:>9.2f}"
             f"{r['copy_gbps']:>10.2f}{r['copy_gbps_per_thread']:>9.2f}"
+            + (
+                f" | base n/unit {r['base_unit_vs_copy'] * 100:.0f}% ({r['base_unit_gbps']:.2f} GB/s)"
+                if "base_unit_gbps" in r
+                else ""
+            )
         )
     if args.stages:
         scales = {k: cpu.nvfp4_global_scale(t) for k, t in slabs.items()}
