@@ -51,6 +51,7 @@ static inline void fp8_scale_init(fp8_scale_vec *s, float mult) {
     /* the exponent field at which |x| * mult is in [1, 4): every code of that binade is normal */
     const int32_t e = 254 - (int32_t)(f32_bits(mult) >> 23);
     s->table = t_norm >= 0x80 && (f32_bits(mult) >> 23) != 0 && e >= 1 && e <= 254;
+    s->lo = s->hi = s->offset = _mm512_setzero_si512();
     if (!s->table) return;
     int32_t code[128], least = INT32_MAX;
     for (int m = 0; m < 128; m++) {
@@ -116,10 +117,25 @@ static inline void fp8_store(uint8_t *q, __m512i x, __m512i codes, __mmask32 kee
 static inline __mmask32 lanes(i64 len) { return len >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << len) - 1); }
 
 /* q[0..len) = RNE_e4m3(RN(x * mult)) (clamped when ``clamp``); returns the largest sign-cleared bits met */
+/* the bytes of 32 codes with x's sign (the 32 lanes of fp8_store, in a register) */
+static inline __m256i fp8_bytes(__m512i x, __m512i codes) {
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi16(x, 8), _mm512_set1_epi16(0x80));
+    return _mm512_cvtepi16_epi8(_mm512_or_si512(codes, sign));
+}
+
 static inline uint32_t fp8_convert(const uint16_t *x, uint8_t *q, i64 len, const fp8_scale_vec *s, int clamp) {
     const __m512i mag = _mm512_set1_epi16(MAG_MASK);
     __m512i worst = _mm512_setzero_si512();
     i64 t = 0;
+    if (((uintptr_t)q & 63) == 0) /* whole cache lines streamed past the cache: no read of q's lines first */
+        for (; t + 64 <= len; t += 64) {
+            const __m512i x0 = _mm512_loadu_si512(x + t), a0 = _mm512_and_si512(x0, mag);
+            const __m512i x1 = _mm512_loadu_si512(x + t + 32), a1 = _mm512_and_si512(x1, mag);
+            worst = _mm512_max_epu16(worst, _mm512_max_epu16(a0, a1));
+            const __m256i b0 = fp8_bytes(x0, fp8_magnitudes(x0, a0, s, clamp));
+            const __m256i b1 = fp8_bytes(x1, fp8_magnitudes(x1, a1, s, clamp));
+            _mm512_stream_si512((void *)(q + t), _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
+        }
     for (; t + 32 <= len; t += 32) {
         const __m512i xv = _mm512_loadu_si512(x + t), a = _mm512_and_si512(xv, mag);
         worst = _mm512_max_epu16(worst, a);

@@ -131,6 +131,9 @@ i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
             }
         }
     }
+#if REFITD_FP8_VEC
+    _mm_sfence(); /* the streamed stores ordered before the caller reads q */
+#endif
     return -1;
 }
 
@@ -232,6 +235,7 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
 #if REFITD_FP8_VEC
         const uint32_t r = fp8_convert(xr, qr, k, &sv, clamp);
         m = r > m ? r : m;
+        if (unit + 1 == end) _mm_sfence(); /* the streamed stores ordered before the caller reads q */
         continue;
 #endif
         if (clamp) {
