@@ -159,33 +159,37 @@ static inline uint32_t fp8_convert(const uint16_t *x, uint8_t *q, i64 len, const
 #define MX_VEC_MIN_BYTE 11u /* below, 2^(byte - 137) is no normal bf16 */
 
 /* a block holding a lane that rounds to a subnormal (rare): the float path */
-static __attribute__((noinline)) void mxfp8_block_float(const uint16_t *x, uint8_t *q, uint32_t byte) {
+static __attribute__((noinline)) __m256i mxfp8_block_float(const uint16_t *x, uint32_t byte) {
     const __m512i xv = _mm512_loadu_si512(x), a = _mm512_and_si512(xv, _mm512_set1_epi16(MAG_MASK));
     fp8_scale_vec s;
     s.mult = _mm512_set1_ps(e8m0_multiplier(byte));
     s.t_one = _mm512_set1_epi16((short)(((byte - 10) << 7) + 1)); /* past 2^(byte - 137) */
     s.t_norm = _mm512_set1_epi16((short)((byte - 6) << 7));      /* 2^(byte - 133) */
-    fp8_store(q, xv, fp8_magnitudes_float(a, &s, 0), ~(__mmask32)0);
+    return fp8_bytes(xv, fp8_magnitudes_float(a, &s, 0));
 }
 
-/* m blocks of 32 of x, block j scaled by byte[j] (each >= MX_VEC_MIN_BYTE), into q */
+/* the 32 bytes of one block of x scaled by ``byte`` (>= MX_VEC_MIN_BYTE) */
+static inline __m256i mxfp8_block(const uint16_t *x, uint32_t byte) {
+    const __m512i xv = _mm512_loadu_si512(x), a = _mm512_and_si512(xv, _mm512_set1_epi16(MAG_MASK));
+    const __m512i n = _mm512_sub_epi16(a, _mm512_set1_epi16((short)((byte - 7) << 7)));
+    const __mmask32 normal = _mm512_cmpgt_epi16_mask(n, _mm512_set1_epi16(127));
+    if (__builtin_expect(_mm512_mask_cmpgt_epi16_mask(~normal, n, _mm512_set1_epi16(-384)) != 0, 0))
+        return mxfp8_block_float(x, byte);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(n, 4), _mm512_set1_epi16(1));
+    const __m512i up = _mm512_add_epi16(_mm512_add_epi16(n, _mm512_set1_epi16(7)), odd);
+    return fp8_bytes(xv, _mm512_maskz_srli_epi16(normal, up, 4));
+}
+
+/* m blocks of 32 of x, block j scaled by byte[j] (each >= MX_VEC_MIN_BYTE), into q: two blocks (a
+   64-byte line of q) at a time, streamed past the cache where q is line-aligned */
 static inline void mxfp8_blocks(const uint16_t *x, uint8_t *q, const uint32_t *byte, i64 m) {
-    const __m512i mag = _mm512_set1_epi16(MAG_MASK), normal_at = _mm512_set1_epi16(127);
-    const __m512i one_at = _mm512_set1_epi16(-384), seven = _mm512_set1_epi16(7), one = _mm512_set1_epi16(1);
-    const __m512i sign_bit = _mm512_set1_epi16(0x80);
-    for (i64 j = 0; j < m; j++) {
-        const __m512i xv = _mm512_loadu_si512(x + 32 * j), a = _mm512_and_si512(xv, mag);
-        const __m512i n = _mm512_sub_epi16(a, _mm512_set1_epi16((short)((byte[j] - 7) << 7)));
-        const __mmask32 normal = _mm512_cmpgt_epi16_mask(n, normal_at);
-        if (__builtin_expect(_mm512_mask_cmpgt_epi16_mask(~normal, n, one_at) != 0, 0)) {
-            mxfp8_block_float(x + 32 * j, q + 32 * j, byte[j]);
-            continue;
+    i64 j = 0;
+    if (((uintptr_t)q & 63) == 0)
+        for (; j + 2 <= m; j += 2) {
+            const __m256i b0 = mxfp8_block(x + 32 * j, byte[j]), b1 = mxfp8_block(x + 32 * (j + 1), byte[j + 1]);
+            _mm512_stream_si512((void *)(q + 32 * j), _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
         }
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(n, 4), one);
-        const __m512i codes = _mm512_maskz_srli_epi16(normal, _mm512_add_epi16(_mm512_add_epi16(n, seven), odd), 4);
-        const __m512i sign = _mm512_and_si512(_mm512_srli_epi16(xv, 8), sign_bit);
-        _mm256_storeu_si256((__m256i *)(q + 32 * j), _mm512_cvtepi16_epi8(_mm512_or_si512(codes, sign)));
-    }
+    for (; j < m; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), mxfp8_block(x + 32 * j, byte[j]));
 }
 
 #else

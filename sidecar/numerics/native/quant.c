@@ -74,7 +74,7 @@ int refitd_native_abi(void) { return REFITD_NATIVE_ABI; }
 /* block-FP8: work units are 128-row bands, numbered b * ceil(n / 128) + band.                    */
 /* Returns -1, or the first band (within [begin, end)) holding NaN/Inf.                          */
 
-i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+static i64 block_fp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
                      i64 q_bstride, i64 q_rstride, float *s, i64 s_bstride, i64 s_rstride, i64 begin,
                      i64 end) {
     const i64 nb = (n + BLOCK - 1) / BLOCK, kb = (k + BLOCK - 1) / BLOCK;
@@ -131,16 +131,13 @@ i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
             }
         }
     }
-#if REFITD_FP8_VEC
-    _mm_sfence(); /* the streamed stores ordered before the caller reads q */
-#endif
     return -1;
 }
 
 /* --------------------------------------------------------------------------------------------- */
 /* MXFP8: work units are rows, numbered b * n + row. Returns -1, or the first row holding NaN/Inf. */
 
-i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+static i64 mxfp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
     const i64 blocks = k / MX_BLOCK;
     for (i64 unit = begin; unit < end; unit++) {
@@ -221,7 +218,7 @@ float refitd_scale_from_amax_bits(i64 amax_bits) { return scale_from_amax_bits((
 
 /* q = RNE_e4m3(x * (1 / scale)), clamped to [-448, 448] when ``clamp`` (a caller's shared scale).
    Returns the max sign-cleared bits of the rows read (the caller refuses NaN/Inf from it). */
-i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+static i64 fp8_per_tensor_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
                           i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
     const float mult = 1.0f / scale;
     uint32_t m = 0;
@@ -235,7 +232,6 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
 #if REFITD_FP8_VEC
         const uint32_t r = fp8_convert(xr, qr, k, &sv, clamp);
         m = r > m ? r : m;
-        if (unit + 1 == end) _mm_sfence(); /* the streamed stores ordered before the caller reads q */
         continue;
 #endif
         if (clamp) {
@@ -247,6 +243,36 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
         }
     }
     return (i64)m;
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* The entry points: each kernel, then a store fence (fp8_vec.h streams whole lines of q past the  */
+/* cache; the fence orders them before the caller, or another thread, reads q).                  */
+
+static inline i64 fenced(i64 result) {
+#if REFITD_FP8_VEC
+    _mm_sfence();
+#endif
+    return result;
+}
+
+i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                     i64 q_bstride, i64 q_rstride, float *s, i64 s_bstride, i64 s_rstride, i64 begin,
+                     i64 end) {
+    return fenced(block_fp8_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                                  begin, end));
+}
+
+i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
+    return fenced(mxfp8_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                              begin, end));
+}
+
+i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                          i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
+    return fenced(fp8_per_tensor_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, scale, clamp, begin,
+                                       end));
 }
 
 /* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
