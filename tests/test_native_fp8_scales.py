@@ -121,3 +121,26 @@ def test_mxfp8_every_bf16_under_one_scale_byte(byte: int, shuffled: bool):
     got, want = cpu.quantize_mxfp8(w), ref.quantize_mxfp8(w)
     assert int(want[1].min()) == int(want[1].max()) == max(byte, 1)
     _same(got, want, f"MXFP8 byte {byte}")
+
+
+def test_native_against_the_scalar_oracle():
+    """The native kernels against SPEC's scalar oracle (tests/support/oracle.py) directly, not only
+    through the reference: random tensors at three magnitudes (one tile / a few blocks each; the oracle
+    is a Python loop), with values at 448-ties, subnormal results and a -0."""
+    from support import oracle
+
+    g = torch.Generator().manual_seed(11)
+    for magnitude in (0.02, 3.0e-38, 1.0e30):
+        w = torch.randn(128, 160, generator=g) * magnitude
+        w[0, :4] = torch.tensor([448.0, -464.0, 2.0**-9, -0.0]) * magnitude
+        w[1, :8] *= 2.0**-16
+        w = w.bfloat16()
+        q, s = cpu.quantize_block_fp8(w)
+        oq, os_ = oracle.block_fp8(w)
+        assert (q.view(torch.uint8).numpy() == oq).all() and (s.numpy() == os_).all(), magnitude
+        q, s = cpu.quantize_mxfp8(w)
+        oq, os_ = oracle.mxfp8(w)
+        assert (q.view(torch.uint8).numpy() == oq).all() and (s.numpy() == os_).all(), magnitude
+        q, s = cpu.quantize_fp8_per_tensor(w)
+        (oq,), os_ = oracle.fp8_per_tensor(w)
+        assert (q.view(torch.uint8).numpy() == oq).all() and float(s) == float(os_), magnitude
