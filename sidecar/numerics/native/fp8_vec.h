@@ -1,16 +1,19 @@
 /*
  * The FP8 quantizers' conversion (quant.c), 32 bfloat16 elements at a time with AVX-512BW: byte for byte
- * e4m3_from_f32_in_range(RN(x * mult)) (common.h, c10's conversion), and MXFP8's power-of-two case on the
- * input's 16 bits alone. Where -march lacks AVX-512BW and VL, REFITD_FP8_VEC is 0 and quant.c keeps its
- * plain loops (which gcc vectorizes, about half as fast).
+ * e4m3_from_f32_in_range(RN(x * mult)) (common.h, c10's conversion), without the float32 arithmetic per
+ * element. Where -march lacks AVX-512BW and VL, REFITD_FP8_VEC is 0 and quant.c keeps its plain loops
+ * (which gcc vectorizes, two to three times slower).
  *
- * What a conversion costs is its subnormal branch (c10 rounds |v| < 2^-6 by a float add, the rest on the
- * bits): both branches for every lane are about twice the work of one. The branch a lane takes is monotone
- * in |x|, so it is decided by two thresholds on |x|'s sign-cleared bf16 bits, found once per scale by
- * running the very float32 multiplication (first_passing, common.h): lanes at or above t_norm have
- * RN(|x| * mult) >= 2^-6 and take the normal branch; lanes below t_one round to a zero magnitude; only a
- * vector holding a lane in [t_one, t_norm) (rare: |x| under amax / 2^15 or so) computes the subnormal
- * branch too. The sign is or-ed in last (-0 for a negative x rounding to zero, as c10).
+ * c10 rounds |v| < 2^-6 (e4m3's subnormals) by a float add and the rest on v's bits. Which branch a lane
+ * takes is monotone in |x|, so it is decided by two thresholds on |x|'s sign-cleared bf16 bits, found once
+ * per scale by running the very float32 multiplication (first_passing, common.h): lanes at or above t_norm
+ * take the normal branch, lanes below t_one round to a zero magnitude, and only a vector holding a lane
+ * in [t_one, t_norm) (rare: |x| under amax / 2^15 or so) takes the float path, both branches. A normal
+ * lane's code is 8 E + T[m] + offset (E, m: |x|'s exponent field and significand; T: a byte table per
+ * scale, see fp8_scale_vec), MXFP8's (a power of two) its bits rebased and rounded in 16-bit lanes. The
+ * sign is or-ed in last (-0 for a negative x rounding to zero, as c10). Where q is 64-byte aligned its
+ * lines are written whole by streaming stores (no read of q's lines first); quant.c's entry points end
+ * in a store fence.
  */
 
 #ifndef REFITD_NATIVE_FP8_VEC_H
