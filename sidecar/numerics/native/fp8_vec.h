@@ -11,9 +11,10 @@
  * in [t_one, t_norm) (rare: |x| under amax / 2^15 or so) takes the float path, both branches. A normal
  * lane's code is 8 E + T[m] + offset (E, m: |x|'s exponent field and significand; T: a byte table per
  * scale, see fp8_scale_vec), MXFP8's (a power of two) its bits rebased and rounded in 16-bit lanes. The
- * sign is or-ed in last (-0 for a negative x rounding to zero, as c10). Where q is 64-byte aligned its
- * lines are written whole by streaming stores (no read of q's lines first); quant.c's entry points end
- * in a store fence.
+ * sign is or-ed in last (-0 for a negative x rounding to zero, as c10). Block-FP8 and per-tensor write
+ * q's 64-byte lines whole by streaming stores where q is aligned (no read of q's lines first: per-tensor
+ * 8.6-9.7 -> 6.4-8.9 ms on bench/native_ab.c's slab, block-FP8 the same); quant.c's entry points end in
+ * a store fence.
  */
 
 #ifndef REFITD_NATIVE_FP8_VEC_H
@@ -183,16 +184,11 @@ static inline __m256i mxfp8_block(const uint16_t *x, uint32_t byte) {
     return fp8_bytes(xv, _mm512_maskz_srli_epi16(normal, up, 4));
 }
 
-/* m blocks of 32 of x, block j scaled by byte[j] (each >= MX_VEC_MIN_BYTE), into q: two blocks (a
-   64-byte line of q) at a time, streamed past the cache where q is line-aligned */
+/* m blocks of 32 of x, block j scaled by byte[j] (each >= MX_VEC_MIN_BYTE), into q (plain stores: two
+   blocks streamed a line at a time measured slower on one thread, 11.4 vs 9.7 ms on bench/native_ab.c's
+   slab, and the same on two) */
 static inline void mxfp8_blocks(const uint16_t *x, uint8_t *q, const uint32_t *byte, i64 m) {
-    i64 j = 0;
-    if (((uintptr_t)q & 63) == 0)
-        for (; j + 2 <= m; j += 2) {
-            const __m256i b0 = mxfp8_block(x + 32 * j, byte[j]), b1 = mxfp8_block(x + 32 * (j + 1), byte[j + 1]);
-            _mm512_stream_si512((void *)(q + 32 * j), _mm512_inserti64x4(_mm512_castsi256_si512(b0), b1, 1));
-        }
-    for (; j < m; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), mxfp8_block(x + 32 * j, byte[j]));
+    for (i64 j = 0; j < m; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), mxfp8_block(x + 32 * j, byte[j]));
 }
 
 #else
