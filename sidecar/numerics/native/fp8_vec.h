@@ -172,7 +172,8 @@ static __attribute__((noinline)) __m256i mxfp8_block_float(const uint16_t *x, ui
     return fp8_bytes(xv, fp8_magnitudes_float(a, &s, 0));
 }
 
-/* the 32 bytes of one block of x scaled by ``byte`` (>= MX_VEC_MIN_BYTE) */
+/* the 32 bytes of one block of x scaled by ``byte`` (>= MX_VEC_MIN_BYTE; stored plainly: two blocks streamed
+   a 64-byte line at a time measured slower on one thread, 11.4 vs 9.7 ms on bench/native_ab.c's slab) */
 static inline __m256i mxfp8_block(const uint16_t *x, uint32_t byte) {
     const __m512i xv = _mm512_loadu_si512(x), a = _mm512_and_si512(xv, _mm512_set1_epi16(MAG_MASK));
     const __m512i n = _mm512_sub_epi16(a, _mm512_set1_epi16((short)((byte - 7) << 7)));
@@ -182,13 +183,6 @@ static inline __m256i mxfp8_block(const uint16_t *x, uint32_t byte) {
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(n, 4), _mm512_set1_epi16(1));
     const __m512i up = _mm512_add_epi16(_mm512_add_epi16(n, _mm512_set1_epi16(7)), odd);
     return fp8_bytes(xv, _mm512_maskz_srli_epi16(normal, up, 4));
-}
-
-/* m blocks of 32 of x, block j scaled by byte[j] (each >= MX_VEC_MIN_BYTE), into q (plain stores: two
-   blocks streamed a line at a time measured slower on one thread, 11.4 vs 9.7 ms on bench/native_ab.c's
-   slab, and the same on two) */
-static inline void mxfp8_blocks(const uint16_t *x, uint8_t *q, const uint32_t *byte, i64 m) {
-    for (i64 j = 0; j < m; j++) _mm256_storeu_si256((__m256i *)(q + 32 * j), mxfp8_block(x + 32 * j, byte[j]));
 }
 
 #else

@@ -134,6 +134,17 @@ static i64 block_fp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x
     return -1;
 }
 
+#if REFITD_FP8_VEC
+/* a piece of MXFP8 blocks some of which have a byte under MX_VEC_MIN_BYTE (amax below 2^-113, or 0: an
+   all-zero block): those by the plain loop, the others by fp8_vec.h */
+static __attribute__((noinline)) void mxfp8_piece_mixed(const uint16_t *x, uint8_t *q, const uint32_t *code, i64 m) {
+    for (i64 j = 0; j < m; j++) {
+        if (code[j] >= MX_VEC_MIN_BYTE) _mm256_storeu_si256((__m256i *)(q + j * MX_BLOCK), mxfp8_block(x + j * MX_BLOCK, code[j]));
+        else convert_row(x + j * MX_BLOCK, q + j * MX_BLOCK, MX_BLOCK, e8m0_multiplier(code[j]));
+    }
+}
+#endif
+
 /* --------------------------------------------------------------------------------------------- */
 /* MXFP8: work units are rows, numbered b * n + row. Returns -1, or the first row holding NaN/Inf. */
 
@@ -166,12 +177,11 @@ static i64 mxfp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rst
             for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)code[j];
             uint32_t least = 255;
             for (i64 j = 0; j < m; j++) least = code[j] < least ? code[j] : least;
-            if (least >= MX_VEC_MIN_BYTE) {
-                mxfp8_blocks(xp, qr + j0 * MX_BLOCK, code, m);
-            } else { /* a block with amax below 2^-113 */
+            if (least >= MX_VEC_MIN_BYTE) /* the common case: a tight loop, its constants in registers */
                 for (i64 j = 0; j < m; j++)
-                    convert_row(xp + j * MX_BLOCK, qr + (j0 + j) * MX_BLOCK, MX_BLOCK, e8m0_multiplier(code[j]));
-            }
+                    _mm256_storeu_si256((__m256i *)(qr + (j0 + j) * MX_BLOCK), mxfp8_block(xp + j * MX_BLOCK, code[j]));
+            else
+                mxfp8_piece_mixed(xp, qr + j0 * MX_BLOCK, code, m);
             continue;
 #endif
             uint16_t tree[MX_PIECE * MX_BLOCK / 2], twig[MX_PIECE * MX_BLOCK / 4];
