@@ -1,8 +1,9 @@
 /*
  * bench/native_ab.c: the native quantizers' kernels of several builds, interleaved, on one slab in memory
  * (32 x 1024 x 2048 bf16 N(0, 0.02), 128 MiB), against memcpy of the same bytes: NVFP4 (global scale
- * given), INT4 group 32 (bf16 scales), MXFP4; 2 threads (rows split in halves), then 1; the minimum of 15
- * rounds, each running every build once, so a noisy machine's slow spells land on all of them alike.
+ * given), INT4 group 32 (bf16 scales), MXFP4, block-FP8, MXFP8, FP8 per-tensor (scale given); 2 threads
+ * (rows split in halves), then 1; the minimum of 15 rounds, each running every build once, so a noisy
+ * machine's slow spells land on all of them alike.
  * No Python, no thread pool: the C kernels alone (bench/quant.py measures the daemon's call path).
  *
  *     bash bench/native_ab.sh [REV]    # builds REV's (default HEAD~1) and the working tree's, runs both
@@ -19,14 +20,23 @@ typedef int64_t i64;
 typedef i64 (*nv_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, uint8_t*, i64, i64, float, i64, i64);
 typedef i64 (*i4_t)(const uint16_t*, i64, i64, i64, i64, int32_t*, i64, i64, void*, i64, i64, i64, int, i64, i64);
 typedef i64 (*mx_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, uint8_t*, i64, i64, i64, i64);
+typedef i64 (*bf_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, float*, i64, i64, i64, i64);
+typedef i64 (*pt_t)(const uint16_t*, i64, i64, i64, i64, uint8_t*, i64, i64, float, int, i64, i64);
 struct job { int kind; int l; i64 b, e; };
-static nv_t NV[8]; static i4_t I4[8]; static mx_t MX[8];
+static nv_t NV[8]; static i4_t I4[8]; static mx_t MX[8]; static bf_t BF[8]; static mx_t M8[8]; static pt_t PT[8];
+static uint8_t *Q8; static float *SF; static uint8_t *S8;
+#define KINDS 7 /* memcpy, nvfp4, int4, mxfp4, block_fp8, mxfp8, fp8_per_tensor */
+static const char *NAMES[KINDS] = {"memcpy", "nvfp4", "int4/g32", "mxfp4", "block_fp8", "mxfp8", "fp8_pt"};
 static uint16_t *X,*Y; static uint8_t *Q,*S; static int32_t *Q4; static uint16_t *S4; static float GS; static i64 NN=1024,KK=2048; static int GG=32;
 static void run_job(struct job *j){ i64 N=NN,K=KK;
   if(j->kind==0) memcpy(Y+j->b*K, X+j->b*K, (j->e-j->b)*K*2);
   else if(j->kind==1) NV[j->l](X,N,K,N*K,K,Q,N*K/2,K/2,S,N*K/16,K/16,GS,j->b,j->e);
   else if(j->kind==2) I4[j->l](X,N,K,N*K,K,Q4,N*K/8,K/8,S4,N*K/GG,K/GG,GG,0,j->b,j->e);
-  else MX[j->l](X,N,K,N*K,K,Q,N*K/2,K/2,S,N*K/32,K/32,j->b,j->e);}
+  else if(j->kind==3) MX[j->l](X,N,K,N*K,K,Q,N*K/2,K/2,S,N*K/32,K/32,j->b,j->e);
+  /* block-FP8 units are 128-row bands: the rows' halves are whole bands here */
+  else if(j->kind==4) BF[j->l](X,N,K,N*K,K,Q8,N*K,K,SF,(N/128)*(K/128),K/128,j->b/128,j->e/128);
+  else if(j->kind==5) M8[j->l](X,N,K,N*K,K,Q8,N*K,K,S8,N*K/32,K/32,j->b,j->e);
+  else PT[j->l](X,N,K,N*K,K,Q8,N*K,K,GS*6.0f,0,j->b,j->e);}
 static void *thr(void *a){run_job(a);return 0;}
 static double run2(int kind,int l,i64 units){struct job a={kind,l,0,units/2},b={kind,l,units/2,units};pthread_t t;double t0;
   extern double now(void); t0=now(); pthread_create(&t,0,thr,&b); run_job(&a); pthread_join(t,0); return now()-t0;}
@@ -40,18 +50,16 @@ int main(int argc,char**argv){
     uint32_t b0,b1;memcpy(&b0,&f0,4);memcpy(&b1,&f1,4);x[i]=(b0+0x7fff+((b0>>16)&1))>>16;x[i+1]=(b1+0x7fff+((b1>>16)&1))>>16;}
   memset(y,1,tot*2);memset(q,1,tot/2);memset(s,1,tot/16);memset(q4,1,tot/2);memset(s4,1,tot/G*2);
   uint16_t amax=0;for(i64 i=0;i<tot;i++){uint16_t a=x[i]&0x7fff;if(a>amax)amax=a;} uint32_t ab=(uint32_t)amax<<16;float af;memcpy(&af,&ab,4);float gs=af/2688.0f;
-  nv_t nv[8]; i4_t i4[8]; mx_t mx[8];
-  for(int l=0;l<nl;l++){void*h=dlopen(argv[l+1],RTLD_NOW|RTLD_LOCAL); if(!h){fprintf(stderr,"%s\n",dlerror());return 1;} nv[l]=(nv_t)dlsym(h,"refitd_nvfp4"); i4[l]=(i4_t)dlsym(h,"refitd_int4"); mx[l]=(mx_t)dlsym(h,"refitd_mxfp4");}
-  double bc=1e9,bn[8],bi[8],bm[8]; for(int l=0;l<nl;l++)bn[l]=bi[l]=bm[l]=1e9;
-  for(int r=0;r<R;r++){double t0=now();memcpy(y,x,tot*2);double t1=now();if(t1-t0<bc)bc=t1-t0;
-    for(int l=0;l<nl;l++){t0=now();nv[l](x,N,K,N*K,K,q,N*K/2,K/2,s,N*K/16,K/16,gs,0,B*N);t1=now();if(t1-t0<bn[l])bn[l]=t1-t0;
-      t0=now();i4[l](x,N,K,N*K,K,q4,N*K/8,K/8,s4,N*K/G,K/G,G,0,0,B*N);t1=now();if(t1-t0<bi[l])bi[l]=t1-t0;
-      t0=now();mx[l](x,N,K,N*K,K,q,N*K/2,K/2,s,N*K/32,K/32,0,B*N);t1=now();if(t1-t0<bm[l])bm[l]=t1-t0;}}
-  X=x;Y=y;Q=q;S=s;Q4=q4;S4=s4;GS=gs; for(int l=0;l<nl;l++){NV[l]=nv[l];I4[l]=i4[l];MX[l]=mx[l];}
-  double c2=1e9,n2[8],i2[8],m2[8]; for(int l=0;l<nl;l++)n2[l]=i2[l]=m2[l]=1e9;
-  for(int r=0;r<R;r++){double t=run2(0,0,B*N); if(t<c2)c2=t; for(int l=0;l<nl;l++){t=run2(1,l,B*N);if(t<n2[l])n2[l]=t;t=run2(2,l,B*N);if(t<i2[l])i2[l]=t;t=run2(3,l,B*N);if(t<m2[l])m2[l]=t;}}
-  printf("2 threads, min of %d: memcpy %.1f ms\n",R,c2*1e3);
-  for(int l=0;l<nl;l++)printf("  %-28s nvfp4 %.1f (%.0f%%)  int4/g32 %.1f (%.0f%%)  mxfp4 %.1f (%.0f%%)\n",argv[l+1],n2[l]*1e3,100*c2/n2[l],i2[l]*1e3,100*c2/i2[l],m2[l]*1e3,100*c2/m2[l]);
-  printf("1 thread, 64M elems, min of %d: memcpy %.1f ms\n",R,bc*1e3);
-  for(int l=0;l<nl;l++)printf("  %-28s nvfp4 %.1f (%.0f%%)  int4/g32 %.1f (%.0f%%)  mxfp4 %.1f (%.0f%%)\n",argv[l+1],bn[l]*1e3,100*bc/bn[l],bi[l]*1e3,100*bc/bi[l],bm[l]*1e3,100*bc/bm[l]);
+  uint8_t*q8=aligned_alloc(64,tot); float*sf=aligned_alloc(64,tot/16384*4+64); uint8_t*s8=aligned_alloc(64,tot/32);
+  memset(q8,1,tot);memset(sf,1,tot/16384*4+64);memset(s8,1,tot/32);
+  for(int l=0;l<nl;l++){void*h=dlopen(argv[l+1],RTLD_NOW|RTLD_LOCAL); if(!h){fprintf(stderr,"%s\n",dlerror());return 1;} NV[l]=(nv_t)dlsym(h,"refitd_nvfp4"); I4[l]=(i4_t)dlsym(h,"refitd_int4"); MX[l]=(mx_t)dlsym(h,"refitd_mxfp4");
+    BF[l]=(bf_t)dlsym(h,"refitd_block_fp8"); M8[l]=(mx_t)dlsym(h,"refitd_mxfp8"); PT[l]=(pt_t)dlsym(h,"refitd_fp8_per_tensor");}
+  X=x;Y=y;Q=q;S=s;Q4=q4;S4=s4;GS=gs;Q8=q8;SF=sf;S8=s8; (void)G;
+  double one[8][KINDS],two[8][KINDS]; for(int l=0;l<nl;l++)for(int k=0;k<KINDS;k++)one[l][k]=two[l][k]=1e9;
+  for(int r=0;r<R;r++) for(int k=0;k<KINDS;k++) for(int l=0;l<(k?nl:1);l++){
+    struct job j={k,l,0,B*N}; double t0=now(); run_job(&j); double t=now()-t0; if(t<one[l][k])one[l][k]=t;
+    t=run2(k,l,B*N); if(t<two[l][k])two[l][k]=t;}
+  for(int th=2;th>=1;th--){ double (*b)[KINDS]=th==2?two:one;
+    printf("%d thread%s, 64M elems, min of %d: memcpy %.1f ms (%.2f GB/s of bf16 in, %.2f a thread)\n",th,th==2?"s":"",R,b[0][0]*1e3,tot*2/b[0][0]/1e9,tot*2/b[0][0]/1e9/th);
+    for(int l=0;l<nl;l++){printf("  %-28s",argv[l+1]); for(int k=1;k<KINDS;k++)printf(" %s %.1f (%.0f%%)",NAMES[k],b[l][k]*1e3,100*b[0][0]/b[l][k]); printf("\n");}}
 }

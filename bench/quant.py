@@ -17,13 +17,16 @@ and the baselines:
 The 4-bit formats (nvfp4, mxfp4, int4_w4a16) are measured the same way, against the same copy.
 Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
 reference and the native columns are timed round-robin, per format, so they share the same moments.
+The header names the machine (lscpu's model, its cores) and its copy rate, and the call paths' table
+gives n/unit's and the copy's GB/s per thread, so a figure can be read on another machine.
 
     python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH] [--formats F,..]
                           [--baseline-lib PATH] [--stages]
 
 ``--baseline-lib`` adds a column "base": the native slab call run with another build of
 native/ (e.g. the previous commit's, built with the same flags), timed in the same
-round-robin as the others, for a before/after comparison on the same moments of a shared machine.
+round-robin as the others, for a before/after comparison on the same moments of a shared machine;
+and "base n/unit": the slab units (``run_unit``, this tree's Python) on that build's kernels.
 
 ``--stages`` also times NVFP4's two passes apart, round-robin with the copy: the global-amax pass
 (``cpu.nvfp4_global_scale``, a read of the slab) and the block kernel given that scale; the one-call
@@ -37,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -202,6 +207,19 @@ def _batched(units: list, ins: list, outs: list) -> None:
         raise RuntimeError("run_quantized_units declined the units: the n/batch column would time nothing")
 
 
+def machine() -> dict:
+    """The CPU this ran on (lscpu's model name, the cores Linux shows), so a figure can be read elsewhere."""
+    model = platform.processor() or platform.machine()
+    try:
+        done = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False)
+        for line in done.stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine()}
+
+
 def timed(fn, repeat: int) -> float:
     fn()  # warm-up: page faults, allocator
     samples = []
@@ -322,6 +340,7 @@ def main() -> None:
                     lambda: [kernels[fmt](t, out=outs[fmt][k]) for k, t in slabs.items()]
                 )
             )
+            fns.append(lambda fmt=fmt: with_base(lambda: [call() for call in unit_calls[fmt]]))
         t_copy, t_ours, t_native, t_proj, t_unit, t_batch, *t_base = timed_together(fns, args.repeat)
         rows.append(
             {
@@ -346,9 +365,14 @@ def main() -> None:
         )
         if t_base:
             rows[-1].update(base_gbps=nbytes / t_base[0] / 1e9, base_vs_copy=t_copy / t_base[0])
+            rows[-1].update(base_unit_gbps=nbytes / t_base[1] / 1e9, base_unit_vs_copy=t_copy / t_base[1])
+    host, threads = machine(), torch.get_num_threads()
     print(
         f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU path: {done.impl}"
+        f"{threads} threads, torch {torch.__version__}, CPU path: {done.impl}\n"
+        f"machine: {host['cpu']}, {host['cores']} cores ({host['arch']}); copy (median of the formats' rounds) "
+        f"{statistics.median(r['copy_gbps'] for r in rows):.2f} GB/s, "
+        f"{statistics.median(r['copy_gbps'] for r in rows) / threads:.2f} GB/s a thread"
     )
     print(
         f"{'format':<16}{'reference':>10}{'native':>8}{'naive':>8}{'copy':>8}   GB/s |{'ref':>6}{'native':>8}"
@@ -365,12 +389,26 @@ def main() -> None:
                 else ""
             )
         )
-    print("\nthe daemon's call paths, same rounds (of copy; x: against one call per projection)")
-    print(f"{'format':<16}{'n/proj':>8}{'n/unit':>8}{'n/batch':>9} |{'unit x proj':>12}{'batch x proj':>13}")
+    print(
+        "\nthe daemon's call paths, same rounds (of copy; x: against one call per projection; GB/s of bf16 in)"
+    )
+    print(
+        f"{'format':<16}{'n/proj':>8}{'n/unit':>8}{'n/batch':>9} |{'unit x proj':>12}{'batch x proj':>13} |"
+        f"{'n/unit GB/s':>12}{'a thread':>9}{'copy GB/s':>10}{'a thread':>9}"
+    )
     for r in rows:
+        r["native_unit_gbps_per_thread"] = r["native_unit_gbps"] / threads
+        r["copy_gbps_per_thread"] = r["copy_gbps"] / threads
         print(
             f"{r['format']:<16}{r['native_proj_vs_copy'] * 100:>7.0f}%{r['native_unit_vs_copy'] * 100:>7.0f}%"
-            f"{r['native_batch_vs_copy'] * 100:>8.0f}% |{r['unit_vs_proj']:>11.2f}x{r['batch_vs_proj']:>12.2f}x"
+            f"{r['native_batch_vs_copy'] * 100:>8.0f}% |{r['unit_vs_proj']:>11.2f}x{r['batch_vs_proj']:>12.2f}x |"
+            f"{r['native_unit_gbps']:>12.2f}{r['native_unit_gbps_per_thread']:>9.2f}"
+            f"{r['copy_gbps']:>10.2f}{r['copy_gbps_per_thread']:>9.2f}"
+            + (
+                f" | base n/unit {r['base_unit_vs_copy'] * 100:.0f}% ({r['base_unit_gbps']:.2f} GB/s)"
+                if "base_unit_gbps" in r
+                else ""
+            )
         )
     if args.stages:
         scales = {k: cpu.nvfp4_global_scale(t) for k, t in slabs.items()}
@@ -391,6 +429,7 @@ def main() -> None:
     if args.json:
         meta = {"bytes_in": nbytes, "threads": torch.get_num_threads(), "torch": torch.__version__}
         meta["machine"] = platform.machine()
+        meta.update(cpu=host["cpu"], cores=host["cores"])
         meta["baseline_lib"] = str(args.baseline_lib) if args.baseline_lib else None
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
 

@@ -1,6 +1,7 @@
 """A slab unit's expert projections run as one split across the quantizer threads, not one hand-off
-each (sidecar.plan.run._quantize_groups through sidecar.numerics.cpu.run_prepared): the shared
-scales of every group in one ``run_many``, every projection's kernel in another; the bytes are the
+each (sidecar.plan.run._quantize_groups through sidecar.numerics.cpu.run_prepared): with enough scale
+groups (NVFP4's and FP8 per-tensor's: an expert's gate and up), each group whole on one thread, else the
+shared scales of every group in one ``run_many``, every projection's kernel in another; the bytes are the
 reference's on each source slice (tests/test_plan.py, test_plan_fourbit.py check every output), and
 a NaN in one expert of the slab still names that expert."""
 
@@ -11,6 +12,7 @@ import torch
 
 from sidecar.cli.demo.synthetic import make_state_dict
 from sidecar.numerics import cpu, cpu_fourbit, fourbit, native, native_calls
+from sidecar.numerics import reference as ref
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams
 from sidecar.plan.build import RefitPlan, RefitSpec, UnitKind
 from sidecar.plan.run import convert, run_unit
@@ -55,10 +57,8 @@ def test_a_slab_unit_takes_one_split_per_pass(fmt: Format, monkeypatch: pytest.M
         splits.clear()
         run_unit(unit, state, _outputs(unit))
         projections = sum(len(g) for g in unit.scale_groups)
-        if fmt is Format.NVFP4:  # a group a call: its amax, then its kernels while cached
+        if fmt in SHARED_SCALE:  # a group a call: its amax, then its kernels while cached
             assert splits == [EXPERTS], unit.inputs
-        elif fmt in SHARED_SCALE:  # a scale a group (gate and up share one), then the kernels
-            assert splits == [EXPERTS, projections], unit.inputs
         else:
             assert splits == [projections], unit.inputs
 
@@ -95,8 +95,56 @@ def test_nvfp4_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int,
 
 
 @pytest.mark.parametrize("groups_per_thread", [1, 1000])
+def test_fp8_per_tensor_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int, monkeypatch):
+    """FP8 per-tensor's groups (an expert's gate and up share a scale) whole on a thread each, or as two
+    split passes: the reference's scale and bytes for every projection either way."""
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", groups_per_thread)
+    splits: list[int] = []
+    real = native_calls.POOL.run_many
+    monkeypatch.setattr(native_calls.POOL, "run_many", lambda calls: splits.append(len(calls)) or real(calls))
+    state, _, slabs = _slab_units(Format.FP8_PER_TENSOR)
+    for unit in slabs:
+        splits.clear()
+        got = _outputs(unit)
+        run_unit(unit, state, got)
+        projections = sum(len(g) for g in unit.scale_groups)
+        assert splits == ([EXPERTS] if groups_per_thread == 1 else [EXPERTS, projections])
+        for group in unit.scale_groups:
+            members = [o for o in unit.outputs if o.name in group]
+            views = [o.source_view(state[o.source]) for o in members]
+            scale = ref.fp8_per_tensor_scale(*views)
+            for o, v in zip(members, views, strict=True):
+                q, s = ref.quantize_fp8_per_tensor(v, scale=scale)
+                assert torch.equal(got[o.name].view(torch.uint8), q.view(torch.uint8)), o.name
+                assert torch.equal(got[o.scale_name].view(torch.int32), s.view(torch.int32)), o.scale_name
+
+
+def test_fp8_per_tensor_groups_with_a_member_off_the_native_path_match_the_reference(monkeypatch):
+    """A group one of whose tensors the native kernels do not take (a transposed view), beside whole
+    groups on the threads: every group's scale and bytes are the reference's."""
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", 1)
+    gen = torch.Generator().manual_seed(5)
+    tensors = [[torch.randn(64, 256, generator=gen).mul(0.02).bfloat16() for _ in range(2)] for _ in range(5)]
+    tensors[3][0] = torch.randn(256, 64, generator=gen).mul(0.02).bfloat16().t()
+    groups, outs = [], []
+    for k, ts in enumerate(tensors):
+        o = [(torch.empty(t.shape, dtype=torch.float8_e4m3fn), torch.empty(())) for t in ts]
+        outs.append(o)
+        groups.append((ts, o, [f"g{k}.gate", f"g{k}.up"], f"g{k}.gate + g{k}.up"))
+    scales = cpu.quantize_fp8_per_tensor_groups(groups)
+    for ts, o, scale in zip(tensors, outs, scales, strict=True):
+        want = ref.fp8_per_tensor_scale(*ts)
+        assert torch.equal(scale.view(torch.int32), want.view(torch.int32))
+        for t, (q, s) in zip(ts, o, strict=True):
+            wq, ws = ref.quantize_fp8_per_tensor(t, scale=want)
+            assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+            assert torch.equal(s.view(torch.int32), ws.view(torch.int32))
+
+
+@pytest.mark.parametrize("groups_per_thread", [1, 1000])
 @pytest.mark.parametrize(
-    "fmt", [Format.NVFP4, Format.MXFP4, Format.INT4_W4A16, Format.MXFP8, Format.BLOCK_FP8]
+    "fmt",
+    [Format.NVFP4, Format.MXFP4, Format.INT4_W4A16, Format.MXFP8, Format.BLOCK_FP8, Format.FP8_PER_TENSOR],
 )
 def test_nan_in_one_expert_of_a_slab_names_that_expert(fmt: Format, groups_per_thread: int, monkeypatch):
     monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", groups_per_thread)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from sidecar.numerics import native
+from sidecar.numerics import cpu_fourbit, native
 from sidecar.numerics import reference as ref
 from sidecar.numerics.cpu_fourbit import (
     nvfp4_global_scale,
@@ -83,6 +83,7 @@ __all__ = [
     "quantize",
     "quantize_block_fp8",
     "quantize_fp8_per_tensor",
+    "quantize_fp8_per_tensor_groups",
     "quantize_int4",
     "quantize_mxfp4",
     "quantize_mxfp8",
@@ -256,6 +257,88 @@ def prepare_fp8_per_tensor(
         return q, s
 
     return Prepared(lambda b, e: lib.refitd_fp8_per_tensor(*args, b, e), batch * n, k, finish)
+
+
+#: an FP8 per-tensor scale group: (tensors, their out= buffers, their names, the group's name)
+Fp8Group = tuple[
+    Sequence[torch.Tensor], Sequence[tuple[torch.Tensor, torch.Tensor]], Sequence[str | None], str
+]
+
+
+def quantize_fp8_per_tensor_groups(groups: Sequence[Fp8Group]) -> list[torch.Tensor]:
+    """FP8 per-tensor scale groups (an expert's gate and up share one scale); returns each group's scale.
+
+    As :func:`quantize_nvfp4_groups`: with at least ``GROUPS_PER_THREAD`` groups a thread each group
+    runs whole on one thread, its amax and then its members' conversions while their bytes are still in
+    cache (one read of the slab from memory, not two); with fewer, every group's amax as one split, then
+    every member's conversion as another. Bytes and errors are the same either way."""
+    if len(groups) >= cpu_fourbit.GROUPS_PER_THREAD * POOL.threads():
+        return run_prepared([_prepare_fp8_per_tensor_group(*g) for g in groups])
+    scales = run_prepared([prepare_fp8_per_tensor_scale(*ts, name=label) for ts, _, _, label in groups])
+    calls = []
+    for (tensors, outs, names, _), scale in zip(groups, scales, strict=True):
+        calls += [
+            prepare_fp8_per_tensor(w, scale=scale, out=o, name=n) for w, o, n in zip(tensors, outs, names)
+        ]
+    run_prepared(calls)
+    return scales
+
+
+def _prepare_fp8_per_tensor_group(
+    tensors: Sequence[torch.Tensor],
+    outs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    names: Sequence[str | None],
+    label: str,
+) -> Prepared:
+    """One scale group as one call of one unit (it never splits): the amax over its tensors, the scale,
+    then each tensor's conversion clamped by it (a shared scale, as the two-pass path passes it). A
+    group that the native kernels do not take, or that a check refuses, runs the two-pass way at once
+    (the same bytes, and the reference's errors in their order)."""
+    found = shared_views(tensors, lambda t: t.dim() > 0)
+    members: list | None = [] if found is not None else None
+    for w, out, name in zip(tensors, outs, names, strict=True):
+        if members is None:
+            break
+        try:
+            ref._check_input(w, name, Format.FP8_PER_TENSOR)
+            q, s = ref._check_out(out, w, (), torch.float32, name)
+        except ValueError:  # the two-pass path raises it, in the reference's words
+            members = None
+            break
+        split = row_split(w)
+        xv, qv = view3(w, split), view3(q, split)
+        if xv is None or qv is None:
+            members = None
+            break
+        batch, n, k, xbs, xrs = xv
+        members.append((s, (ptr(w), n, k, xbs, xrs, ptr(q), qv[3], qv[4]), batch * n))
+    if found is None or members is None:
+        scale = fp8_per_tensor_scale(*tensors, name=label)
+        for w, out, name in zip(tensors, outs, names, strict=True):
+            quantize_fp8_per_tensor(w, scale=scale, out=out, name=name)
+        return Prepared.done(scale)
+    lib = found[0]
+    state: dict[str, float] = {}
+
+    def share(begin: int, end: int) -> int:
+        amax = 0
+        for _, args, rows in members:
+            amax = max(amax, lib.refitd_amax_bits(*args[:5], 0, rows))
+        if amax >= BF16_NONFINITE:
+            return 1
+        value = state["value"] = lib.refitd_scale_from_amax_bits(amax)
+        for _, args, rows in members:
+            lib.refitd_fp8_per_tensor(*args, value, 1, 0, rows)
+        return 0
+
+    def finish(bad: list[int]) -> torch.Tensor:
+        if any(bad):
+            raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=label), label)
+        for s, _, _ in members:
+            s.fill_(state["value"])
+        return torch.tensor(state["value"], dtype=torch.float32)
+
+    return Prepared(share, 1, sum(rows * args[2] for _, args, rows in members), finish)
 
 
 # --------------------------------------------------------------------------------------------------

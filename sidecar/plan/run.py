@@ -34,22 +34,23 @@ def _quantize_groups(
     if fmt is Format.NVFP4:  # one global scale over a group (an expert's gate and up)
         _nvfp4_groups(groups, views, label, outputs, params)
         return
-    shared: list[torch.Tensor | None] = [None] * len(groups)
     if fmt is Format.FP8_PER_TENSOR:  # a group's scale reads every member (and names them all)
         # a scale passed in clamps, which a tensor's own scale makes a no-op (reference.py): same bytes
-        shared = cpu.run_prepared(
-            [cpu.prepare_fp8_per_tensor_scale(*v, name=n) for v, n in zip(views, label)]
-        )
+        jobs = []
+        for group, vs, name in zip(groups, views, label, strict=True):
+            jobs.append(
+                (vs, [(outputs[w.name], outputs[w.scale_name]) for w in group], [w.name for w in group], name)
+            )
+        cpu.quantize_fp8_per_tensor_groups(jobs)
+        return
     calls: list[cpu.Prepared] = []
     # INT4 in the engine's group and scale dtype
     int4 = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
-    for group, vs, scale in zip(groups, views, shared, strict=True):
+    for group, vs in zip(groups, views, strict=True):
         for w, view in zip(group, vs, strict=True):
             out = tuple(outputs[n] for n in (w.quantized_outputs if fmt.four_bit else (w.name, w.scale_name)))
             if fmt is Format.INT4_W4A16:
                 calls.append(cpu.prepare_int4(view, out=out, name=w.name, **int4))  # type: ignore[arg-type]
-            elif scale is not None:
-                calls.append(cpu.prepare_fp8_per_tensor(view, scale=scale, out=out, name=w.name))  # type: ignore[arg-type]
             else:
                 calls.append(cpu.prepare(view, fmt, out=out, name=w.name))
     cpu.run_prepared(calls)

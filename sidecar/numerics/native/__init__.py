@@ -57,7 +57,7 @@ log = logging.getLogger("sidecar.numerics.native")
 
 #: the C sources compiled together into one library, and the header they share (both hashed into the key)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.c", "fourbit.c"))
-HEADERS = (Path(__file__).with_name("common.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("common.h", "fp8_vec.h"))
 #: compile flags; -ffp-contract=off keeps every multiply and add a separately rounded operation
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 #: what ``refitd_native_abi()`` must return (bumped with any change of the entry points' signatures)

@@ -18,15 +18,10 @@
 
 #include "common.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #define NVFP4_BLOCK 16
 #define MXFP4_BLOCK 32
 #define FOUR_PIECE 1024                /* elements of a row per pass */
 #define NVFP4_SCALE_MIN 0.001953125f   /* 2^-9: SPEC 1.5's lower clamp of a block scale */
-#define NEVER 0x7F80u                  /* a threshold no finite bf16 reaches */
 #define TESTS 8                        /* seven magnitude tests (code 1..7) and E2M1's sign test */
 
 /* 16 lanes of 16 bits (GCC vector extensions, gcc and clang: AVX2 / AVX-512 where -march has them, else
@@ -49,34 +44,6 @@ static const uint8_t E2M1_STRICT[TESTS] = {1, 0, 1, 0, 1, 0, 1, 1};
    0, 1.5 up to 2, ...) */
 static const float INT4_AT[7] = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f};
 static const uint8_t INT4_STRICT[7] = {1, 0, 1, 0, 1, 0, 1};
-
-static inline int passes(uint32_t a, float d, int multiply, float at, int strict) {
-    const float x = bf16_to_f32((uint16_t)a);
-    const float v = multiply ? x * d : x / d; /* the reference's very float32 operation */
-    return strict ? v > at : v >= at;
-}
-
-/* The smallest sign-cleared bf16 a for which RN(a op d) passes (at, strict); NEVER where no finite a does.
-   d > 0, or d == 0 for a division (RN(a / 0) is Inf for a > 0 and NaN, failing every test, for a = 0).
-   Starts at the bf16 at or below at * d (at / d), which is within a step or two, and steps to the exact
-   threshold; one more than four steps away is found by a binary search over all finite bf16. */
-static uint32_t first_passing(float d, int multiply, float at, int strict) {
-    const float guess = multiply ? at / d : at * d;
-    uint32_t a = f32_bits(guess) >> 16, steps = 0;
-    a = a > NEVER ? NEVER : a; /* Inf, NaN (never for d > 0) */
-    while (a > 0 && steps < 4 && passes(a - 1, d, multiply, at, strict)) a--, steps++;
-    while (a < NEVER && steps < 4 && !passes(a, d, multiply, at, strict)) a++, steps++;
-    if (steps == 4) {
-        uint32_t lo = 0, hi = NEVER;
-        while (lo < hi) {
-            const uint32_t mid = (lo + hi) / 2;
-            if (passes(mid, d, multiply, at, strict)) hi = mid;
-            else lo = mid + 1;
-        }
-        a = lo;
-    }
-    return a;
-}
 
 /* a scale's TESTS thresholds, each minus one (so that "a >= threshold" is the one-instruction signed
    "a > threshold - 1": sign-cleared bf16 bits and thresholds are below 0x8000), broadcast to a vector */
@@ -141,63 +108,6 @@ static void e2m1_runs(const uint16_t *restrict x, i64 n16, i16x16 *const *th, ui
         memcpy(q + 8 * r, &b, sizeof b);
     }
 }
-
-/* ---------------------------------------------------------------------------------------------- */
-/* block maxima                                                                                   */
-
-/* float32 bits of the amax of each of m blocks of 16 * vecs elements of x (bf16), into out[0..m).
-   With AVX2, eight blocks at a time: each block's vectors folded into one, then a transposing tree
-   (blocks i and i + 4 into one register's halves, then 64-bit, then 32-bit interleaves: two shuffles and
-   a max a level) leaves block j's two last partial maxima in 32-bit lane j. */
-static void block_amaxes(const uint16_t *restrict x, i64 m, i64 vecs, uint32_t *restrict out) {
-    i64 j = 0;
-#if defined(__AVX2__)
-    const __m256i mag = _mm256_set1_epi16(MAG_MASK), hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (; j + 8 <= m; j += 8) {
-        __m256i y[8];
-        for (int i = 0; i < 8; i++) {
-            const uint16_t *xb = x + (j + i) * 16 * vecs;
-            y[i] = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)xb), mag);
-            for (i64 v = 1; v < vecs; v++) {
-                const __m256i next = _mm256_loadu_si256((const __m256i *)(xb + 16 * v));
-                y[i] = _mm256_max_epu16(y[i], _mm256_and_si256(next, mag));
-            }
-        }
-        __m256i t[4];
-        for (int i = 0; i < 4; i++) /* [b0|b4] [b1|b5] [b2|b6] [b3|b7], 8 partials each */
-            t[i] = _mm256_max_epu16(_mm256_permute2x128_si256(y[i], y[i + 4], 0x20),
-                                    _mm256_permute2x128_si256(y[i], y[i + 4], 0x31));
-        /* [b0 b2 | b4 b6] and [b1 b3 | b5 b7], 4 partials each */
-        const __m256i u0 = _mm256_max_epu16(_mm256_unpacklo_epi64(t[0], t[2]), _mm256_unpackhi_epi64(t[0], t[2]));
-        const __m256i u1 = _mm256_max_epu16(_mm256_unpacklo_epi64(t[1], t[3]), _mm256_unpackhi_epi64(t[1], t[3]));
-        /* [b0 b1 b0 b1] [b2 b3 b2 b3] (first and second pairs of partials), then b0..b3 | b4..b7, 2 each */
-        const __m256i vl = _mm256_unpacklo_epi32(u0, u1), vh = _mm256_unpackhi_epi32(u0, u1);
-        const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(vl, vh), _mm256_unpackhi_epi64(vl, vh));
-        _mm256_storeu_si256((__m256i *)(out + j),
-                            _mm256_max_epu32(_mm256_and_si256(w, hi16), _mm256_slli_epi32(w, 16)));
-    }
-    for (; j < m; j++) { /* the last few blocks one at a time: a horizontal max in the register */
-        const uint16_t *xb = x + j * 16 * vecs;
-        __m256i y = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)xb), mag);
-        for (i64 v = 1; v < vecs; v++)
-            y = _mm256_max_epu16(y, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(xb + 16 * v)), mag));
-        __m128i h = _mm_max_epu16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-        h = _mm_max_epu16(h, _mm_shuffle_epi32(h, 0x4E));
-        h = _mm_max_epu16(h, _mm_shuffle_epi32(h, 0xB1));
-        h = _mm_max_epu16(h, _mm_srli_epi32(h, 16));
-        out[j] = (uint32_t)_mm_cvtsi128_si32(h) << 16;
-    }
-#endif
-    for (; j < m; j++) out[j] = row_amax_bits(x + j * 16 * vecs, 16 * vecs) << 16;
-}
-
-static inline uint32_t largest(const uint32_t *v, i64 m) {
-    uint32_t worst = 0;
-    for (i64 j = 0; j < m; j++) worst = v[j] > worst ? v[j] : worst;
-    return worst;
-}
-
-#define NONFINITE_F32 ((uint32_t)BF16_NONFINITE << 16)
 
 /* ---------------------------------------------------------------------------------------------- */
 /* NVFP4                                                                                          */

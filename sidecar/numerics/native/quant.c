@@ -4,7 +4,8 @@
  * (docs/spec.md section 1).
  *
  * C99 plus GCC vector extensions (gcc and clang take them; the 4-bit codes) and, where -march has AVX2,
- * its intrinsics (the 4-bit block maxima); no torch headers, no
+ * its intrinsics (the block maxima), where it has AVX-512BW and VL, fp8_vec.h's FP8 conversions (a code
+ * table per scale on the input's bits; without them the plain loops below run); no torch headers, no
  * Python C-API: loaded with ctypes (which drops the GIL for the call), so several Python threads can
  * each run a share of one tensor. Built at run time by
  * sidecar/numerics/native/__init__.py with
@@ -24,6 +25,7 @@
  */
 
 #include "common.h"
+#include "fp8_vec.h"
 
 #define REFITD_NATIVE_ABI 2
 
@@ -72,7 +74,7 @@ int refitd_native_abi(void) { return REFITD_NATIVE_ABI; }
 /* block-FP8: work units are 128-row bands, numbered b * ceil(n / 128) + band.                    */
 /* Returns -1, or the first band (within [begin, end)) holding NaN/Inf.                          */
 
-i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+static i64 block_fp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
                      i64 q_bstride, i64 q_rstride, float *s, i64 s_bstride, i64 s_rstride, i64 begin,
                      i64 end) {
     const i64 nb = (n + BLOCK - 1) / BLOCK, kb = (k + BLOCK - 1) / BLOCK;
@@ -111,12 +113,20 @@ i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
             if (bad) return unit;
             /* No clamp: every |x| * RN(1 / scale_inv) <= 448 * (1 + 2^-22), which rounds to 448
                exactly as the clamped value would (reference._block_fp8_3d). */
+#if REFITD_FP8_VEC
+            fp8_scale_vec scales[GROUP_BLOCKS];
+            for (i64 j = j0; j < j1; j++) fp8_scale_init(&scales[j - j0], mult[j - j0]);
+#endif
             for (i64 r = 0; r < rows; r++) {
                 const uint16_t *xr = xb + r * x_rstride;
                 uint8_t *qr = qb + r * q_rstride;
                 for (i64 j = j0; j < j1; j++) {
                     const i64 c0 = j * BLOCK, w = k - c0 < BLOCK ? k - c0 : BLOCK;
+#if REFITD_FP8_VEC
+                    fp8_convert(xr + c0, qr + c0, w, &scales[j - j0], 0);
+#else
                     convert_row(xr + c0, qr + c0, w, mult[j - j0]);
+#endif
                 }
             }
         }
@@ -124,10 +134,21 @@ i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
     return -1;
 }
 
+#if REFITD_FP8_VEC
+/* a piece of MXFP8 blocks some of which have a byte under MX_VEC_MIN_BYTE (amax below 2^-113, or 0: an
+   all-zero block): those by the plain loop, the others by fp8_vec.h */
+static __attribute__((noinline)) void mxfp8_piece_mixed(const uint16_t *x, uint8_t *q, const uint32_t *code, i64 m) {
+    for (i64 j = 0; j < m; j++) {
+        if (code[j] >= MX_VEC_MIN_BYTE) _mm256_storeu_si256((__m256i *)(q + j * MX_BLOCK), mxfp8_block(x + j * MX_BLOCK, code[j]));
+        else convert_row(x + j * MX_BLOCK, q + j * MX_BLOCK, MX_BLOCK, e8m0_multiplier(code[j]));
+    }
+}
+#endif
+
 /* --------------------------------------------------------------------------------------------- */
 /* MXFP8: work units are rows, numbered b * n + row. Returns -1, or the first row holding NaN/Inf. */
 
-i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+static i64 mxfp8_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
     const i64 blocks = k / MX_BLOCK;
     for (i64 unit = begin; unit < end; unit++) {
@@ -142,6 +163,27 @@ i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
         for (i64 j0 = 0; j0 < blocks; j0 += MX_PIECE) {
             const i64 m = blocks - j0 < MX_PIECE ? blocks - j0 : MX_PIECE;
             const uint16_t *xp = xr + j0 * MX_BLOCK;
+#if REFITD_FP8_VEC
+            /* block maxima eight at a time (block_amaxes), the bytes from their bits: amax / 448 has
+               significand 1.m / 1.75 and exponent E - 8, so ceil(log2) is E - 8, plus one where m > 1.75
+               (the division never rounds onto a power of two: 1.m is a bf16) */
+            uint32_t amax[MX_PIECE], code[MX_PIECE];
+            block_amaxes(xp, m, MX_BLOCK / 16, amax);
+            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            for (i64 j = 0; j < m; j++) {
+                const int32_t e = (int32_t)(amax[j] >> 23) - 8 + ((amax[j] & UINT32_C(0x7FFFFF)) > UINT32_C(0x600000));
+                code[j] = (uint32_t)(e < 1 ? 1 : (e > 254 ? 254 : e));
+            }
+            for (i64 j = 0; j < m; j++) sr[j0 + j] = (uint8_t)code[j];
+            uint32_t least = 255;
+            for (i64 j = 0; j < m; j++) least = code[j] < least ? code[j] : least;
+            if (least >= MX_VEC_MIN_BYTE) /* the common case: a tight loop, its constants in registers */
+                for (i64 j = 0; j < m; j++)
+                    _mm256_storeu_si256((__m256i *)(qr + (j0 + j) * MX_BLOCK), mxfp8_block(xp + j * MX_BLOCK, code[j]));
+            else
+                mxfp8_piece_mixed(xp, qr + j0 * MX_BLOCK, code, m);
+            continue;
+#endif
             uint16_t tree[MX_PIECE * MX_BLOCK / 2], twig[MX_PIECE * MX_BLOCK / 4];
             uint32_t bytes[MX_PIECE];
             float mult[MX_PIECE], spread[MX_PIECE * MX_BLOCK];
@@ -186,13 +228,22 @@ float refitd_scale_from_amax_bits(i64 amax_bits) { return scale_from_amax_bits((
 
 /* q = RNE_e4m3(x * (1 / scale)), clamped to [-448, 448] when ``clamp`` (a caller's shared scale).
    Returns the max sign-cleared bits of the rows read (the caller refuses NaN/Inf from it). */
-i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+static i64 fp8_per_tensor_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
                           i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
     const float mult = 1.0f / scale;
     uint32_t m = 0;
+#if REFITD_FP8_VEC
+    fp8_scale_vec sv;
+    fp8_scale_init(&sv, mult);
+#endif
     for (i64 unit = begin; unit < end; unit++) {
         const uint16_t *xr = x + (unit / n) * x_bstride + (unit % n) * x_rstride;
         uint8_t *qr = q + (unit / n) * q_bstride + (unit % n) * q_rstride;
+#if REFITD_FP8_VEC
+        const uint32_t r = fp8_convert(xr, qr, k, &sv, clamp);
+        m = r > m ? r : m;
+        continue;
+#endif
         if (clamp) {
             const uint32_t r = row_amax_bits(xr, k);
             m = r > m ? r : m;
@@ -202,6 +253,36 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
         }
     }
     return (i64)m;
+}
+
+/* --------------------------------------------------------------------------------------------- */
+/* The entry points: each kernel, then a store fence (fp8_vec.h streams whole lines of q past the  */
+/* cache; the fence orders them before the caller, or another thread, reads q).                  */
+
+static inline i64 fenced(i64 result) {
+#if REFITD_FP8_VEC
+    _mm_sfence();
+#endif
+    return result;
+}
+
+i64 refitd_block_fp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                     i64 q_bstride, i64 q_rstride, float *s, i64 s_bstride, i64 s_rstride, i64 begin,
+                     i64 end) {
+    return fenced(block_fp8_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                                  begin, end));
+}
+
+i64 refitd_mxfp8(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
+                 i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
+    return fenced(mxfp8_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, s, s_bstride, s_rstride,
+                              begin, end));
+}
+
+i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
+                          i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
+    return fenced(fp8_per_tensor_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, scale, clamp, begin,
+                                       end));
 }
 
 /* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
