@@ -249,7 +249,7 @@ def check_against_config(
             f"{source}/config.json: {claims[0]} layers of {max(claims[1:])} experts is beyond refitd's limits"
         )
     have = {n: (tuple(s), d) for n, s, d in specs}
-    best: list[str] | None = None
+    best: list[str] = []  # the form whose problems are fewest (each form returns when it has none)
     for form in (None, ExpertForm.PER_EXPERT, ExpertForm.FUSED):
         try:  # a vision tower is optional: a text-only config describes none
             full = model.parameters(hf_config, include_mtp=True, include_vision=True, experts=form)
@@ -267,9 +267,8 @@ def check_against_config(
         ]
         if not problems:
             return
-        if best is None or len(problems) < len(best):
+        if not best or len(problems) < len(best):
             best = problems
-    assert best is not None
     more = f"; and {len(best) - 8} more" if len(best) > 8 else ""
     raise ValueError(
         f"{source}: the checkpoint and its config.json disagree on {len(best)} tensor(s): "
