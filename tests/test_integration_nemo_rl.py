@@ -2,20 +2,26 @@
 named commit (tests/support/nemo_rl_interface.py), and a real daemon (the serve loop in a thread).
 
 Two policy ranks hand ``send_weights`` the same gathered tensors, as NeMo-RL's workers do; each tensor
-is pushed by one rank, and the generation is byte-equal to refitd's conversion of those tensors. The
-rollout side's ``receive_weight_batches`` yields a BF16 generation as one batch and refuses a
-quantized one (NeMo-RL's vLLM loader would re-quantize it).
+is pushed by one rank, and the generation is byte-equal to refitd's conversion of those tensors.
+Inside NeMo-RL's vLLM mixin (its consumer side, transcribed at NVIDIA-NeMo/RL@7ea279ab) the transport
+finds the worker that owns it and loads through refitd's vLLM adapter, handing NeMo-RL's loader no
+batch; vLLM itself loads in ``tests/test_engine_vllm_nemo_rl.py`` (``make test-engines``). Outside a
+worker, ``receive_weight_batches`` yields a BF16 generation as one batch and refuses a quantized one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
+import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
-from support.nemo_rl_interface import CheckpointEngine, create_checkpoint_engine
+from support.nemo_rl_interface import CheckpointEngine, VllmCheckpointEngineMixin, create_checkpoint_engine
 
 from adapters.base import RefitReader
 from sidecar.cli.demo.synthetic import make_hf_config, make_state_dict
@@ -67,6 +73,8 @@ def test_the_transport_implements_nemo_rls_interface():
         assert all(got.get(k) == kind for k, kind in want.items()), (name, want, got)
     assert inspect.isasyncgenfunction(type(ours).receive_weight_batches)
     assert ours.cleanup_after_load is True
+    assert ours.shard_expert_weights is CheckpointEngine.shard_expert_weights is False
+    assert ours.get_target_weight_layout() is None
 
 
 def test_a_missing_config_says_which_setting():
@@ -118,3 +126,74 @@ def test_two_policy_ranks_publish_byte_equal_and_the_rollout_side_loads(daemons,
     finally:
         for e in [*engines, rollout]:
             e.close()
+
+
+class NemoRLWorker(VllmCheckpointEngineMixin):
+    """NeMo-RL's vLLM mixin (transcribed) over a worker without vLLM: ``model_runner.model`` records
+    what NeMo-RL's own loader would load."""
+
+    def __init__(self):
+        self.loaded: list[list[str]] = []
+        model = SimpleNamespace(load_weights=lambda weights: self.loaded.append([n for n, _ in weights]))
+        self.model_runner = SimpleNamespace(model=model, vllm_config=SimpleNamespace(quant_config=None))
+
+
+def connect(worker, endpoint: str) -> None:
+    """NeMo-RL's setup of a checkpoint engine in a vLLM worker (checkpoint_engine_weight_synchronizer
+    ``_ensure_checkpoint_engine_ready``): init, prepare, process group; ``refit_cfg`` as it is dumped."""
+    kwargs = {"hf_config": CONFIG, "endpoint": endpoint, "release_after_refit": False}
+    worker.init_checkpoint_engine(TRANSPORT, 1 << 20, kwargs)
+    metadata = worker.prepare_checkpoint_engine()
+    worker.init_checkpoint_engine_process_group(0, 2, 1, [metadata])
+
+
+def test_nemo_rls_vllm_mixin_prepares_the_transport_and_hands_it_its_worker(daemons):
+    """At NeMo-RL @7ea279ab the mixin reads ``shard_expert_weights`` of the transport (it failed with an
+    AttributeError before); the transport finds the worker that owns it, and a refit goes to refitd's
+    vLLM adapter (here: no vLLM installed, said so), never to NeMo-RL's loader."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed: tests/test_engine_vllm_nemo_rl.py loads through it for real")
+    d = daemons(hf_config=CONFIG, world_size=1, format="bf16")
+    worker = NemoRLWorker()
+    connect(worker, d.endpoint)
+    transport = worker.checkpoint_engine
+    try:
+        assert transport.worker is worker and transport.rollout_rank == 0
+        with pytest.raises(ImportError, match=r"RefitWorkerExtension\.refit_attach.*needs vLLM"):
+            worker.update_weights_from_checkpoint_engine()
+        assert worker.loaded == []
+    finally:
+        worker.finalize_checkpoint_engine()
+        transport.close()
+
+
+def test_a_vllm_patched_by_nemo_rls_own_fp8_is_refused_naming_the_settings(monkeypatch):
+    from integrations.nemo_rl_vllm import NEMO_RL_FP8, load_in_worker
+
+    monkeypatch.setitem(sys.modules, NEMO_RL_FP8, SimpleNamespace(fp8_patches_applied=True))
+    with pytest.raises(
+        RefitError, match=r"precision: fp8.*precision: bfloat16.*quantization.*hf_config_path"
+    ):
+        load_in_worker(NemoRLWorker(), "ipc:///nowhere", name="w", min_step=0, timeout=1.0)
+
+
+@pytest.mark.parametrize("fmt", ["block_fp8", "mxfp8", "nvfp4", "bf16"])
+def test_the_engine_config_holds_the_adapters_quantization(tmp_path, capsys, fmt):
+    """``python -m integrations.nemo_rl_vllm`` writes config.json with ``vllm_engine_args``' quantization
+    config, and prints the vllm_kwargs that name it."""
+    from adapters.vllm import vllm_engine_args
+    from integrations.nemo_rl_vllm import main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(CONFIG))
+    out = tmp_path / "engine"
+    assert main(["--hf-config", str(tmp_path / "model"), "--format", fmt, "--out", str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    args = vllm_engine_args(RefitSpec(model_type="qwen3_5_moe", fmt=fmt), CONFIG)
+    want = (args.get("hf_overrides") or {}).get("quantization_config")
+    assert written.get("quantization_config") == want
+    assert {k: v for k, v in written.items() if k != "quantization_config"} == CONFIG
+    printed = capsys.readouterr().out
+    assert f"quantization: {json.dumps(args['quantization'])}" in printed
+    assert f"hf_config_path: {json.dumps(str(out))}" in printed
+    assert main(["--hf-config", str(tmp_path / "nowhere"), "--format", fmt, "--out", str(out)]) == 2
