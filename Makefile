@@ -40,7 +40,7 @@ test: venv lint
 # fails, never skips, when that engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-engines: venv
 	tests/setup_engines.sh
-	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py tests/test_live_configs.py
+	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py tests/test_live_configs.py tests/test_engine_vllm_nemo_rl.py
 
 # the SGLang adapter and `refitd convert` against SGLang 0.5.23's real model classes and weight updater
 # on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)

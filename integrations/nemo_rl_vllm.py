@@ -86,16 +86,38 @@ def refuse_nemo_rl_fp8() -> None:
         )
 
 
+def extension(worker: Any) -> Any:
+    """refitd's ``RefitWorkerExtension`` over NeMo-RL's vLLM worker (one per worker, kept on it): its
+    methods run with ``self`` reading and writing the worker's attributes, as if vLLM had mixed the
+    extension in with NeMo-RL's."""
+    from adapters.vllm import RefitWorkerExtension
+
+    class OnNemoRLWorker(RefitWorkerExtension):
+        def __init__(self, target: Any) -> None:
+            object.__setattr__(self, "_target", target)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._target, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(self._target, name, value)
+
+    ext = getattr(worker, "_refitd_extension", None)
+    if ext is None:
+        ext = OnNemoRLWorker(worker)
+        worker._refitd_extension = ext
+    return ext
+
+
 def load_in_worker(worker: Any, endpoint: str, *, name: str, min_step: int, timeout: float) -> dict[str, Any]:
     """Attach ``worker`` on first use (its manifest checked against the daemon's plan), then load the
     generation >= ``min_step`` through refitd's vLLM adapter. Raises naming the worker on failure
     (NeMo-RL counts a raised refit as failed; the worker keeps its last good generation)."""
-    from adapters.vllm import RefitWorkerExtension as ext
-
     refuse_nemo_rl_fp8()
+    ext = extension(worker)
     if getattr(worker, "_refit", None) is None:
-        ext.refit_attach(worker, endpoint, name=name, timeout=timeout)
-    result = ext.refit_load(worker, min_step=min_step, timeout=timeout)
+        ext.refit_attach(endpoint, name=name, timeout=timeout)
+    result = ext.refit_load(min_step=min_step, timeout=timeout)
     if not result.get("ok"):
         raise RefitError(
             f"{result.get('worker')}: {result.get('error')}", kind=ErrorKind.ENGINE, step=min_step
@@ -104,9 +126,7 @@ def load_in_worker(worker: Any, endpoint: str, *, name: str, min_step: int, time
 
 
 def detach(worker: Any) -> None:
-    from adapters.vllm import RefitWorkerExtension
-
-    RefitWorkerExtension.refit_detach(worker)
+    extension(worker).refit_detach()
 
 
 def engine_settings(

@@ -268,6 +268,8 @@ def vllm_config(folder: Path, engine_args: Mapping[str, Any], *, tp: int = 1, mt
         kw["hf_overrides"] = dict(engine_args["hf_overrides"])
     if engine_args.get("language_model_only"):
         kw["language_model_only"] = True
+    if engine_args.get("hf_config_path"):  # NeMo-RL's vllm_kwargs (integrations.nemo_rl_vllm)
+        kw["hf_config_path"] = str(engine_args["hf_config_path"])
     mc = ModelConfig(
         model=str(folder),
         skip_tokenizer_init=True,
