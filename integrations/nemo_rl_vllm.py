@@ -5,10 +5,10 @@ its worker extension ``VllmInternalWorkerExtensionWithCheckpointEngine`` (``nemo
 vllm/vllm_backend.py:1227``; the mixin is ``vllm/checkpoint_engine.py:VllmCheckpointEngineMixin``):
 
 * ``init_checkpoint_engine`` (checkpoint_engine.py:98) sets ``self.checkpoint_engine`` on the vLLM
-  worker, then ``init_checkpoint_engine_process_group`` (:122) calls the transport's
+  worker, then ``init_checkpoint_engine_process_group`` (:120) calls the transport's
   ``init_rollout_process_group`` from that worker, ``self`` being vLLM's ``Worker`` with NeMo-RL's
   extension mixed in (``model_runner``, ``vllm_config``, ``device``);
-* ``_update_weights_from_checkpoint_engine_async`` (:138) loads each batch ``receive_weight_batches``
+* ``_update_weights_from_checkpoint_engine_async`` (:139) loads each batch ``receive_weight_batches``
   yields with ``self._load_weights`` -> ``_load_hf_weights`` (vllm_backend.py:201), which sends any
   engine whose quant config is ``Fp8Config`` / ``ModelOptMxFp8Config`` through
   ``quantization/fp8.py:load_weights`` (:476): ``cast_tensor_to_fp8_blockwise`` of every FP8 weight

@@ -51,7 +51,7 @@ def create_checkpoint_engine(backend: str, *, bucket_size_bytes: int, engine_kwa
 # --------------------------------------------------------------------------------------------------
 # The consumer side a transport meets inside vLLM, transcribed from NVIDIA-NeMo/RL@7ea279abfbeb698b09
 # 2856d0dab61e7cf39bc909: ``nemo_rl/models/generation/vllm/checkpoint_engine.py``
-# ``VllmCheckpointEngineMixin`` (lines 85-174: ``init_checkpoint_engine``, ``prepare_checkpoint_engine``,
+# ``VllmCheckpointEngineMixin`` (lines 83-173: ``init_checkpoint_engine``, ``prepare_checkpoint_engine``,
 # ``init_checkpoint_engine_process_group``, ``finalize_checkpoint_engine``,
 # ``_update_weights_from_checkpoint_engine_async``, ``update_weights_from_checkpoint_engine``) and
 # ``vllm_backend.py`` ``VllmInternalWorkerExtension._load_hf_weights`` (:201) with ``_load_weights``
@@ -62,7 +62,7 @@ def create_checkpoint_engine(backend: str, *, bucket_size_bytes: int, engine_kwa
 
 
 def resolve_rollout_rank(rank_prefix: int, rollout_world_size: int) -> int:
-    """checkpoint_engine.py:76 (torch.distributed's rank; 0 and a world of one when not initialized)."""
+    """checkpoint_engine.py:75 (torch.distributed's rank; 0 and a world of one when not initialized)."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
