@@ -49,6 +49,12 @@ from sidecar.errors import ErrorKind, RefitError
 
 #: NeMo-RL's FP8 module; ``fp8_patches_applied`` is True in a process ``apply_fp8_patches`` patched
 NEMO_RL_FP8 = "nemo_rl.models.generation.vllm.quantization.fp8"
+#: what a NeMo-RL user sets when the engine and the daemon disagree on the format
+NEMO_RL_ENGINE_HINT = (
+    "\n  NeMo-RL: start vLLM in the daemon's format with policy.generation.vllm_kwargs.quantization and "
+    ".hf_config_path, as `python -m integrations.nemo_rl_vllm --hf-config ... --format <the daemon's format> "
+    "--out DIR` prints them (vllm_cfg.precision stays bfloat16)"
+)
 #: how far up the caller's frames :func:`find_worker` looks
 FRAMES = 8
 
@@ -116,7 +122,12 @@ def load_in_worker(worker: Any, endpoint: str, *, name: str, min_step: int, time
     refuse_nemo_rl_fp8()
     ext = extension(worker)
     if getattr(worker, "_refit", None) is None:
-        ext.refit_attach(endpoint, name=name, timeout=timeout)
+        try:
+            ext.refit_attach(endpoint, name=name, timeout=timeout)
+        except RefitError as exc:
+            raise RefitError(
+                exc.message + NEMO_RL_ENGINE_HINT, kind=exc.kind, rank=exc.rank, step=exc.step
+            ) from exc
     result = ext.refit_load(min_step=min_step, timeout=timeout)
     if not result.get("ok"):
         raise RefitError(

@@ -166,3 +166,36 @@ def test_nemo_rls_vllm_worker_loads_refitds_fp8_through_vllms_loader(vm, tmp_pat
             worker.finalize_checkpoint_engine()
             for t in [*policies, transport]:
                 t.close()
+
+
+def test_an_engine_started_in_another_format_is_refused_naming_nemo_rls_settings(vm, tmp_path):
+    """The daemon publishes block-FP8, the engine was started without refitd's vllm_kwargs (BF16): the
+    first refit is refused at attach with the mismatches and the two NeMo-RL settings; nothing loaded."""
+    from sidecar.errors import RefitError
+
+    folder = vm.write_config(tmp_path / "model", "qwen3_moe")
+    hf = vm.config_dict(folder)
+    config = vm.vllm_config(folder, {"dtype": "bfloat16"})
+    vm.init_distributed(config)
+    model = vm.build_model(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.zero_()
+    vm.process(config, model)
+    worker = NemoRLWorker(vm.worker(config, model))
+    (tmp_path / "daemon").mkdir()
+    with RunningDaemon(tmp_path / "daemon", hf_config=hf, format="block_fp8", world_size=1) as d:
+        worker.init_checkpoint_engine(
+            TRANSPORT, 1 << 20, {"hf_config": hf, "endpoint": d.endpoint, "timeout": 30}
+        )
+        worker.init_checkpoint_engine_process_group(0, 1, 1, [worker.prepare_checkpoint_engine()])
+        try:
+            with pytest.raises(
+                RefitError,
+                match=r"(?s)routed-expert tensors in BF16.*vllm_kwargs\.quantization and \.hf_config_path",
+            ):
+                worker.update_weights_from_checkpoint_engine()
+            assert worker.checkpoint_engine.last_loaded is None
+            assert all(not _bytes(p).any() for p in model.parameters())
+        finally:
+            worker.checkpoint_engine.close()
