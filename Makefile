@@ -76,7 +76,7 @@ test-verl: venv
 # engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-live: venv
 	tests/setup_live.sh
-	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py tests/test_live_nemo_rl.py
 
 bench: venv
 	$(PY) bench/quant.py
