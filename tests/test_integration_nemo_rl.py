@@ -17,6 +17,7 @@ import inspect
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,8 @@ from sidecar.plan.build import RefitSpec
 from sidecar.plan.run import convert
 
 pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parent.parent
 
 MODEL = dict(num_layers=2, num_experts=4, unaligned=True)
 CONFIG = make_hf_config("qwen3_5_moe", **MODEL)
@@ -197,3 +200,26 @@ def test_the_engine_config_holds_the_adapters_quantization(tmp_path, capsys, fmt
     assert f"quantization: {json.dumps(args['quantization'])}" in printed
     assert f"hf_config_path: {json.dumps(str(out))}" in printed
     assert main(["--hf-config", str(tmp_path / "nowhere"), "--format", fmt, "--out", str(out)]) == 2
+
+
+def test_the_example_config_builds_the_transport_and_names_what_the_command_prints(tmp_path):
+    """examples/nemo_rl_refitd.yaml: its transport is built from its refit_cfg entry, as NeMo-RL builds it,
+    and its vllm_kwargs are the keys and the quantization ``python -m integrations.nemo_rl_vllm`` gives
+    for block-FP8."""
+    import yaml
+
+    from integrations.nemo_rl_vllm import write_engine_config
+
+    example = yaml.safe_load((REPO / "examples" / "nemo_rl_refitd.yaml").read_text())["policy"]["generation"]
+    assert example["vllm_cfg"]["precision"] == "bfloat16"
+    kwargs = dict(
+        example["refit_cfg"][example["refit_transport"]], hf_config=CONFIG, release_after_refit=False
+    )
+    transport = create_checkpoint_engine(
+        example["refit_transport"], bucket_size_bytes=1, engine_kwargs=kwargs
+    )
+    assert transport.pusher.wait == "published" and transport.pusher.timeout == 600
+    transport.close()
+    printed = write_engine_config(tmp_path, CONFIG, "block_fp8")
+    assert sorted(example["vllm_kwargs"]) == sorted(printed)
+    assert example["vllm_kwargs"]["quantization"] == printed["quantization"]
