@@ -8,8 +8,9 @@ worker is NeMo-RL's vLLM mixin, transcribed (``tests/support/nemo_rl_interface.p
 7ea279ab), over the real model and configs: NeMo-RL's ``is_fp8_model`` is True for this engine, so any
 batch the transport yielded would go to NeMo-RL's re-quantizing loader (the transcription fails the test
 there instead). Two policy ranks push through the transport into a real daemon (its serve loop in a
-thread); ``update_weights_from_checkpoint_engine`` loads step 1 after it is published and step 2 while
-it is pushed (streamed to the waiting worker). After each, every engine parameter is byte-equal to
+thread); ``update_weights_from_checkpoint_engine`` loads step 1 after it is published and, after the
+transport was finalized and set up again (``release_after_refit``), step 2 by a refit call already
+waiting while it is pushed. After each, every engine parameter is byte-equal to
 vLLM's own first load + ``process_weights_after_loading`` of ``refitd convert``'s output of the same
 weights, and the published generation is byte-equal to that output. No kernel runs (FP8 MoE kernels do
 not run on this CPU): the check ends at the loaded parameters' bytes.
@@ -124,6 +125,10 @@ def test_nemo_rls_vllm_worker_loads_refitds_fp8_through_vllms_loader(vm, tmp_pat
                 if step == 1:  # published first, then NeMo-RL's refit call
                     push(state, step)
                     assert worker.update_weights_from_checkpoint_engine() is True
+                    # release_after_refit: NeMo-RL's shutdown finalizes, its next sync sets up again
+                    worker.finalize_checkpoint_engine()
+                    assert worker._refit is None
+                    worker.init_checkpoint_engine_process_group(0, 2, 1, [worker.prepare_checkpoint_engine()])
                 else:  # NeMo-RL's refit call waits while the policy pushes (ray.get of both)
                     load = pool.submit(worker.update_weights_from_checkpoint_engine)
                     wait_until(
