@@ -10,15 +10,19 @@ inputs serialized with its ``MultiprocessingSerializer`` and decoded with its
 push through the real ``RefitdCheckpointEngine`` (built by verl's registry from verl's config
 dataclasses); ``RefitdCheckpointEngineManager`` drives a replica of verl's ``RolloutReplica`` class with
 ``rollout.name=sglang``. Every engine parameter ends byte-equal to SGLang's own load of ``refitd
-convert``'s directory of the same weights, two steps.
+convert``'s directory of the same weights, two steps (the ranks report over ipc:// in the first, over
+TCP in the second, as for a replica on several nodes).
 
 What is stood in for, and why: verl's ``SGLangHttpServer`` launches SGLang's tokenizer manager and
 schedulers (processes that need a GPU) inside a Ray actor, and SGLang's FastAPI app needs its tokenizer
 manager; so :class:`SGLangFront` is the HTTP hop: an HTTP server on loopback answering the three
 endpoints refitd posts to as SGLang's ``http_server.py`` does (the request body into the ``io_struct``
 input, ``{"success", "message"}`` with HTTP 400 on a refusal), handing each to the real scheduler-side
-manager in one process (the tokenizer -> scheduler hop left out). The replica's ``servers`` record
-verl's abort / flush / resume calls instead of reaching SGLang's tokenizer manager.
+manager in one process (the tokenizer -> scheduler hop left out). verl's ``SGLangReplica`` class
+itself does not import on CPU (its module imports SGLang's engine and HTTP server: uvloop, xgrammar,
+transformers' processors), so the replica is verl's ``RolloutReplica`` base with ``rollout.name=sglang``,
+whose ``servers`` record verl's abort / flush / resume calls instead of reaching SGLang's tokenizer
+manager.
 """
 
 from __future__ import annotations
@@ -157,6 +161,7 @@ def test_the_manager_loads_sglang_replicas_through_refitds_loader_byte_equal(sgl
     from verl.utils.import_utils import import_external_libs
 
     from integrations.verl import RefitdCheckpointEngineManager
+    from integrations.verl_sglang import reply_address
     from sidecar.numerics.formats import Format
     from tests.support.daemons import RunningDaemon
     from tests.test_adapter_sglang import _assert_same_params, _checkpoint, _Engine, _qwen3_moe, _weights
@@ -186,6 +191,11 @@ def test_the_manager_loads_sglang_replicas_through_refitds_loader_byte_equal(sgl
         )
         for step in (1, 2):
             events.clear()
+            if step == 2:  # as a replica spanning two nodes: the TP ranks report over TCP, not ipc://
+                replica.nnodes = 2
+                assert reply_address(replica).startswith("tcp://") and reply_address(replica).endswith(":*")
+            else:
+                assert reply_address(replica) is None
             metrics = manager.update_weights(global_steps=step)
             assert metrics["refitd/step"] == step
             order = [e for e in events if not e.startswith(("prepare", "init_process_group"))]
