@@ -36,8 +36,6 @@ from sidecar.errors import ErrorKind, RefitError
 
 #: the verl setting that registers refitd's loader in SGLang's TP schedulers
 LOADER_SETTING = "actor_rollout_ref.rollout.engine_kwargs.sglang.custom_weight_loader"
-#: SGLang endpoints refitd's load takes (SGLang 0.5.23 ``http_server.py``)
-SESSION = ("begin_weight_update", "update_weights_from_tensor", "end_weight_update")
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -61,14 +59,14 @@ class SGLangHttpEngine:
         self.timeout = timeout
         self.server_args = SimpleNamespace(tp_size=tp_size, pp_size=1)
 
-    def _post(self, endpoint: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, endpoint: str, payload: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         request = urllib.request.Request(
             f"{self.url}/{endpoint}",
             data=json.dumps(payload).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
             body = exc.read().decode(errors="replace")
@@ -107,6 +105,9 @@ class SGLangHttpEngine:
                 "load_format": load_format,
                 "flush_cache": flush_cache,
             },
+            # SGLang answers once every rank's loader returned: each may wait ``timeout`` to attach and
+            # ``timeout`` for the generation, then reports (a failure too) to refit_engine's socket
+            timeout=2 * self.timeout + 60,
         )
 
 

@@ -125,13 +125,13 @@ class ServerCalls:
         self.resume_generation = method("resume")
 
 
-def sglang_rollout(hf_config_path: Path, endpoint: str, *, loader: bool = True):
+def sglang_rollout(hf_config_path: Path, endpoint: str, *, loader: bool = True, timeout: float = 120):
     from omegaconf import OmegaConf
 
     from adapters.sglang import LOADER
     from tests.test_integration_verl import rollout_config
 
-    rollout = rollout_config(hf_config_path, endpoint=endpoint, timeout=120)
+    rollout = rollout_config(hf_config_path, endpoint=endpoint, timeout=timeout)
     rollout.name = "sglang"
     rollout.tensor_model_parallel_size = 1  # the one SGLang model (TP rank) built here
     if loader:
@@ -255,5 +255,70 @@ def test_a_misconfigured_sglang_replica_is_refused_naming_the_fix(sgl, tmp_path)
         with pytest.raises(RefitError, match=r"no /begin_weight_update \(HTTP 404\).*SGLang 0\.5\.23"):
             asyncio.run(manager.load_replica(replica, 1))
         assert events == ["http:begin_weight_update"]
+
+        # verl's own settings that cannot work with refitd's load, refused the same way
+        from integrations.verl_sglang import check_sglang_replica
+
+        for key, value, match in [
+            ("data_parallel_size", 2, r"data_parallel_size=2.*dp_size > 1"),
+            ("quantization", "fp8", r"quantization='fp8'.*quantize again"),
+        ]:
+            bad = sglang_rollout(d / "config.json", endpoint)
+            bad[key] = value
+            with pytest.raises(ValueError, match=match):
+                check_sglang_replica(omega_conf_to_dataclass(bad))
     finally:
         front.close()
+
+
+def test_a_failed_sglang_load_names_the_rank(sgl, tmp_path):
+    """A rank that cannot load (no daemon at the endpoint: its reader times out) reports through
+    refitd's loader, which never raises inside SGLang's scheduler: the session still closes (begin ->
+    update -> end), and the manager's load raises RefitError naming the rank, so verl's flush and resume
+    never run (``update_weights`` leaves the replicas paused)."""
+    import asyncio
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from adapters.sglang.loader import detach_all
+    from integrations.verl import RefitdCheckpointEngineManager
+    from sidecar.errors import RefitError
+    from tests.test_adapter_sglang import _Engine, _qwen3_moe
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_qwen3_moe()))
+    engine = _Engine(sgl.weight_updater(sgl.build_model(d, load_format="dummy")))
+    events: list[str] = []
+    front = SGLangFront(engine.manager, events)
+    rollout = sglang_rollout(d / "config.json", f"ipc://{tmp_path}/nobody.sock", timeout=2)
+    manager = RefitdCheckpointEngineManager(omega_conf_to_dataclass(rollout.checkpoint_engine), None, [])
+    try:
+        replica = make_replica(rollout, 3, front.address, events)
+        with pytest.raises(RefitError, match=r"verl-sglang3-\S+-pid\d+-tp0: RefitError: \[timeout\]"):
+            asyncio.run(manager.load_replica(replica, 1))
+        assert events == [
+            f"http:{e}" for e in ("begin_weight_update", "update_weights_from_tensor", "end_weight_update")
+        ]
+    finally:
+        detach_all()
+        front.close()
+
+
+def test_the_example_config_launches_sglang_with_refitds_loader(sgl, tmp_path):
+    """examples/verl_refitd.yaml with ``rollout.name: sglang`` passes the SGLang checks as it stands."""
+    import verl
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    from integrations.verl_sglang import check_sglang_replica
+
+    base = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_trainer.yaml")
+    OmegaConf.set_struct(base, False)
+    example = OmegaConf.load(Path(__file__).resolve().parent.parent / "examples/verl_refitd.yaml")
+    rollout = OmegaConf.merge(base, example).actor_rollout_ref.rollout
+    rollout.name = "sglang"
+    config = omega_conf_to_dataclass(rollout)
+    assert isinstance(config, RolloutConfig)
+    check_sglang_replica(config)
