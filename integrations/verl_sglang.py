@@ -116,8 +116,10 @@ def check_sglang_replica(config: Any) -> None:
     setting otherwise (before any request: an unlisted ``load_format`` ends SGLang's schedulers)."""
     sglang = _get(_get(config, "engine_kwargs"), "sglang") or {}
     loaders = _get(sglang, "custom_weight_loader") or []
-    if isinstance(loaders, str):
-        loaders = [loaders]
+    if isinstance(loaders, str):  # verl launches with list(custom_weight_loader): a string's characters
+        raise ValueError(
+            f"{LOADER_SETTING} is the string {loaders!r}; verl needs a list: set +{LOADER_SETTING}=[{LOADER}]"
+        )
     if LOADER not in list(loaders):
         raise ValueError(
             f"the SGLang replicas were launched without refitd's loader: set "

@@ -257,11 +257,13 @@ def test_a_misconfigured_sglang_replica_is_refused_naming_the_fix(sgl, tmp_path)
         assert events == ["http:begin_weight_update"]
 
         # verl's own settings that cannot work with refitd's load, refused the same way
+        from adapters.sglang import LOADER
         from integrations.verl_sglang import check_sglang_replica
 
         for key, value, match in [
             ("data_parallel_size", 2, r"data_parallel_size=2.*dp_size > 1"),
             ("quantization", "fp8", r"quantization='fp8'.*quantize again"),
+            ("engine_kwargs", {"sglang": {"custom_weight_loader": LOADER}}, r"is the string .*needs a list"),
         ]:
             bad = sglang_rollout(d / "config.json", endpoint)
             bad[key] = value
