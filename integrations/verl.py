@@ -150,7 +150,7 @@ class RefitdCheckpointEngineManager(CheckpointEngineManager):
         if own is not None:
             await own(step, self.endpoint)
             return
-        engine = str(getattr(replica.config, "name", "vllm"))
+        engine = str(getattr(getattr(replica, "config", None), "name", None) or "vllm")
         if engine == "sglang":  # verl's SGLangReplica: over its HTTP server, refitd's loader in each TP rank
             from integrations.verl_sglang import load_sglang_replica
 
