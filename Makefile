@@ -43,10 +43,11 @@ test-engines: venv
 	VLLM_TARGET_DEVICE=cpu REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-engines/bin/python -m pytest -q -m engine tests/test_adapter_vllm.py tests/test_stream_vllm.py tests/test_engine_vllm_models.py tests/test_engine_vllm_fourbit.py tests/test_vllm_fourbit.py tests/test_convert_vllm.py tests/test_engine_vllm_variants.py tests/test_live_configs.py tests/test_engine_vllm_nemo_rl.py
 
 # the SGLang adapter and `refitd convert` against SGLang 0.5.23's real model classes and weight updater
-# on CPU (in .venv-sglang); fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
+# on CPU (in .venv-sglang), and refitd's verl manager over SGLang replicas (verl's classes, --no-deps);
+# fails, never skips, when SGLang cannot run (REFITD_REQUIRE_ENGINES=1)
 test-sglang: venv
 	tests/setup_sglang.sh
-	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py tests/test_integration_verl_sglang.py
 
 # Megatron-Core 0.19.2 + Megatron-Bridge 0.6.2 on the CPU over gloo (in .venv-megatron, Python 3.12):
 # README's Megatron call at TP=1, TP=2, EP=2, TP=2 x EP=2 against real daemons; fails, never skips,

@@ -127,12 +127,12 @@ def resolved(pending: Any) -> list[Any]:
 class RefitdCheckpointEngineManager(CheckpointEngineManager):
     """verl's ``rollout.checkpoint_manager_class``: abort -> push -> load -> prefix-cache reset -> resume.
 
-    A replica loads through :data:`LOAD_METHOD` of refitd's vLLM worker extension
-    (``integrations.verl_vllm``), called on its server with ``collective_rpc``; a replica object with
-    its own ``refitd_load(step, endpoint)`` coroutine (an SGLang replica driving
-    ``adapters.sglang.refit_engine`` in its server process, or a test's) is asked that instead. A
-    failed load raises (naming the worker) and leaves the replicas paused: they must not serve
-    half-loaded weights.
+    A vLLM replica loads through :data:`LOAD_METHOD` of refitd's vLLM worker extension
+    (``integrations.verl_vllm``), called on its server with ``collective_rpc``; an SGLang replica
+    (``rollout.name=sglang``) through its HTTP server's weight-update session, refitd's custom loader
+    running in each TP scheduler (``integrations.verl_sglang``); a replica object with its own
+    ``refitd_load(step, endpoint)`` coroutine (a test's) is asked that instead. A failed load raises
+    (naming the worker) and leaves the replicas paused: they must not serve half-loaded weights.
     """
 
     def __init__(self, config, actor_wg, replicas) -> None:
@@ -150,6 +150,17 @@ class RefitdCheckpointEngineManager(CheckpointEngineManager):
         if own is not None:
             await own(step, self.endpoint)
             return
+        engine = str(getattr(getattr(replica, "config", None), "name", None) or "vllm")
+        if engine == "sglang":  # verl's SGLangReplica: over its HTTP server, refitd's loader in each TP rank
+            from integrations.verl_sglang import load_sglang_replica
+
+            await load_sglang_replica(replica, step, self.endpoint, self.load_timeout)
+            return
+        if engine != "vllm":
+            raise ValueError(
+                f"rollout.name={engine!r}: refitd's verl backend loads vLLM and SGLang replicas "
+                "(TensorRT-LLM: adapters.trtllm, driven by the user)"
+            )
         server = replica.server_handle
         await server.collective_rpc.remote(
             LOAD_METHOD, kwargs={"endpoint": self.endpoint, "min_step": step, "timeout": self.load_timeout}

@@ -59,7 +59,8 @@ def refit_engine(
 
     ``workers``: how many load results to wait for (default: ``engine.server_args.tp_size``).
     ``reply``: the address the ranks report to (default: an ipc:// socket in a fresh temporary
-    directory; give a ``tcp://host:port`` this host binds when ranks run on other nodes).
+    directory; give a ``tcp://host:port`` this host binds, or ``tcp://host:*`` for a free port, when
+    ranks run on other nodes).
     """
     expected = workers or _tp_size(engine)
     ctx = zmq.Context.instance()
@@ -70,6 +71,7 @@ def refit_engine(
         tmp = tempfile.mkdtemp(prefix="refitd-sglang-")
         reply = f"ipc://{os.path.join(tmp, 'reply.sock')}"
     sock.bind(reply)
+    reply = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the port a ``tcp://host:*`` bind was given
     control = control_tensors(endpoint, min_step=min_step, timeout=timeout, name=name, reply=reply)
     ended = False
     try:
