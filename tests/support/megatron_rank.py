@@ -1,12 +1,16 @@
 """One trainer rank of tests/test_megatron.py: real Megatron-Core and Megatron-Bridge over gloo.
 
 A tiny Qwen3-MoE imported with ``AutoBridge.from_hf_config`` from the ``config.json`` in ``--dir``,
-split ``--tp`` x ``--ep``; each step changes the weights, then makes README's one call
+built in turn in each ``--layout TP,PP,EP`` (DP the rest of the world) in the same process group
+(Megatron's parallel state torn down and made again between layouts: one spawn for several). In each
+layout each of ``--steps`` steps changes the weights, then makes README's one call
 (``integrations.megatron.push_megatron``: the bridge's whole export streamed with
-``replicated=True``) into the ``refitd serve`` daemon at ``--endpoint``. For the test's oracle every
-rank then reads the export again (its collectives) and rank 0 writes it as a BF16 checkpoint
-(``--dir/export{step}``) and the daemon's live generation (``refitd convert --from-daemon``,
-``--dir/published{step}``) before the next step.
+``replicated=True``) into each ``refitd serve`` daemon at ``--endpoint``; the steps count on across
+layouts (layout i's steps are ``i * steps ...``). For the test's oracle every rank then reads the
+export again (its collectives) and writes its digest (``--dir/digest{step}_rank{r}.txt``: every rank
+of every PP stage yields the whole model), and rank 0 writes it as a BF16 checkpoint
+(``--dir/export{step}``) and each daemon's live generation (``refitd convert --from-daemon``,
+``--dir/published{step}_{i}``) before the next step.
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/support/megatron_rank.py ...
 """
@@ -14,6 +18,7 @@ rank then reads the export again (its collectives) and rank 0 writes it as a BF1
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -37,48 +42,58 @@ from sidecar.cli.main import main as refitd_main  # noqa: E402
 from sidecar.client import RefitClient  # noqa: E402
 
 
-def build(args: argparse.Namespace):
+def build(directory: Path, tp: int, pp: int, ep: int):
+    """The bridge and the model chunks of this rank, split TP x PP x EP."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
     )
-    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(args.dir))
+    bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(directory))
     provider = bridge.to_megatron_provider(load_weights=False)
-    provider.tensor_model_parallel_size, provider.expert_model_parallel_size = args.tp, args.ep
+    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
+    provider.expert_model_parallel_size = ep
     provider_settings(provider)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     return bridge, model
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--endpoint", action="append", required=True, help="a daemon (repeat: one push each)")
-    ap.add_argument("--dir", type=Path, required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=2)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1234)
-    bridge, model = build(args)
+def digest(export: dict[str, torch.Tensor]) -> str:
+    """One line per tensor: its name, dtype, shape and the SHA-256 of its bytes."""
+    lines = []
+    for name in sorted(export):
+        t = export[name]
+        sha = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        lines.append(f"{name} {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {sha}")
+    return "\n".join(lines) + "\n"
+
+
+def run_layout(args, clients, layout: tuple[int, int, int], first_step: int) -> None:
+    rank = dist.get_rank()
+    bridge, model = build(args.dir, *layout)
     declare = declare_of(bridge)
+    declared_bytes = sum(t.numel() * t.element_size() for t in declare.values())
     config = (args.dir / "config.json").read_text()
-    clients = [RefitClient(e, rank=rank, world_size=world, timeout=300) for e in args.endpoint]
-    for step in range(args.steps):
+    for step in range(first_step, first_step + args.steps):
         with torch.no_grad():  # "training": every rank changes its shards alike
-            for p in model[0].parameters():
-                p.mul_(1.0 + 0.25 * step).add_(0.01 * (step + 1))
+            for chunk in model:
+                for p in chunk.parameters():
+                    p.mul_(1.0 + 0.25 * (step - first_step)).add_(0.01 * (step + 1))
         for client in clients:
             result = push_megatron(client, step, bridge, model, declare=declare)  # README's call
             print(
-                f"rank {rank} step {step}: generation {result.generation}, {result.bytes_in} bytes in",
+                f"rank {rank} layout {layout} step {step}: generation {result.generation}, "
+                f"{result.bytes_in} bytes in",
                 flush=True,
             )
+            # every declared byte arrived once, from the ranks together (the daemon refuses overlaps)
+            assert result.bytes_in == declared_bytes, (result.bytes_in, declared_bytes)
         export = {
             n: t.detach().to("cpu").contiguous().clone()
             for n, t in bridge.export_hf_weights(model, show_progress=False)
         }
+        (args.dir / f"digest{step}_rank{rank}.txt").write_text(digest(export))
         if rank == 0:
             out = args.dir / f"export{step}"
             out.mkdir()
@@ -88,7 +103,23 @@ def main() -> None:
                 args_ = ["convert", "--from-daemon", endpoint, "--config", str(args.dir / "config.json"),
                          "--min-step", str(step), "--timeout", "120", str(args.dir / f"published{step}_{i}")]  # fmt: skip
                 assert refitd_main(args_) == 0, f"refitd {' '.join(args_)} failed"
+        del export
         dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", action="append", required=True, help="a daemon (repeat: one push each)")
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--layout", action="append", required=True, help="TP,PP,EP (repeat: one after another)")
+    ap.add_argument("--steps", type=int, default=2)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    clients = [RefitClient(e, rank=rank, world_size=world, timeout=300) for e in args.endpoint]
+    for i, text in enumerate(args.layout):
+        torch.manual_seed(1234 + i)
+        run_layout(args, clients, tuple(int(x) for x in text.split(",")), i * args.steps)
     for client in clients:
         client.close()
     dist.destroy_process_group()
