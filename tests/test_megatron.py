@@ -163,15 +163,7 @@ def test_megatron_export_publishes_convert_bytes(world, tmp_path, free_port):
             cmd += [a for d in daemons for a in ("--endpoint", d.endpoint)]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         limit = IMPORT_S + RUN_S * len(layouts)
-        deadline = time.monotonic() + limit
-        for rank, p in enumerate(procs):
-            try:
-                p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(
-                    f"rank {rank} did not finish within {limit} s: {_tail(tmp_path / f'rank{rank}.log')}"
-                )
-            assert p.returncode == 0, f"rank {rank} failed: {_tail(tmp_path / f'rank{rank}.log')}"
+        wait_ranks(procs, tmp_path, time.monotonic() + limit, limit)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -188,6 +180,24 @@ def test_megatron_export_publishes_convert_bytes(world, tmp_path, free_port):
         # the layout's steps changed the weights: its second generation is not its first
         first, second = (tensors(tmp_path / f"export{s}") for s in (index * STEPS, index * STEPS + 1))
         assert not same_bytes(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
+
+
+def wait_ranks(procs: list[subprocess.Popen], root: Path, deadline: float, limit: float) -> None:
+    """Until every rank exits 0; the first that fails fails the test at once (the others may be
+    left waiting in a collective for it)."""
+    running = dict(enumerate(procs))
+    while running:
+        for rank, p in list(running.items()):
+            if p.poll() is not None:
+                assert p.returncode == 0, f"rank {rank} failed: {_tail(root / f'rank{rank}.log')}"
+                del running[rank]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            rank = min(running)
+            pytest.fail(f"rank {rank} did not finish within {limit} s: {_tail(root / f'rank{rank}.log')}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            next(iter(running.values())).wait(0.2)
 
 
 def check_step(root: Path, world: int, layout: str, step: int, whole: set[str]) -> None:
