@@ -146,12 +146,11 @@ def test_megatron_export_publishes_convert_bytes(world, tmp_path, free_port):
     layouts = WORLDS[world]
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    daemons = [Daemon(tmp_path, fmt, world, config) for fmt in FORMATS]  # started together
+    # the daemons and the ranks start together: a rank's first push (its HELLO) comes after its
+    # imports and its model, and the client's socket connects once the daemon listens
+    daemons = [Daemon(tmp_path, fmt, world, config) for fmt in FORMATS]
     procs, logs = [], []
     try:
-        deadline = time.monotonic() + 120
-        for d in daemons:
-            d.wait_listening(deadline)
         port = free_port()
         for rank in range(world):
             log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
@@ -162,6 +161,9 @@ def test_megatron_export_publishes_convert_bytes(world, tmp_path, free_port):
             cmd += [a for sizes in layouts.values() for a in ("--layout", ",".join(map(str, sizes)))]
             cmd += [a for d in daemons for a in ("--endpoint", d.endpoint)]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 120
+        for d in daemons:
+            d.wait_listening(deadline)
         limit = IMPORT_S + RUN_S * len(layouts)
         wait_ranks(procs, tmp_path, time.monotonic() + limit, limit)
     finally:
