@@ -3,7 +3,9 @@ CPU): README's one call on every rank, ``push_megatron`` (the bridge's whole exp
 ``replicated=True``), into real ``refitd serve`` daemons, at TP=1, TP=2, EP=2, PP=2, DP=2,
 TP=2 x EP=2, TP=2 x PP=2 and PP=2 x EP=2; each of two steps, in block-FP8, MXFP8, NVFP4 and INT4
 (W4A16), publishes byte for byte what ``refitd convert`` makes of the bridge's export of the same
-weights, and every rank (of every PP stage) read the whole model from the export, alike.
+weights, and every rank (of every PP stage) read the whole model from the export, alike. Each
+layout's second step forces the order of arrival that deadlocked README's old recipe (every other
+rank inside the export's collectives before rank 0 calls ``push_megatron``).
 
 One set of rank processes and daemons per world size runs its layouts one after another (the
 process group and the daemons reused; Megatron's parallel state made again per layout): the spawns,

@@ -10,7 +10,9 @@ layouts (layout i's steps are ``i * steps ...``). For the test's oracle every ra
 export again (its collectives) and writes its digest (``--dir/digest{step}_rank{r}.txt``: every rank
 of every PP stage yields the whole model), and rank 0 writes it as a BF16 checkpoint
 (``--dir/export{step}``) and each daemon's live generation (``refitd convert --from-daemon``,
-``--dir/published{step}_{i}``) before the next step.
+``--dir/published{step}_{i}``) before the next step. A layout's second step forces the order of
+arrival that deadlocked README's old recipe: every other rank is reading the export (blocked in its
+first collective) before rank 0 calls ``push_step`` (:class:`EnteredFirst`).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/support/megatron_rank.py ...
 """
@@ -21,6 +23,7 @@ import argparse
 import hashlib
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,8 +72,29 @@ def digest(export: dict[str, torch.Tensor]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_layout(args, clients, layout: tuple[int, int, int], first_step: int) -> None:
-    rank = dist.get_rank()
+#: how long rank 0 waits for the other ranks to be inside the export before calling push_step
+ENTER_WAIT = timedelta(seconds=120)
+
+
+class EnteredFirst:
+    """The bridge, whose export tells rank 0 (over ``signal``, a group of its own) when this rank
+    starts reading it: inside ``push_step``, past its BEGIN, at the export's first collective."""
+
+    def __init__(self, bridge, signal) -> None:
+        self.bridge, self.signal = bridge, signal
+
+    def export_hf_weights(self, model, **kwargs):
+        export = self.bridge.export_hf_weights(model, **kwargs)
+
+        def entered():
+            dist.send(torch.zeros(1), dst=0, group=self.signal)
+            yield from export
+
+        return entered()
+
+
+def run_layout(args, clients, layout: tuple[int, int, int], first_step: int, signal) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     bridge, model = build(args.dir, *layout)
     declare = declare_of(bridge)
     declared_bytes = sum(t.numel() * t.element_size() for t in declare.values())
@@ -80,8 +104,21 @@ def run_layout(args, clients, layout: tuple[int, int, int], first_step: int) -> 
             for chunk in model:
                 for p in chunk.parameters():
                     p.mul_(1.0 + 0.25 * (step - first_step)).add_(0.01 * (step + 1))
-        for client in clients:
-            result = push_megatron(client, step, bridge, model, declare=declare)  # README's call
+        for i, client in enumerate(clients):
+            pusher = bridge
+            if i == 0 and world > 1 and (step - first_step) % 2:  # the issue's deadlock order:
+                if rank == 0:  # rank 0 calls push_step only once every other rank is in the export
+                    for other in range(1, world):
+                        try:
+                            dist.irecv(torch.zeros(1), src=other, group=signal).wait(ENTER_WAIT)
+                        except RuntimeError as exc:
+                            raise SystemExit(
+                                f"step {step}: rank {other} did not start reading the export (within its "
+                                f"push_step) before rank 0 called push_step: {exc}"
+                            ) from exc
+                else:
+                    pusher = EnteredFirst(bridge, signal)
+            result = push_megatron(client, step, pusher, model, declare=declare)  # README's call
             print(
                 f"rank {rank} layout {layout} step {step}: generation {result.generation}, "
                 f"{result.bytes_in} bytes in",
@@ -117,9 +154,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     clients = [RefitClient(e, rank=rank, world_size=world, timeout=300) for e in args.endpoint]
+    signal = dist.new_group(backend="gloo")  # the order of arrival a step forces (EnteredFirst)
     for i, text in enumerate(args.layout):
         torch.manual_seed(1234 + i)
-        run_layout(args, clients, tuple(int(x) for x in text.split(",")), i * args.steps)
+        run_layout(args, clients, tuple(int(x) for x in text.split(",")), i * args.steps, signal)
     for client in clients:
         client.close()
     dist.destroy_process_group()
