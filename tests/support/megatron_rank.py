@@ -37,6 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.bridge import AutoBridge  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -59,6 +60,15 @@ def build(directory: Path, tp: int, pp: int, ep: int):
     provider_settings(provider)
     provider.finalize()
     model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    # the layout is real: this rank holds its stage's layers only, split TP x EP
+    sizes = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    )
+    assert sizes == (tp, pp, ep), f"Megatron runs TP, PP, EP = {sizes}, not {(tp, pp, ep)}"
+    layers = sum(len(chunk.decoder.layers) for chunk in unwrap_model(model))
+    assert layers * pp == provider.num_layers, f"{layers} of {provider.num_layers} layers on a stage of {pp}"
     return bridge, model
 
 
