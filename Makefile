@@ -50,7 +50,7 @@ test-sglang: venv
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-sglang/bin/python -m pytest -q -p no:logging -m engine tests/test_adapter_sglang.py tests/test_adapter_sglang_fourbit.py tests/test_integration_verl_sglang.py
 
 # Megatron-Core 0.19.2 + Megatron-Bridge 0.6.2 on the CPU over gloo (in .venv-megatron, Python 3.12):
-# README's Megatron call at TP=1, TP=2, EP=2, TP=2 x EP=2 against real daemons; fails, never skips,
+# README's Megatron call at TP, EP, PP and DP layouts against real daemons; fails, never skips,
 # when Megatron cannot run (REFITD_REQUIRE_MEGATRON=1); workarounds: tests/support/megatron_cpu.py
 test-megatron:
 	tests/setup_megatron.sh

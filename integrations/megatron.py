@@ -9,8 +9,9 @@ trainer rank makes, the same on every rank, whatever its TP, EP, PP or DP coordi
         train(...)
         push_megatron(client, step, bridge, model, declare=declare)
 
-Megatron-Bridge's ``export_hf_weights`` gathers every tensor (TP, EP and PP collectives) and yields
-it whole on every rank. Every rank streams it into ``push_step(..., declare=..., replicated=True)``:
+Megatron-Bridge's ``export_hf_weights`` gathers every tensor (TP and EP collectives, and a broadcast
+from the PP stage that holds it) and yields it whole on every rank of every stage. Every rank
+streams it into ``push_step(..., declare=..., replicated=True)``:
 the client sends BEGIN before it reads the export (so no rank waits in a collective for a rank that
 has not begun), each rank reads the whole export in lockstep, and each tensor is written by exactly
 one rank (``sidecar.client.replicated``), the bytes spread over the ranks; the others drop it as it

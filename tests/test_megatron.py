@@ -1,8 +1,15 @@
 """Megatron-Core through its real bridge (megatron-core 0.19.2, megatron-bridge 0.6.2, gloo on the
 CPU): README's one call on every rank, ``push_megatron`` (the bridge's whole export streamed with
-``replicated=True``), into real ``refitd serve`` daemons, at TP=1, TP=2, EP=2 and TP=2 x EP=2; each
-of two steps, in block-FP8 and NVFP4, publishes byte for byte what ``refitd convert`` makes of
-the bridge's export of the same weights.
+``replicated=True``), into real ``refitd serve`` daemons, at TP=1, TP=2, EP=2, PP=2, DP=2,
+TP=2 x EP=2, TP=2 x PP=2 and PP=2 x EP=2; each of two steps, in block-FP8, MXFP8, NVFP4 and INT4
+(W4A16), publishes byte for byte what ``refitd convert`` makes of the bridge's export of the same
+weights, and every rank (of every PP stage) read the whole model from the export, alike. Each
+layout's second step forces the order of arrival that deadlocked README's old recipe (every other
+rank inside the export's collectives before rank 0 calls ``push_megatron``).
+
+One set of rank processes and daemons per world size runs its layouts one after another (the
+process group and the daemons reused; Megatron's parallel state made again per layout): the spawns,
+not the steps, are what costs here.
 
 Runs in .venv-megatron (``make test-megatron``; tests/setup_megatron.sh); skipped elsewhere, failed
 instead when REFITD_REQUIRE_MEGATRON=1 (the make target). The CPU workarounds are all in
@@ -24,9 +31,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = REPO / "tests" / "support" / "megatron_rank.py"
-FORMATS = ("block_fp8", "nvfp4")
-#: a whole run (imports, model, two steps, the oracle's dumps) must end by then
-RUN_S = 600
+FORMATS = ("block_fp8", "mxfp8", "nvfp4", "int4_w4a16")
+#: world size -> its layouts, run in turn by the same ranks: id -> (TP, PP, EP), DP the rest
+WORLDS = {
+    1: {"tp1": (1, 1, 1)},
+    2: {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1), "dp2": (1, 1, 1)},
+    4: {"tp2xep2": (2, 1, 2), "tp2xpp2": (2, 2, 1), "pp2xep2": (1, 2, 2)},
+}
+STEPS = 2
+#: a layout (its model, two steps, the oracle's dumps) must end within this, after the ranks' imports
+RUN_S = 120
+IMPORT_S = 300
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None  # the ranks import it (with workarounds)
 
@@ -38,6 +53,7 @@ if not HAVE_MEGATRON:
     pytest.skip("Megatron runs in .venv-megatron: make test-megatron", allow_module_level=True)
 
 from sidecar.cli.main import main as refitd_main  # noqa: E402
+from sidecar.plan.build import meta_state_dict  # noqa: E402
 
 #: a tiny Qwen3-MoE, as transformers 5.x writes its config (moe_intermediate_size / TP stays a
 #: multiple of 128: block-FP8's rule)
@@ -89,10 +105,12 @@ class Daemon:
              str(config), "--format", fmt, "--world-size", str(world), "--log-level", "warning"],
             env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not (run / "control.sock").exists():
-            assert self.proc.poll() is None, (root / f"daemon-{fmt}.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the daemon did not listen within 120 s"
+        self.socket, self.log_path = run / "control.sock", root / f"daemon-{fmt}.log"
+
+    def wait_listening(self, deadline: float) -> None:
+        while not self.socket.exists():
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{self.log_path.name}: the daemon did not listen in time"
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(0.1)
 
@@ -125,11 +143,13 @@ def same_bytes(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 2)], ids=["tp1", "tp2", "ep2", "tp2xep2"])
-def test_megatron_export_publishes_convert_bytes(tp, ep, tmp_path, free_port):
-    world = tp * ep
+@pytest.mark.parametrize("world", list(WORLDS), ids=["-".join(WORLDS[w]) for w in WORLDS])
+def test_megatron_export_publishes_convert_bytes(world, tmp_path, free_port):
+    layouts = WORLDS[world]
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
+    # the daemons and the ranks start together: a rank's first push (its HELLO) comes after its
+    # imports and its model, and the client's socket connects once the daemon listens
     daemons = [Daemon(tmp_path, fmt, world, config) for fmt in FORMATS]
     procs, logs = [], []
     try:
@@ -139,19 +159,15 @@ def test_megatron_export_publishes_convert_bytes(tp, ep, tmp_path, free_port):
             logs.append(log)
             env = child_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
-            cmd = [sys.executable, str(RANK), "--dir", str(tmp_path), "--tp", str(tp), "--ep", str(ep)]
-            for d in daemons:
-                cmd += ["--endpoint", d.endpoint]
+            cmd = [sys.executable, str(RANK), "--dir", str(tmp_path), "--steps", str(STEPS)]
+            cmd += [a for sizes in layouts.values() for a in ("--layout", ",".join(map(str, sizes)))]
+            cmd += [a for d in daemons for a in ("--endpoint", d.endpoint)]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + RUN_S
-        for rank, p in enumerate(procs):
-            try:
-                p.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(
-                    f"rank {rank} did not finish within {RUN_S} s: {_tail(tmp_path / f'rank{rank}.log')}"
-                )
-            assert p.returncode == 0, f"rank {rank} failed: {_tail(tmp_path / f'rank{rank}.log')}"
+        deadline = time.monotonic() + 120
+        for d in daemons:
+            d.wait_listening(deadline)
+        limit = IMPORT_S + RUN_S * len(layouts)
+        wait_ranks(procs, tmp_path, time.monotonic() + limit, limit)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -161,18 +177,54 @@ def test_megatron_export_publishes_convert_bytes(tp, ep, tmp_path, free_port):
             log.close()
         for d in daemons:
             d.stop()
-    for step in range(2):
-        export = tmp_path / f"export{step}"
-        for i, fmt in enumerate(FORMATS):
-            want = tmp_path / f"want{step}_{fmt}"
-            assert refitd_main(["convert", "--format", fmt, str(export), str(want)]) == 0
-            expected, published = tensors(want), tensors(tmp_path / f"published{step}_{i}")
-            assert set(published) == set(expected), sorted(set(published) ^ set(expected))[:10]
-            bad = [n for n, t in expected.items() if not same_bytes(published[n], t)]
-            assert not bad, f"step {step} {fmt}: {len(bad)} of {len(expected)} tensors differ: {bad[:5]}"
-            assert any(t.dtype.itemsize == 1 for t in published.values())  # experts quantized
-    # both steps changed the weights: the second generation is not the first
-    assert not same_bytes(*(tensors(tmp_path / f"export{s}")["model.embed_tokens.weight"] for s in (0, 1)))
+    whole = set(meta_state_dict(CONFIG))  # the whole model, from its config alone
+    for index, name in enumerate(layouts):
+        for step in range(index * STEPS, (index + 1) * STEPS):
+            check_step(tmp_path, world, name, step, whole)
+        # the layout's steps changed the weights: its second generation is not its first
+        first, second = (tensors(tmp_path / f"export{s}") for s in (index * STEPS, index * STEPS + 1))
+        assert not same_bytes(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
+
+
+def wait_ranks(procs: list[subprocess.Popen], root: Path, deadline: float, limit: float) -> None:
+    """Until every rank exits 0; the first that fails fails the test at once (the others may be
+    left waiting in a collective for it)."""
+    running = dict(enumerate(procs))
+    while running:
+        for rank, p in list(running.items()):
+            if p.poll() is not None:
+                assert p.returncode == 0, f"rank {rank} failed: {_tail(root / f'rank{rank}.log')}"
+                del running[rank]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            rank = min(running)
+            pytest.fail(f"rank {rank} did not finish within {limit} s: {_tail(root / f'rank{rank}.log')}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            next(iter(running.values())).wait(0.2)
+
+
+def check_step(root: Path, world: int, layout: str, step: int, whole: set[str]) -> None:
+    """Every rank's export of ``step`` was the whole model, alike; each daemon published what
+    ``refitd convert`` makes of it, byte for byte."""
+    where = f"{layout} step {step}"
+    # every rank, of every PP stage, read the whole model from the bridge, alike
+    digests = [(root / f"digest{step}_rank{r}.txt").read_text() for r in range(world)]
+    assert all(d == digests[0] for d in digests), f"{where}: the ranks' exports differ"
+    names = {line.split(" ", 1)[0] for line in digests[0].splitlines()}
+    assert names == whole, f"{where}: the export lacks {sorted(whole - names)[:10]}"
+    export = root / f"export{step}"
+    for i, fmt in enumerate(FORMATS):
+        want = root / f"want{step}_{fmt}"
+        assert refitd_main(["convert", "--format", fmt, str(export), str(want)]) == 0
+        expected, published = tensors(want), tensors(root / f"published{step}_{i}")
+        assert set(published) == set(expected), (
+            f"{where} {fmt}: {sorted(set(published) ^ set(expected))[:10]}"
+        )
+        bad = [n for n, t in expected.items() if not same_bytes(published[n], t)]
+        assert not bad, f"{where} {fmt}: {len(bad)} of {len(expected)} tensors differ: {bad[:5]}"
+        # the experts quantized: FP8 / packed 4-bit bytes, or INT4 packed in int32
+        assert any(t.dtype.itemsize == 1 or not t.is_floating_point() for t in published.values())
 
 
 def _tail(path: Path) -> str:
