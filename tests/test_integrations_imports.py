@@ -26,7 +26,11 @@ ALLOWED = (
 )
 FIRST_PARTY = ("sidecar", "transport", "adapters", "integrations")
 #: a framework (or an engine) each glue module may import, by module; integrations/__init__ none
-FRAMEWORKS = {"verl": ("verl", "ray"), "verl_vllm": ("verl", "vllm")}
+FRAMEWORKS = {
+    "verl": ("verl", "ray"),
+    "verl_vllm": ("verl", "vllm"),
+    "verl_sglang": ("verl", "ray", "sglang"),
+}
 
 
 def imported(path: Path) -> set[str]:
