@@ -187,6 +187,7 @@ def mend_loader(worker) -> None:
 
 async def scenario(tmp: Path) -> dict:
     import verl.checkpoint_engine.base as verl_base
+    from support.verl_actors import ActorGroup
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.import_utils import import_external_libs
     from verl.workers.rollout.replica import RolloutMode
@@ -195,7 +196,6 @@ async def scenario(tmp: Path) -> dict:
     from adapters.vllm import VLLM_ENV, vllm_engine_args
     from integrations.verl import RefitdCheckpointEngineManager
     from sidecar.plan.build import RefitSpec
-    from support.verl_actors import ActorGroup
 
     model_dir = tmp / "model"
     cfg = live.write_model(MODEL, model_dir)
