@@ -13,21 +13,25 @@ What of verl runs, and what stands in for what:
 * runs: the generated trainer config through ``omega_conf_to_dataclass`` (``CheckpointEngineConfig``,
   ``RolloutConfig``), ``import_external_libs`` and ``CheckpointEngineRegistry`` (the two actor ranks),
   ``CheckpointEngineManager``'s ``abort_replicas`` / ``resume_generation_replicas``, ``vLLMReplica``
-  (``abort_all_requests``, ``resume_generation``; ``RolloutReplica.clear_kv_cache``), and on the engine
-  ``vLLMHttpServer``'s ``abort_all_requests`` (its submission gate, ``pause_generation``),
-  ``collective_rpc``, ``clear_kv_cache``, ``resume_engine_generation``, ``open_submission_gate``;
-  in the worker, ``vLLMColocateWorkerExtension.__new__`` (verl's worker patches).
-* stood in for: Ray. verl starts each ``vLLMHttpServer`` as a Ray actor whose ``launch_server`` runs
-  ``vllm serve`` (OpenAI HTTP app, ``mp`` executor) on GPUs it is granted; its ``__init__`` needs a
-  connected Ray runtime (job id, node address, free ports). Here the server object is made without
-  ``__init__``, with the fields its methods above read, and its engine is an ``AsyncLLM`` started with
-  the arguments of verl's that matter to the refit (``engine_kwargs.vllm``: the worker extension and
-  refitd's ``vllm_engine_args``; ``enable_prefix_caching``, ``dtype``, ``load_format`` from the
-  ``RolloutConfig``). Ray's actor handles are :class:`Handle` (``method.remote(...)`` returns the
-  method's coroutine; verl awaits Ray's ObjectRef the same way). The actor worker group is
-  ``support.verl_actors.ActorGroup``, its ranks threads handed a seeded model's weights in FP32 with
-  per-expert names (what verl's FSDP ``get_per_tensor_param`` yields; that export itself runs in
-  tests/test_integration_verl.py). Not tried for the CPU time: Ray plus an HTTP server per test.
+  (``abort_all_requests``, ``resume_generation``; ``RolloutReplica.clear_kv_cache``), and
+  ``vLLMHttpServer``: its ``__init__`` (``RolloutConfig``, ``HFModelConfig`` of the model directory,
+  the submission gate; it reads Ray's job id and node address, so a local Ray is started), then on the
+  engine its ``abort_all_requests`` (the gate, ``pause_generation``), ``collective_rpc``,
+  ``clear_kv_cache``, ``resume_engine_generation``, ``open_submission_gate``; in vLLM's worker,
+  ``vLLMColocateWorkerExtension.__new__`` (verl's worker patches) and ``monkey_patch_model`` (what
+  ``run_server`` calls once the engine is up).
+* stood in for: ``launch_server`` and Ray's actors. verl starts each ``vLLMHttpServer`` as a Ray actor
+  whose ``launch_server`` runs ``vllm serve`` (the OpenAI HTTP app over an ``AsyncLLM``, ``mp``
+  executor) on GPUs Ray grants it. Here the server object lives in the test's process and its engine
+  is an ``AsyncLLM`` started with the arguments of verl's that matter to the refit
+  (``engine_kwargs.vllm``: the worker extension and refitd's ``vllm_engine_args``;
+  ``enable_prefix_caching``, ``dtype``, ``load_format`` from the ``RolloutConfig``; the live tests'
+  small, eager settings for the rest). Ray's actor handles are :class:`Handle`
+  (``method.remote(...)`` returns the method's coroutine; verl awaits Ray's ObjectRef the same way).
+  The actor worker group is ``support.verl_actors.ActorGroup``, its ranks threads handed a seeded
+  model's weights in FP32 with per-expert names (what verl's FSDP ``get_per_tensor_param`` yields;
+  that export itself runs in tests/test_integration_verl.py). Not tried for the CPU time: an HTTP
+  server and Ray actors per test.
 * one call adapted: verl 0.9.1 (which pins vllm 0.24.0) calls ``pause_generation(
   wait_for_inflight_requests=False, clear_cache=...)``; vLLM 0.32's ``AsyncLLM.pause_generation``
   takes ``mode=`` instead and raises TypeError on verl's keyword (so does 0.33's). :class:`Vllm024`
@@ -108,6 +112,7 @@ def verl_config(hf_config: Path, endpoint: str, timeout: float):
         "refitd": {"hf_config": str(hf_config), "endpoint": endpoint, "timeout": timeout}
     }
     rollout.checkpoint_manager_class = "integrations.verl.RefitdCheckpointEngineManager"
+    rollout.max_model_len = live.ENGINE_KW["max_model_len"]
     rollout.engine_kwargs.vllm = {"worker_extension_cls": EXTENSION}
     return rollout, omega_conf_to_dataclass(rollout.checkpoint_engine)
 
@@ -186,10 +191,12 @@ def mend_loader(worker) -> None:
 
 
 async def scenario(tmp: Path) -> dict:
+    import ray
     import verl.checkpoint_engine.base as verl_base
     from support.verl_actors import ActorGroup
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.import_utils import import_external_libs
+    from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import RolloutMode
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
@@ -201,6 +208,7 @@ async def scenario(tmp: Path) -> dict:
     cfg = live.write_model(MODEL, model_dir)
     daemon = live.Daemon(tmp, model_dir / "config.json", world_size=WORLD)
     out: dict = {}
+    environ = dict(os.environ)  # verl's server sets CUDA_VISIBLE_DEVICES and its own variables
     engine = None
     engines: list = []
     try:
@@ -228,6 +236,17 @@ async def scenario(tmp: Path) -> dict:
             "load_format": rollout_dc.load_format,
         }
         out["extension"] = args["worker_extension_cls"]
+        # verl's own server object, made as vLLMReplica.launch_servers makes it (its __init__: the config
+        # dataclasses, the submission gate, ports; it reads Ray's job id and node address: a local Ray)
+        ray.init(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False)
+        server = vLLMHttpServer(
+            config=rollout, model_config=HFModelConfig(path=str(model_dir)), rollout_mode=RolloutMode.STANDALONE,
+            workers=[], replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="",
+        )  # fmt: skip
+        if (
+            "CUDA_VISIBLE_DEVICES" not in environ
+        ):  # the GPUs Ray granted it: none here (set, vLLM leaves its CPU path)
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         engine = start_engine(model_dir, **args)
         # what verl's vLLMHttpServer.run_server calls on every worker once the engine is up: mask the
         # tokens past the tokenizer's, and patch_vllm_moe_model_weight_loader on the model
@@ -239,12 +258,7 @@ async def scenario(tmp: Path) -> dict:
             await engine.resume_generation()
         except TypeError as exc:
             out["verl_pause_keyword"] = str(exc)
-        server = vLLMHttpServer.__new__(vLLMHttpServer)  # the fields its refit methods read
-        server.__dict__.update(
-            engine=Vllm024(engine), node_rank=0, config=rollout_dc, rollout_mode=RolloutMode.STANDALONE,
-            _submission_paused=False, _admitting=0, _resume_event=asyncio.Event(), _rejecting=False,
-        )  # fmt: skip
-        server._resume_event.set()
+        server.engine = Vllm024(engine)  # what its launch_server -> run_server sets
         handle = Handle(server, events)
         replica = vLLMReplica(replica_rank=0, config=rollout, model_config=None, gpus_per_node=1)
         replica.rollout_mode, replica.servers, replica._server_handle = (
@@ -284,6 +298,9 @@ async def scenario(tmp: Path) -> dict:
         for e in engines:
             e.close()
         daemon.close()
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(environ)
     fresh = start_engine(live.converted(tmp / "ckpt" / "step1", tmp / "fresh1"), **live.ENGINE_KW)
     try:
         out["want1"] = await greedy(fresh)
