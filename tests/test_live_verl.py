@@ -243,9 +243,8 @@ async def scenario(tmp: Path) -> dict:
             config=rollout, model_config=HFModelConfig(path=str(model_dir)), rollout_mode=RolloutMode.STANDALONE,
             workers=[], replica_rank=0, node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="",
         )  # fmt: skip
-        if (
-            "CUDA_VISIBLE_DEVICES" not in environ
-        ):  # the GPUs Ray granted it: none here (set, vLLM leaves its CPU path)
+        # it sets CUDA_VISIBLE_DEVICES to the GPUs Ray granted it: none here, and set, vLLM leaves its CPU path
+        if "CUDA_VISIBLE_DEVICES" not in environ:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         engine = start_engine(model_dir, **args)
         # what verl's vLLMHttpServer.run_server calls on every worker once the engine is up: mask the
