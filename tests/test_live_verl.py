@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -118,26 +117,15 @@ def verl_config(hf_config: Path, endpoint: str, timeout: float):
 
 
 def make_weights(model_dir: Path, step: int, out: Path) -> dict:
-    """Step ``step``'s weights (seeded, as tests/support/live_trainer.py makes them) in per-expert names,
-    saved as a BF16 checkpoint in ``out``; returned in FP32, as verl's FSDP masters hand them."""
-    import torch
-    from safetensors.torch import save_file
-    from support.live_trainer import per_expert
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Step ``step``'s weights (tests/support/live_trainer.py's, seeded apart from its steps) saved as a
+    per-expert BF16 checkpoint in ``out``; returned in per-expert names and FP32, as verl's FSDP
+    ``get_per_tensor_param`` hands them (its masters are FP32)."""
+    from support.live_trainer import per_expert, save_checkpoint, seeded_state
+    from transformers import AutoConfig
 
-    torch.manual_seed(2000 + step)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    state = per_expert({n: t.detach() for n, t in model.state_dict().items()})
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"))
-    for f in model_dir.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, out / f.name)
-    return {n: t.float() for n, t in state.items()}
+    state = seeded_state(AutoConfig.from_pretrained(model_dir), 2000 + step)
+    save_checkpoint(state, model_dir, out)
+    return {n: t.float() for n, t in per_expert(state).items()}
 
 
 def start_engine(model_dir: Path, **kw):
