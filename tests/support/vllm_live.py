@@ -130,15 +130,16 @@ def max_delta(a, b) -> float:
 
 
 class Daemon:
-    """``refitd serve --format bf16`` for one trainer rank, in a subprocess on ``root/run``."""
+    """``refitd serve --format bf16`` for ``world_size`` trainer ranks (one unless said), in a subprocess
+    on ``root/run``."""
 
-    def __init__(self, root: Path, hf_config: Path, fmt: str = "bf16"):
+    def __init__(self, root: Path, hf_config: Path, fmt: str = "bf16", world_size: int = 1):
         self.runtime_dir = root / "run"
         self.endpoint = f"ipc://{self.runtime_dir / 'control.sock'}"
         self.log_path = root / "refitd.log"
         argv = [
             sys.executable, "-m", "sidecar.cli", "serve", "--runtime-dir", str(self.runtime_dir),
-            "--hf-config", str(hf_config), "--world-size", "1", "--format", fmt,
+            "--hf-config", str(hf_config), "--world-size", str(world_size), "--format", fmt,
         ]  # fmt: skip
         # refitd refuses REFITD_* variables it does not know (the tests' REFITD_REQUIRE_ENGINES)
         env = {k: v for k, v in os.environ.items() if k != "REFITD_REQUIRE_ENGINES"}
