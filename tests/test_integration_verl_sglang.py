@@ -164,8 +164,8 @@ def test_the_manager_loads_sglang_replicas_through_refitds_loader_byte_equal(sgl
     from integrations.verl_sglang import reply_address
     from sidecar.numerics.formats import Format
     from tests.support.daemons import RunningDaemon
+    from tests.support.verl_actors import ActorGroup
     from tests.test_adapter_sglang import _assert_same_params, _checkpoint, _Engine, _qwen3_moe, _weights
-    from support.verl_actors import ActorGroup
 
     config = _qwen3_moe()
     weights = {s: _weights(config, 20 + s) for s in (1, 2)}
