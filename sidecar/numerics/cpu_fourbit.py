@@ -19,6 +19,7 @@ from sidecar.numerics.native_calls import (
     POOL,
     Prepared,
     amax_call,
+    group_call,
     lib_for,
     ptr,
     raise_like_reference,
@@ -156,11 +157,16 @@ def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
     """NVFP4 scale groups, each ``(tensors, their out= buffers, their names, the group's name)`` sharing
     one global scale (an expert's gate and up); returns each group's ``gs``.
 
-    With at least :data:`GROUPS_PER_THREAD` groups a thread, each group runs whole on one thread: its
-    amax, then its members' kernels while their bytes are still in cache (a group is a few MiB: the
-    second read is served from L2/L3, not memory). With fewer, each pass is split across the threads:
-    every group's amax, then every member's kernel. Bytes and errors are the same either way."""
+    With at least :data:`GROUPS_PER_THREAD` groups a thread, a thread takes a run of whole groups through
+    the native group pipeline (``refitd_nvfp4_groups``: a group's amax read while the group before it
+    runs its kernels, re-reading its bytes from cache: a group is a few MiB, so the slab is read from
+    memory about once, and the reads overlap the kernels' arithmetic). With fewer, each pass is split
+    across the threads: every group's amax, then every member's kernel. Bytes and errors are the same
+    either way."""
     if len(groups) >= GROUPS_PER_THREAD * POOL.threads():
+        pipelined = _nvfp4_pipeline(groups)
+        if pipelined is not None:
+            return run_one(pipelined)
         return run_prepared([_prepare_nvfp4_group(*g) for g in groups])
     scales = run_prepared([prepare_nvfp4_global_scale(*ts, name=label) for ts, _, _, label in groups])
     calls = []
@@ -168,6 +174,41 @@ def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
         calls += [prepare_nvfp4(w, global_scale=gs, out=o, name=n) for w, o, n in zip(tensors, outs, names)]
     run_prepared(calls)
     return scales
+
+
+def _nvfp4_pipeline(groups: Sequence[Nvfp4Group]) -> Prepared | None:
+    """The groups through native ``refitd_nvfp4_groups`` (each group's amax read while the one before it
+    converts), or None where a group is not all for the native kernels or the build lacks it (then group
+    by group). Every member's buffers are checked first, as the group by group path does."""
+    checked = [
+        [fourbit.nvfp4_outputs(w, out, name) for w, out, name in zip(tensors, outs, names, strict=True)]
+        for tensors, outs, names, _ in groups
+    ]
+    members, fills = [], []
+    for (tensors, *_), bufs in zip(groups, checked, strict=True):
+        found = shared_views(tensors, lambda t: t.dim() >= 2 and t.shape[-1] % NVFP4_BLOCK == 0)
+        run = None if found is None else getattr(found[0], "refitd_nvfp4_groups", None)
+        if run is None:
+            return None
+        fields = []
+        for w, (q, s, g) in zip(tensors, bufs, strict=True):
+            kernel = _nvfp4_kernel_args(found[0], w, q, s)
+            if kernel is None:
+                return None
+            (x, n, k, xbs, xrs, *qs), rows = kernel
+            fields.append((x, rows // n, n, k, xbs, xrs, *qs))
+            fills.append((len(members), g))
+        members.append(fields)
+
+    def finish(bad: int | None, scales: list[float]) -> list[torch.Tensor]:
+        if bad is not None:
+            tensors, label = groups[bad][0], groups[bad][3]
+            raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=label), label)
+        for i, g in fills:
+            g.fill_(scales[i])
+        return [torch.tensor(v, dtype=torch.float32) for v in scales]
+
+    return group_call(run, members, finish)
 
 
 def _prepare_nvfp4_group(

@@ -134,50 +134,88 @@ static void grow_thresholds(i16x16 (*thr)[TESTS], uint32_t *lo, uint32_t *hi, ui
     *hi = to;
 }
 
+/* a global scale's state: gs, and the thresholds of the positive e4m3 scale bytes [lo_byte, hi_byte] met
+   so far (a call's bytes span a few binades: filled as the range grows) */
+typedef struct {
+    float gs, six_gs;
+    uint32_t lo_byte, hi_byte;
+    i16x16 thr[128][TESTS];
+} nvfp4_state;
+
+static void nvfp4_state_init(nvfp4_state *st, float gs) {
+    st->gs = gs;
+    st->six_gs = 6.0f * gs;
+    st->lo_byte = 128;
+    st->hi_byte = 0;
+}
+
+/* one row of k elements: q [k/2] bytes, s [k/16] e4m3 bytes; nonzero if it holds NaN/Inf */
+static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *sr, i64 k) {
+    for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+        const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
+        const uint16_t *xp = xr + p0;
+        uint32_t amax[FOUR_PIECE / NVFP4_BLOCK], codes[FOUR_PIECE / NVFP4_BLOCK];
+        uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
+        float sfs[FOUR_PIECE / NVFP4_BLOCK];
+        block_amaxes(xp, m, 1, amax);
+        if (largest(amax, m) >= NONFINITE_F32) return 1;
+        /* simple loops (each vectorizes; one doing it all does not) */
+        for (i64 j = 0; j < m; j++) {
+            float sf = f32_from_bits(amax[j]) / st->six_gs;
+            sf = amax[j] == 0 ? 1.0f : sf;
+            sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
+            sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
+        }
+        uint32_t bmin = 127, bmax = 0;
+        for (i64 j = 0; j < m; j++) {
+            codes[j] = e4m3_from_f32_in_range(sfs[j]);
+            bmin = codes[j] < bmin ? codes[j] : bmin;
+            bmax = codes[j] > bmax ? codes[j] : bmax;
+        }
+        for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
+        memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
+        if (bmin < st->lo_byte || bmax > st->hi_byte)
+            grow_thresholds(st->thr, &st->lo_byte, &st->hi_byte, bmin, bmax, st->gs, 0);
+        i16x16 *th[FOUR_PIECE / 16];
+        for (i64 j = 0; j < m; j++) th[j] = st->thr[codes[j]];
+        e2m1_runs(xp, m, th, qr + p0 / 2);
+    }
+    return 0;
+}
+
 /* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
    q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
 i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, float gs, i64 begin, i64 end) {
-    const float six_gs = 6.0f * gs;
-    /* thresholds of the positive e4m3 scale bytes [lo_byte, hi_byte] met so far (a call's bytes span a
-       few binades: filled as the range grows) */
-    i16x16 thr[128][TESTS];
-    uint32_t lo_byte = 128, hi_byte = 0;
+    nvfp4_state st;
+    nvfp4_state_init(&st, gs);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
-        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
-        uint8_t *qr = q + b * q_bstride + row * q_rstride;
-        uint8_t *sr = s + b * s_bstride + row * s_rstride;
-        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
-            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
-            const uint16_t *xp = xr + p0;
-            uint32_t amax[FOUR_PIECE / NVFP4_BLOCK], codes[FOUR_PIECE / NVFP4_BLOCK];
-            uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
-            float sfs[FOUR_PIECE / NVFP4_BLOCK];
-            block_amaxes(xp, m, 1, amax);
-            if (largest(amax, m) >= NONFINITE_F32) return unit;
-            /* simple loops (each vectorizes; one doing it all does not) */
-            for (i64 j = 0; j < m; j++) {
-                float sf = f32_from_bits(amax[j]) / six_gs;
-                sf = amax[j] == 0 ? 1.0f : sf;
-                sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
-                sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
-            }
-            uint32_t bmin = 127, bmax = 0;
-            for (i64 j = 0; j < m; j++) {
-                codes[j] = e4m3_from_f32_in_range(sfs[j]);
-                bmin = codes[j] < bmin ? codes[j] : bmin;
-                bmax = codes[j] > bmax ? codes[j] : bmax;
-            }
-            for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
-            memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
-            if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, gs, 0);
-            i16x16 *th[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) th[j] = thr[codes[j]];
-            e2m1_runs(xp, m, th, qr + p0 / 2);
-        }
+        if (nvfp4_row(&st, x + b * x_bstride + row * x_rstride, q + b * q_bstride + row * q_rstride,
+                      s + b * s_bstride + row * s_rstride, k))
+            return unit;
     }
     return -1;
+}
+
+/* NVFP4 scale groups (common.h's run_groups): gs = amax / 2688 in float32 (1 for amax == 0: SPEC 1.5's
+   global scale, fourbit.nvfp4_global_scale), then the members' rows by it */
+static void nvfp4_group_scale(void *ctx, uint32_t amax, float *scale) {
+    *scale = amax == 0 ? 1.0f : bf16_to_f32((uint16_t)amax) / (6.0f * FP8_MAX);
+    nvfp4_state_init(ctx, *scale);
+}
+
+static int nvfp4_group_row(void *ctx, const i64 *f, i64 unit) {
+    const i64 b = unit / f[2], row = unit % f[2];
+    return nvfp4_row(ctx, member_x(f, unit), (uint8_t *)(uintptr_t)f[6] + b * f[7] + row * f[8],
+                     (uint8_t *)(uintptr_t)f[9] + b * f[10] + row * f[11], f[3]);
+}
+
+/* groups [begin, end) of members (common.h's layout): scales[g] is group g's gs. Returns -1, or the first
+   group holding NaN/Inf. */
+i64 refitd_nvfp4_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales) {
+    nvfp4_state st;
+    return run_groups(members, first, begin, end, scales, &st, nvfp4_group_scale, nvfp4_group_row);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
