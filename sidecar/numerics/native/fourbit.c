@@ -96,15 +96,18 @@ static inline u8x16 pack2(u8x32 lo, u8x32 hi) {
 
 static inline u8x8 pack1(u8x32 lo) { return __builtin_shufflevector(lo, lo, 0, 4, 8, 12, 16, 20, 24, 28); }
 
-/* E2M1 codes of n16 runs of sixteen elements of x, run r with thresholds th[r], packed into q[0..8 n16) */
-static void e2m1_runs(const uint16_t *restrict x, i64 n16, i16x16 *const *th, uint8_t *restrict q) {
+/* E2M1 codes of n16 runs of sixteen elements of x, run r with the thresholds of scale byte
+   codes[r >> shift] (thr[byte]: a block of 16 << shift elements a byte), packed into q[0..8 n16) */
+static void e2m1_runs(const uint16_t *restrict x, i64 n16, const i16x16 (*thr)[TESTS], const uint32_t *codes,
+                      int shift, uint8_t *restrict q) {
     i64 r = 0;
     for (; r + 2 <= n16; r += 2) {
-        const u8x16 b = pack2(e2m1_pairs(x + 16 * r, th[r]), e2m1_pairs(x + 16 * (r + 1), th[r + 1]));
+        const u8x16 b = pack2(e2m1_pairs(x + 16 * r, thr[codes[r >> shift]]),
+                              e2m1_pairs(x + 16 * (r + 1), thr[codes[(r + 1) >> shift]]));
         memcpy(q + 8 * r, &b, sizeof b);
     }
     if (r < n16) {
-        const u8x8 b = pack1(e2m1_pairs(x + 16 * r, th[r]));
+        const u8x8 b = pack1(e2m1_pairs(x + 16 * r, thr[codes[r >> shift]]));
         memcpy(q + 8 * r, &b, sizeof b);
     }
 }
@@ -166,9 +169,9 @@ static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *
             sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
             sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
         }
-        uint32_t bmin = 127, bmax = 0;
+        for (i64 j = 0; j < m; j++) codes[j] = e4m3_from_f32_in_range(sfs[j]);
+        uint32_t bmin = 127, bmax = 0; /* apart from the conversion: each loop vectorizes whole */
         for (i64 j = 0; j < m; j++) {
-            codes[j] = e4m3_from_f32_in_range(sfs[j]);
             bmin = codes[j] < bmin ? codes[j] : bmin;
             bmax = codes[j] > bmax ? codes[j] : bmax;
         }
@@ -176,9 +179,7 @@ static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *
         memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
         if (bmin < st->lo_byte || bmax > st->hi_byte)
             grow_thresholds(st->thr, &st->lo_byte, &st->hi_byte, bmin, bmax, st->gs, 0);
-        i16x16 *th[FOUR_PIECE / 16];
-        for (i64 j = 0; j < m; j++) th[j] = st->thr[codes[j]];
-        e2m1_runs(xp, m, th, qr + p0 / 2);
+        e2m1_runs(xp, m, (const i16x16(*)[TESTS])st->thr, codes, 0, qr + p0 / 2);
     }
     return 0;
 }
@@ -250,9 +251,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 bmax = codes[j] > bmax ? codes[j] : bmax;
             }
             if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, 0.0f, 1);
-            i16x16 *th[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) th[2 * j] = th[2 * j + 1] = thr[codes[j]];
-            e2m1_runs(xp, 2 * m, th, qr + p0 / 2);
+            e2m1_runs(xp, 2 * m, (const i16x16(*)[TESTS])thr, codes, 1, qr + p0 / 2);
         }
     }
     return -1;
