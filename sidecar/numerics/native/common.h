@@ -245,9 +245,23 @@ static inline void cursor_read(amax_cursor *c, i64 target) {
 }
 
 /* a format's part: a group's scale from its amax (finite; stored in *scale, the state set up in ctx),
-   then each row of each member converted by it (nonzero: NaN or Inf seen) */
+   then each row of each member converted by it (nonzero: NaN or Inf seen), given the row of ahead_len
+   elements the next group's amax reads after it (NULL if none) to prefetch */
 typedef void (*group_scale_fn)(void *ctx, uint32_t amax, float *scale);
-typedef int (*group_row_fn)(void *ctx, const i64 *member, i64 unit);
+typedef int (*group_row_fn)(void *ctx, const i64 *member, i64 unit, const uint16_t *ahead, i64 ahead_len);
+
+/* the row a cursor reads next (NULL at the group's end), its length in *len */
+static inline const uint16_t *cursor_peek(const amax_cursor *c, i64 *len) {
+    for (i64 m = c->m, unit = c->unit; m < c->m_end; m++, unit = 0) {
+        const i64 *f = c->members + m * MEMBER_FIELDS;
+        if (unit < member_rows(f)) {
+            *len = f[3];
+            return member_x(f, unit);
+        }
+    }
+    *len = 0;
+    return NULL;
+}
 
 /* groups [begin, end): returns -1, or the first group holding NaN/Inf (groups after it are not run) */
 static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales, void *ctx,
@@ -266,7 +280,11 @@ static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, 
         for (i64 m = first[g]; m < m1; m++) {
             const i64 *f = members + m * MEMBER_FIELDS;
             for (i64 u = 0; u < member_rows(f); u++) {
-                if (row_fn(ctx, f, u)) return g;
+                /* the row the next group's amax reads next: a row function may prefetch it while it
+                   computes, so that read is served from cache */
+                i64 ahead_len;
+                const uint16_t *ahead = cursor_peek(&next, &ahead_len);
+                if (row_fn(ctx, f, u, ahead, ahead_len)) return g;
                 done += f[3];
                 cursor_read(&next, (i64)((double)done * ratio));
             }

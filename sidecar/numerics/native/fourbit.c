@@ -99,9 +99,10 @@ static inline u8x8 pack1(u8x32 lo) { return __builtin_shufflevector(lo, lo, 0, 4
 /* E2M1 codes of n16 runs of sixteen elements of x, run r with the thresholds of scale byte
    codes[r >> shift] (thr[byte]: a block of 16 << shift elements a byte), packed into q[0..8 n16) */
 static void e2m1_runs(const uint16_t *restrict x, i64 n16, const i16x16 (*thr)[TESTS], const uint32_t *codes,
-                      int shift, uint8_t *restrict q) {
+                      int shift, uint8_t *restrict q, const uint16_t *ahead) {
     i64 r = 0;
     for (; r + 2 <= n16; r += 2) {
+        if (ahead) __builtin_prefetch(ahead + 16 * r, 0, 3); /* a line of another row per line of x */
         const u8x16 b = pack2(e2m1_pairs(x + 16 * r, thr[codes[r >> shift]]),
                               e2m1_pairs(x + 16 * (r + 1), thr[codes[(r + 1) >> shift]]));
         memcpy(q + 8 * r, &b, sizeof b);
@@ -153,7 +154,8 @@ static void nvfp4_state_init(nvfp4_state *st, float gs) {
 }
 
 /* one row of k elements: q [k/2] bytes, s [k/16] e4m3 bytes; nonzero if it holds NaN/Inf */
-static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *sr, i64 k) {
+static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *sr, i64 k, const uint16_t *ahead,
+                     i64 ahead_len) {
     for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
         const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
         const uint16_t *xp = xr + p0;
@@ -179,7 +181,8 @@ static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *
         memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
         if (bmin < st->lo_byte || bmax > st->hi_byte)
             grow_thresholds(st->thr, &st->lo_byte, &st->hi_byte, bmin, bmax, st->gs, 0);
-        e2m1_runs(xp, m, (const i16x16(*)[TESTS])st->thr, codes, 0, qr + p0 / 2);
+        e2m1_runs(xp, m, (const i16x16(*)[TESTS])st->thr, codes, 0, qr + p0 / 2,
+                  ahead && p0 + len <= ahead_len ? ahead + p0 : NULL);
     }
     return 0;
 }
@@ -193,7 +196,7 @@ i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         if (nvfp4_row(&st, x + b * x_bstride + row * x_rstride, q + b * q_bstride + row * q_rstride,
-                      s + b * s_bstride + row * s_rstride, k))
+                      s + b * s_bstride + row * s_rstride, k, NULL, 0))
             return unit;
     }
     return -1;
@@ -206,10 +209,10 @@ static void nvfp4_group_scale(void *ctx, uint32_t amax, float *scale) {
     nvfp4_state_init(ctx, *scale);
 }
 
-static int nvfp4_group_row(void *ctx, const i64 *f, i64 unit) {
+static int nvfp4_group_row(void *ctx, const i64 *f, i64 unit, const uint16_t *ahead, i64 ahead_len) {
     const i64 b = unit / f[2], row = unit % f[2];
     return nvfp4_row(ctx, member_x(f, unit), (uint8_t *)(uintptr_t)f[6] + b * f[7] + row * f[8],
-                     (uint8_t *)(uintptr_t)f[9] + b * f[10] + row * f[11], f[3]);
+                     (uint8_t *)(uintptr_t)f[9] + b * f[10] + row * f[11], f[3], ahead, ahead_len);
 }
 
 /* groups [begin, end) of members (common.h's layout): scales[g] is group g's gs. Returns -1, or the first
@@ -251,7 +254,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 bmax = codes[j] > bmax ? codes[j] : bmax;
             }
             if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, 0.0f, 1);
-            e2m1_runs(xp, 2 * m, (const i16x16(*)[TESTS])thr, codes, 1, qr + p0 / 2);
+            e2m1_runs(xp, 2 * m, (const i16x16(*)[TESTS])thr, codes, 1, qr + p0 / 2, NULL);
         }
     }
     return -1;
