@@ -295,12 +295,14 @@ def _fp8_per_tensor_pipeline(groups: Sequence[Fp8Group]) -> Prepared | None:
     (the group by group path then raises the reference's error, in order) or the build lacks it."""
     members, fills = [], []
     for tensors, outs, names, _ in groups:
-        found = shared_views(tensors, lambda t: t.dim() > 0)
-        run = None if found is None else getattr(found[0], "refitd_fp8_per_tensor_groups", None)
-        if run is None:
+        if not tensors:  # the reference's error for a group of nothing, group by group
             return None
         fields = []
         for w, out, name in zip(tensors, outs, names, strict=True):
+            lib = lib_for(w)
+            run = None if lib is None else getattr(lib, "refitd_fp8_per_tensor_groups", None)
+            if run is None:
+                return None
             try:
                 ref._check_input(w, name, Format.FP8_PER_TENSOR)
                 q, s = ref._check_out(out, w, (), torch.float32, name)
