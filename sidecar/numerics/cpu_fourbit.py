@@ -5,6 +5,7 @@ everywhere else, with its signatures, errors and bytes. Rows formats, split by r
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -296,6 +297,13 @@ def prepare_mxfp4(
     return Prepared(lambda b, e: lib.refitd_mxfp4(*args, b, e), batch * n, k, finish)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_tensor(n: int, k: int) -> torch.Tensor:
+    """INT4's ``weight_shape`` values [n, k] as a tensor, made once a shape (a slab's projections repeat a
+    few): only ever read, as the source of a copy."""
+    return torch.tensor((n, k), dtype=torch.int64)
+
+
 def quantize_int4(
     w: torch.Tensor,
     *,
@@ -332,7 +340,7 @@ def prepare_int4(
     def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if any(r >= 0 for r in bad):
             raise_like_reference(lambda: fourbit.quantize_int4(w, **kw), name)
-        shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
+        shape.copy_(_shape_tensor(*w.shape[-2:]))
         return packed, s, shape
 
     return Prepared(lambda b, e: lib.refitd_int4(*args, b, e), batch * n, k, finish)
