@@ -1,8 +1,9 @@
 /*
  * Shared by the native quantizers (quant.c and fp8_vec.h: FP8 formats; fourbit.c: 4-bit formats): float32
  * / bfloat16 bits, c10's float32 -> e4m3fn conversion, the exact E8M0 multiplier, a row's amax, the bf16
- * threshold where a monotone test of a scaled value starts to hold (first_passing), blocks' maxima. See
- * quant.c's header for the build and the conventions.
+ * threshold where a monotone test of a scaled value starts to hold (first_passing), blocks' maxima, and the
+ * scale groups' pipeline (run_groups: FP8 per-tensor's and NVFP4's groups). See quant.c's header for the
+ * build and the conventions.
  */
 
 #ifndef REFITD_NATIVE_COMMON_H
