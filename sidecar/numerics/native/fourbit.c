@@ -326,52 +326,74 @@ static inline const uint16_t *int4_thresholds(uint32_t amax, int f32, uint16_t *
 /* groups of a multiple of 16 elements: a pass takes a piece of whole groups where the group divides
    FOUR_PIECE, else one group; each group's amax by block_amaxes, its scale, its thresholds from the
    table, then its runs of sixteen. */
+/* block_amaxes for int4_piece, not inlined into its instances (as nvfp4_amaxes) */
+static __attribute__((noinline, noclone)) void int4_amaxes(const uint16_t *x, i64 m, i64 vecs, uint32_t *out) {
+    block_amaxes(x, m, vecs, out);
+}
+
+/* m groups of 16 * vecs elements at xp: q at qp (nibbles), their scales at s_at (float32 if f32, else bf16
+   bits); nonzero if they hold NaN/Inf. Inlined with m and vecs constants for group 32's usual pieces
+   (int4_rows_fast): loops of a fixed count */
+static inline __attribute__((always_inline)) int int4_piece(const uint16_t *xp, uint8_t *qp, void *s_at, i64 m,
+                                                            i64 vecs, int f32) {
+    const i64 group = 16 * vecs;
+    uint32_t amax[FOUR_PIECE / 16];
+    int4_amaxes(xp, m, vecs, amax);
+    if (largest(amax, m) >= NONFINITE_F32) return 1;
+    /* the groups' scales in simple loops (they vectorize) */
+    float sfs[FOUR_PIECE / 16];
+    for (i64 j = 0; j < m; j++) sfs[j] = amax[j] == 0 ? 1.0f : f32_from_bits(amax[j]) / 7.0f;
+    if (f32) {
+        memcpy(s_at, sfs, (size_t)m * sizeof(float));
+    } else {
+        uint16_t hs[FOUR_PIECE / 16];
+        for (i64 j = 0; j < m; j++) hs[j] = bf16_bits_rne(sfs[j]);
+        memcpy(s_at, hs, (size_t)m * sizeof(uint16_t));
+    }
+    for (i64 j = 0; j < m; j++) {
+        uint16_t scratch[TESTS];
+        const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
+        const i16x16 zero = {0};
+        /* the group's thresholds broadcast into registers (not through memory) */
+        const i16x16 th[INT4_TESTS] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
+                                       zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
+                                       zero + (int16_t)t[6]};
+        const uint16_t *xg = xp + j * group;
+        uint8_t *qg = qp + j * group / 2;
+        i64 v = 0;
+        for (; v + 2 <= vecs; v += 2) {
+            const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
+            memcpy(qg + 8 * v, &bytes, sizeof bytes);
+        }
+        if (v < vecs) {
+            const u8x8 bytes = pack1(int4_pairs(xg + 16 * v, th));
+            memcpy(qg + 8 * v, &bytes, sizeof bytes);
+        }
+    }
+    return 0;
+}
+
 static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q,
                           i64 q_bstride, i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group,
                           int scale_f32, i64 begin, i64 end) {
     const i64 vecs = group / 16, span = FOUR_PIECE % group == 0 ? FOUR_PIECE : group;
     const int f32 = scale_f32 != 0;
+    const size_t s_size = f32 ? sizeof(float) : sizeof(uint16_t);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         uint8_t *qr = (uint8_t *)(q + b * q_bstride + row * q_rstride); /* int32 words, little-endian */
         for (i64 p0 = 0; p0 < k; p0 += span) {
             const i64 len = k - p0 < span ? k - p0 : span, m = len / group;
-            const uint16_t *xp = xr + p0;
-            uint32_t amax[FOUR_PIECE / 16];
-            block_amaxes(xp, m, vecs, amax);
-            if (largest(amax, m) >= NONFINITE_F32) return unit;
-            /* the groups' scales in simple loops (they vectorize) */
-            float sfs[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) sfs[j] = amax[j] == 0 ? 1.0f : f32_from_bits(amax[j]) / 7.0f;
-            const i64 at = b * s_bstride + row * s_rstride + p0 / group;
-            if (f32) {
-                memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
-            } else {
-                uint16_t hs[FOUR_PIECE / 16];
-                for (i64 j = 0; j < m; j++) hs[j] = bf16_bits_rne(sfs[j]);
-                memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
-            }
-            for (i64 j = 0; j < m; j++) {
-                uint16_t scratch[TESTS];
-                const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
-                const i16x16 zero = {0};
-                /* the group's thresholds broadcast into registers (not through memory) */
-                const i16x16 th[INT4_TESTS] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
-                                               zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
-                                               zero + (int16_t)t[6]};
-                const uint16_t *xg = xp + j * group;
-                uint8_t *qg = qr + (p0 + j * group) / 2;
-                i64 v = 0;
-                for (; v + 2 <= vecs; v += 2) {
-                    const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
-                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
-                }
-                if (v < vecs) {
-                    const u8x8 bytes = pack1(int4_pairs(xg + 16 * v, th));
-                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
-                }
-            }
+            void *s_at = (char *)s + (size_t)(b * s_bstride + row * s_rstride + p0 / group) * s_size;
+            int bad;
+            if (vecs == 2 && m == FOUR_PIECE / 32) /* group 32 (the default), a whole piece */
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, FOUR_PIECE / 32, 2, f32);
+            else if (vecs == 2 && m == 16) /* group 32, rows of 512 (a down projection's) */
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, 16, 2, f32);
+            else
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, m, vecs, f32);
+            if (bad) return unit;
         }
     }
     return -1;
