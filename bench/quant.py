@@ -18,7 +18,10 @@ The 4-bit formats (nvfp4, mxfp4, int4_w4a16) are measured the same way, against 
 Printed as GB/s of bf16 input and as a fraction of the copy's speed ("of copy"); the copy, the
 reference and the native columns are timed round-robin, per format, so they share the same moments.
 The header names the machine (lscpu's model, its cores) and its copy rate, and the call paths' table
-gives n/unit's and the copy's GB/s per thread, so a figure can be read on another machine.
+gives n/unit's and the copy's GB/s per thread, so a figure can be read on another machine. Its last
+column, "n/unit cpu", is the same ratio in this process's CPU seconds (all threads) instead of wall time:
+on a shared machine a process waiting for a core loses wall time, not CPU time, so that ratio moves
+less with the load (time stalled on memory is in both).
 
     python bench/quant.py [--experts 32] [--repeat 5] [--threads N] [--json PATH] [--formats F,..]
                           [--baseline-lib PATH] [--stages]
@@ -230,17 +233,24 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def timed_together(fns: list, repeat: int) -> list[float]:
+def timed_together(fns: list, repeat: int, cpu: list[float] | None = None) -> list[float]:
     """Median seconds of each of ``fns``, timed round-robin (one of each per round), so a load that
-    comes and goes on a shared machine lands on all of them alike rather than on one column."""
+    comes and goes on a shared machine lands on all of them alike rather than on one column. With
+    ``cpu``, each one's median CPU seconds of this process (all its threads: torch's for the copy, the
+    quantizer threads for the kernels) are appended to it: time spent waiting for a core another
+    process holds is not in them, so their ratios move less with the machine's load."""
     for fn in fns:
         fn()  # warm-up
     samples: list[list[float]] = [[] for _ in fns]
+    cpus: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        for fn, out in zip(fns, samples):
-            t0 = time.perf_counter()
+        for fn, out, used in zip(fns, samples, cpus):
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
+            used.append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.extend(statistics.median(x) for x in cpus)
     return [statistics.median(x) for x in samples]
 
 
@@ -341,7 +351,8 @@ def main() -> None:
                 )
             )
             fns.append(lambda fmt=fmt: with_base(lambda: [call() for call in unit_calls[fmt]]))
-        t_copy, t_ours, t_native, t_proj, t_unit, t_batch, *t_base = timed_together(fns, args.repeat)
+        cpu_s: list[float] = []
+        t_copy, t_ours, t_native, t_proj, t_unit, t_batch, *t_base = timed_together(fns, args.repeat, cpu_s)
         rows.append(
             {
                 "format": fmt,
@@ -361,11 +372,13 @@ def main() -> None:
                 "unit_vs_proj": t_proj / t_unit,
                 "batch_vs_proj": t_proj / t_batch,
                 "native_vs_reference": t_ours / t_native,
+                "native_unit_cpu_vs_copy": cpu_s[0] / cpu_s[4],
             }
         )
         if t_base:
             rows[-1].update(base_gbps=nbytes / t_base[0] / 1e9, base_vs_copy=t_copy / t_base[0])
             rows[-1].update(base_unit_gbps=nbytes / t_base[1] / 1e9, base_unit_vs_copy=t_copy / t_base[1])
+            rows[-1].update(base_unit_cpu_vs_copy=cpu_s[0] / cpu_s[7])
     host, threads = machine(), torch.get_num_threads()
     print(
         f"refitd bench/quant: {args.experts} experts of a Qwen3.5-35B-A3B layer, {nbytes / 2**20:.0f} MiB bf16, "
@@ -394,7 +407,7 @@ def main() -> None:
     )
     print(
         f"{'format':<16}{'n/proj':>8}{'n/unit':>8}{'n/batch':>9} |{'unit x proj':>12}{'batch x proj':>13} |"
-        f"{'n/unit GB/s':>12}{'a thread':>9}{'copy GB/s':>10}{'a thread':>9}"
+        f"{'n/unit GB/s':>12}{'a thread':>9}{'copy GB/s':>10}{'a thread':>9} |{'n/unit cpu':>11}"
     )
     for r in rows:
         r["native_unit_gbps_per_thread"] = r["native_unit_gbps"] / threads
@@ -403,9 +416,10 @@ def main() -> None:
             f"{r['format']:<16}{r['native_proj_vs_copy'] * 100:>7.0f}%{r['native_unit_vs_copy'] * 100:>7.0f}%"
             f"{r['native_batch_vs_copy'] * 100:>8.0f}% |{r['unit_vs_proj']:>11.2f}x{r['batch_vs_proj']:>12.2f}x |"
             f"{r['native_unit_gbps']:>12.2f}{r['native_unit_gbps_per_thread']:>9.2f}"
-            f"{r['copy_gbps']:>10.2f}{r['copy_gbps_per_thread']:>9.2f}"
+            f"{r['copy_gbps']:>10.2f}{r['copy_gbps_per_thread']:>9.2f} |{r['native_unit_cpu_vs_copy'] * 100:>10.0f}%"
             + (
-                f" | base n/unit {r['base_unit_vs_copy'] * 100:.0f}% ({r['base_unit_gbps']:.2f} GB/s)"
+                f" | base n/unit {r['base_unit_vs_copy'] * 100:.0f}% ({r['base_unit_gbps']:.2f} GB/s,"
+                f" cpu {r['base_unit_cpu_vs_copy'] * 100:.0f}%)"
                 if "base_unit_gbps" in r
                 else ""
             )

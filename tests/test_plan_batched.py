@@ -1,6 +1,7 @@
 """A slab unit's expert projections run as one split across the quantizer threads, not one hand-off
 each (sidecar.plan.run._quantize_groups through sidecar.numerics.cpu.run_prepared): with enough scale
-groups (NVFP4's and FP8 per-tensor's: an expert's gate and up), each group whole on one thread, else the
+groups (NVFP4's and FP8 per-tensor's: an expert's gate and up), the groups as one call of whole groups
+(the native group pipeline), else the
 shared scales of every group in one ``run_many``, every projection's kernel in another; the bytes are the
 reference's on each source slice (tests/test_plan.py, test_plan_fourbit.py check every output), and
 a NaN in one expert of the slab still names that expert."""
@@ -57,8 +58,8 @@ def test_a_slab_unit_takes_one_split_per_pass(fmt: Format, monkeypatch: pytest.M
         splits.clear()
         run_unit(unit, state, _outputs(unit))
         projections = sum(len(g) for g in unit.scale_groups)
-        if fmt in SHARED_SCALE:  # a group a call: its amax, then its kernels while cached
-            assert splits == [EXPERTS], unit.inputs
+        if fmt in SHARED_SCALE:  # the groups as one call (a unit a group): the native group pipeline
+            assert splits == [1], unit.inputs
         else:
             assert splits == [projections], unit.inputs
 
@@ -78,7 +79,7 @@ def test_nvfp4_groups_whole_or_split_give_the_same_bytes(groups_per_thread: int,
             got = _outputs(unit)
             run_unit(unit, state, got)
             projections = sum(len(g) for g in unit.scale_groups)
-            assert splits == ([EXPERTS] if groups_per_thread == 1 else [EXPERTS, projections])
+            assert splits == ([1] if groups_per_thread == 1 else [EXPERTS, projections])
             for group in unit.scale_groups:
                 members = [o for o in unit.outputs if o.name in group]
                 views = [o.source_view(state[o.source]) for o in members]
@@ -108,7 +109,7 @@ def test_fp8_per_tensor_groups_whole_or_split_give_the_same_bytes(groups_per_thr
         got = _outputs(unit)
         run_unit(unit, state, got)
         projections = sum(len(g) for g in unit.scale_groups)
-        assert splits == ([EXPERTS] if groups_per_thread == 1 else [EXPERTS, projections])
+        assert splits == ([1] if groups_per_thread == 1 else [EXPERTS, projections])
         for group in unit.scale_groups:
             members = [o for o in unit.outputs if o.name in group]
             views = [o.source_view(state[o.source]) for o in members]

@@ -127,10 +127,15 @@ def _check_out_buffers(
                 "that share memory (an expand()-ed or as_strided view); pass a buffer with one location "
                 "per element (.clone() it, or allocate it from the plan)"
             )
-    spans = [("the input", w), *((f"the out {what} buffer", t) for (what, _, _), t in zip(wanted, out))]
+    # every buffer is on w's device (checked above): the byte spans alone decide, each found once (a
+    # slab's hundreds of projections each check their buffers, on the daemon's quantize path)
+    spans = [
+        ("the input", _byte_span(w)),
+        *((f"the out {what} buffer", _byte_span(t)) for (what, _, _), t in zip(wanted, out)),
+    ]
     for i in range(1, len(spans)):
         for j in range(i):
-            if _shares_bytes(spans[i][1], spans[j][1]):
+            if _spans_meet(spans[i][1], spans[j][1]):
                 raise ValueError(
                     f"{_label(name)}: {spans[i][0]} shares memory with {spans[j][0]} (SPEC §1.4: out= "
                     "buffers must not overlap the input or each other; the kernels write scales before "
@@ -148,13 +153,10 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (reach + 1) * t.element_size()
 
 
-def _shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` may share memory: their byte spans intersect (conservative for two
-    strided views that interleave without sharing an element; no caller of the quantizers makes
-    those, and refusing them costs nothing)."""
-    if a.device != b.device:
-        return False
-    sa, sb = _byte_span(a), _byte_span(b)
+def _spans_meet(sa: tuple[int, int] | None, sb: tuple[int, int] | None) -> bool:
+    """Whether two byte spans (of tensors on one device) intersect: the tensors may share memory
+    (conservative for two strided views that interleave without sharing an element; no caller of the
+    quantizers makes those, and refusing them costs nothing)."""
     return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
 
 

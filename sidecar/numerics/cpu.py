@@ -54,6 +54,7 @@ from sidecar.numerics.native_calls import (
     POOL,
     Prepared,
     amax_call,
+    group_call,
     lib_for,
     ptr,
     raise_like_reference,
@@ -268,11 +269,15 @@ Fp8Group = tuple[
 def quantize_fp8_per_tensor_groups(groups: Sequence[Fp8Group]) -> list[torch.Tensor]:
     """FP8 per-tensor scale groups (an expert's gate and up share one scale); returns each group's scale.
 
-    As :func:`quantize_nvfp4_groups`: with at least ``GROUPS_PER_THREAD`` groups a thread each group
-    runs whole on one thread, its amax and then its members' conversions while their bytes are still in
-    cache (one read of the slab from memory, not two); with fewer, every group's amax as one split, then
-    every member's conversion as another. Bytes and errors are the same either way."""
+    As :func:`quantize_nvfp4_groups`: with at least ``GROUPS_PER_THREAD`` groups a thread, a thread
+    takes a run of whole groups through the native group pipeline (``refitd_fp8_per_tensor_groups``: a
+    group's amax read while the group before it converts, whose bytes are still in cache: about one
+    pass over memory); with fewer, every group's amax as one split, then every member's conversion as
+    another. Bytes and errors are the same either way."""
     if len(groups) >= cpu_fourbit.GROUPS_PER_THREAD * POOL.threads():
+        pipelined = _fp8_per_tensor_pipeline(groups)
+        if pipelined is not None:
+            return run_one(pipelined)
         return run_prepared([_prepare_fp8_per_tensor_group(*g) for g in groups])
     scales = run_prepared([prepare_fp8_per_tensor_scale(*ts, name=label) for ts, _, _, label in groups])
     calls = []
@@ -282,6 +287,45 @@ def quantize_fp8_per_tensor_groups(groups: Sequence[Fp8Group]) -> list[torch.Ten
         ]
     run_prepared(calls)
     return scales
+
+
+def _fp8_per_tensor_pipeline(groups: Sequence[Fp8Group]) -> Prepared | None:
+    """The groups through native ``refitd_fp8_per_tensor_groups`` (each group's amax read while the one
+    before it converts), or None where a group is not all for the native kernels, a check refuses one
+    (the group by group path then raises the reference's error, in order) or the build lacks it."""
+    members, fills = [], []
+    for tensors, outs, names, _ in groups:
+        if not tensors:  # the reference's error for a group of nothing, group by group
+            return None
+        fields = []
+        for w, out, name in zip(tensors, outs, names, strict=True):
+            lib = lib_for(w)
+            run = None if lib is None else getattr(lib, "refitd_fp8_per_tensor_groups", None)
+            if run is None:
+                return None
+            try:
+                ref._check_input(w, name, Format.FP8_PER_TENSOR)
+                q, s = ref._check_out(out, w, (), torch.float32, name)
+            except ValueError:
+                return None
+            split = row_split(w)
+            xv, qv = view3(w, split), view3(q, split)
+            if xv is None or qv is None:
+                return None
+            batch, n, k, xbs, xrs = xv
+            fields.append((ptr(w), batch, n, k, xbs, xrs, ptr(q), qv[3], qv[4], 0, 0, 0))
+            fills.append((len(members), s))
+        members.append(fields)
+
+    def finish(bad: int | None, scales: list[float]) -> list[torch.Tensor]:
+        if bad is not None:
+            tensors, label = groups[bad][0], groups[bad][3]
+            raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=label), label)
+        for g, s in fills:
+            s.fill_(scales[g])
+        return [torch.tensor(v, dtype=torch.float32) for v in scales]
+
+    return group_call(run, members, finish)
 
 
 def _prepare_fp8_per_tensor_group(

@@ -5,6 +5,7 @@ everywhere else, with its signatures, errors and bytes. Rows formats, split by r
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from sidecar.numerics.native_calls import (
     POOL,
     Prepared,
     amax_call,
+    group_call,
     lib_for,
     ptr,
     raise_like_reference,
@@ -156,11 +158,16 @@ def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
     """NVFP4 scale groups, each ``(tensors, their out= buffers, their names, the group's name)`` sharing
     one global scale (an expert's gate and up); returns each group's ``gs``.
 
-    With at least :data:`GROUPS_PER_THREAD` groups a thread, each group runs whole on one thread: its
-    amax, then its members' kernels while their bytes are still in cache (a group is a few MiB: the
-    second read is served from L2/L3, not memory). With fewer, each pass is split across the threads:
-    every group's amax, then every member's kernel. Bytes and errors are the same either way."""
+    With at least :data:`GROUPS_PER_THREAD` groups a thread, a thread takes a run of whole groups through
+    the native group pipeline (``refitd_nvfp4_groups``: a group's amax read while the group before it
+    runs its kernels, re-reading its bytes from cache: a group is a few MiB, so the slab is read from
+    memory about once, and the reads overlap the kernels' arithmetic). With fewer, each pass is split
+    across the threads: every group's amax, then every member's kernel. Bytes and errors are the same
+    either way."""
     if len(groups) >= GROUPS_PER_THREAD * POOL.threads():
+        pipelined = _nvfp4_pipeline(groups)
+        if pipelined is not None:
+            return run_one(pipelined)
         return run_prepared([_prepare_nvfp4_group(*g) for g in groups])
     scales = run_prepared([prepare_nvfp4_global_scale(*ts, name=label) for ts, _, _, label in groups])
     calls = []
@@ -168,6 +175,42 @@ def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
         calls += [prepare_nvfp4(w, global_scale=gs, out=o, name=n) for w, o, n in zip(tensors, outs, names)]
     run_prepared(calls)
     return scales
+
+
+def _nvfp4_pipeline(groups: Sequence[Nvfp4Group]) -> Prepared | None:
+    """The groups through native ``refitd_nvfp4_groups`` (each group's amax read while the one before it
+    converts), or None where a group is not all for the native kernels or the build lacks it (then group
+    by group). Every member's buffers are checked first, as the group by group path does."""
+    checked = [
+        [fourbit.nvfp4_outputs(w, out, name) for w, out, name in zip(tensors, outs, names, strict=True)]
+        for tensors, outs, names, _ in groups
+    ]
+    members, fills = [], []
+    for (tensors, *_), bufs in zip(groups, checked, strict=True):
+        if not tensors:  # the reference's error for a group of nothing, group by group
+            return None
+        fields = []
+        for w, (q, s, g) in zip(tensors, bufs, strict=True):
+            # nvfp4_outputs checked w's dims and K; the kernel's views fold or the groups go one by one
+            lib = lib_for(w)
+            run = None if lib is None else getattr(lib, "refitd_nvfp4_groups", None)
+            kernel = None if run is None else _nvfp4_kernel_args(lib, w, q, s)
+            if kernel is None:
+                return None
+            (x, n, k, xbs, xrs, *qs), rows = kernel
+            fields.append((x, rows // n, n, k, xbs, xrs, *qs))
+            fills.append((len(members), g))
+        members.append(fields)
+
+    def finish(bad: int | None, scales: list[float]) -> list[torch.Tensor]:
+        if bad is not None:
+            tensors, label = groups[bad][0], groups[bad][3]
+            raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=label), label)
+        for i, g in fills:
+            g.fill_(scales[i])
+        return [torch.tensor(v, dtype=torch.float32) for v in scales]
+
+    return group_call(run, members, finish)
 
 
 def _prepare_nvfp4_group(
@@ -254,6 +297,13 @@ def prepare_mxfp4(
     return Prepared(lambda b, e: lib.refitd_mxfp4(*args, b, e), batch * n, k, finish)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_tensor(n: int, k: int) -> torch.Tensor:
+    """INT4's ``weight_shape`` values [n, k] as a tensor, made once a shape (a slab's projections repeat a
+    few): only ever read, as the source of a copy."""
+    return torch.tensor((n, k), dtype=torch.int64)
+
+
 def quantize_int4(
     w: torch.Tensor,
     *,
@@ -290,7 +340,7 @@ def prepare_int4(
     def finish(bad: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if any(r >= 0 for r in bad):
             raise_like_reference(lambda: fourbit.quantize_int4(w, **kw), name)
-        shape.copy_(torch.tensor(tuple(w.shape[-2:]), dtype=torch.int64))
+        shape.copy_(_shape_tensor(*w.shape[-2:]))
         return packed, s, shape
 
     return Prepared(lambda b, e: lib.refitd_int4(*args, b, e), batch * n, k, finish)

@@ -24,6 +24,7 @@ __all__ = [
     "Prepared",
     "amax_call",
     "fold",
+    "group_call",
     "lib_for",
     "ptr",
     "raise_like_reference",
@@ -166,6 +167,44 @@ def amax_call(
         return worst
 
     return Prepared(share, rows, elems // max(rows, 1), lambda found: finish(max(found, default=0)))
+
+
+#: int64 fields a member tensor of a scale group takes (native/common.h's run_groups): x, batch, rows,
+#: cols, x's batch and row strides, then q's pointer and strides, then s's (0 where a format has none)
+MEMBER_FIELDS = 12
+
+
+def group_call(
+    run: Callable[..., int],
+    members: Sequence[Sequence[tuple[int, ...]]],
+    finish: Callable[[int | None, list[float]], Any],
+) -> Prepared:
+    """Scale groups as one call of one unit a group, run by a native group runner ``run``
+    (``refitd_fp8_per_tensor_groups``, ``refitd_nvfp4_groups``): each group's amax read while the group
+    before it converts (one pass over memory, see common.h), a thread's share a run of whole groups.
+    ``members[g]`` holds group g's tensors' MEMBER_FIELDS fields; ``finish`` gets the first group that
+    held NaN/Inf (None if none) and every group's scale."""
+    flat: list[int] = []
+    first = [0]
+    for group in members:
+        for fields in group:
+            if len(fields) != MEMBER_FIELDS:
+                raise ValueError(f"a scale group's member takes {MEMBER_FIELDS} fields, got {len(fields)}")
+            flat.extend(fields)
+        first.append(first[-1] + len(group))
+    desc = (ctypes.c_int64 * len(flat))(*flat)
+    offsets = (ctypes.c_int64 * len(first))(*first)
+    scales = (ctypes.c_float * len(members))()
+    elems = sum(f[1] * f[2] * f[3] for group in members for f in group)
+
+    def share(begin: int, end: int) -> int:
+        return run(desc, offsets, begin, end, scales)
+
+    def done(results: list[int]) -> Any:
+        bad = [r for r in results if r >= 0]
+        return finish(min(bad) if bad else None, list(scales))
+
+    return Prepared(share, len(members), elems // max(len(members), 1), done)
 
 
 def shared_views(tensors: Sequence[torch.Tensor], applies: Callable[[torch.Tensor], bool]):

@@ -94,7 +94,13 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "refitd_e4m3_from_f32_in_range": (None, [_ptr, _ptr, _i64]),
     # dst, src, begin, end (bytes), width, exponent mask: a passthrough copied, then checked
     "refitd_copy_check": (_i64, [_ptr, _ptr, _i64, _i64, _i64, _i64]),
+    # members, first, begin, end, scales: scale groups as a pipeline (common.h's run_groups)
+    "refitd_fp8_per_tensor_groups": (_i64, [_ptr, _ptr, _i64, _i64, _ptr]),
+    "refitd_nvfp4_groups": (_i64, [_ptr, _ptr, _i64, _i64, _ptr]),
 }
+#: entry points a build of an older tree lacks (bench/quant.py --baseline-lib loads one): absent, the
+#: callers take their other path (sidecar/numerics/native_calls.py's group_call)
+OPTIONAL = frozenset({"refitd_fp8_per_tensor_groups", "refitd_nvfp4_groups"})
 
 
 class NativeBuildError(RuntimeError):
@@ -201,6 +207,8 @@ def _open(path: Path) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
         for fn, (restype, argtypes) in _SIGNATURES.items():
+            if fn in OPTIONAL and not hasattr(lib, fn):
+                continue
             getattr(lib, fn).restype = restype
             getattr(lib, fn).argtypes = argtypes
     except (OSError, AttributeError) as err:

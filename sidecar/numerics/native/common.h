@@ -1,8 +1,9 @@
 /*
  * Shared by the native quantizers (quant.c and fp8_vec.h: FP8 formats; fourbit.c: 4-bit formats): float32
  * / bfloat16 bits, c10's float32 -> e4m3fn conversion, the exact E8M0 multiplier, a row's amax, the bf16
- * threshold where a monotone test of a scaled value starts to hold (first_passing), blocks' maxima. See
- * quant.c's header for the build and the conventions.
+ * threshold where a monotone test of a scaled value starts to hold (first_passing), blocks' maxima, and the
+ * scale groups' pipeline (run_groups: FP8 per-tensor's and NVFP4's groups). See quant.c's header for the
+ * build and the conventions.
  */
 
 #ifndef REFITD_NATIVE_COMMON_H
@@ -184,5 +185,114 @@ static inline uint32_t largest(const uint32_t *v, i64 m) {
 }
 
 #define NONFINITE_F32 ((uint32_t)BF16_NONFINITE << 16)
+
+/* ---------------------------------------------------------------------------------------------- */
+/* scale groups as a pipeline (quant.c: FP8 per-tensor, fourbit.c: NVFP4)                         */
+/*                                                                                                */
+/* A format with one scale over a group of tensors (an expert's gate and up) reads the group twice:  */
+/* its amax, then the conversion by the scale that amax gives. run_groups takes a run of groups and  */
+/* reads group g + 1's amax rows interleaved with group g's conversion (in proportion to their       */
+/* sizes), so the memory reads of the next group overlap the conversion of this one, which reads its */
+/* rows again from cache: about one pass over memory, not two after each other.                   */
+/*                                                                                                */
+/* members: MEMBER_FIELDS int64 a tensor: x, batch, n, k, x_bstride, x_rstride, q, q_bstride,       */
+/* q_rstride, s, s_bstride, s_rstride (pointers as integers, strides in elements of each buffer's   */
+/* type); group g's members are first[g] .. first[g + 1] - 1. A member's rows are numbered           */
+/* b * n + row, as the kernels' units.                                                            */
+
+#define MEMBER_FIELDS 12
+
+static inline i64 member_rows(const i64 *f) { return f[1] * f[2]; }
+
+static inline const uint16_t *member_x(const i64 *f, i64 unit) {
+    return (const uint16_t *)(uintptr_t)f[0] + (unit / f[2]) * f[4] + (unit % f[2]) * f[5];
+}
+
+static inline i64 group_elems(const i64 *members, i64 m0, i64 m1) {
+    i64 total = 0;
+    for (i64 m = m0; m < m1; m++) total += member_rows(members + m * MEMBER_FIELDS) * members[m * MEMBER_FIELDS + 3];
+    return total;
+}
+
+/* a group's amax read a row at a time */
+typedef struct {
+    const i64 *members;
+    i64 m, m_end, unit, read;
+    uint32_t amax;
+} amax_cursor;
+
+static inline void cursor_start(amax_cursor *c, const i64 *members, i64 m0, i64 m1) {
+    c->members = members;
+    c->m = m0;
+    c->m_end = m1;
+    c->unit = c->read = 0;
+    c->amax = 0;
+}
+
+/* reads rows until ``target`` elements of the group are read (or all of them) */
+static inline void cursor_read(amax_cursor *c, i64 target) {
+    while (c->read < target && c->m < c->m_end) {
+        const i64 *f = c->members + c->m * MEMBER_FIELDS;
+        if (c->unit >= member_rows(f)) {
+            c->m++;
+            c->unit = 0;
+            continue;
+        }
+        const uint32_t r = row_amax_bits(member_x(f, c->unit), f[3]);
+        c->amax = r > c->amax ? r : c->amax;
+        c->read += f[3];
+        c->unit++;
+    }
+}
+
+/* a format's part: a group's scale from its amax (finite; stored in *scale, the state set up in ctx),
+   then each row of each member converted by it (nonzero: NaN or Inf seen), given the row of ahead_len
+   elements the next group's amax reads after it (NULL if none) to prefetch */
+typedef void (*group_scale_fn)(void *ctx, uint32_t amax, float *scale);
+typedef int (*group_row_fn)(void *ctx, const i64 *member, i64 unit, const uint16_t *ahead, i64 ahead_len);
+
+/* the row a cursor reads next (NULL at the group's end), its length in *len */
+static inline const uint16_t *cursor_peek(const amax_cursor *c, i64 *len) {
+    for (i64 m = c->m, unit = c->unit; m < c->m_end; m++, unit = 0) {
+        const i64 *f = c->members + m * MEMBER_FIELDS;
+        if (unit < member_rows(f)) {
+            *len = f[3];
+            return member_x(f, unit);
+        }
+    }
+    *len = 0;
+    return NULL;
+}
+
+/* groups [begin, end): returns -1, or the first group holding NaN/Inf (groups after it are not run) */
+static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales, void *ctx,
+                      group_scale_fn scale_fn, group_row_fn row_fn) {
+    if (begin >= end) return -1;
+    amax_cursor next;
+    cursor_start(&next, members, first[begin], first[begin + 1]);
+    cursor_read(&next, INT64_MAX);
+    for (i64 g = begin; g < end; g++) {
+        if (next.amax >= BF16_NONFINITE) return g;
+        scale_fn(ctx, next.amax, &scales[g]);
+        const i64 m1 = first[g + 1], m2 = g + 1 < end ? first[g + 2] : m1;
+        const double ratio = (double)group_elems(members, m1, m2) / (double)(group_elems(members, first[g], m1) | 1);
+        cursor_start(&next, members, m1, m2);
+        i64 done = 0;
+        for (i64 m = first[g]; m < m1; m++) {
+            const i64 *f = members + m * MEMBER_FIELDS;
+            for (i64 u = 0; u < member_rows(f); u++) {
+                /* the row the next group's amax reads next: a row function may prefetch it while it
+                   computes, so that read is served from cache */
+                i64 ahead_len;
+                const uint16_t *ahead = cursor_peek(&next, &ahead_len);
+                if (row_fn(ctx, f, u, ahead, ahead_len)) return g;
+                done += f[3];
+                cursor_read(&next, (i64)((double)done * ratio));
+            }
+        }
+        cursor_read(&next, INT64_MAX);
+    }
+    return -1;
+}
 
 #endif

@@ -96,15 +96,19 @@ static inline u8x16 pack2(u8x32 lo, u8x32 hi) {
 
 static inline u8x8 pack1(u8x32 lo) { return __builtin_shufflevector(lo, lo, 0, 4, 8, 12, 16, 20, 24, 28); }
 
-/* E2M1 codes of n16 runs of sixteen elements of x, run r with thresholds th[r], packed into q[0..8 n16) */
-static void e2m1_runs(const uint16_t *restrict x, i64 n16, i16x16 *const *th, uint8_t *restrict q) {
+/* E2M1 codes of n16 runs of sixteen elements of x, run r with the thresholds of scale byte
+   codes[r >> shift] (thr[byte]: a block of 16 << shift elements a byte), packed into q[0..8 n16) */
+static void e2m1_runs(const uint16_t *restrict x, i64 n16, const i16x16 (*thr)[TESTS], const uint32_t *codes,
+                      int shift, uint8_t *restrict q, const uint16_t *ahead) {
     i64 r = 0;
     for (; r + 2 <= n16; r += 2) {
-        const u8x16 b = pack2(e2m1_pairs(x + 16 * r, th[r]), e2m1_pairs(x + 16 * (r + 1), th[r + 1]));
+        if (ahead) __builtin_prefetch(ahead + 16 * r, 0, 3); /* a line of another row per line of x */
+        const u8x16 b = pack2(e2m1_pairs(x + 16 * r, thr[codes[r >> shift]]),
+                              e2m1_pairs(x + 16 * (r + 1), thr[codes[(r + 1) >> shift]]));
         memcpy(q + 8 * r, &b, sizeof b);
     }
     if (r < n16) {
-        const u8x8 b = pack1(e2m1_pairs(x + 16 * r, th[r]));
+        const u8x8 b = pack1(e2m1_pairs(x + 16 * r, thr[codes[r >> shift]]));
         memcpy(q + 8 * r, &b, sizeof b);
     }
 }
@@ -134,50 +138,108 @@ static void grow_thresholds(i16x16 (*thr)[TESTS], uint32_t *lo, uint32_t *hi, ui
     *hi = to;
 }
 
+/* a global scale's state: gs, and the thresholds of the positive e4m3 scale bytes [lo_byte, hi_byte] met
+   so far (a call's bytes span a few binades: filled as the range grows) */
+typedef struct {
+    float gs, six_gs;
+    uint32_t lo_byte, hi_byte;
+    i16x16 thr[128][TESTS];
+} nvfp4_state;
+
+static void nvfp4_state_init(nvfp4_state *st, float gs) {
+    st->gs = gs;
+    st->six_gs = 6.0f * gs;
+    st->lo_byte = 128;
+    st->hi_byte = 0;
+}
+
+/* block_amaxes of m blocks of 16, not inlined into nvfp4_piece's instances (with m a constant, gcc warns of
+   an iteration of its last loop that never runs) */
+static __attribute__((noinline, noclone)) void nvfp4_amaxes(const uint16_t *x, i64 m, uint32_t *out) { block_amaxes(x, m, 1, out); }
+
+/* m blocks of 16 elements (a piece of a row, m <= FOUR_PIECE / 16): q [8 m] bytes, s [m] e4m3 bytes; nonzero if
+   they hold NaN/Inf. Inlined with m a constant for the usual pieces (nvfp4_row): loops of a fixed count,
+   without the vector loops' scalar ends (a row of 512 cost ~50 ns over its arithmetic) */
+static inline __attribute__((always_inline)) int nvfp4_piece(nvfp4_state *st, const uint16_t *xp, uint8_t *qp,
+                                                             uint8_t *sp, i64 m, const uint16_t *ahead) {
+    uint32_t amax[FOUR_PIECE / NVFP4_BLOCK], codes[FOUR_PIECE / NVFP4_BLOCK];
+    uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
+    float sfs[FOUR_PIECE / NVFP4_BLOCK];
+    nvfp4_amaxes(xp, m, amax);
+    if (largest(amax, m) >= NONFINITE_F32) return 1;
+    /* simple loops (each vectorizes; one doing it all does not) */
+    for (i64 j = 0; j < m; j++) {
+        float sf = f32_from_bits(amax[j]) / st->six_gs;
+        sf = amax[j] == 0 ? 1.0f : sf;
+        sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
+        sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
+    }
+    for (i64 j = 0; j < m; j++) codes[j] = e4m3_from_f32_in_range(sfs[j]);
+    uint32_t bmin = 127, bmax = 0; /* apart from the conversion: each loop vectorizes whole */
+    for (i64 j = 0; j < m; j++) {
+        bmin = codes[j] < bmin ? codes[j] : bmin;
+        bmax = codes[j] > bmax ? codes[j] : bmax;
+    }
+    for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
+    memcpy(sp, bytes, (size_t)m);
+    if (bmin < st->lo_byte || bmax > st->hi_byte)
+        grow_thresholds(st->thr, &st->lo_byte, &st->hi_byte, bmin, bmax, st->gs, 0);
+    e2m1_runs(xp, m, (const i16x16(*)[TESTS])st->thr, codes, 0, qp, ahead);
+    return 0;
+}
+
+/* one row of k elements: q [k/2] bytes, s [k/16] e4m3 bytes; nonzero if it holds NaN/Inf. ahead: another row
+   of ahead_len elements to prefetch while computing (NULL: none) */
+static int nvfp4_row(nvfp4_state *st, const uint16_t *xr, uint8_t *qr, uint8_t *sr, i64 k, const uint16_t *ahead,
+                     i64 ahead_len) {
+    for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
+        const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
+        const uint16_t *pf = ahead && p0 + len <= ahead_len ? ahead + p0 : NULL;
+        int bad;
+        if (m == FOUR_PIECE / NVFP4_BLOCK) /* a whole piece (rows of 1024 elements or more) */
+            bad = nvfp4_piece(st, xr + p0, qr + p0 / 2, sr + p0 / NVFP4_BLOCK, FOUR_PIECE / NVFP4_BLOCK, pf);
+        else if (m == 32) /* rows of 512 (a down projection's) */
+            bad = nvfp4_piece(st, xr + p0, qr + p0 / 2, sr + p0 / NVFP4_BLOCK, 32, pf);
+        else
+            bad = nvfp4_piece(st, xr + p0, qr + p0 / 2, sr + p0 / NVFP4_BLOCK, m, pf);
+        if (bad) return 1;
+    }
+    return 0;
+}
+
 /* NVFP4: s = RNE_e4m3(clamp(amax_b == 0 ? 1 : amax_b / (6 gs), 2^-9, 448)); q = RNE_e2m1(x / (s * gs)).
    q [n, k/2] bytes, s [n, k/16] e4m3 bytes. */
 i64 refitd_nvfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q, i64 q_bstride,
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, float gs, i64 begin, i64 end) {
-    const float six_gs = 6.0f * gs;
-    /* thresholds of the positive e4m3 scale bytes [lo_byte, hi_byte] met so far (a call's bytes span a
-       few binades: filled as the range grows) */
-    i16x16 thr[128][TESTS];
-    uint32_t lo_byte = 128, hi_byte = 0;
+    nvfp4_state st;
+    nvfp4_state_init(&st, gs);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
-        const uint16_t *xr = x + b * x_bstride + row * x_rstride;
-        uint8_t *qr = q + b * q_bstride + row * q_rstride;
-        uint8_t *sr = s + b * s_bstride + row * s_rstride;
-        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
-            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / NVFP4_BLOCK;
-            const uint16_t *xp = xr + p0;
-            uint32_t amax[FOUR_PIECE / NVFP4_BLOCK], codes[FOUR_PIECE / NVFP4_BLOCK];
-            uint8_t bytes[FOUR_PIECE / NVFP4_BLOCK];
-            float sfs[FOUR_PIECE / NVFP4_BLOCK];
-            block_amaxes(xp, m, 1, amax);
-            if (largest(amax, m) >= NONFINITE_F32) return unit;
-            /* simple loops (each vectorizes; one doing it all does not) */
-            for (i64 j = 0; j < m; j++) {
-                float sf = f32_from_bits(amax[j]) / six_gs;
-                sf = amax[j] == 0 ? 1.0f : sf;
-                sf = sf < NVFP4_SCALE_MIN ? NVFP4_SCALE_MIN : sf;
-                sfs[j] = sf > FP8_MAX ? FP8_MAX : sf;
-            }
-            uint32_t bmin = 127, bmax = 0;
-            for (i64 j = 0; j < m; j++) {
-                codes[j] = e4m3_from_f32_in_range(sfs[j]);
-                bmin = codes[j] < bmin ? codes[j] : bmin;
-                bmax = codes[j] > bmax ? codes[j] : bmax;
-            }
-            for (i64 j = 0; j < m; j++) bytes[j] = (uint8_t)codes[j];
-            memcpy(sr + p0 / NVFP4_BLOCK, bytes, (size_t)m);
-            if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, gs, 0);
-            i16x16 *th[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) th[j] = thr[codes[j]];
-            e2m1_runs(xp, m, th, qr + p0 / 2);
-        }
+        if (nvfp4_row(&st, x + b * x_bstride + row * x_rstride, q + b * q_bstride + row * q_rstride,
+                      s + b * s_bstride + row * s_rstride, k, NULL, 0))
+            return unit;
     }
     return -1;
+}
+
+/* NVFP4 scale groups (common.h's run_groups): gs = amax / 2688 in float32 (1 for amax == 0: SPEC 1.5's
+   global scale, fourbit.nvfp4_global_scale), then the members' rows by it */
+static void nvfp4_group_scale(void *ctx, uint32_t amax, float *scale) {
+    *scale = amax == 0 ? 1.0f : bf16_to_f32((uint16_t)amax) / (6.0f * FP8_MAX);
+    nvfp4_state_init(ctx, *scale);
+}
+
+static int nvfp4_group_row(void *ctx, const i64 *f, i64 unit, const uint16_t *ahead, i64 ahead_len) {
+    const i64 b = unit / f[2], row = unit % f[2];
+    return nvfp4_row(ctx, member_x(f, unit), (uint8_t *)(uintptr_t)f[6] + b * f[7] + row * f[8],
+                     (uint8_t *)(uintptr_t)f[9] + b * f[10] + row * f[11], f[3], ahead, ahead_len);
+}
+
+/* groups [begin, end) of members (common.h's layout): scales[g] is group g's gs. Returns -1, or the first
+   group holding NaN/Inf. */
+i64 refitd_nvfp4_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales) {
+    nvfp4_state st;
+    return run_groups(members, first, begin, end, scales, &st, nvfp4_group_scale, nvfp4_group_row);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -212,9 +274,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                 bmax = codes[j] > bmax ? codes[j] : bmax;
             }
             if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, 0.0f, 1);
-            i16x16 *th[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) th[2 * j] = th[2 * j + 1] = thr[codes[j]];
-            e2m1_runs(xp, 2 * m, th, qr + p0 / 2);
+            e2m1_runs(xp, 2 * m, (const i16x16(*)[TESTS])thr, codes, 1, qr + p0 / 2, NULL);
         }
     }
     return -1;
@@ -266,52 +326,74 @@ static inline const uint16_t *int4_thresholds(uint32_t amax, int f32, uint16_t *
 /* groups of a multiple of 16 elements: a pass takes a piece of whole groups where the group divides
    FOUR_PIECE, else one group; each group's amax by block_amaxes, its scale, its thresholds from the
    table, then its runs of sixteen. */
+/* block_amaxes for int4_piece, not inlined into its instances (as nvfp4_amaxes) */
+static __attribute__((noinline, noclone)) void int4_amaxes(const uint16_t *x, i64 m, i64 vecs, uint32_t *out) {
+    block_amaxes(x, m, vecs, out);
+}
+
+/* m groups of 16 * vecs elements at xp: q at qp (nibbles), their scales at s_at (float32 if f32, else bf16
+   bits); nonzero if they hold NaN/Inf. Inlined with m and vecs constants for group 32's usual pieces
+   (int4_rows_fast): loops of a fixed count */
+static inline __attribute__((always_inline)) int int4_piece(const uint16_t *xp, uint8_t *qp, void *s_at, i64 m,
+                                                            i64 vecs, int f32) {
+    const i64 group = 16 * vecs;
+    uint32_t amax[FOUR_PIECE / 16];
+    int4_amaxes(xp, m, vecs, amax);
+    if (largest(amax, m) >= NONFINITE_F32) return 1;
+    /* the groups' scales in simple loops (they vectorize) */
+    float sfs[FOUR_PIECE / 16];
+    for (i64 j = 0; j < m; j++) sfs[j] = amax[j] == 0 ? 1.0f : f32_from_bits(amax[j]) / 7.0f;
+    if (f32) {
+        memcpy(s_at, sfs, (size_t)m * sizeof(float));
+    } else {
+        uint16_t hs[FOUR_PIECE / 16];
+        for (i64 j = 0; j < m; j++) hs[j] = bf16_bits_rne(sfs[j]);
+        memcpy(s_at, hs, (size_t)m * sizeof(uint16_t));
+    }
+    for (i64 j = 0; j < m; j++) {
+        uint16_t scratch[TESTS];
+        const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
+        const i16x16 zero = {0};
+        /* the group's thresholds broadcast into registers (not through memory) */
+        const i16x16 th[INT4_TESTS] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
+                                       zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
+                                       zero + (int16_t)t[6]};
+        const uint16_t *xg = xp + j * group;
+        uint8_t *qg = qp + j * group / 2;
+        i64 v = 0;
+        for (; v + 2 <= vecs; v += 2) {
+            const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
+            memcpy(qg + 8 * v, &bytes, sizeof bytes);
+        }
+        if (v < vecs) {
+            const u8x8 bytes = pack1(int4_pairs(xg + 16 * v, th));
+            memcpy(qg + 8 * v, &bytes, sizeof bytes);
+        }
+    }
+    return 0;
+}
+
 static i64 int4_rows_fast(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, int32_t *q,
                           i64 q_bstride, i64 q_rstride, void *s, i64 s_bstride, i64 s_rstride, i64 group,
                           int scale_f32, i64 begin, i64 end) {
     const i64 vecs = group / 16, span = FOUR_PIECE % group == 0 ? FOUR_PIECE : group;
     const int f32 = scale_f32 != 0;
+    const size_t s_size = f32 ? sizeof(float) : sizeof(uint16_t);
     for (i64 unit = begin; unit < end; unit++) {
         const i64 b = unit / n, row = unit % n;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         uint8_t *qr = (uint8_t *)(q + b * q_bstride + row * q_rstride); /* int32 words, little-endian */
         for (i64 p0 = 0; p0 < k; p0 += span) {
             const i64 len = k - p0 < span ? k - p0 : span, m = len / group;
-            const uint16_t *xp = xr + p0;
-            uint32_t amax[FOUR_PIECE / 16];
-            block_amaxes(xp, m, vecs, amax);
-            if (largest(amax, m) >= NONFINITE_F32) return unit;
-            /* the groups' scales in simple loops (they vectorize) */
-            float sfs[FOUR_PIECE / 16];
-            for (i64 j = 0; j < m; j++) sfs[j] = amax[j] == 0 ? 1.0f : f32_from_bits(amax[j]) / 7.0f;
-            const i64 at = b * s_bstride + row * s_rstride + p0 / group;
-            if (f32) {
-                memcpy((float *)s + at, sfs, (size_t)m * sizeof(float));
-            } else {
-                uint16_t hs[FOUR_PIECE / 16];
-                for (i64 j = 0; j < m; j++) hs[j] = bf16_bits_rne(sfs[j]);
-                memcpy((uint16_t *)s + at, hs, (size_t)m * sizeof(uint16_t));
-            }
-            for (i64 j = 0; j < m; j++) {
-                uint16_t scratch[TESTS];
-                const uint16_t *t = int4_thresholds(amax[j] >> 16, f32, scratch);
-                const i16x16 zero = {0};
-                /* the group's thresholds broadcast into registers (not through memory) */
-                const i16x16 th[INT4_TESTS] = {zero + (int16_t)t[0], zero + (int16_t)t[1], zero + (int16_t)t[2],
-                                               zero + (int16_t)t[3], zero + (int16_t)t[4], zero + (int16_t)t[5],
-                                               zero + (int16_t)t[6]};
-                const uint16_t *xg = xp + j * group;
-                uint8_t *qg = qr + (p0 + j * group) / 2;
-                i64 v = 0;
-                for (; v + 2 <= vecs; v += 2) {
-                    const u8x16 bytes = pack2(int4_pairs(xg + 16 * v, th), int4_pairs(xg + 16 * (v + 1), th));
-                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
-                }
-                if (v < vecs) {
-                    const u8x8 bytes = pack1(int4_pairs(xg + 16 * v, th));
-                    memcpy(qg + 8 * v, &bytes, sizeof bytes);
-                }
-            }
+            void *s_at = (char *)s + (size_t)(b * s_bstride + row * s_rstride + p0 / group) * s_size;
+            int bad;
+            if (vecs == 2 && m == FOUR_PIECE / 32) /* group 32 (the default), a whole piece */
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, FOUR_PIECE / 32, 2, f32);
+            else if (vecs == 2 && m == 16) /* group 32, rows of 512 (a down projection's) */
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, 16, 2, f32);
+            else
+                bad = int4_piece(xr + p0, qr + p0 / 2, s_at, m, vecs, f32);
+            if (bad) return unit;
         }
     }
     return -1;

@@ -55,6 +55,7 @@ static void convert_row(const uint16_t *restrict x, uint8_t *restrict q, i64 len
     for (i64 t = 0; t < len; t++) q[t] = e4m3_from_f32_in_range(bf16_to_f32(x[t]) * mult);
 }
 
+#if !REFITD_FP8_VEC
 /* the same with |x * mult| clamped to 448 first: an integer min on the magnitude's bits (one
    instruction; exact for every finite value, and NaN is refused before this runs) */
 static void convert_row_clamped(const uint16_t *restrict x, uint8_t *restrict q, i64 len, float mult) {
@@ -67,6 +68,7 @@ static void convert_row_clamped(const uint16_t *restrict x, uint8_t *restrict q,
         q[t] = e4m3_from_f32_in_range(f32_from_bits(mag | sign));
     }
 }
+#endif
 
 int refitd_native_abi(void) { return REFITD_NATIVE_ABI; }
 
@@ -226,33 +228,64 @@ i64 refitd_amax_bits(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstri
 /* the per-tensor scale of an amax given as sign-cleared bf16 bits (finite) */
 float refitd_scale_from_amax_bits(i64 amax_bits) { return scale_from_amax_bits((uint32_t)amax_bits); }
 
+/* a per-tensor scale's conversion state: the multiplier 1 / scale (and fp8_vec.h's table for it) */
+typedef struct {
+    float mult;
+#if REFITD_FP8_VEC
+    fp8_scale_vec sv;
+#endif
+} pt_scale;
+
+static void pt_scale_init(pt_scale *p, float scale) {
+    p->mult = 1.0f / scale;
+#if REFITD_FP8_VEC
+    fp8_scale_init(&p->sv, p->mult);
+#endif
+}
+
+/* one row: q = RNE_e4m3(x * mult), clamped to [-448, 448] when ``clamp``; returns the max sign-cleared
+   bits of the row when ``clamp`` (the plain loop does not look without it) */
+static inline uint32_t pt_row(const uint16_t *xr, uint8_t *qr, i64 k, const pt_scale *p, int clamp) {
+#if REFITD_FP8_VEC
+    return fp8_convert(xr, qr, k, &p->sv, clamp);
+#else
+    if (!clamp) {
+        convert_row(xr, qr, k, p->mult);
+        return 0;
+    }
+    convert_row_clamped(xr, qr, k, p->mult);
+    return row_amax_bits(xr, k);
+#endif
+}
+
 /* q = RNE_e4m3(x * (1 / scale)), clamped to [-448, 448] when ``clamp`` (a caller's shared scale).
    Returns the max sign-cleared bits of the rows read (the caller refuses NaN/Inf from it). */
 static i64 fp8_per_tensor_units(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, uint8_t *q,
                           i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
-    const float mult = 1.0f / scale;
+    pt_scale p;
+    pt_scale_init(&p, scale);
     uint32_t m = 0;
-#if REFITD_FP8_VEC
-    fp8_scale_vec sv;
-    fp8_scale_init(&sv, mult);
-#endif
     for (i64 unit = begin; unit < end; unit++) {
         const uint16_t *xr = x + (unit / n) * x_bstride + (unit % n) * x_rstride;
         uint8_t *qr = q + (unit / n) * q_bstride + (unit % n) * q_rstride;
-#if REFITD_FP8_VEC
-        const uint32_t r = fp8_convert(xr, qr, k, &sv, clamp);
+        const uint32_t r = pt_row(xr, qr, k, &p, clamp);
         m = r > m ? r : m;
-        continue;
-#endif
-        if (clamp) {
-            const uint32_t r = row_amax_bits(xr, k);
-            m = r > m ? r : m;
-            convert_row_clamped(xr, qr, k, mult);
-        } else {
-            convert_row(xr, qr, k, mult);
-        }
     }
     return (i64)m;
+}
+
+/* FP8 per-tensor scale groups (common.h's run_groups): each group's scale from its amax, then its members
+   converted clamped by it, as a caller's shared scale is */
+static void pt_group_scale(void *ctx, uint32_t amax, float *scale) {
+    *scale = scale_from_amax_bits(amax);
+    pt_scale_init(ctx, *scale);
+}
+
+static int pt_group_row(void *ctx, const i64 *f, i64 unit, const uint16_t *ahead, i64 ahead_len) {
+    (void)ahead, (void)ahead_len; /* the conversion is short: the hardware's prefetch keeps up */
+    uint8_t *qr = (uint8_t *)(uintptr_t)f[6] + (unit / f[2]) * f[7] + (unit % f[2]) * f[8];
+    pt_row(member_x(f, unit), qr, f[3], ctx, 1);
+    return 0;
 }
 
 /* --------------------------------------------------------------------------------------------- */
@@ -283,6 +316,13 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
                           i64 q_bstride, i64 q_rstride, float scale, int clamp, i64 begin, i64 end) {
     return fenced(fp8_per_tensor_units(x, n, k, x_bstride, x_rstride, q, q_bstride, q_rstride, scale, clamp, begin,
                                        end));
+}
+
+/* groups [begin, end) of members (common.h's layout; s unused): scales[g] is group g's scale. Returns -1,
+   or the first group holding NaN/Inf. */
+i64 refitd_fp8_per_tensor_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales) {
+    pt_scale p;
+    return fenced(run_groups(members, first, begin, end, scales, &p, pt_group_scale, pt_group_row));
 }
 
 /* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
