@@ -222,3 +222,18 @@ def test_the_span_split_of_the_same_units_is_worked_out_once(monkeypatch):
     assert [m.name for s in spans for m in s.members] == [f"w{i}" for i in range(8)]
     table.spans(plan.units[:4])  # other units: split afresh
     assert len(calls) == 2
+
+
+# ---- the remote path: one NIXL registration per buffer
+
+
+def test_views_of_one_buffer_are_registered_as_one_span():
+    from sidecar.client.remote import registered_spans
+
+    flat = torch.randn(N * 16).bfloat16()
+    views = [flat[i * 16 : (i + 1) * 16] for i in range(N)][::-1]  # any order
+    rows = [(t.data_ptr(), t.nbytes) for t in views]
+    assert registered_spans(views, rows) == [(flat.data_ptr(), flat.nbytes)]
+    apart = [torch.randn(16).bfloat16() for _ in range(3)] + [torch.empty(0)]
+    rows = [(t.data_ptr(), t.nbytes) for t in apart]
+    assert sorted(registered_spans(apart, rows)) == sorted(rows[:3])  # the empty one: nothing
