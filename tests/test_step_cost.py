@@ -237,3 +237,22 @@ def test_views_of_one_buffer_are_registered_as_one_span():
     apart = [torch.randn(16).bfloat16() for _ in range(3)] + [torch.empty(0)]
     rows = [(t.data_ptr(), t.nbytes) for t in apart]
     assert sorted(registered_spans(apart, rows)) == sorted(rows[:3])  # the empty one: nothing
+
+
+def test_row_shards_of_one_tensor_past_an_unaligned_batch_start(monkeypatch, foreach_count):
+    """Shards of one staged tensor, a batch starting mid-tensor (not on a layout boundary): every
+    row lands where it belongs, runs or not."""
+    monkeypatch.setattr(pieces_mod, "DONE_BATCH_PIECES", 16)
+    layout = Layout.build([("w", torch.bfloat16, (N, 12))])
+    arena = ShmArena.create(segment_name("refitd-test", "stepcost"), layout)
+    try:
+        full = torch.randn(N, 12).bfloat16()
+        shards = [pieces_mod.Shard(full[i : i + 1], global_shape=(N, 12), offsets=(i, 0)) for i in range(N)]
+        pieces = pieces_mod.pieces({"w": shards})
+        sent: list[int] = []
+        writer_into(arena, sent).write_step(0, pieces, list(range(N)), {}, float("inf"))
+        assert torch.equal(arena.tensor("w"), full) and sent == list(range(N))
+        assert foreach_count[0] == 0  # three runs: rows 0-15, 16-31 (from byte 384), 32-39
+    finally:
+        arena.close()
+        arena.unlink()

@@ -27,6 +27,7 @@ from sidecar.client.pieces import Link, Piece
 from sidecar.ops.gcpause import gc_paused
 from transport.arena import ArenaKind
 from transport.cuda_ipc import open_any_arena, own_device
+from transport.layout import ALIGN
 from transport.wire import Kind, ProtocolError
 
 #: pieces of at most this many bytes are copied together (one foreach copy per PIECE_DONE batch), not
@@ -160,10 +161,11 @@ def _runs(batch: _Batch, arena: Any) -> None:
                 j += 1
         if j - i >= MIN_RUN:
             item, numel = a.element_size(), a.numel()
-            start = regions[i].data_ptr() - base
-            span = (j - i - 1) * dp + a.nbytes
-            flat = arena.view(start, a.dtype, (span // item,))
-            dst = torch.as_strided(flat, (j - i, numel), (dp // item, 1))
+            start = regions[i].data_ptr() - base  # a shard's rows start anywhere in their slot
+            lead = start % ALIGN
+            span = lead + (j - i - 1) * dp + a.nbytes
+            raw = arena.view(start - lead, torch.uint8, (span,))  # the arena hands out aligned views
+            dst = torch.as_strided(raw[lead:].view(a.dtype), (j - i, numel), (dp // item, 1))
             batch.runs.append(_Run(i, j - i, sp, dst))
         else:
             batch.loose += range(i, j)
