@@ -256,3 +256,16 @@ def test_row_shards_of_one_tensor_past_an_unaligned_batch_start(monkeypatch, for
     finally:
         arena.close()
         arena.unlink()
+
+
+def test_fresh_views_in_the_same_places_keep_the_strided_copy(staging, foreach_count):
+    """A trainer handing over new tensor objects each step (a fresh ``state_dict()``, here views of
+    another buffer) in the same places: the kept plan copies them, one strided copy still."""
+    writer = writer_into(staging, [])
+    for step in range(2):
+        flat = torch.randn(N * 16).bfloat16()
+        named = {f"w{i}": flat[i * 16 : (i + 1) * 16].view(4, 4) for i in range(N)}
+        writer.write_step(step, pieces_mod.pieces(named), list(range(N)), {}, float("inf"))
+        for name, t in named.items():
+            assert torch.equal(staging.tensor(name), t), (step, name)
+    assert foreach_count[0] == 0
