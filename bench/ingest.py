@@ -430,6 +430,8 @@ def timed_steps(d: DaemonProc, sd: dict[str, torch.Tensor], *, local: bool, repe
     endpoint = d.endpoint
     with RefitClient(endpoint, rank=0, world_size=1, local=local, timeout=STEP_TIMEOUT_S) as client:
         for k in range(warmup + repeat):
+            if k == warmup:  # CPU time of the timed steps: this process (the client), the daemon's
+                cpu0 = (time.process_time(), process_cpu_s(d.proc.pid))
             to_commit, to_publish, result = timed_push(d, client, sd)
             if k < warmup:
                 first.append({"committed_s": to_commit, "published_s": to_publish})
@@ -437,6 +439,7 @@ def timed_steps(d: DaemonProc, sd: dict[str, torch.Tensor], *, local: bool, repe
             committed.append(to_commit)
             published.append(to_publish)
             phases.append(result.seconds)
+        cpu = (time.process_time() - cpu0[0], process_cpu_s(d.proc.pid) - cpu0[1])
         used_local = bool(client._welcome.get("local"))
     if used_local != local:
         raise RuntimeError(f"asked for local={local}, the daemon granted local={used_local}")
@@ -449,7 +452,19 @@ def timed_steps(d: DaemonProc, sd: dict[str, torch.Tensor], *, local: bool, repe
         "published_s": published,
         "warmup": first,
         "daemon_phases_median_s": daemon_phases,
+        # CPU seconds per timed step: less swayed than wall time by load from elsewhere (nan: no /proc)
+        "client_cpu_s": cpu[0] / repeat if repeat else 0.0,
+        "daemon_cpu_s": cpu[1] / repeat if repeat else 0.0,
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, every thread (Linux /proc; else nan)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def step_overhead(n: int, repeat: int, startup: dict) -> dict:
@@ -723,7 +738,8 @@ def overhead_table(results: dict) -> str:
             "",
             f"per-step overhead: {n} x [{SMALL_NUMEL}] bf16 vs one [{n * SMALL_NUMEL}] bf16 "
             f"({ov['bytes'] / MiB:.2f} MiB)",
-            f"{'path':<22}{'one tensor ms':>14}{f'{n} tensors ms':>18}{'us/tensor':>11}",
+            f"{'path':<22}{'one tensor ms':>14}{f'{n} tensors ms':>18}{'us/tensor':>11}"
+            f"{'CPU us/tensor: client':>24}{'daemon':>8}",
         ]
         for path in ("local", "remote_ipc"):
             for phase in ("committed_s", "published_s"):
@@ -734,8 +750,15 @@ def overhead_table(results: dict) -> str:
                     continue
                 one = statistics.median(ov["one"][path][phase])
                 many = statistics.median(ov["many"][path][phase])
+                cpu = ""
+                if phase == "published_s" and "client_cpu_s" in ov["many"][path]:  # per step, both phases
+                    c, dm = (
+                        (ov["many"][path][k] - ov["one"][path][k]) / n * 1e6
+                        for k in ("client_cpu_s", "daemon_cpu_s")
+                    )
+                    cpu = f"{c:>24.2f}{dm:>8.2f}"
                 lines.append(
-                    f"{label:<22}{one * 1e3:>14.2f}{many * 1e3:>18.1f}{(many - one) / n * 1e6:>11.1f}"
+                    f"{label:<22}{one * 1e3:>14.2f}{many * 1e3:>18.1f}{(many - one) / n * 1e6:>11.1f}{cpu}"
                 )
     return "\n".join(lines)
 

@@ -64,7 +64,7 @@ class RemoteSender:
             return None, None, self._broken
         reg = None
         try:  # this step's copies only: frames for this step if they cannot be registered
-            live = [(a, n) for a, n in rows if n]
+            live = registered_spans(srcs, rows)
             reg = self._ep.register(live) if live else None
             md = self._ep.metadata()
         except (nixl.NixlError, ValueError, TypeError) as exc:
@@ -194,3 +194,21 @@ class RemoteSender:
         if self._ep is not None:
             self._ep.close()
             self._ep = None
+
+
+def registered_spans(srcs: list[torch.Tensor], rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The host memory to register for ``srcs`` (``rows``: their ``(addr, nbytes)``): per storage,
+    the one span from its first piece's start to its last piece's end. Views of one buffer (10,000
+    small tensors of a flat parameter buffer) are one registration, not 10,000 (each costs UCX
+    ~20 us); every piece's descriptor still lies inside one registered region, as NIXL needs."""
+    spans: dict[int, list[int]] = {}
+    for t, (a, n) in zip(srcs, rows):
+        if not n:
+            continue
+        key = t.untyped_storage().data_ptr()
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [a, a + n]
+        else:
+            span[0], span[1] = min(span[0], a), max(span[1], a + n)
+    return [(lo, hi - lo) for lo, hi in spans.values()]

@@ -97,3 +97,6 @@ class LoopContext(Protocol):
 
     def tensor_complete(self, name: str) -> None:
         """Every byte of input ``name`` arrived: run the units it completes."""
+
+    def tensors_complete(self, names: list[str]) -> None:
+        """Every byte of each input of ``names`` arrived: run the units they complete, together."""

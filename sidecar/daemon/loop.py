@@ -432,6 +432,9 @@ class Daemon:
     def tensor_complete(self, name: str) -> None:
         self.pipeline.tensor_complete(name)
 
+    def tensors_complete(self, names: list[str]) -> None:
+        self.pipeline.tensors_complete(names)
+
     def adopt_plan(self, plan: RefitPlan, *, invalidate: bool = False) -> None:
         """Carve the arenas for ``plan`` (ArenaTooSmall when they cannot hold it), then use it;
         ``invalidate``: forget every published generation (the layout changed)."""

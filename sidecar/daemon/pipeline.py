@@ -11,6 +11,7 @@ thread), never a callable of the daemon: the arenas' view caches are touched by 
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import time
 from collections.abc import Iterable
@@ -65,8 +66,12 @@ class Pipeline:
         ready. Small passthroughs go to the worker as byte spans (sidecar.daemon.spans)."""
         ctx = self.ctx
         state, ring, plan = ctx.step, ctx.arenas.ring, ctx.plan
-        units = []
         sole, submitted = self._sole_units(plan), state.units_submitted
+        units = _sole_ready(sole, submitted, names) if ring is None else None
+        if units is not None:  # each name its own unit's only input: no loop in Python
+            self._ready(state, units)
+            return
+        units = []
         for name in names:
             if ring is not None:
                 ring.tensor_complete(name)
@@ -76,6 +81,9 @@ class Pipeline:
             elif unit.index not in submitted:  # its only input just completed: it is ready
                 submitted.add(unit.index)
                 units.append(unit)
+        self._ready(state, units)
+
+    def _ready(self, state: StepState, units: list[Unit]) -> None:
         if not units:
             return
         if state.target is None:
@@ -405,3 +413,19 @@ class Pipeline:
             ctx.config.reader_timeout_s,
             extra={"step": state.step, "phase": "claim"},
         )
+
+
+_INDEX = operator.attrgetter("index")
+
+
+def _sole_ready(sole: dict[str, Unit], submitted: set[int], names: Iterable[str]) -> list[Unit] | None:
+    """The units ``names`` make ready when each is the only input of its own unit and none of those
+    was submitted yet (marked submitted now), without a Python loop; None (nothing marked) otherwise."""
+    units = list(map(sole.get, names))
+    if None in units:
+        return None
+    indices = list(map(_INDEX, units))
+    if not submitted.isdisjoint(indices) or len(set(indices)) != len(indices):
+        return None
+    submitted.update(indices)
+    return units

@@ -333,11 +333,10 @@ class Pulls:
                 self._failed(state, pull.rank, pull.identity, pull.pieces, failed)
                 continue
             state.pulling.difference_update(pull.pieces)
-            try:
-                for pid in pull.pieces:
-                    done = state.piece_received(pull.rank, pid)
-                    if done:
-                        ctx.tensor_complete(done)
+            try:  # whole pieces READ into staging: recorded as a PIECE_DONE's, ready units submitted together
+                done = state.pieces_done(pull.rank, pull.pieces)
+                if done:
+                    ctx.tensors_complete(done)
             except RefitError as exc:
                 ctx.fail_step(exc)
                 return

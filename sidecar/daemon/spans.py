@@ -77,6 +77,8 @@ class SpanTable:
         name -> byte offset there): their spans read the generation itself and only check it."""
         self.plan, self.staging, self.outputs, self.direct = plan, staging, outputs, direct
         self._members: dict[int, Member] = {}  # by unit index
+        #: the last call to :meth:`spans`: (its units' indices, the spans, the rest)
+        self._last: tuple[tuple[int, ...], list[Span], list[Unit]] | None = None
         for unit in plan.units:
             if unit.fmt is not None or len(unit.inputs) != 1 or len(unit.outputs) != 1:
                 continue
@@ -105,7 +107,19 @@ class SpanTable:
         return same and self.direct is direct
 
     def spans(self, units: Iterable[Unit]) -> tuple[list[Span], list[Unit]]:
-        """``units`` split into spans (in unit order) and the units that go one by one."""
+        """``units`` split into spans (in unit order) and the units that go one by one. The same
+        units as the last call (every step of one model: its passthroughs) get the same spans
+        back, worked out once (nothing changes a span once made)."""
+        units = list(units)
+        key = tuple(map(_UNIT_INDEX, units))
+        last = self._last
+        if last is not None and last[0] == key:
+            return list(last[1]), list(last[2])
+        spans, rest = self._spans(units)
+        self._last = (key, spans, rest)
+        return list(spans), list(rest)
+
+    def _spans(self, units: list[Unit]) -> tuple[list[Span], list[Unit]]:
         members, rest, picked = self._members, [], []
         for unit in units:
             m = members.get(unit.index)
@@ -139,6 +153,7 @@ class SpanTable:
 
 
 _ORDER = operator.attrgetter("src", "unit")
+_UNIT_INDEX = operator.attrgetter("index")
 
 
 def _float_runs(span: Span) -> list[tuple[torch.dtype, int, int]]:

@@ -9,6 +9,7 @@ at fault, so the daemon can fail the step on every rank with one message.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -139,6 +140,9 @@ class Skeleton:
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     tracker: CoverageTracker
     skipped: frozenset[int]
+    #: ``pieces`` as PIECE_DONE reads them (:meth:`CoverageTracker.whole_rows`), made by the first
+    #: step that needs them and kept for the steps after it (one holder: the dataclass is frozen)
+    done_rows: list[list[Any] | None] = field(default_factory=lambda: [None])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -242,6 +246,8 @@ class StepState:
     keys: list[tuple[int, Any]] = field(default_factory=list)  # (rank, pieces as sent), BEGIN order
     followed: int = 0  # leading ``keys`` matched to the skeleton and not declared (yet)
     settled: bool = False  # took the skeleton over: its declarations were checked against the plan
+    #: ``pieces`` as PIECE_DONE reads them, once every rank declared (shared with the skeleton)
+    done_rows: list[list[Any] | None] = field(default_factory=lambda: [None])
 
     # ---- BEGIN
 
@@ -307,6 +313,7 @@ class StepState:
         with gc_paused():
             if plan is sk.plan and len(self.keys) == len(sk.keys):
                 self.pieces, self.tensors = sk.pieces, dict(sk.tensors)
+                self.done_rows = sk.done_rows
                 self.tracker, self.skipped = sk.tracker.fresh(), set(sk.skipped)
                 self.settled = True
             else:
@@ -325,6 +332,7 @@ class StepState:
             dict(self.tensors),
             self.tracker.fresh(),
             frozenset(self.skipped),
+            self.done_rows,
         )
 
     def _declare(self, rank: int, rows: list[Any]) -> None:
@@ -451,33 +459,47 @@ class StepState:
         that just completed. :meth:`piece_received` for each, in one pass (a batch names hundreds
         of small pieces); the first refused id raises as it would there, after the ones before it."""
         pieces, skipped = self.pieces, self.skipped
-        n, rows = len(pieces), []
-        bad = None
+        rows = self.done_rows[0]
+        if rows is None or len(rows) != len(pieces):  # made once all ranks declared; then kept
+            rows = self.done_rows[0] = self.tracker.whole_rows(pieces)
+        n = len(rows)
+        if (
+            ids and not skipped and set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < n
+        ):  # the usual batch, checked and looked up without a Python loop
+            take = list(map(rows.__getitem__, ids))
+            if set(map(_RANK, take)) == {rank}:
+                done_at_once = self.tracker.received_sole(take)
+                if done_at_once is not None:
+                    return self._took(*done_at_once)
+        take, bad = [], None
         for pid in ids:
             if type(pid) is not int or not 0 <= pid < n or pid in skipped:
                 bad = pid  # refused below, once the ids before it are recorded
                 break
-            row = pieces[pid]
+            row = rows[pid]
             if row[0] != rank:
                 bad = pid
                 break
-            rows.append(row)
+            take.append(row)
         try:
-            nbytes, names = self.tracker.received_whole(rows)
+            nbytes, done = self.tracker.received_whole(take)
         except FrameError as exc:
             raise RefitError(str(exc), kind=ErrorKind.PROTOCOL, rank=rank, step=self.step) from None
         except CoverageError as exc:
             raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
-        self.bytes_in += nbytes
-        complete, done = self.complete, []
-        for name in names:
-            if name not in complete:
-                complete.add(name)
-                done.append(name)
-        if done and len(complete) == len(self.tensors):
-            self.phases.all_received = time.monotonic()
+        self._took(nbytes, done)
         if bad is not None:
             self.piece(rank, bad)  # raises, naming what is wrong with it
+        return done
+
+    def _took(self, nbytes: int, done: list[str]) -> list[str]:
+        """Count ``nbytes`` in, note the tensors ``done`` (a tensor's count of pending pieces reaches
+        0 once: none of them completed before)."""
+        self.bytes_in += nbytes
+        complete = self.complete
+        complete.update(done)
+        if done and len(complete) == len(self.tensors):
+            self.phases.all_received = time.monotonic()
         return done
 
     def piece(self, rank: int, piece_id: int) -> tuple[str, int]:
@@ -541,6 +563,10 @@ class StepState:
 
     def sealed(self, plan: RefitPlan) -> bool:
         return len(self.committed) == self.world_size and len(self.units_done) == len(plan.units)
+
+
+_INT = {int}
+_RANK = operator.itemgetter(0)
 
 
 def _itemsize(dtype_name: str) -> int:

@@ -342,30 +342,58 @@ class CoverageTracker:
             return True
         return False
 
-    def received_whole(self, rows: Iterable[tuple[Any, str, int]]) -> tuple[int, list[str]]:
-        """:meth:`received` of each whole piece of ``rows``, in order, in one pass (a PIECE_DONE
-        names hundreds of small pieces); a row's last two fields are the tensor's name and the
-        piece id (``StepState.pieces`` rows: ``(rank, name, piece id)``). Returns the bytes they
-        hold and the tensors they completed; the first refused one raises as :meth:`received`
-        does, after the ones before it were recorded."""
-        tensors, whole, blocks, pending = self._tensors, self._whole, self._blocks, self._pending
-        nbytes, done = 0, []
-        for _, name, pid in rows:
-            key = (name, pid)
+    def whole_rows(
+        self, rows: Iterable[tuple[Any, str, int]]
+    ) -> list[tuple[Any, str, int, tuple[str, int], int, bool]]:
+        """``rows`` (``StepState.pieces``: ``(rank, name, piece id)``) as :meth:`received_whole`
+        takes them: each with its key, its bytes and whether it is its tensor's only piece, worked
+        out once for every step that declares the same pieces (a piece this tracker does not know
+        gets 0 bytes: received_whole refuses it)."""
+        tensors = self._tensors
+        out = []
+        for rank, name, pid in rows:
             t = tensors.get(name)
-            if (
-                t is None
-                or key in whole
-                or key in blocks
-                or type(pid) is not int
-                or not 0 <= pid < len(t.pieces)
-            ):
+            ok = t is not None and type(pid) is int and 0 <= pid < len(t.pieces)
+            size = t.pieces[pid].numel * t.itemsize if ok else 0
+            out.append((rank, name, pid, (name, pid), size, ok and len(t.pieces) == 1))
+        return out
+
+    def received_sole(
+        self, rows: list[tuple[Any, str, int, tuple[str, int], int, bool]]
+    ) -> tuple[int, list[str]] | None:
+        """:meth:`received_whole` of ``rows`` at once, when each is its tensor's only piece, none
+        arrived before and none is named twice: a PIECE_DONE of small whole tensors, recorded
+        without a Python loop. None (nothing recorded) for any other batch."""
+        if not rows or not all(map(_SOLE, rows)):
+            return None
+        keys = list(map(_KEY, rows))
+        whole, blocks = self._whole, self._blocks
+        if not whole.isdisjoint(keys) or (blocks and not blocks.keys().isdisjoint(keys)):
+            return None
+        if len(set(keys)) != len(keys):
+            return None
+        names = list(map(_NAME, rows))
+        # a sole piece neither whole nor in blocks yet: its tensor has one piece pending
+        whole.update(keys)
+        self._pending.update(dict.fromkeys(names, 0))
+        return sum(map(_SIZE, rows)), names
+
+    def received_whole(
+        self, rows: Iterable[tuple[Any, str, int, tuple[str, int], int]]
+    ) -> tuple[int, list[str]]:
+        """:meth:`received` of each whole piece of ``rows`` (:meth:`whole_rows`), in order, in one
+        pass (a PIECE_DONE names hundreds of small pieces). Returns the bytes they hold and the
+        tensors they completed; the first refused one raises as :meth:`received` does, after the
+        ones before it were recorded."""
+        whole, blocks, pending = self._whole, self._blocks, self._pending
+        nbytes, done = 0, []
+        for _, name, pid, key, size, _ in rows:
+            if key in whole or key in blocks or name not in pending:
                 self.received(name, pid)  # raises naming the problem, or records it the long way
-                t = tensors[name]
             else:
                 whole.add(key)
                 pending[name] -= 1
-            nbytes += t.pieces[pid].numel * t.itemsize
+            nbytes += size
             if not pending[name]:
                 done.append(name)
         return nbytes, done
@@ -424,6 +452,9 @@ class CoverageTracker:
             f"rank {rank}: {name!r} {piece.describe()} ({have} of {want} bytes)"
             for rank, name, piece, have, want in rows
         ]
+
+
+_NAME, _KEY, _SIZE, _SOLE = (operator.itemgetter(k) for k in (1, 3, 4, 5))  # of whole_rows' rows
 
 
 def _show(values: Any) -> str:
