@@ -317,15 +317,11 @@ def _fp8_per_tensor_pipeline(groups: Sequence[Fp8Group]) -> Prepared | None:
             fills.append((len(members), s))
         members.append(fields)
 
-    def finish(bad: int | None, scales: list[float]) -> list[torch.Tensor]:
-        if bad is not None:
-            tensors, label = groups[bad][0], groups[bad][3]
-            raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=label), label)
-        for g, s in fills:
-            s.fill_(scales[g])
-        return [torch.tensor(v, dtype=torch.float32) for v in scales]
+    def refuse(bad: int) -> None:
+        tensors, label = groups[bad][0], groups[bad][3]
+        raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=label), label)
 
-    return group_call(run, members, finish)
+    return group_call(run, members, fills, refuse)
 
 
 def _prepare_fp8_per_tensor_group(

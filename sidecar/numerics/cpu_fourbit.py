@@ -202,15 +202,11 @@ def _nvfp4_pipeline(groups: Sequence[Nvfp4Group]) -> Prepared | None:
             fills.append((len(members), g))
         members.append(fields)
 
-    def finish(bad: int | None, scales: list[float]) -> list[torch.Tensor]:
-        if bad is not None:
-            tensors, label = groups[bad][0], groups[bad][3]
-            raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=label), label)
-        for i, g in fills:
-            g.fill_(scales[i])
-        return [torch.tensor(v, dtype=torch.float32) for v in scales]
+    def refuse(bad: int) -> None:
+        tensors, label = groups[bad][0], groups[bad][3]
+        raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=label), label)
 
-    return group_call(run, members, finish)
+    return group_call(run, members, fills, refuse)
 
 
 def _prepare_nvfp4_group(

@@ -177,13 +177,15 @@ MEMBER_FIELDS = 12
 def group_call(
     run: Callable[..., int],
     members: Sequence[Sequence[tuple[int, ...]]],
-    finish: Callable[[int | None, list[float]], Any],
+    fills: Sequence[tuple[int, torch.Tensor]],
+    refuse: Callable[[int], None],
 ) -> Prepared:
     """Scale groups as one call of one unit a group, run by a native group runner ``run``
     (``refitd_fp8_per_tensor_groups``, ``refitd_nvfp4_groups``): each group's amax read while the group
     before it converts (one pass over memory, see common.h), a thread's share a run of whole groups.
-    ``members[g]`` holds group g's tensors' MEMBER_FIELDS fields; ``finish`` gets the first group that
-    held NaN/Inf (None if none) and every group's scale."""
+    ``members[g]`` holds group g's tensors' MEMBER_FIELDS fields. ``refuse(g)`` raises the reference's
+    error for g, the first group that held NaN/Inf; otherwise each ``(g, scale)`` of ``fills`` is filled
+    with group g's scale, and the call's result is every group's scale, a float32 tensor each."""
     flat: list[int] = []
     first = [0]
     for group in members:
@@ -200,9 +202,14 @@ def group_call(
     def share(begin: int, end: int) -> int:
         return run(desc, offsets, begin, end, scales)
 
-    def done(results: list[int]) -> Any:
+    def done(results: list[int]) -> list[torch.Tensor]:
         bad = [r for r in results if r >= 0]
-        return finish(min(bad) if bad else None, list(scales))
+        if bad:
+            refuse(min(bad))
+        values = list(scales)
+        for g, scale in fills:
+            scale.fill_(values[g])
+        return [torch.tensor(v, dtype=torch.float32) for v in values]
 
     return Prepared(share, len(members), elems // max(len(members), 1), done)
 
