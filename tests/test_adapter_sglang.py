@@ -20,7 +20,6 @@ import error (REFITD_REQUIRE_ENGINES=1).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from sidecar.cli.convert import convert_directory
 from sidecar.numerics.formats import Format
 from sidecar.plan.models import get_model
 from sidecar.plan.spec import RefitSpec
+from tests.support.engines import missing
 from tests.support.waiting import wait_until
 
 SKIP = "SGLang is not installed here: run make test-sglang"
@@ -47,9 +47,7 @@ def sgl():
 
         sglang_cpu.import_sglang()
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but SGLang does not import: {exc}")
-        pytest.skip(f"{SKIP} ({exc})")
+        missing("SGLang does not import", SKIP, exc)
     return sglang_cpu
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.engines import missing
 
 import adapters.vllm as av
 import adapters.vllm.worker as avw
@@ -1223,9 +1224,7 @@ def real_vllm():
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's reload package does not import: {exc}")
-        pytest.skip(f"{ENGINE_SKIP} ({exc})")
+        missing("vLLM's reload package does not import", ENGINE_SKIP, exc)
     return SimpleNamespace(
         version=vllm.__version__,
         VllmConfig=VllmConfig,

@@ -31,6 +31,7 @@ from sidecar.numerics.formats import Format
 from sidecar.plan.models import get_model
 from sidecar.plan.run import convert
 from sidecar.plan.spec import RefitSpec
+from tests.support.engines import missing
 from tests.test_convert import CONFIG, _bf16_dir
 
 SKIP = "vLLM is not installed here: run make test-engines"
@@ -46,9 +47,7 @@ def vllm_cpu():
         import vllm  # noqa: F401
         from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM does not import: {exc}")
-        pytest.skip(f"{SKIP} ({exc})")
+        missing("vLLM does not import", SKIP, exc)
 
 
 def _triton_backends(monkeypatch) -> None:

@@ -32,11 +32,11 @@ drafter, after which the next load carries the last good activation scales; all 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from support.engines import missing
 
 import adapters.vllm as av
 from adapters.vllm.carry import carried_input_scales
@@ -61,9 +61,11 @@ def vm():
         vllm_models.import_vllm()
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4FusedMoE  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's model classes do not import: {exc}")
-        pytest.skip(f"needs vLLM 0.33.0 in .venv-engines: run `make test-engines` ({exc})")
+        missing(
+            "vLLM's model classes do not import",
+            "needs vLLM 0.33.0 in .venv-engines: run `make test-engines`",
+            exc,
+        )
     return vllm_models
 
 

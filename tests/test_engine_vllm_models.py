@@ -28,11 +28,11 @@ vLLM's own first load + processing makes of the same generation; the MTP drafter
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from support.engines import missing
 
 import adapters.vllm as av
 from sidecar.numerics.formats import FP8_DTYPE, Format
@@ -60,9 +60,11 @@ def vm():
         vllm_models.import_vllm()
         from vllm.model_executor.model_loader.utils import initialize_model  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's model classes do not import: {exc}")
-        pytest.skip(f"needs vLLM 0.33.0 in .venv-engines: run `make test-engines` ({exc})")
+        missing(
+            "vLLM's model classes do not import",
+            "needs vLLM 0.33.0 in .venv-engines: run `make test-engines`",
+            exc,
+        )
     return vllm_models
 
 

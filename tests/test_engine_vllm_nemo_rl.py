@@ -19,12 +19,12 @@ not run on this CPU): the check ends at the loaded parameters' bytes.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from support.daemons import RunningDaemon
+from support.engines import missing
 from support.nemo_rl_interface import VllmCheckpointEngineMixin, create_checkpoint_engine, is_fp8_model
 from support.waiting import wait_until
 
@@ -49,9 +49,11 @@ def vm():
         vllm_models.import_vllm()
         from vllm.model_executor.model_loader.utils import initialize_model  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's model classes do not import: {exc}")
-        pytest.skip(f"needs vLLM 0.33.0 in .venv-engines: run `make test-engines` ({exc})")
+        missing(
+            "vLLM's model classes do not import",
+            "needs vLLM 0.33.0 in .venv-engines: run `make test-engines`",
+            exc,
+        )
     return vllm_models
 
 

@@ -21,11 +21,11 @@ vLLM's real ``convert_to_nvfp4_moe_kernel_format`` does it).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from support.engines import missing
 
 import adapters.vllm as av
 from adapters.vllm.carry import carried_input_scales
@@ -61,9 +61,11 @@ def vm():
             compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4,
         )
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's model classes do not import: {exc}")
-        pytest.skip(f"needs vLLM 0.33.0 in .venv-engines: run `make test-engines` ({exc})")
+        missing(
+            "vLLM's model classes do not import",
+            "needs vLLM 0.33.0 in .venv-engines: run `make test-engines`",
+            exc,
+        )
 
     def nvfp4_emulation(config, weight_key=None, activation_key=None):  # as support.vllm_models for ModelOpt
         backend = nvfp4_oracle.NvFp4MoeBackend.EMULATION

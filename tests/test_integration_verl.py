@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.engines import missing
 from support.verl_actors import ActorGroup
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
@@ -39,9 +40,7 @@ def verl():
     try:
         import verl.checkpoint_engine.base as base
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but verl does not import: {exc}")
-        pytest.skip(f"verl is not installed here: run make test-verl ({exc})")
+        missing("verl does not import", "verl is not installed here: run make test-verl", exc)
     return base
 
 

@@ -28,12 +28,13 @@ manager.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.support.engines import missing
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -48,9 +49,11 @@ def sgl():
         sglang_cpu.import_sglang()
         import verl.checkpoint_engine.base  # noqa: F401
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but SGLang or verl does not import: {exc}")
-        pytest.skip(f"SGLang and verl are not installed here: run make test-sglang ({exc})")
+        missing(
+            "SGLang or verl does not import",
+            "SGLang and verl are not installed here: run make test-sglang",
+            exc,
+        )
     return sglang_cpu
 
 

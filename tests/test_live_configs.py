@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from support.engines import missing
 
 from sidecar.cli.demo.synthetic import make_hf_config
 from sidecar.numerics.formats import Format
@@ -29,9 +30,11 @@ def nvfp4_config_class():
     try:
         from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's ModelOpt config does not import: {exc}")
-        pytest.skip(f"needs vLLM: run `make test-live` or `make test-engines` ({exc})")
+        missing(
+            "vLLM's ModelOpt config does not import",
+            "needs vLLM: run `make test-live` or `make test-engines`",
+            exc,
+        )
     return ModelOptNvFp4Config
 
 

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from support.engines import missing
 
 from sidecar.numerics import cpu, fourbit
 
@@ -22,9 +23,7 @@ def dequantize_to_dtype():
     try:
         from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM's nvfp4_emulation_utils does not import: {exc}")
-        pytest.skip(f"needs vLLM: run `make test-engines` ({exc})")
+        missing("vLLM's nvfp4_emulation_utils does not import", "needs vLLM: run `make test-engines`", exc)
     return dequantize_to_dtype
 
 

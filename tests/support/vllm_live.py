@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from support.engines import missing
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512
 #: engine settings that keep a start short and small on 2 cores (KV cache 1 GiB, VLLM_CPU_KVCACHE_SPACE)
@@ -34,15 +36,12 @@ START_TIMEOUT_S = 60.0
 
 def require_vllm() -> Any:
     """vLLM, or a skip (a failure under REFITD_REQUIRE_ENGINES=1) where it cannot be imported."""
-    import pytest
 
     os.environ.update(ENV)
     try:
         import vllm
     except ImportError as exc:
-        if os.environ.get("REFITD_REQUIRE_ENGINES") == "1":
-            pytest.fail(f"REFITD_REQUIRE_ENGINES=1 but vLLM does not import: {exc} (make test-live)")
-        pytest.skip(f"needs a running vLLM: run `make test-live` ({exc})")
+        missing("vLLM does not import", "needs a running vLLM: run `make test-live`", exc)
     return vllm
 
 
