@@ -144,6 +144,7 @@ def test_a_batch_of_sole_pieces_is_recorded_without_the_per_piece_loop(monkeypat
         ([0, 1, N], f"piece {N}, which it did not declare", ErrorKind.PROTOCOL, 2),
         ([0, -1], "piece -1, which it did not declare", ErrorKind.PROTOCOL, 1),
         ([0, True], "piece <bool>, which it did not declare", ErrorKind.PROTOCOL, 1),
+        ([0, None], "piece <NoneType>, which it did not declare", ErrorKind.PROTOCOL, 1),
     ],
 )
 def test_a_refused_batch_records_the_pieces_before_and_says_what_is_wrong(ids, match, kind, recorded):

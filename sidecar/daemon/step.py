@@ -471,16 +471,12 @@ class StepState:
                 done_at_once = self.tracker.received_sole(take)
                 if done_at_once is not None:
                     return self._took(*done_at_once)
-        take, bad = [], None
-        for pid in ids:
-            if type(pid) is not int or not 0 <= pid < n or pid in skipped:
-                bad = pid  # refused below, once the ids before it are recorded
+        take, bad = [], len(ids)  # the position of the first refused id (any value, None included)
+        for at, pid in enumerate(ids):
+            if type(pid) is not int or not 0 <= pid < n or pid in skipped or rows[pid][0] != rank:
+                bad = at  # refused below, once the ids before it are recorded
                 break
-            row = rows[pid]
-            if row[0] != rank:
-                bad = pid
-                break
-            take.append(row)
+            take.append(rows[pid])
         try:
             nbytes, done = self.tracker.received_whole(take)
         except FrameError as exc:
@@ -488,8 +484,8 @@ class StepState:
         except CoverageError as exc:
             raise RefitError(str(exc), kind=ErrorKind.COVERAGE, rank=rank, step=self.step) from None
         self._took(nbytes, done)
-        if bad is not None:
-            self.piece(rank, bad)  # raises, naming what is wrong with it
+        if bad < len(ids):
+            self.piece(rank, ids[bad])  # raises, naming what is wrong with it
         return done
 
     def _took(self, nbytes: int, done: list[str]) -> list[str]:
