@@ -13,13 +13,13 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from sidecar.numerics import cpu, cpu_fourbit, fourbit, native
 from sidecar.numerics.formats import FP8_DTYPE
+from tests.support.native_builds import LEVELS, build_for
 
 FINITE = 0x7F80  # sign-cleared bf16 bits below this are finite
 
@@ -148,19 +148,13 @@ def test_nvfp4_global_scale_of_every_bf16_amax():
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the -march levels below are x86-64's")
-@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("march", list(LEVELS))
 def test_builds_for_older_cpus_give_the_same_bytes(march, tmp_path, monkeypatch):
-    """fourbit.c's fast paths depend on the build's -march (AVX2 intrinsics for block maxima, GCC vector
-    code of the width the CPU has): the library built for plain x86-64 (SSE2, no AVX2) and for x86-64-v3
-    (AVX2, no AVX-512) must give this machine's reference bytes too."""
-    if march == "x86-64-v3" and "avx2" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU has no AVX2")
-    lib_path = tmp_path / f"refitd-quant-{march}.so"
-    flags = [f for f in native.FLAGS if f != "-march=native"]
-    cmd = [*native.compiler(), *flags, f"-march={march}", "-o", str(lib_path), *map(str, native.SOURCES)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lib = native._open(lib_path)
+    """fourbit.c's fast paths depend on the build's -march (AVX2 intrinsics for block maxima, AVX-512 for
+    NVFP4's scales, GCC vector code of the width the CPU has): the library built for plain x86-64 (SSE2, no
+    AVX2), for x86-64-v3 (AVX2, no AVX-512) and for x86-64-v4 (AVX-512 without VBMI) must give this
+    machine's reference bytes too."""
+    lib = build_for(march, tmp_path)
     monkeypatch.setattr(native, "load", lambda: lib)
     w = _every_magnitude(32, seed=11).reshape(-1, 1024)[::3]
     g = torch.Generator().manual_seed(12)

@@ -22,7 +22,7 @@
 
 #include "common.h"
 
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define REFITD_FP8_VEC 1
 
 /* A scale's constants. Above t_norm, RN(|x| * mult) is a normal float32 and c10 rounds its bits, which
