@@ -169,3 +169,29 @@ def test_builds_for_older_cpus_give_the_same_bytes(march, tmp_path, monkeypatch)
             fourbit.quantize_int4(x, group=32, scale_dtype=torch.float32),
         )
         _same(cpu.quantize_mxfp4(x), fourbit.quantize_mxfp4(x))
+
+
+@pytest.mark.parametrize("k", [48, 512])
+@pytest.mark.parametrize("begin", [0, 3])
+def test_rows_taken_together_still_name_their_nonfinite_row(k, begin):
+    """Dense rows shorter than a piece are converted several at a time as one (fourbit.c rows_at_once): a
+    NaN or Inf is still reported at its own row (the first of the share's rows holding one), by both
+    NVFP4 and INT4, and a share starting past it does not see it."""
+    lib = native.load()
+    n = 40
+    g = torch.Generator().manual_seed(k + begin)
+    for bad_row in (0, 1, 4, 17, 39):
+        for value in (float("nan"), float("inf")):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            w[bad_row, k // 2 + 3] = value
+            want = bad_row if bad_row >= begin else -1
+            q, s = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 16, dtype=torch.uint8)
+            got = lib.refitd_nvfp4(
+                w.data_ptr(), n, k, 0, k, q.data_ptr(), 0, k // 2, s.data_ptr(), 0, k // 16, 1.0, begin, n
+            )
+            assert got == want, ("nvfp4", bad_row, value)
+            qi, si = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 16, dtype=torch.bfloat16)
+            got = lib.refitd_int4(
+                w.data_ptr(), n, k, 0, k, qi.data_ptr(), 0, k // 8, si.data_ptr(), 0, k // 16, 16, 0, begin, n
+            )
+            assert got == want, ("int4", bad_row, value)

@@ -246,17 +246,19 @@ static inline void cursor_read(amax_cursor *c, i64 target) {
 }
 
 /* a format's part: a group's scale from its amax (finite; stored in *scale, the state set up in ctx),
-   then each row of each member converted by it (nonzero: NaN or Inf seen), given the row of ahead_len
-   elements the next group's amax reads after it (NULL if none) to prefetch */
+   then the rows of each member converted by it, some at a time: rows from ``unit`` on, at most ``most``,
+   given the ahead_len elements the next group's amax reads after them (NULL if none) to prefetch; returns
+   the rows it took (>= 1), 0 for NaN or Inf seen */
 typedef void (*group_scale_fn)(void *ctx, uint32_t amax, float *scale);
-typedef int (*group_row_fn)(void *ctx, const i64 *member, i64 unit, const uint16_t *ahead, i64 ahead_len);
+typedef i64 (*group_row_fn)(void *ctx, const i64 *member, i64 unit, i64 most, const uint16_t *ahead, i64 ahead_len);
 
-/* the row a cursor reads next (NULL at the group's end), its length in *len */
+/* where a cursor reads next (NULL at the group's end), and in *len how far on it reads contiguously: its
+   next row, and the rows after it in its member's batch where they follow one another in memory */
 static inline const uint16_t *cursor_peek(const amax_cursor *c, i64 *len) {
     for (i64 m = c->m, unit = c->unit; m < c->m_end; m++, unit = 0) {
         const i64 *f = c->members + m * MEMBER_FIELDS;
         if (unit < member_rows(f)) {
-            *len = f[3];
+            *len = f[5] == f[3] ? (f[2] - unit % f[2]) * f[3] : f[3];
             return member_x(f, unit);
         }
     }
@@ -280,13 +282,15 @@ static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, 
         i64 done = 0;
         for (i64 m = first[g]; m < m1; m++) {
             const i64 *f = members + m * MEMBER_FIELDS;
-            for (i64 u = 0; u < member_rows(f); u++) {
-                /* the row the next group's amax reads next: a row function may prefetch it while it
+            for (i64 u = 0; u < member_rows(f);) {
+                /* what the next group's amax reads next: a row function may prefetch it while it
                    computes, so that read is served from cache */
                 i64 ahead_len;
                 const uint16_t *ahead = cursor_peek(&next, &ahead_len);
-                if (row_fn(ctx, f, u, ahead, ahead_len)) return g;
-                done += f[3];
+                const i64 took = row_fn(ctx, f, u, f[2] - u % f[2], ahead, ahead_len);
+                if (took == 0) return g;
+                u += took;
+                done += took * f[3];
                 cursor_read(&next, (i64)((double)done * ratio));
             }
         }

@@ -281,11 +281,11 @@ static void pt_group_scale(void *ctx, uint32_t amax, float *scale) {
     pt_scale_init(ctx, *scale);
 }
 
-static int pt_group_row(void *ctx, const i64 *f, i64 unit, const uint16_t *ahead, i64 ahead_len) {
-    (void)ahead, (void)ahead_len; /* the conversion is short: the hardware's prefetch keeps up */
+static i64 pt_group_row(void *ctx, const i64 *f, i64 unit, i64 most, const uint16_t *ahead, i64 ahead_len) {
+    (void)most, (void)ahead, (void)ahead_len; /* a row at a time: the hardware's prefetch keeps up */
     uint8_t *qr = (uint8_t *)(uintptr_t)f[6] + (unit / f[2]) * f[7] + (unit % f[2]) * f[8];
     pt_row(member_x(f, unit), qr, f[3], ctx, 1);
-    return 0;
+    return 1;
 }
 
 /* --------------------------------------------------------------------------------------------- */
