@@ -82,3 +82,26 @@ def test_shared_scale_not_a_float32_tensor_is_refused_alike(bad, dtype):
             fn(w, global_scale=bad, name=NAME)
         messages.add(str(err.value).replace("global_scale=", "scale="))
     assert len(messages) == 1, messages
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.value)
+def test_a_layout_checked_once_lets_no_other_through(fmt):
+    """out= buffers laid out as a call that already passed skip the checks (sidecar.numerics.checks: the
+    daemon's arenas hand the same views step after step); a call with other strides, dtype, or an input
+    over the same bytes is checked anew and refused, however often the good one ran before."""
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for path, fn in PATHS.items():
+        bufs = _buffers(fmt, tuple(w.shape))
+        for _ in range(2):
+            fn(w, fmt, out=tuple(bufs), name=NAME)
+        q = bufs[0]
+        overlapping = q.as_strided(q.shape, (1,) * q.dim())  # q's first bytes, rows one element apart
+        with pytest.raises(ValueError, match="share memory"):
+            fn(w, fmt, out=(overlapping, *bufs[1:]), name=NAME)
+        wrong_dtype = torch.empty(q.shape, dtype=torch.int16 if q.element_size() != 2 else torch.int8)
+        with pytest.raises(ValueError, match="buffer is"):
+            fn(w, fmt, out=(wrong_dtype, *bufs[1:]), name=NAME)
+        aliased = w.view(torch.uint8).view(-1)[: q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+        with pytest.raises(ValueError, match="shares memory with the input"):
+            fn(w, fmt, out=(aliased, *bufs[1:]), name=NAME)
+        fn(w, fmt, out=tuple(bufs), name=NAME)  # and the good layout still passes
