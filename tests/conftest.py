@@ -6,6 +6,7 @@
 * ``free_port``: :func:`support.net.free_port`, for tests that need TCP (prefer ``ipc://`` paths in
   ``tmp_path``).
 * ``wait_until``: :func:`support.waiting.wait_until`, a condition polled with a deadline.
+* every test starts with no kernel calls kept by :mod:`sidecar.plan.reuse` (autouse).
 
 pytest puts this file's folder (tests/) first on ``sys.path`` when it loads it, so test files import
 the helpers as ``from support import procs`` / ``from support.daemons import RunningDaemon`` whether
@@ -20,6 +21,16 @@ from pathlib import Path
 import pytest
 from support import net, waiting
 from support.daemons import RunningDaemon, daemon_factory
+
+from sidecar.plan import reuse
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_calls() -> None:
+    """Each test starts with no kept kernel calls (sidecar.plan.reuse): a buffer the allocator hands out
+    again at an address an earlier test used would otherwise take the kept path in one test order and
+    the full path in another."""
+    reuse.forget()
 
 
 @pytest.fixture

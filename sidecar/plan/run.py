@@ -10,6 +10,7 @@ import torch
 
 from sidecar.numerics import cpu
 from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, Format, FormatParams, Nvfp4Names
+from sidecar.plan import reuse
 from sidecar.plan.build import EngineLayout, OutputSpec, RefitPlan, RefitSpec, Role, TensorSpec, Unit
 from sidecar.plan.launch import try_run_unit
 
@@ -25,10 +26,17 @@ def _quantize_groups(
     inputs: Mapping[str, torch.Tensor],
     outputs: Mapping[str, torch.Tensor],
     params: FormatParams = DEFAULT_FORMAT_PARAMS,
+    units: Sequence[Unit] = (),
 ) -> None:
     """Quantize a unit's scale groups (a slab's experts: gate and up share a group): the shared scales
     of every group as one split across the threads, then every projection's kernel as another
-    (``cpu.run_prepared``), rather than one hand-off to the threads per projection."""
+    (``cpu.run_prepared``), rather than one hand-off to the threads per projection. ``units``: the
+    units the groups are of, whose kernel calls are kept for their next run on the same buffers
+    (sidecar.plan.reuse), for the formats without a shared scale."""
+    shared_scale = fmt in (Format.NVFP4, Format.FP8_PER_TENSOR)
+    key = reuse.key_of(units, inputs, outputs) if units and not shared_scale else None
+    if reuse.run_again(key, outputs):
+        return
     views = [[w.source_view(inputs[w.source]) for w in group] for group in groups]
     label = [" + ".join(w.name for w in group) for group in groups]
     if fmt is Format.NVFP4:  # one global scale over a group (an expert's gate and up)
@@ -44,6 +52,7 @@ def _quantize_groups(
         cpu.quantize_fp8_per_tensor_groups(jobs)
         return
     calls: list[cpu.Prepared] = []
+    fills: list[tuple[str, torch.Tensor]] = []  # what the kept calls leave to do: INT4's weight_shape
     # INT4 in the engine's group and scale dtype
     int4 = {"group": params.int4_group, "scale_dtype": params.int4_scale_torch_dtype}
     for group, vs in zip(groups, views, strict=True):
@@ -51,9 +60,11 @@ def _quantize_groups(
             out = tuple(outputs[n] for n in (w.quantized_outputs if fmt.four_bit else (w.name, w.scale_name)))
             if fmt is Format.INT4_W4A16:
                 calls.append(cpu.prepare_int4(view, out=out, name=w.name, **int4))  # type: ignore[arg-type]
+                fills.append((w.quantized_outputs[2], torch.tensor(view.shape[-2:], dtype=torch.int64)))
             else:
                 calls.append(cpu.prepare(view, fmt, out=out, name=w.name))
     cpu.run_prepared(calls)
+    reuse.remember(key, units, calls, fills)
 
 
 def _nvfp4_groups(
@@ -110,7 +121,7 @@ def run_unit(unit: Unit, inputs: Mapping[str, torch.Tensor], outputs: Mapping[st
         return
     weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
     groups = [tuple(weights[n] for n in group) for group in unit.scale_groups]
-    _quantize_groups(unit.fmt, groups, inputs, outputs, unit.params)
+    _quantize_groups(unit.fmt, groups, inputs, outputs, unit.params, (unit,))
 
 
 def run_quantized_units(
@@ -142,7 +153,7 @@ def run_quantized_units(
         merged_out.update((o.name, outs[o.name]) for o in unit.outputs)
         weights = {o.name: o for o in unit.outputs if o.role is Role.WEIGHT}
         groups.extend(tuple(weights[n] for n in group) for group in unit.scale_groups)
-    _quantize_groups(units[0].fmt, groups, merged_in, merged_out, units[0].params)  # type: ignore[arg-type]
+    _quantize_groups(units[0].fmt, groups, merged_in, merged_out, units[0].params, units)  # type: ignore[arg-type]
     return True
 
 
