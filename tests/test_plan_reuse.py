@@ -12,19 +12,31 @@ import torch
 from sidecar.cli.demo.synthetic import make_state_dict
 from sidecar.numerics import cpu, native
 from sidecar.numerics.checks import NonFiniteError
-from sidecar.numerics.formats import FP8_DTYPE, Format
+from sidecar.numerics.formats import DEFAULT_FORMAT_PARAMS, FP8_DTYPE, Format, FormatParams, Nvfp4Names
 from sidecar.plan.build import RefitPlan, RefitSpec, UnitKind
 from sidecar.plan.run import run_quantized_units, run_unit
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no C compiler: the native kernels are off")
 
-#: the formats whose calls are kept (a shared scale's formats take their group pipelines each time)
-KEPT = [Format.BLOCK_FP8, Format.MXFP8, Format.MXFP4, Format.INT4_W4A16]
+#: formats, and NVFP4 under compressed-tensors' names too (its global scale published as 1 / gs)
+CT = FormatParams(nvfp4_names=Nvfp4Names.COMPRESSED_TENSORS)
+KEPT = [
+    (Format.BLOCK_FP8, DEFAULT_FORMAT_PARAMS),
+    (Format.MXFP8, DEFAULT_FORMAT_PARAMS),
+    (Format.FP8_PER_TENSOR, DEFAULT_FORMAT_PARAMS),
+    (Format.NVFP4, DEFAULT_FORMAT_PARAMS),
+    (Format.NVFP4, CT),
+    (Format.MXFP4, DEFAULT_FORMAT_PARAMS),
+    (Format.INT4_W4A16, DEFAULT_FORMAT_PARAMS),
+]
+IDS = ["block_fp8", "mxfp8", "fp8_per_tensor", "nvfp4", "nvfp4-compressed-tensors", "mxfp4", "int4_w4a16"]
+EXPERTS = 8  # a shared scale's formats keep their group pipeline: at least 2 groups a thread
 
 
-def _slabs(fmt: Format, model: str = "qwen3_5_moe"):
-    state = make_state_dict(model, num_layers=1, num_experts=4, seed=9)
-    plan = RefitPlan.build(list(state.items()), RefitSpec(model_type=model, fmt=fmt))
+def _slabs(fmt_params, model: str = "qwen3_5_moe"):
+    fmt, params = fmt_params
+    state = make_state_dict(model, num_layers=1, num_experts=EXPERTS, seed=9)
+    plan = RefitPlan.build(list(state.items()), RefitSpec(model_type=model, fmt=fmt, params=params))
     units = [
         u for u in plan.units if u.fmt is not None and (u.kind is UnitKind.SLAB or model != "qwen3_5_moe")
     ]
@@ -46,9 +58,9 @@ def _reference(unit, inputs, monkeypatch) -> dict[str, torch.Tensor]:
 
 
 def _count_prepares(monkeypatch) -> list[str]:
-    """Each call the full path prepares (cpu.prepare / prepare_int4), as it happens."""
+    """Each call the full path prepares (its per-projection prepares, its group calls), as it happens."""
     seen: list[str] = []
-    for name in ("prepare", "prepare_int4"):
+    for name in ("prepare", "prepare_int4", "quantize_nvfp4_groups", "quantize_fp8_per_tensor_groups"):
         real = getattr(cpu, name)
         monkeypatch.setattr(
             cpu, name, lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k)
@@ -56,7 +68,7 @@ def _count_prepares(monkeypatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("fmt", KEPT, ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", KEPT, ids=IDS)
 def test_a_unit_run_again_on_its_buffers_writes_what_a_fresh_run_does(fmt, monkeypatch):
     state, units = _slabs(fmt)
     prepared = _count_prepares(monkeypatch)
@@ -78,7 +90,7 @@ def test_a_unit_run_again_on_its_buffers_writes_what_a_fresh_run_does(fmt, monke
                 assert torch.equal(_bits(t), _bits(want[name])), name
 
 
-@pytest.mark.parametrize("fmt", KEPT, ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", KEPT, ids=IDS)
 def test_a_nan_arriving_after_the_calls_were_kept_names_its_expert(fmt):
     state, units = _slabs(fmt)
     unit = next(u for u in units if "gate_up" in u.inputs[0])
@@ -93,7 +105,7 @@ def test_a_nan_arriving_after_the_calls_were_kept_names_its_expert(fmt):
     run_unit(unit, state, out)  # and the unit runs again once the input is finite
 
 
-@pytest.mark.parametrize("fmt", KEPT, ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", KEPT, ids=IDS)
 def test_other_buffers_take_the_full_path_and_its_checks(fmt, monkeypatch):
     state, units = _slabs(fmt)
     unit = units[0]
@@ -114,7 +126,7 @@ def test_other_buffers_take_the_full_path_and_its_checks(fmt, monkeypatch):
         assert torch.equal(_bits(t), _bits(want[n])), n
 
 
-@pytest.mark.parametrize("fmt", KEPT, ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", KEPT, ids=IDS)
 def test_per_expert_units_batched_are_kept_too(fmt, monkeypatch):
     """Qwen3-MoE's units (an expert's projections each) run together by run_quantized_units, as the
     daemon's worker batches them: kept under all of the batch's units."""

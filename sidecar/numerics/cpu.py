@@ -266,18 +266,24 @@ Fp8Group = tuple[
 ]
 
 
-def quantize_fp8_per_tensor_groups(groups: Sequence[Fp8Group]) -> list[torch.Tensor]:
+def quantize_fp8_per_tensor_groups(
+    groups: Sequence[Fp8Group], ran: list[Prepared] | None = None
+) -> list[torch.Tensor]:
     """FP8 per-tensor scale groups (an expert's gate and up share one scale); returns each group's scale.
 
     As :func:`quantize_nvfp4_groups`: with at least ``GROUPS_PER_THREAD`` groups a thread, a thread
     takes a run of whole groups through the native group pipeline (``refitd_fp8_per_tensor_groups``: a
     group's amax read while the group before it converts, whose bytes are still in cache: about one
     pass over memory); with fewer, every group's amax as one split, then every member's conversion as
-    another. Bytes and errors are the same either way."""
+    another. Bytes and errors are the same either way. ``ran`` receives the pipeline's call when it ran
+    (sidecar.plan.reuse keeps it)."""
     if len(groups) >= cpu_fourbit.GROUPS_PER_THREAD * POOL.threads():
         pipelined = _fp8_per_tensor_pipeline(groups)
         if pipelined is not None:
-            return run_one(pipelined)
+            scales = run_one(pipelined)
+            if ran is not None:
+                ran.append(pipelined)
+            return scales
         return run_prepared([_prepare_fp8_per_tensor_group(*g) for g in groups])
     scales = run_prepared([prepare_fp8_per_tensor_scale(*ts, name=label) for ts, _, _, label in groups])
     calls = []

@@ -154,7 +154,9 @@ Nvfp4Group = tuple[
 ]
 
 
-def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
+def quantize_nvfp4_groups(
+    groups: Sequence[Nvfp4Group], ran: list[Prepared] | None = None
+) -> list[torch.Tensor]:
     """NVFP4 scale groups, each ``(tensors, their out= buffers, their names, the group's name)`` sharing
     one global scale (an expert's gate and up); returns each group's ``gs``.
 
@@ -163,11 +165,14 @@ def quantize_nvfp4_groups(groups: Sequence[Nvfp4Group]) -> list[torch.Tensor]:
     runs its kernels, re-reading its bytes from cache: a group is a few MiB, so the slab is read from
     memory about once, and the reads overlap the kernels' arithmetic). With fewer, each pass is split
     across the threads: every group's amax, then every member's kernel. Bytes and errors are the same
-    either way."""
+    either way. ``ran`` receives the pipeline's call when it ran (sidecar.plan.reuse keeps it)."""
     if len(groups) >= GROUPS_PER_THREAD * POOL.threads():
         pipelined = _nvfp4_pipeline(groups)
         if pipelined is not None:
-            return run_one(pipelined)
+            scales = run_one(pipelined)
+            if ran is not None:
+                ran.append(pipelined)
+            return scales
         return run_prepared([_prepare_nvfp4_group(*g) for g in groups])
     scales = run_prepared([prepare_nvfp4_global_scale(*ts, name=label) for ts, _, _, label in groups])
     calls = []

@@ -122,6 +122,9 @@ class Prepared:
     units: int
     elems: int
     finish: Callable[[list[int]], Any]
+    #: a group call's float32 array of its groups' scales, which ``share`` writes (group_call; read by
+    #: sidecar.plan.reuse, which runs the share again without ``finish``)
+    scales: Any = None
 
     @classmethod
     def done(cls, result: Any) -> Prepared:
@@ -211,7 +214,7 @@ def group_call(
             scale.fill_(values[g])
         return [torch.tensor(v, dtype=torch.float32) for v in values]
 
-    return Prepared(share, len(members), elems // max(len(members), 1), done)
+    return Prepared(share, len(members), elems // max(len(members), 1), done, scales)
 
 
 def shared_views(tensors: Sequence[torch.Tensor], applies: Callable[[torch.Tensor], bool]):

@@ -37,6 +37,11 @@ class _Kept:
     shares: tuple[tuple[Callable[[int, int], int], int, int], ...]
     #: outputs to fill after the kernels: (output name, value), each value a tensor copied in
     fills: tuple[tuple[str, torch.Tensor], ...]
+    #: a group call's scales (native_calls.Prepared.scales, as a float32 tensor over that array), its
+    #: reciprocals' buffer, and the outputs each group's scale goes to: (name, group, reciprocal)
+    scales: torch.Tensor | None = None
+    reciprocals: torch.Tensor | None = None
+    scale_fills: tuple[tuple[str, int, bool], ...] = ()
 
 
 _KEPT: dict[tuple, _Kept] = {}
@@ -72,6 +77,12 @@ def run_again(key: tuple | None, outputs: Mapping[str, torch.Tensor]) -> bool:
         return False
     if kept.fills:
         torch._foreach_copy_([outputs[name] for name, _ in kept.fills], [value for _, value in kept.fills])
+    if kept.scale_fills:
+        scales, reciprocals = kept.scales, kept.reciprocals
+        if reciprocals is not None:  # float32(1 / scale), as torch divides (no double rounding)
+            torch.reciprocal(scales, out=reciprocals)
+        for name, g, reciprocal in kept.scale_fills:
+            outputs[name].copy_((reciprocals if reciprocal else scales)[g])
     return True
 
 
@@ -80,14 +91,30 @@ def remember(
     units: Sequence[Unit],
     calls: Sequence[Prepared],
     fills: Sequence[tuple[str, torch.Tensor]] = (),
+    scale_fills: Sequence[tuple[str, int, bool]] = (),
 ) -> None:
     """Keep ``calls`` (which just ran without error) under ``key``; nothing where any of them ran the
-    reference instead of a kernel (it has no share to run again)."""
-    if key is None or any(c.share is None for c in calls):
+    reference instead of a kernel (it has no share to run again). ``scale_fills``: outputs that take a
+    group's scale (or its float32 reciprocal) from the one group call in ``calls``, after each run."""
+    if key is None or not calls or any(c.share is None for c in calls):
         return
+    scales = reciprocals = None
+    if scale_fills:
+        if len(calls) != 1 or calls[0].scales is None:
+            return
+        scales = torch.frombuffer(calls[0].scales, dtype=torch.float32)  # the array the kernels write
+        if any(reciprocal for _, _, reciprocal in scale_fills):
+            reciprocals = torch.empty_like(scales)
     if len(_KEPT) >= MAX_KEPT:
         _KEPT.clear()
-    _KEPT[key] = _Kept(tuple(units), tuple((c.share, c.units, c.elems) for c in calls), tuple(fills))
+    _KEPT[key] = _Kept(
+        tuple(units),
+        tuple((c.share, c.units, c.elems) for c in calls),
+        tuple(fills),
+        scales,
+        reciprocals,
+        tuple(scale_fills),
+    )
 
 
 def forget() -> None:

@@ -33,14 +33,19 @@ def _quantize_groups(
     (``cpu.run_prepared``), rather than one hand-off to the threads per projection. ``units``: the
     units the groups are of, whose kernel calls are kept for their next run on the same buffers
     (sidecar.plan.reuse), for the formats without a shared scale."""
-    shared_scale = fmt in (Format.NVFP4, Format.FP8_PER_TENSOR)
-    key = reuse.key_of(units, inputs, outputs) if units and not shared_scale else None
+    key = reuse.key_of(units, inputs, outputs) if units else None
     if reuse.run_again(key, outputs):
         return
     views = [[w.source_view(inputs[w.source]) for w in group] for group in groups]
     label = [" + ".join(w.name for w in group) for group in groups]
+    ran: list[cpu.Prepared] = []  # a group pipeline's call, if one ran
     if fmt is Format.NVFP4:  # one global scale over a group (an expert's gate and up)
-        _nvfp4_groups(groups, views, label, outputs, params)
+        _nvfp4_groups(groups, views, label, outputs, params, ran)
+        reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
+        targets = [[(w.quantized_outputs[2], reciprocal) for w in group] for group in groups]
+        reuse.remember(
+            key, units, ran, scale_fills=[(n, g, r) for g, ts in enumerate(targets) for n, r in ts]
+        )
         return
     if fmt is Format.FP8_PER_TENSOR:  # a group's scale reads every member (and names them all)
         # a scale passed in clamps, which a tensor's own scale makes a no-op (reference.py): same bytes
@@ -49,7 +54,9 @@ def _quantize_groups(
             jobs.append(
                 (vs, [(outputs[w.name], outputs[w.scale_name]) for w in group], [w.name for w in group], name)
             )
-        cpu.quantize_fp8_per_tensor_groups(jobs)
+        cpu.quantize_fp8_per_tensor_groups(jobs, ran)
+        fills = [(w.scale_name, g, False) for g, group in enumerate(groups) for w in group]
+        reuse.remember(key, units, ran, scale_fills=fills)
         return
     calls: list[cpu.Prepared] = []
     fills: list[tuple[str, torch.Tensor]] = []  # what the kept calls leave to do: INT4's weight_shape
@@ -73,9 +80,11 @@ def _nvfp4_groups(
     label: list[str],
     outputs: Mapping[str, torch.Tensor],
     params: FormatParams,
+    ran: list[cpu.Prepared],
 ) -> None:
-    """NVFP4's groups through ``cpu.quantize_nvfp4_groups``; under compressed-tensors' names the
-    published ``weight_global_scale`` is float32(1 / gs) (SPEC §2.3), written after."""
+    """NVFP4's groups through ``cpu.quantize_nvfp4_groups`` (``ran``: its pipeline's call, if one ran);
+    under compressed-tensors' names the published ``weight_global_scale`` is float32(1 / gs) (SPEC §2.3),
+    written after."""
     reciprocal = params.nvfp4_names is Nvfp4Names.COMPRESSED_TENSORS
     jobs, extras = [], []
     for group, vs, name in zip(groups, views, label, strict=True):
@@ -87,7 +96,7 @@ def _nvfp4_groups(
                 extra = torch.empty((), dtype=torch.float32)
             outs.append((q, s, extra))
         jobs.append((vs, outs, [w.name for w in group], name))
-    scales = cpu.quantize_nvfp4_groups(jobs)
+    scales = cpu.quantize_nvfp4_groups(jobs, ran)
     for extra, k in extras:
         extra.copy_(torch.reciprocal(scales[k]).reshape(extra.shape))
 
