@@ -90,7 +90,7 @@ def test_a_layout_checked_once_lets_no_other_through(fmt):
     daemon's arenas hand the same views step after step); a call with other strides, dtype, or an input
     over the same bytes is checked anew and refused, however often the good one ran before."""
     w = torch.randn(4, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
-    for path, fn in PATHS.items():
+    for fn in PATHS.values():
         bufs = _buffers(fmt, tuple(w.shape))
         for _ in range(2):
             fn(w, fmt, out=tuple(bufs), name=NAME)
