@@ -1,7 +1,8 @@
 /*
  * The FP8 quantizers' conversion (quant.c), 32 bfloat16 elements at a time with AVX-512BW: byte for byte
  * e4m3_from_f32_in_range(RN(x * mult)) (common.h, c10's conversion), without the float32 arithmetic per
- * element. Where -march lacks AVX-512BW and VL, REFITD_FP8_VEC is 0 and quant.c keeps its plain loops
+ * element. Where -march lacks AVX-512BW, VL or VBMI (vpermt2b: Skylake-X and Cascade Lake have AVX-512
+ * without it), REFITD_FP8_VEC is 0 and quant.c keeps its plain loops
  * (which gcc vectorizes, two to three times slower).
  *
  * c10 rounds |v| < 2^-6 (e4m3's subnormals) by a float add and the rest on v's bits. Which branch a lane

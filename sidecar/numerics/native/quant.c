@@ -4,7 +4,7 @@
  * (docs/spec.md section 1).
  *
  * C99 plus GCC vector extensions (gcc and clang take them; the 4-bit codes) and, where -march has AVX2,
- * its intrinsics (the block maxima), where it has AVX-512BW and VL, fp8_vec.h's FP8 conversions (a code
+ * its intrinsics (the block maxima), where it has AVX-512BW, VL and VBMI, fp8_vec.h's FP8 conversions (a code
  * table per scale on the input's bits; without them the plain loops below run); no torch headers, no
  * Python C-API: loaded with ctypes (which drops the GIL for the call), so several Python threads can
  * each run a share of one tensor. Built at run time by
