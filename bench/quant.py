@@ -6,7 +6,9 @@ Implementations, measured in the same run on the same bytes (outputs into existi
   native/proj  the same, one call per expert projection (gate, up, down views), as the daemon's
                plan units made them until they batched;
   native/unit  ``sidecar.plan.run.run_unit`` on the plan's two slab units (gate_up, down): what the
-               daemon's quantize worker runs, every projection of a slab in one split;
+               daemon's quantize worker runs, every projection of a slab in one split; on the same
+               buffers every round, as the daemon's staging and arena views are step after step, so
+               after the warm-up round the units' kernel calls are the kept ones (sidecar.plan.reuse);
   native/batch the same bytes as a per-expert model's units (Qwen3-MoE's layout: a unit per expert's
                gate and up, or per projection), queued together: ``run_quantized_units`` over
                batches of BATCH_QUANT_BYTES, as the worker runs them;

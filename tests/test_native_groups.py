@@ -156,3 +156,31 @@ def test_builds_without_avx512_give_the_same_bytes(march: str, tmp_path: Path, m
             strict=True,
         ):
             assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the -march levels below are x86-64's")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4"])
+def test_fp8_without_vbmi_every_bf16_pattern(march: str, tmp_path: Path, monkeypatch):
+    """quant.c's AVX2 float path (the FP8 conversion where fp8_vec.h's byte tables are not built: no
+    AVX-512 VBMI) on every finite bfloat16 value: in block-FP8 tiles and MXFP8 blocks sorted (values
+    near 448), shuffled (e4m3 subnormals) and under chosen amaxes, and FP8 per-tensor under shared scales
+    that clamp past 448, scale into the subnormals and hit exact ties: the reference's bytes."""
+    from tests.test_native_quant import _finite_bf16_patterns
+
+    lib = build_for(march, tmp_path)
+    monkeypatch.setattr(native, "load", lambda: lib)
+    x = _finite_bf16_patterns()
+    order = torch.argsort(x.view(torch.int16).to(torch.int32) & 0x7FFF, stable=True)
+    shuffled = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))
+    for fmt, cols in ((Format.BLOCK_FP8, 128), (Format.MXFP8, 32)):
+        for arranged in (x[order], x[shuffled]):
+            w = arranged[: x.numel() // cols * cols].reshape(-1, cols).clone()
+            for got, want in zip(cpu.quantize(w, fmt), ref.quantize(w, fmt), strict=True):
+                assert torch.equal(_bits(got), _bits(want)), fmt
+    w = x.reshape(-1, 120)
+    for scale in (1.0, 2.0**-10, 2.0**10, 0.7, 1.0 / 448.0, 2.0**-126):
+        s = torch.tensor(scale, dtype=torch.float32)
+        for got, want in zip(
+            cpu.quantize_fp8_per_tensor(w, scale=s), ref.quantize_fp8_per_tensor(w, scale=s), strict=True
+        ):
+            assert torch.equal(_bits(got), _bits(want)), scale
