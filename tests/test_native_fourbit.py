@@ -175,8 +175,8 @@ def test_builds_for_older_cpus_give_the_same_bytes(march, tmp_path, monkeypatch)
 @pytest.mark.parametrize("begin", [0, 3])
 def test_rows_taken_together_still_name_their_nonfinite_row(k, begin):
     """Dense rows shorter than a piece are converted several at a time as one (fourbit.c rows_at_once): a
-    NaN or Inf is still reported at its own row (the first of the share's rows holding one), by both
-    NVFP4 and INT4, and a share starting past it does not see it."""
+    NaN or Inf is still reported at its own row (the first of the share's rows holding one), by NVFP4,
+    INT4 and MXFP4, and a share starting past it does not see it."""
     lib = native.load()
     n = 40
     g = torch.Generator().manual_seed(k + begin)
@@ -195,3 +195,9 @@ def test_rows_taken_together_still_name_their_nonfinite_row(k, begin):
                 w.data_ptr(), n, k, 0, k, qi.data_ptr(), 0, k // 8, si.data_ptr(), 0, k // 16, 16, 0, begin, n
             )
             assert got == want, ("int4", bad_row, value)
+            if k % 32 == 0:  # MXFP4's blocks
+                qm, sm = torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 32, dtype=torch.uint8)
+                got = lib.refitd_mxfp4(
+                    w.data_ptr(), n, k, 0, k, qm.data_ptr(), 0, k // 2, sm.data_ptr(), 0, k // 32, begin, n
+                )
+                assert got == want, ("mxfp4", bad_row, value)

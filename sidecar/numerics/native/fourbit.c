@@ -328,17 +328,19 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
                  i64 q_rstride, uint8_t *s, i64 s_bstride, i64 s_rstride, i64 begin, i64 end) {
     i16x16 thr[256][TESTS]; /* thresholds of the scale bytes [lo_byte, hi_byte] met so far */
     uint32_t lo_byte = 256, hi_byte = 0;
-    for (i64 unit = begin; unit < end; unit++) {
+    const int dense = x_rstride == k && q_rstride == k / 2 && s_rstride == k / MXFP4_BLOCK;
+    for (i64 unit = begin; unit < end;) {
         const i64 b = unit / n, row = unit % n;
+        const i64 rows = rows_at_once(k, dense, (n - row < end - unit ? n - row : end - unit)), kr = rows * k;
         const uint16_t *xr = x + b * x_bstride + row * x_rstride;
         uint8_t *qr = q + b * q_bstride + row * q_rstride;
         uint8_t *sr = s + b * s_bstride + row * s_rstride;
-        for (i64 p0 = 0; p0 < k; p0 += FOUR_PIECE) {
-            const i64 len = k - p0 < FOUR_PIECE ? k - p0 : FOUR_PIECE, m = len / MXFP4_BLOCK;
+        for (i64 p0 = 0; p0 < kr; p0 += FOUR_PIECE) {
+            const i64 len = kr - p0 < FOUR_PIECE ? kr - p0 : FOUR_PIECE, m = len / MXFP4_BLOCK;
             const uint16_t *xp = xr + p0;
             uint32_t amax[FOUR_PIECE / MXFP4_BLOCK], codes[FOUR_PIECE / MXFP4_BLOCK];
             block_amaxes(xp, m, 2, amax);
-            if (largest(amax, m) >= NONFINITE_F32) return unit;
+            if (largest(amax, m) >= NONFINITE_F32) return first_nonfinite_row(xr, k, rows, unit);
             uint32_t bmin = 255, bmax = 0;
             for (i64 j = 0; j < m; j++) {
                 /* float32 bits: the exponent field, and significand >= 1.75 iff the top two mantissa bits */
@@ -353,6 +355,7 @@ i64 refitd_mxfp4(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_rstride, 
             if (bmin < lo_byte || bmax > hi_byte) grow_thresholds(thr, &lo_byte, &hi_byte, bmin, bmax, 0.0f, 1);
             e2m1_runs(xp, 2 * m, (const i16x16(*)[TESTS])thr, codes, 1, qr + p0 / 2, NULL);
         }
+        unit += rows;
     }
     return -1;
 }
