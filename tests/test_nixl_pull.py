@@ -171,3 +171,43 @@ def test_a_step_that_fails_with_a_pull_in_flight_retires_staging(daemons, monkey
         client.push_step(2, procs.state_dict(53))
     status = d.status()
     assert status["last_step"] == 2 and status["staging"]["segment"] != before, status["staging"]
+
+
+@needs_nixl
+def test_a_step_of_the_same_tensors_reuses_the_pull_setup(daemons, monkeypatch):
+    """A remote rank pushing the same tensors every step (new values written in place, as an
+    optimizer does) offers the same rows and regions: the daemon's READ descriptors are worked out
+    once and reused, and every step still lands byte-exact. Fresh tensors (other addresses) are
+    set up afresh."""
+    d = daemons(hf_config=procs.hf_config(), world_size=1, format=FMT)
+    made = []
+    real = PullSide.start
+
+    def start(self, *args, **kwargs):
+        pull = real(self, *args, **kwargs)
+        made.append(self._last[3:5])  # the READ's descriptors: staging's, the rank's
+        return pull
+
+    monkeypatch.setattr(PullSide, "start", start)
+    sd = procs.state_dict(41)
+    with (
+        RefitClient(d.endpoint, 0, 1, local=False, timeout=20) as client,
+        RefitReader(d.endpoint, name="test-reader") as reader,
+    ):
+        for step, seed in enumerate([41, 42, 43, 44]):
+            new = procs.state_dict(seed)
+            if seed == 44:
+                sd = new  # other tensor objects, other addresses
+            else:
+                for name, t in sd.items():
+                    t.copy_(new[name])
+            result = client.push_step(step, sd)
+            assert result.mover == "nixl", (result.mover, result.mover_reason)
+            gen = reader.wait(min_step=step, timeout=30)
+            for name, w in procs.expected_outputs(seed, FMT).items():
+                got = gen.tensors[name]
+                assert torch.equal(got.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), name
+            reader.release(gen)
+    assert len(made) == 4
+    assert made[2][0] is made[1][0], "the same pieces and regions: the set-up is reused"
+    assert made[3][1] != made[2][1], "other addresses: set up afresh"
