@@ -83,6 +83,8 @@ class PullSide:
         #: the last READ's (targets, regions as ints, endpoint, local, remote, bytes): a READ of
         #: the same targets list under the same regions reuses its descriptors (Pulls.start)
         self._last: tuple | None = None
+        #: a peer's name -> the regions (``_peers``' ints) the endpoint last holds for it
+        self._regions_set: dict[str, list[list[int]]] = {}
 
     def endpoint(self, staging: Any) -> nixl.NixlEndpoint:
         if self._ep is None:
@@ -134,9 +136,14 @@ class PullSide:
         a rank's pieces are READ a group at a time, all under the one offer of its BEGIN."""
         md = bytes(offer["md"])
         known = self._peers.get(md)
-        if known is not None and (known[1] is offer["regions"] or known[1] == offer["regions"]):
-            # the same regions again (a rank that registered the same buffers: every step of a
-            # trainer pushing its parameters), compared in C: not parsed, sorted and set again
+        if known is not None and (
+            known[1] is offer["regions"]
+            # the same regions again, and still the ones the endpoint holds for that peer (another
+            # offer of the same agent may have set others since): a rank that registered the same
+            # buffers, every step of a trainer pushing its parameters; compared in C, not parsed,
+            # sorted and set again
+            or (self._regions_set.get(known[0]) is known[2] and known[1] == offer["regions"])
+        ):
             return known[0], known[2]
         regions = [[int(a), int(n)] for a, n in offer["regions"]]
         live = [r for r in regions if r[1]]
@@ -148,6 +155,7 @@ class PullSide:
             name = known[0]
             ep.set_peer_regions(name, live)
         self._peers[md] = (name, offer["regions"], regions)
+        self._regions_set[name] = regions
         return name, regions
 
     def poll(self) -> list[tuple[Pull, str | None]]:
@@ -180,6 +188,7 @@ class PullSide:
         if self._reg is not None:
             self._ep.deregister(self._reg)
         self._reg, self._region = None, None
+        self._last = None  # its descriptors, and the views they came from
 
     def close(self) -> None:
         self.cancel()
@@ -187,6 +196,8 @@ class PullSide:
             self._ep.close()
             self._ep, self._reg, self._region = None, None, None
         self._peers.clear()
+        self._regions_set.clear()
+        self._last = None
 
 
 def contiguous_block(full: list[int] | tuple[int, ...], shape: list[int]) -> bool:
@@ -373,11 +384,14 @@ class Pulls:
             self.side.cancel()
 
     def forget(self) -> None:
-        """The staging arena is being retired: nothing may stay registered on its memory."""
+        """The staging arena is being retired: nothing may stay registered on its memory, and no
+        view of it kept (its memory goes once none is left)."""
+        self._targets.clear()
         if self.side is not None:
             self.side.forget_region()
 
     def close(self) -> None:
+        self._targets.clear()
         if self.side is not None:
             self.side.close()
             self.side = None
