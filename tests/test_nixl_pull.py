@@ -171,3 +171,85 @@ def test_a_step_that_fails_with_a_pull_in_flight_retires_staging(daemons, monkey
         client.push_step(2, procs.state_dict(53))
     status = d.status()
     assert status["last_step"] == 2 and status["staging"]["segment"] != before, status["staging"]
+
+
+@needs_nixl
+def test_a_step_of_the_same_tensors_reuses_the_pull_setup(daemons, monkeypatch):
+    """A remote rank pushing the same tensors every step (new values written in place, as an
+    optimizer does) offers the same rows and regions: the daemon's READ descriptors are worked out
+    once and reused, and every step still lands byte-exact. Fresh tensors (other addresses) are
+    set up afresh, and so are the first ones again after them."""
+    d = daemons(hf_config=procs.hf_config(), world_size=1, format=FMT)
+    made = []
+    real = PullSide.start
+
+    def start(self, *args, **kwargs):
+        pull = real(self, *args, **kwargs)
+        made.append(self._last[3:5])  # the READ's descriptors: staging's, the rank's
+        return pull
+
+    monkeypatch.setattr(PullSide, "start", start)
+    sd = first = procs.state_dict(41)
+    with (
+        RefitClient(d.endpoint, 0, 1, local=False, timeout=20) as client,
+        RefitReader(d.endpoint, name="test-reader") as reader,
+    ):
+        for step, seed in enumerate([41, 42, 43, 44, 45]):
+            new = procs.state_dict(seed)
+            if seed == 44:
+                sd = new  # other tensor objects, other addresses
+            else:
+                if seed == 45:  # back to the first ones: regions the daemon saw, set for the peer again
+                    sd = first
+                for name, t in sd.items():
+                    t.copy_(new[name])
+            result = client.push_step(step, sd)
+            assert result.mover == "nixl", (result.mover, result.mover_reason)
+            gen = reader.wait(min_step=step, timeout=30)
+            for name, w in procs.expected_outputs(seed, FMT).items():
+                got = gen.tensors[name]
+                assert torch.equal(got.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), name
+            reader.release(gen)
+    assert len(made) == 5
+    assert made[2][0] is made[1][0], "the same pieces and regions: the set-up is reused"
+    assert made[3][1] != made[2][1], "other addresses: set up afresh"
+
+
+@needs_nixl
+def test_a_retired_staging_arena_leaves_no_pull_setup_behind(daemon, monkeypatch):
+    """The READ set-up a rank's steps reuse holds views of staging: retiring the arena (a failed
+    step whose local rank was handed it) drops that set-up too (the arena's memory goes once no
+    view of it is left), and the next step is set up on the new arena."""
+    from sidecar.daemon.pull import Pulls
+
+    kept = []
+    real = Pulls.forget
+
+    def forget(self):
+        real(self)
+        kept.append((len(self._targets), None if self.side is None else self.side._last))
+
+    monkeypatch.setattr(Pulls, "forget", forget)
+
+    def step(clients, pool, step, sd):
+        futures = [
+            pool.submit(c.push_step, step, procs.rank_pieces(sd, rank, WORLD))
+            for rank, c in enumerate(clients)
+        ]
+        return [f.exception(timeout=120) or f.result() for f in futures]
+
+    good = procs.state_dict(61)
+    bad = {name: t.clone() for name, t in good.items()}
+    bad[next(iter(bad))].view(-1)[0] = float("nan")
+    with (
+        RefitClient(daemon.endpoint, 0, WORLD, local=True, timeout=20) as c0,
+        RefitClient(daemon.endpoint, 1, WORLD, local=False, timeout=20) as c1,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        assert step((c0, c1), pool, 0, good)[1].mover == "nixl+zmq"
+        assert daemon.daemon.pulls._targets  # rank 1's set-up, on this staging arena
+        assert all(isinstance(r, RefitError) for r in step((c0, c1), pool, 1, bad))
+        assert step((c0, c1), pool, 2, good)[1].mover == "nixl+zmq"  # its BEGIN retires staging first
+    daemon.barrier()
+    assert kept == [(0, None)]
+    assert daemon.daemon.pulls._targets[1][0] is daemon.daemon.arenas.staging.tensors()  # the new arena's

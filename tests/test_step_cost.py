@@ -270,3 +270,115 @@ def test_fresh_views_in_the_same_places_keep_the_strided_copy(staging, foreach_c
         for name, t in named.items():
             assert torch.equal(staging.tensor(name), t), (step, name)
     assert foreach_count[0] == 0
+
+
+# ---- the same batches every step: remembered once
+
+
+def settled_second(n: int = N) -> tuple[StepState, StepState]:
+    """A first step of ``n`` sole pieces checked against its plan, every piece in, and a second
+    step that follows it (the usual RL step: the same declarations)."""
+    plan = RefitPlan.build(
+        [TensorSpec(f"w{i}", torch.bfloat16, (4, 4)) for i in range(n)],
+        RefitSpec(model_type="qwen3_moe", fmt="bf16"),
+    )
+    first = begun(n)
+    first.validate_against(plan)
+    half = n // 2
+    assert first.pieces_done(0, list(range(half))) == [f"w{i}" for i in range(half)]
+    first.pieces_done(0, list(range(half, n)))
+    second = StepState(1, 1, float("inf"), skeleton=first.skeleton_for(plan))
+    second.begin(0, first.keys[0][1])
+    second.settle(plan)
+    assert second.settled
+    return first, second
+
+
+def test_a_batch_sent_again_next_step_is_recorded_from_the_remembered_one(monkeypatch):
+    _, second = settled_second()
+    half = N // 2
+
+    def per_batch(*a):
+        raise AssertionError("the batch was looked up piece by piece again")
+
+    with monkeypatch.context() as m:
+        m.setattr(CoverageTracker, "received_sole", per_batch)
+        m.setattr(CoverageTracker, "received_whole", per_batch)
+        assert second.pieces_done(0, list(range(half))) == [f"w{i}" for i in range(half)]
+    assert second.bytes_in == half * 32 and second.complete == {f"w{i}" for i in range(half)}
+    # the same batch again in the same step: refused as before, naming the piece
+    with pytest.raises(RefitError, match=r"w0.*already arrived") as info:
+        second.pieces_done(0, list(range(half)))
+    assert info.value.kind is ErrorKind.PROTOCOL
+    # ids that compare equal but are not ints, or another batch under the same first id and
+    # length: never taken for the remembered one
+    with pytest.raises(RefitError, match="piece <bool>, which it did not declare"):
+        second.pieces_done(0, [half, True, *range(half + 2, N)])
+    third = StepState(2, 1, float("inf"), skeleton=second.skeleton)
+    third.begin(0, second.keys[0][1])
+    third.settle(second.skeleton.plan)
+    other = [0, *range(half, N)][:half]  # first id 0, length half: the key of a remembered batch
+    assert third.pieces_done(0, other) == [f"w{i}" for i in other]
+    rest = [i for i in range(N) if i not in other]
+    assert third.pieces_done(0, rest) == [f"w{i}" for i in rest]
+    assert third.tracker.incomplete() == [] and len(third.complete) == N
+
+
+def test_remembered_batches_stay_bounded():
+    from sidecar.daemon.step import REMEMBERED_IDS_PER_PIECE, SoleBatches
+
+    batches, n = SoleBatches(), 10
+    rows = [(0, f"w{i}", 0, (f"w{i}", 0), 32, True) for i in range(n)]
+    for start in range(n):
+        for length in range(1, n - start + 1):
+            ids = list(range(start, start + length))
+            batches.remember(
+                (0, start, length), ids, [rows[i] for i in ids], (32 * length, [f"w{i}" for i in ids]), n
+            )
+            assert batches.held == sum(len(b.ids) for b in batches.values()) <= REMEMBERED_IDS_PER_PIECE * n
+
+
+def test_the_units_a_batch_makes_ready_are_remembered(monkeypatch):
+    plan = RefitPlan.build(
+        [TensorSpec(f"w{i}", torch.bfloat16, (4, 4)) for i in range(8)],
+        RefitSpec(model_type="qwen3_moe", fmt="bf16"),
+    )
+    pipe = pipeline_mod.Pipeline(ctx=None)
+    sole = pipe._sole_units(plan)
+    names = [f"w{i}" for i in range(4)]
+    first: set[int] = set()
+    units = pipe._sole_batch(sole, first, names)
+    assert [u.inputs for u in units] == [(n,) for n in names] and first == {u.index for u in units}
+
+    def per_name(*a):
+        raise AssertionError("the batch's units were looked up name by name again")
+
+    monkeypatch.setattr(pipeline_mod, "_sole_ready", per_name)
+    second: set[int] = set()
+    assert pipe._sole_batch(sole, second, list(names)) == units and second == first
+    assert pipe._sole_batch(sole, second, list(names)) is None  # its units went already
+    third = {units[2].index}
+    assert pipe._sole_batch(sole, third, list(names)) is None and third == {units[2].index}
+    monkeypatch.undo()
+    other = ["w0", "w5", "w6", "w7"]  # the same first name and length, other names
+    assert [u.inputs for u in pipe._sole_batch(sole, set(), other)] == [(n,) for n in other]
+
+
+def test_sole_ready_compares_no_unit(monkeypatch):
+    """A batch's units are told from None by truth, not ``==`` (a dataclass ``__eq__`` in
+    Python per unit: most of the time of a PIECE_DONE of small pieces)."""
+    from sidecar.plan.build import Unit
+
+    plan = RefitPlan.build(
+        [TensorSpec(f"w{i}", torch.bfloat16, (4, 4)) for i in range(4)],
+        RefitSpec(model_type="qwen3_moe", fmt="bf16"),
+    )
+    sole = {inp.name: plan.units_for_input(inp.name)[0] for inp in plan.inputs}
+
+    def compared(self, other):
+        raise AssertionError("a unit was compared")
+
+    monkeypatch.setattr(Unit, "__eq__", compared)
+    submitted: set[int] = set()
+    assert len(pipeline_mod._sole_ready(sole, submitted, ["w0", "w1"])) == 2
+    assert pipeline_mod._sole_ready(sole, submitted, ["w2", "nope"]) is None

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from sidecar.client.local import StagingWriter, pieces_device
+from sidecar.client.local import StagingWriter, devices_of, pieces_device
 from sidecar.client.pieces import Link, Piece, Shard, StepPieces, StepResult, host_copy, packed_rows, pieces
 from sidecar.client.remote import RemoteSender
 from sidecar.client.replicated import owned_items, piece_owners
@@ -55,6 +55,7 @@ from transport.wire import Kind, Message, ProtocolError
 __all__ = ["DaemonRestarted", "RefitClient", "RefitError", "Shard", "StepResult"]
 
 log = logging.getLogger("refitd.client")
+_ON_CPU = {-1}  # devices_of a step whose every piece is on the CPU
 
 
 class RefitClient:
@@ -210,11 +211,18 @@ class RefitClient:
         rows, packed = self._step_pieces.of(named_tensors)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         # on the caller's thread: its current streams hold the work that wrote the tensors
-        ready = [
-            torch.cuda.current_stream(d).record_event()
-            for d in {p.tensor.device for p in rows if p.tensor.is_cuda}
-        ]
-        return self._executor.submit(self._push, step, rows, deadline, committed, loaded, ready, packed)
+        on = devices_of(rows)
+        ready = (
+            []
+            if on == _ON_CPU
+            else [
+                torch.cuda.current_stream(d).record_event()
+                for d in {p.tensor.device for p in rows if p.tensor.is_cuda}
+            ]
+        )
+        return self._executor.submit(
+            self._push, step, rows, deadline, committed, loaded, ready, packed, on=on
+        )
 
     def _close_on_worker(self) -> None:
         self._remote.close()
@@ -282,11 +290,14 @@ class RefitClient:
         ready: list | None = None,
         packed: bytes | None = None,
         feed: StreamFeed | None = None,
+        *,
+        on: set[int] | None = None,
     ) -> StepResult:
+        """``on``: the pieces' devices (:func:`devices_of`), when the caller has them already."""
         try:
             self._session.begin(deadline)
             self._local.ready_events = ready or []
-            self._local.device = pieces_device(pieces)  # GPU staging is mapped on the rank's own GPU
+            self._local.device = pieces_device(pieces, on)  # GPU staging is mapped on the rank's own GPU
             self._session.hello(step, deadline, self._send)
             # the rows packed once (StepPieces): the daemon compares them with the last step's
             begin = {

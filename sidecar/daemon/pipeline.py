@@ -52,6 +52,8 @@ class Pipeline:
         self.forwarding = forwarding  # trainer node of a disaggregated layout: forward each publish
         self._spans: dict[bool, SpanTable] = {}  # per plan and layouts: staged or direct steps
         self._sole: tuple[RefitPlan, dict[str, Unit]] | None = None  # see _sole_units
+        #: (first name, count) -> (names, their units, the units' indices): see _sole_batch
+        self._sole_batches = _Remembered()
         self._bytes_out: tuple[RefitPlan, int] | None = None  # the plan's, summed once
         self._flat: dict[int, tuple[Any, torch.Tensor]] = {}  # id(arena) -> (arena, its bytes)
         self.pulls: Pulls | None = None  # NIXL: READs each granted ring group's remote pieces
@@ -67,7 +69,7 @@ class Pipeline:
         ctx = self.ctx
         state, ring, plan = ctx.step, ctx.arenas.ring, ctx.plan
         sole, submitted = self._sole_units(plan), state.units_submitted
-        units = _sole_ready(sole, submitted, names) if ring is None else None
+        units = self._sole_batch(sole, submitted, names) if ring is None else None
         if units is not None:  # each name its own unit's only input: no loop in Python
             self._ready(state, units)
             return
@@ -103,10 +105,16 @@ class Pipeline:
             # takes memory bandwidth from their copies (measured: the local ingest of a 255 MiB
             # BF16 step 44 -> 60 ms), and a trainer waits for COMMIT, not for the generation; after
             # it, the copy runs at full speed. (A ring must free regions to let the ranks go on.)
-            now = []
-            for unit in units:
-                (now if unit.fmt is not None else state.after_local).append(unit)
-            units = now
+            fmts = list(map(_FMT, units))
+            passthroughs = fmts.count(None)
+            if passthroughs == len(units):  # the usual batch of small passthroughs: all of it waits
+                state.after_local += units
+                units = []
+            elif passthroughs:
+                now = []
+                for unit, fmt in zip(units, fmts):
+                    (now if fmt is not None else state.after_local).append(unit)
+                units = now
         if ring is None and len(units) > 1:
             spans, units = self._span_table().spans(units)
             if spans:
@@ -115,6 +123,31 @@ class Pipeline:
                     return
         for unit in units:
             self.submit(unit)
+
+    def _sole_batch(
+        self, sole: dict[str, Unit], submitted: set[int], names: Iterable[str]
+    ) -> list[Unit] | None:
+        """:func:`_sole_ready`, remembered per batch of names: a later step completing the very same
+        names (the client sends the same PIECE_DONE batches every step) only asks whether one of
+        their units went already."""
+        if type(names) is not list or not names:
+            return _sole_ready(sole, submitted, names)
+        key = (names[0], len(names))
+        batches = self._sole_batches
+        known = batches.get(key)
+        if known is not None and known[0] == names:
+            if not submitted.isdisjoint(known[2]):
+                return None
+            submitted.update(known[2])
+            return list(known[1])
+        units = _sole_ready(sole, submitted, names)
+        if units is not None:
+            if batches.held + len(names) > REMEMBERED_NAMES_PER_INPUT * len(sole):
+                batches.clear()
+                batches.held = 0
+            batches[key] = (list(names), tuple(units), list(map(_INDEX, units)))
+            batches.held += len(names)
+        return units
 
     def _sole_units(self, plan: RefitPlan) -> dict[str, Unit]:
         """Inputs read by one unit that reads nothing else (every passthrough): ready the moment
@@ -126,6 +159,7 @@ class Pipeline:
                 if len(units) == 1 and units[0].inputs == (inp.name,):
                     sole[inp.name] = units[0]
             self._sole = (plan, sole)
+            self._sole_batches = _Remembered()
         return self._sole[1]
 
     def _span_table(self) -> SpanTable:
@@ -415,14 +449,24 @@ class Pipeline:
         )
 
 
-_INDEX = operator.attrgetter("index")
+_INDEX, _FMT = operator.attrgetter("index"), operator.attrgetter("fmt")
+
+#: the batches Pipeline._sole_batch remembers hold at most this many names per sole input in all
+#: (other batches every step cannot grow them further: they start over)
+REMEMBERED_NAMES_PER_INPUT = 2
+
+
+class _Remembered(dict):
+    """Pipeline._sole_batch's batches; ``held``: their names in all."""
+
+    held = 0
 
 
 def _sole_ready(sole: dict[str, Unit], submitted: set[int], names: Iterable[str]) -> list[Unit] | None:
     """The units ``names`` make ready when each is the only input of its own unit and none of those
     was submitted yet (marked submitted now), without a Python loop; None (nothing marked) otherwise."""
     units = list(map(sole.get, names))
-    if None in units:
+    if not all(units):  # a name with no sole unit (None); a Unit is always true: no __eq__ per unit
         return None
     indices = list(map(_INDEX, units))
     if not submitted.isdisjoint(indices) or len(set(indices)) != len(indices):

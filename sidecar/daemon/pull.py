@@ -80,6 +80,11 @@ class PullSide:
         # an offer's metadata -> (its peer's name, the offer's regions, those as ints), loaded
         self._peers: dict[bytes, tuple[str, Any, list[list[int]]]] = {}
         self.inflight: list[Pull] = []
+        #: the last READ's (targets, regions as ints, endpoint, local, remote, bytes): a READ of
+        #: the same targets list under the same regions reuses its descriptors (Pulls.start)
+        self._last: tuple | None = None
+        #: a peer's name -> the regions (``_peers``' ints) the endpoint last holds for it
+        self._regions_set: dict[str, list[list[int]]] = {}
 
     def endpoint(self, staging: Any) -> nixl.NixlEndpoint:
         if self._ep is None:
@@ -106,17 +111,23 @@ class PullSide:
         """Post one READ: ``targets`` are ``(piece id, contiguous staging view, index in the offer)``."""
         ep = self.endpoint(staging)
         peer, regions = self._peer(ep, offer)
-        local, remote = [], []
-        for _pid, view, index in targets:
-            addr, n = regions[index]
-            if n != view.numel() * view.element_size():
-                raise ValueError(
-                    f"region {index} holds {n} bytes, its piece {view.numel() * view.element_size()}"
-                )
-            local.append((view.data_ptr(), n))
-            remote.append((addr, n))
+        last = self._last
+        if last is not None and last[0] is targets and last[1] is regions and last[2] is ep:
+            local, remote, nbytes = last[3:]  # the same pieces into the same places: checked before
+        else:
+            local, remote = [], []
+            for _pid, view, index in targets:
+                addr, n = regions[index]
+                if n != view.numel() * view.element_size():
+                    raise ValueError(
+                        f"region {index} holds {n} bytes, its piece {view.numel() * view.element_size()}"
+                    )
+                local.append((view.data_ptr(), n))
+                remote.append((addr, n))
+            nbytes = sum(n for _, n in local)
+            self._last = (targets, regions, ep, local, remote, nbytes)
         transfer = ep.read(peer, local, remote, notif)
-        pull = Pull(rank, identity, [t[0] for t in targets], transfer, sum(n for _, n in local))
+        pull = Pull(rank, identity, [t[0] for t in targets], transfer, nbytes)
         self.inflight.append(pull)
         return pull
 
@@ -125,7 +136,14 @@ class PullSide:
         a rank's pieces are READ a group at a time, all under the one offer of its BEGIN."""
         md = bytes(offer["md"])
         known = self._peers.get(md)
-        if known is not None and known[1] is offer["regions"]:
+        if known is not None and (
+            known[1] is offer["regions"]
+            # the same regions again, and still the ones the endpoint holds for that peer (another
+            # offer of the same agent may have set others since): a rank that registered the same
+            # buffers, every step of a trainer pushing its parameters; compared in C, not parsed,
+            # sorted and set again
+            or (self._regions_set.get(known[0]) is known[2] and known[1] == offer["regions"])
+        ):
             return known[0], known[2]
         regions = [[int(a), int(n)] for a, n in offer["regions"]]
         live = [r for r in regions if r[1]]
@@ -137,6 +155,7 @@ class PullSide:
             name = known[0]
             ep.set_peer_regions(name, live)
         self._peers[md] = (name, offer["regions"], regions)
+        self._regions_set[name] = regions
         return name, regions
 
     def poll(self) -> list[tuple[Pull, str | None]]:
@@ -169,6 +188,7 @@ class PullSide:
         if self._reg is not None:
             self._ep.deregister(self._reg)
         self._reg, self._region = None, None
+        self._last = None  # its descriptors, and the views they came from
 
     def close(self) -> None:
         self.cancel()
@@ -176,6 +196,8 @@ class PullSide:
             self._ep.close()
             self._ep, self._reg, self._region = None, None, None
         self._peers.clear()
+        self._regions_set.clear()
+        self._last = None
 
 
 def contiguous_block(full: list[int] | tuple[int, ...], shape: list[int]) -> bool:
@@ -202,6 +224,9 @@ class Pulls:
         self.side: PullSide | None = None  # made on the first pull
         self.ok, self.reason = False, "not started"
         self.movers: dict[str, dict[str, Any]] = {}  # str(rank) -> mover of its last step, and why
+        #: rank -> its last READ's (staging views, BEGIN rows, ids, skipped, offer regions, targets):
+        #: a step of the same rows (Trainers._offer_rows: the same list), ids and regions reuses them
+        self._targets: dict[int, tuple] = {}
 
     def probe(self, staging: Any, staging_regions: int) -> None:
         """At start: can remote shards be pulled over NIXL here, and if not, why. A staging ring
@@ -231,16 +256,28 @@ class Pulls:
             if len(regions) != len(ids) or len(rows) != len(ids):
                 raise ValueError(f"{len(regions)} regions for {len(ids)} pieces")
             views = staging.tensors()
-            targets = []
-            for index, (pid, row) in enumerate(zip(ids, rows)):
-                if pid in state.skipped:
-                    continue  # outside this node's share: not sent at all
-                name, offsets, shape = row[0], row[3], row[4]
-                view = views[name]
-                if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
-                    view = view[tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
-                if view.numel() and view.is_contiguous() and int(regions[index][1]):
-                    targets.append((pid, view, index))
+            last = self._targets.get(rank)
+            if (
+                last is not None
+                and last[0] is views
+                and last[1] is rows
+                and last[2] == ids
+                and last[3] == state.skipped
+                and (last[4] is regions or last[4] == regions)
+            ):  # the same pieces, offer and staging as this rank's last READ (compared in C)
+                targets = last[5]
+            else:
+                targets = []
+                for index, (pid, row) in enumerate(zip(ids, rows)):
+                    if pid in state.skipped:
+                        continue  # outside this node's share: not sent at all
+                    name, offsets, shape = row[0], row[3], row[4]
+                    view = views[name]
+                    if any(offsets) or list(view.shape) != shape:  # a part of the tensor, not all of it
+                        view = view[tuple(slice(int(o), int(o) + int(s)) for o, s in zip(offsets, shape))]
+                    if view.numel() and view.is_contiguous() and int(regions[index][1]):
+                        targets.append((pid, view, index))
+                self._targets[rank] = (views, rows, list(ids), set(state.skipped), regions, targets)
             if not targets:
                 raise ValueError("no piece has a contiguous staging destination")
             if self.side is None:
@@ -347,11 +384,14 @@ class Pulls:
             self.side.cancel()
 
     def forget(self) -> None:
-        """The staging arena is being retired: nothing may stay registered on its memory."""
+        """The staging arena is being retired: nothing may stay registered on its memory, and no
+        view of it kept (its memory goes once none is left)."""
+        self._targets.clear()
         if self.side is not None:
             self.side.forget_region()
 
     def close(self) -> None:
+        self._targets.clear()
         if self.side is not None:
             self.side.close()
             self.side = None

@@ -141,8 +141,9 @@ class Skeleton:
     tracker: CoverageTracker
     skipped: frozenset[int]
     #: ``pieces`` as PIECE_DONE reads them (:meth:`CoverageTracker.whole_rows`), made by the first
-    #: step that needs them and kept for the steps after it (one holder: the dataclass is frozen)
-    done_rows: list[list[Any] | None] = field(default_factory=lambda: [None])
+    #: step that needs them and kept for the steps after it (one holder: the dataclass is frozen),
+    #: and the batches of sole pieces seen so far (:class:`SoleBatch`, by rank, first id, length)
+    done_rows: list[Any] = field(default_factory=lambda: [None, SoleBatches()])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -246,8 +247,9 @@ class StepState:
     keys: list[tuple[int, Any]] = field(default_factory=list)  # (rank, pieces as sent), BEGIN order
     followed: int = 0  # leading ``keys`` matched to the skeleton and not declared (yet)
     settled: bool = False  # took the skeleton over: its declarations were checked against the plan
-    #: ``pieces`` as PIECE_DONE reads them, once every rank declared (shared with the skeleton)
-    done_rows: list[list[Any] | None] = field(default_factory=lambda: [None])
+    #: ``pieces`` as PIECE_DONE reads them, once every rank declared, and the batches of sole
+    #: pieces seen (shared with the skeleton: :attr:`Skeleton.done_rows`)
+    done_rows: list[Any] = field(default_factory=lambda: [None, SoleBatches()])
 
     # ---- BEGIN
 
@@ -459,18 +461,28 @@ class StepState:
         that just completed. :meth:`piece_received` for each, in one pass (a batch names hundreds
         of small pieces); the first refused id raises as it would there, after the ones before it."""
         pieces, skipped = self.pieces, self.skipped
-        rows = self.done_rows[0]
+        rows, batches = self.done_rows
         if rows is None or len(rows) != len(pieces):  # made once all ranks declared; then kept
             rows = self.done_rows[0] = self.tracker.whole_rows(pieces)
+            batches = self.done_rows[1] = SoleBatches()
         n = len(rows)
-        if (
-            ids and not skipped and set(map(type, ids)) == _INT and min(ids) >= 0 and max(ids) < n
-        ):  # the usual batch, checked and looked up without a Python loop
-            take = list(map(rows.__getitem__, ids))
-            if set(map(_RANK, take)) == {rank}:
-                done_at_once = self.tracker.received_sole(take)
-                if done_at_once is not None:
-                    return self._took(*done_at_once)
+        if ids and not skipped and set(map(type, ids)) == _INT:
+            # a batch of sole pieces that an earlier step sent the same (the client sends the same
+            # batches every step): only whether one arrived already is asked, in C
+            key = (rank, ids[0], len(ids))
+            known = batches.get(key)
+            if known is not None and known.ids == ids:
+                if self.tracker.received_keys(known.keys, known.zeros):
+                    return self._took(known.nbytes, list(known.names))
+            elif (
+                min(ids) >= 0 and max(ids) < n
+            ):  # the usual batch, checked and looked up without a Python loop
+                take = list(map(rows.__getitem__, ids))
+                if set(map(_RANK, take)) == {rank}:
+                    done_at_once = self.tracker.received_sole(take)
+                    if done_at_once is not None:
+                        batches.remember(key, ids, take, done_at_once, n)
+                        return self._took(*done_at_once)
         take, bad = [], len(ids)  # the position of the first refused id (any value, None included)
         for at, pid in enumerate(ids):
             if type(pid) is not int or not 0 <= pid < n or pid in skipped or rows[pid][0] != rank:
@@ -563,6 +575,40 @@ class StepState:
 
 _INT = {int}
 _RANK = operator.itemgetter(0)
+_KEY = operator.itemgetter(3)  # of CoverageTracker.whole_rows' rows
+
+
+@dataclass(frozen=True, slots=True)
+class SoleBatch:
+    """A PIECE_DONE batch of sole whole pieces (each its tensor's only piece, of one rank, none
+    twice), as :meth:`CoverageTracker.received_sole` recorded it once: a later step's batch of
+    the very same ids is recorded from this (:meth:`CoverageTracker.received_keys`)."""
+
+    ids: list[int]
+    keys: list[tuple[str, int]]
+    names: tuple[str, ...]
+    zeros: dict[str, int]  # each name: no piece pending
+    nbytes: int
+
+
+#: the batches remembered per skeleton hold at most this many ids per declared piece in all (a
+#: client that sends other batches every step cannot grow them further: they start over)
+REMEMBERED_IDS_PER_PIECE = 2
+
+
+class SoleBatches(dict):
+    """The :class:`SoleBatch` es seen, by (rank, first id, length); ``held``: their ids in all."""
+
+    held = 0
+
+    def remember(self, key: tuple, ids: list[int], take: list, done: tuple[int, list[str]], n: int) -> None:
+        """Keep a batch :meth:`CoverageTracker.received_sole` took, of a step of ``n`` pieces."""
+        if self.held + len(ids) > REMEMBERED_IDS_PER_PIECE * n:
+            self.clear()
+            self.held = 0
+        nbytes, names = done
+        self[key] = SoleBatch(list(ids), list(map(_KEY, take)), tuple(names), dict.fromkeys(names, 0), nbytes)
+        self.held += len(ids)
 
 
 def _itemsize(dtype_name: str) -> int:

@@ -367,16 +367,23 @@ class CoverageTracker:
         if not rows or not all(map(_SOLE, rows)):
             return None
         keys = list(map(_KEY, rows))
-        whole, blocks = self._whole, self._blocks
-        if not whole.isdisjoint(keys) or (blocks and not blocks.keys().isdisjoint(keys)):
-            return None
         if len(set(keys)) != len(keys):
             return None
         names = list(map(_NAME, rows))
+        if not self.received_keys(keys, dict.fromkeys(names, 0)):
+            return None
+        return sum(map(_SIZE, rows)), names
+
+    def received_keys(self, keys: list[tuple[str, int]], zeros: dict[str, int]) -> bool:
+        """Record the sole whole pieces ``keys`` (distinct, each its tensor's only piece; ``zeros``:
+        their tensors, each 0) unless one of them arrived already (False: nothing recorded)."""
+        whole, blocks = self._whole, self._blocks
+        if not whole.isdisjoint(keys) or (blocks and not blocks.keys().isdisjoint(keys)):
+            return False
         # a sole piece neither whole nor in blocks yet: its tensor has one piece pending
         whole.update(keys)
-        self._pending.update(dict.fromkeys(names, 0))
-        return sum(map(_SIZE, rows)), names
+        self._pending.update(zeros)
+        return True
 
     def received_whole(
         self, rows: Iterable[tuple[Any, str, int, tuple[str, int], int]]
@@ -432,6 +439,8 @@ class CoverageTracker:
 
     def complete(self) -> list[str]:
         """The tensors whose every declared piece holds all its elements, in declaration order."""
+        if 0 not in self._pending.values():  # the usual question at BEGIN: none yet (no loop in Python)
+            return []
         return [name for name, left in self._pending.items() if not left]
 
     def incomplete(self, rank: int | None = None) -> list[str]:

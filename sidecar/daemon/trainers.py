@@ -67,6 +67,7 @@ class Trainers:
         self.skeleton: Skeleton | None = None
         self._layout: tuple[Any, str] | None = None  # (the staging layout, its layout_id)
         self._direct: tuple[tuple, dict[str, int]] | None = None  # see _direct_inputs
+        self._last_rows: dict[int, tuple[bytes, list[Any]]] = {}  # see _offer_rows
 
     def _peer(self, identity: bytes) -> Peer:
         return self.ctx.peers[identity]  # the loop checked it is a trainer rank
@@ -241,9 +242,21 @@ class Trainers:
         state.peers[peer.rank] = identity
         offer = msg.get("nixl")
         if isinstance(offer, dict) and not peer.local:
-            state.nixl_offers[peer.rank] = (offer, begin_rows(peer.rank, rows))
+            state.nixl_offers[peer.rank] = (offer, self._offer_rows(peer.rank, rows))
         if state.all_begun:
             self._all_begun()
+
+    def _offer_rows(self, rank: int, pieces: Any) -> list[Any]:
+        """A NIXL-offering rank's BEGIN rows, decoded (read only: the pull set-up's). The same bytes
+        as its last BEGIN give the same list back, not decoded again: the pull set-up then knows
+        them by identity (``Pulls.start``)."""
+        last = self._last_rows.get(rank)
+        if last is not None and type(pieces) is bytes and last[0] == pieces:
+            return last[1]
+        rows = begin_rows(rank, pieces)
+        if type(pieces) is bytes:
+            self._last_rows[rank] = (pieces, rows)
+        return rows
 
     def _retire_staging(self, step: int) -> None:
         """The last step failed after its local ranks were handed staging: replace the arena before
