@@ -32,7 +32,7 @@ def _quantize_groups(
     of every group as one split across the threads, then every projection's kernel as another
     (``cpu.run_prepared``), rather than one hand-off to the threads per projection. ``units``: the
     units the groups are of, whose kernel calls are kept for their next run on the same buffers
-    (sidecar.plan.reuse), for the formats without a shared scale."""
+    (sidecar.plan.reuse)."""
     key = reuse.key_of(units, inputs, outputs) if units else None
     if reuse.run_again(key, outputs):
         return

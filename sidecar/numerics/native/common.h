@@ -74,6 +74,23 @@ static inline uint8_t e4m3_from_f32_in_range(float f) {
     return (uint8_t)(r | (sign >> 24));
 }
 
+#if defined(__AVX512F__)
+/* e4m3_from_f32_in_range's two branches on sixteen positive float32 lanes (fp8_vec.h's FP8 conversions,
+   fourbit.c's NVFP4 scales). c10's normal branch on the bits (valid for 2^-6 <= v < 464): rebias, round to
+   nearest even */
+static inline __m512i e4m3_normal(__m512i bits) {
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+    const __m512i rebias = _mm512_set1_epi32((int32_t)(UINT32_C(0xC4000000) + UINT32_C(0x7FFFF)));
+    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, rebias), odd), 20);
+}
+
+/* c10's subnormal branch (v < 2^-6): v + 2^14 rounds v to a multiple of 2^-9 */
+static inline __m512i e4m3_subnormal(__m512 v) {
+    const __m512i denorm_mask = _mm512_set1_epi32((int32_t)(UINT32_C(141) << 23));
+    return _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(v, _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+}
+#endif
+
 /* exact float32 2^(127 - byte) for byte in [1, 254]; 2^-127 is a subnormal */
 static inline float e8m0_multiplier(uint32_t byte) {
     const int32_t exponent = 127 - (int32_t)byte;

@@ -71,19 +71,6 @@ static inline void fp8_scale_init(fp8_scale_vec *s, float mult) {
     s->offset = _mm512_set1_epi16((short)least);
 }
 
-/* c10's normal branch on float32 bits (valid for 2^-6 <= v < 464): rebias, round to nearest even */
-static inline __m512i e4m3_normal(__m512i bits) {
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
-    const __m512i rebias = _mm512_set1_epi32((int32_t)(UINT32_C(0xC4000000) + UINT32_C(0x7FFFF)));
-    return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, rebias), odd), 20);
-}
-
-/* c10's subnormal branch (v < 2^-6): v + 2^14 rounds v to a multiple of 2^-9 */
-static inline __m512i e4m3_subnormal(__m512 v) {
-    const __m512i denorm_mask = _mm512_set1_epi32((int32_t)(UINT32_C(141) << 23));
-    return _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(v, _mm512_castsi512_ps(denorm_mask))), denorm_mask);
-}
-
 /* the e4m3 magnitude codes of RN(a * mult) by the float path: a the sign-cleared bits of 32 bf16 (16-bit
    lanes, in order), clamped to 448 first when ``clamp``; zero in the lanes below t_one */
 static inline __m512i fp8_magnitudes_float(__m512i a, const fp8_scale_vec *s, int clamp) {
