@@ -325,7 +325,7 @@ def test_a_batch_sent_again_next_step_is_recorded_from_the_remembered_one(monkey
 
 
 def test_remembered_batches_stay_bounded():
-    from sidecar.daemon.step import REMEMBERED_IDS_PER_PIECE, SoleBatches
+    from sidecar.daemon.sole_batches import REMEMBERED_IDS_PER_PIECE, SoleBatches
 
     batches, n = SoleBatches(), 10
     rows = [(0, f"w{i}", 0, (f"w{i}", 0), 32, True) for i in range(n)]

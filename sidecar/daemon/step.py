@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from sidecar.daemon.coverage import CoverageError, Piece
+from sidecar.daemon.sole_batches import SoleBatches
 from sidecar.daemon.tracker import CoverageTracker, FrameError
 from sidecar.errors import ErrorKind, RefitError
 from sidecar.ops.gcpause import gc_paused
@@ -575,40 +576,6 @@ class StepState:
 
 _INT = {int}
 _RANK = operator.itemgetter(0)
-_KEY = operator.itemgetter(3)  # of CoverageTracker.whole_rows' rows
-
-
-@dataclass(frozen=True, slots=True)
-class SoleBatch:
-    """A PIECE_DONE batch of sole whole pieces (each its tensor's only piece, of one rank, none
-    twice), as :meth:`CoverageTracker.received_sole` recorded it once: a later step's batch of
-    the very same ids is recorded from this (:meth:`CoverageTracker.received_keys`)."""
-
-    ids: list[int]
-    keys: list[tuple[str, int]]
-    names: tuple[str, ...]
-    zeros: dict[str, int]  # each name: no piece pending
-    nbytes: int
-
-
-#: the batches remembered per skeleton hold at most this many ids per declared piece in all (a
-#: client that sends other batches every step cannot grow them further: they start over)
-REMEMBERED_IDS_PER_PIECE = 2
-
-
-class SoleBatches(dict):
-    """The :class:`SoleBatch` es seen, by (rank, first id, length); ``held``: their ids in all."""
-
-    held = 0
-
-    def remember(self, key: tuple, ids: list[int], take: list, done: tuple[int, list[str]], n: int) -> None:
-        """Keep a batch :meth:`CoverageTracker.received_sole` took, of a step of ``n`` pieces."""
-        if self.held + len(ids) > REMEMBERED_IDS_PER_PIECE * n:
-            self.clear()
-            self.held = 0
-        nbytes, names = done
-        self[key] = SoleBatch(list(ids), list(map(_KEY, take)), tuple(names), dict.fromkeys(names, 0), nbytes)
-        self.held += len(ids)
 
 
 def _itemsize(dtype_name: str) -> int:
