@@ -305,15 +305,19 @@ def test_bad_arguments_get_the_references_errors():
 
 
 def test_work_is_split_across_threads_and_bytes_do_not_depend_on_it():
-    """With 2 threads a large call runs its shares on 2 threads (the caller and a pool worker), a
+    """With 2 threads a large call runs its chunks on 2 threads (the caller and a pool worker), a
     small one on the caller alone; 1 and 2 threads give the same bytes."""
     pool = threads.Pool()
     seen: list[int] = []
     lock = threading.Lock()
+    both = threading.Barrier(2, timeout=30)  # the first two chunks wait for each other: two threads
 
     def share(begin: int, end: int) -> int:
         with lock:
+            first_two = len(seen) < 2 and end - begin > 1  # the large call's first two chunks
             seen.append(threading.get_ident())
+        if first_two:
+            both.wait()
         return end - begin
 
     before = torch.get_num_threads()
@@ -413,7 +417,7 @@ def test_plan_units_run_on_the_native_kernels(fmt: Format, monkeypatch: pytest.M
     calls: list[int] = []
     real = native_calls.POOL.run_many
     monkeypatch.setattr(
-        native_calls.POOL, "run_many", lambda many: calls.extend(u for _, u, _ in many) or real(many)
+        native_calls.POOL, "run_many", lambda many: calls.extend(c[1] for c in many) or real(many)
     )
     state = test_plan.make_state_dict("qwen3_5_moe", unaligned=True, seed=3)
     assert any(t.dtype == torch.bfloat16 and ".experts." in n for n, t in state.items())

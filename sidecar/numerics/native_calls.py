@@ -125,6 +125,13 @@ class Prepared:
     #: a group call's float32 array of its groups' scales, which ``share`` writes (group_call; read by
     #: sidecar.plan.reuse, which runs the share again without ``finish``)
     scales: Any = None
+    #: each share pays a start-up (a group pipeline's first amax read): one share a thread, not chunks
+    pipelined: bool = False
+
+    @property
+    def work(self) -> tuple:
+        """What :meth:`Pool.run_many <sidecar.numerics.threads.Pool.run_many>` takes for it."""
+        return (self.share, self.units, self.elems, self.pipelined)
 
     @classmethod
     def done(cls, result: Any) -> Prepared:
@@ -135,7 +142,7 @@ def run_prepared(calls: Sequence[Prepared]) -> list[Any]:
     """Run prepared calls together (one split across the threads) and return their results in order;
     the first call whose ``finish`` raises stops the rest (their outputs may be written, not finished)."""
     native = [c for c in calls if c.share is not None]
-    results = iter(POOL.run_many([(c.share, c.units, c.elems) for c in native]))
+    results = iter(POOL.run_many([c.work for c in native]))
     return [c.finish(next(results) if c.share is not None else []) for c in calls]
 
 
@@ -214,7 +221,7 @@ def group_call(
             scale.fill_(values[g])
         return [torch.tensor(v, dtype=torch.float32) for v in values]
 
-    return Prepared(share, len(members), elems // max(len(members), 1), done, scales)
+    return Prepared(share, len(members), elems // max(len(members), 1), done, scales, pipelined=True)
 
 
 def shared_views(tensors: Sequence[torch.Tensor], applies: Callable[[torch.Tensor], bool]):

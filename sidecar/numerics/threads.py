@@ -7,6 +7,12 @@ plain lock of its own and answers on another (two lock releases and two wake-ups
 about half of a ``ThreadPoolExecutor``'s queue and futures per call (15 vs 21-47 us, the pool's
 median, on the 2-core CI machine).
 
+A call is cut into chunks of about even elements, more than there are threads, and each thread takes
+the next chunk as it finishes one: a core that runs slower (another process on it, a busy neighbour on a
+shared host) takes fewer chunks instead of holding the call until its fixed half is done.
+A call whose every start costs (a scale-group pipeline reads its first group's amax with nothing to
+overlap it) says so (``pipelined``) and is cut into one share a thread instead.
+
 A second caller arriving while the workers run another call's shares runs its own call on its own
 thread (the cores are busy with the first call anyway); a share that itself splits work does the same,
 so nothing ever waits on a worker that waits on it.
@@ -14,17 +20,30 @@ so nothing ever waits on a worker that waits on it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["MIN_SPLIT_ELEMS", "Pool"]
+__all__ = ["CHUNKS_PER_THREAD", "MIN_CHUNK_ELEMS", "MIN_SPLIT_ELEMS", "Call", "Pool"]
 
 #: elements of work per thread below which a call is not split (a thread hand-off costs ~15 us,
 #: about what a kernel needs for 64 Ki elements)
 MIN_SPLIT_ELEMS = 1 << 17
+#: chunks a thread of a split call (at most). bench/pool.py, 2 threads on the 2-core CI machine, 32
+#: experts' slab units, row kernels, five runs: with the worker's core shared with a busy process, 4 a
+#: thread ran 0.87-1.36x as fast as halves (median 1.11x); on two free cores 0.94-1.00x (median 0.975x:
+#: each chunk costs a ctypes call, a few us of Python under the GIL, and its streams' start). 8 a
+#: thread lost 4-6% on free cores.
+CHUNKS_PER_THREAD = 4
+#: elements a chunk takes at least (about 0.2 ms of a kernel on one core)
+MIN_CHUNK_ELEMS = 1 << 20
+
+#: ``(fn, units, elems_per_unit)``, or with a fourth field ``pipelined``: True for a call whose every
+#: share pays a start-up (a scale-group pipeline), cut into one share a thread rather than chunks
+Call = tuple
 
 
 class _Worker:
@@ -71,10 +90,12 @@ class Pool:
     """Runs a call's shares: all but the first on persistent worker threads, the first on the caller.
 
     Sized by ``torch.get_num_threads()`` at each call (the workers are replaced when that changes, and
-    in a forked child, which inherits the pool but not its threads).
+    in a forked child, which inherits the pool but not its threads). ``chunks_per_thread``: chunks a
+    thread, at most (1: one even share a thread, as a pipelined call; bench/pool.py compares).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, chunks_per_thread: int = CHUNKS_PER_THREAD) -> None:
+        self.chunks_per_thread = chunks_per_thread
         self._reset()
 
     def _reset(self) -> None:
@@ -98,21 +119,24 @@ class Pool:
             return self._workers
 
     def run(self, fn: Callable[[int, int], int], units: int, elems_per_unit: int) -> list[int]:
-        """``fn(begin, end)`` over ``[0, units)`` in up to threads() even shares; their results. An error
-        raised by any share is raised here, once every share has finished (they write the caller's
-        buffers)."""
+        """``fn(begin, end)`` over ``[0, units)`` in chunks the threads take (:meth:`run_many`); their
+        results, in order. An error raised by any chunk is raised here, once every thread has stopped
+        (they write the caller's buffers)."""
         return self.run_many([(fn, units, elems_per_unit)])[0]
 
-    def run_many(self, calls: Sequence[tuple[Callable[[int, int], int], int, int]]) -> list[list[int]]:
-        """Several calls ``(fn, units, elems_per_unit)`` as one: their units numbered one after the
-        other and split into up to threads() shares of about even elements (one hand-off to the
-        workers for all of them: a slab's hundreds of expert projections). A share runs ``fn(begin,
-        end)`` for each call it covers part of; the results, a list a call (one per share that ran part
-        of it, in order; empty for a call of no units). Errors as :meth:`run`."""
-        sizes = [units * elems for _, units, elems in calls]
+    def run_many(self, calls: Sequence[Call]) -> list[list[int]]:
+        """Several calls ``(fn, units, elems_per_unit[, pipelined])`` as one: their units numbered one
+        after the other and cut into chunks of about even elements (one hand-off to the workers for all
+        of them: a slab's hundreds of expert projections), which the threads take one after another
+        until none is left; where any call is ``pipelined``, one even share a thread. A chunk runs ``fn(begin,
+        end)`` for each call it covers part of; the results, a list a call (one per chunk that ran part
+        of it, in order; empty for a call of no units). An error raised by any chunk is raised here, once
+        every thread has stopped (no thread takes a chunk after it; they write the caller's buffers)."""
+        sizes = [c[1] * c[2] for c in calls]
         total = sum(sizes)
+        units = sum(c[1] for c in calls)
         threads = self.threads()
-        parts = min(threads, max(1, total // MIN_SPLIT_ELEMS), sum(units for _, units, _ in calls))
+        parts = min(threads, max(1, total // MIN_SPLIT_ELEMS), units)
         if parts > 1:
             workers = self._get(threads - 1)
             if not self._busy.acquire(blocking=False):  # another call (or this call's caller) has them
@@ -122,13 +146,30 @@ class Pool:
             self._share(calls, results, (0, 0), (len(calls), 0))
             return results
         try:
-            cuts = [_position(calls, sizes, total * i // parts) for i in range(parts)] + [(len(calls), 0)]
-            pieces: list[list[list[int]]] = [[[] for _ in calls] for _ in range(parts)]
+            per_thread = 1 if any(len(c) > 3 and c[3] for c in calls) else self.chunks_per_thread
+            starts = _chunk_starts(total, units, parts, per_thread)
+            chunks = len(starts)
+            cuts = [_position(calls, sizes, start) for start in starts] + [(len(calls), 0)]
+            pieces: list[list[list[int]]] = [[[] for _ in calls] for _ in range(chunks)]
+            taken = itertools.count()  # next() on it is atomic: each chunk goes to one thread
+            failed: list[bool] = []
+
+            def take() -> int:
+                while True:
+                    i = next(taken)
+                    if i >= chunks or failed:
+                        return 0
+                    try:
+                        self._share(calls, pieces[i], cuts[i], cuts[i + 1])
+                    except BaseException:
+                        failed.append(True)
+                        raise
+
             started = workers[: parts - 1]
-            for i, worker in enumerate(started, start=1):
-                worker.start(lambda i=i: self._share(calls, pieces[i], cuts[i], cuts[i + 1]))
+            for worker in started:
+                worker.start(take)
             try:
-                self._share(calls, pieces[0], cuts[0], cuts[1])
+                take()
             finally:
                 done = [worker.wait() for worker in started]
             for _, err in done:
@@ -146,12 +187,20 @@ class Pool:
         """Run the calls' units from position ``begin`` to ``end`` (each ``(call, unit)``), appending each
         call's result to ``results``."""
         for c in range(begin[0], min(end[0] + 1, len(calls))):
-            fn, units, _ = calls[c]
+            fn, units = calls[c][0], calls[c][1]
             b = begin[1] if c == begin[0] else 0
             e = end[1] if c == end[0] else units
             if b < e:
                 results[c].append(fn(b, e))
         return 0
+
+
+def _chunk_starts(total: int, units: int, parts: int, per_thread: int) -> list[int]:
+    """Where a call of ``total`` elements in ``units`` units, split ``parts`` ways, is cut: into
+    ``parts * per_thread`` chunks of about even elements (fewer where they would fall under
+    MIN_CHUNK_ELEMS or outnumber the units, never fewer than ``parts``)."""
+    chunks = max(parts, min(parts * per_thread, total // MIN_CHUNK_ELEMS, units))
+    return [total * i // chunks for i in range(chunks)]
 
 
 def _position(calls, sizes: list[int], elem: int) -> tuple[int, int]:
