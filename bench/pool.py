@@ -5,11 +5,13 @@ a core that runs slower than the other (another process on it, a busy neighbour 
 takes fewer. This times bench/quant.py's n/unit (``run_unit`` on a Qwen3.5-35B-A3B layer's two slab
 units, 32 experts, 192 MiB bf16) three ways each round, one after the other: a copy of the same
 bytes, then the pool's chunks and one fixed share a thread (``chunks_per_thread = 1``, the pool before
-chunks), which of the two first alternating. Each round's three times share the same moment of the machine; the table gives medians and
-the slowest round, each as a fraction of the copy, and chunks' median time against halves'.
+chunks), which of the two first alternating. Each round's three times share the same moment of the
+machine; the table gives medians and the slowest round, each as a fraction of the copy, and chunks'
+median time against halves'.
 
-A scale-group pipeline (NVFP4, FP8 per-tensor) is cut once a thread either way (``pipelined``): its
-two columns differ only by noise.
+A scale-group pipeline (NVFP4, FP8 per-tensor) hands out its groups itself (threads.Claims: each
+thread runs the call whole and takes groups from a shared counter); with ``chunks_per_thread = 1`` it is
+cut into one run of groups a thread instead, as before.
 
 ``--contend`` makes one core slow on purpose, to show what chunks are for where a shared host shows it
 only now and then: the caller is pinned to the first CPU, the pool's worker to the second, and a busy

@@ -9,12 +9,13 @@ for CPUs without AVX-512 (fp8_vec.h's REFITD_FP8_VEC off: quant.c's plain loops)
 from __future__ import annotations
 
 import platform
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from sidecar.numerics import cpu, cpu_fourbit, fourbit, native
+from sidecar.numerics import cpu, cpu_fourbit, fourbit, native, threads
 from sidecar.numerics import reference as ref
 from sidecar.numerics.formats import FP8_DTYPE, Format
 from tests.support.native_builds import LEVELS, build_for
@@ -110,19 +111,25 @@ def test_groups_through_the_pipeline_give_the_references_bytes(threads: int, see
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads_", [1, 2])
 @pytest.mark.parametrize("fmt", [Format.FP8_PER_TENSOR, Format.NVFP4])
 @pytest.mark.parametrize("bad", [[0], [4], [11], [3, 7]])
-def test_nan_names_the_first_group_holding_it(fmt: Format, bad: list[int], monkeypatch):
+def test_nan_names_the_first_group_holding_it(fmt: Format, bad: list[int], threads_: int, monkeypatch):
     """A NaN or Inf in group k (the first, one inside the run, the last; or two) raises the reference's
-    error naming group k's members, whatever group the other thread's share reached."""
+    error naming group k's members, whatever groups the other thread took."""
     monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", 1)
     groups = _groups(3)
     for k, value in zip(bad, (float("nan"), float("inf"))):
         groups[k][-1] = groups[k][-1].clone()
         groups[k][-1][0, 5] = value
     call = _fp8_call if fmt is Format.FP8_PER_TENSOR else _nvfp4_call
-    with pytest.raises(ValueError, match="NaN or Inf") as err:
-        call(groups)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads_)
+    try:
+        with pytest.raises(ValueError, match="NaN or Inf") as err:
+            call(groups)
+    finally:
+        torch.set_num_threads(before)
     assert f"grp{bad[0]}-" in str(err.value)
     assert not any(f"grp{k}-" in str(err.value) for k in range(len(groups)) if k != bad[0])
 
@@ -184,3 +191,70 @@ def test_fp8_without_vbmi_every_bf16_pattern(march: str, tmp_path: Path, monkeyp
             cpu.quantize_fp8_per_tensor(w, scale=s), ref.quantize_fp8_per_tensor(w, scale=s), strict=True
         ):
             assert torch.equal(_bits(got), _bits(want)), scale
+
+
+@pytest.mark.parametrize("fmt", [Format.FP8_PER_TENSOR, Format.NVFP4])
+def test_threads_claim_groups_from_a_shared_counter(fmt: Format, monkeypatch):
+    """The pipeline's call hands its groups out itself (threads.Claims): a thread running it takes the
+    groups from the counter's value on, one at a time, and leaves the ones before untouched; the
+    counter ends past the last group; and two threads sharing the counter, each running the call
+    whole, together write every group's bytes once (the reference's)."""
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", 1)
+    groups = _groups(4)
+    if fmt is Format.FP8_PER_TENSOR:
+        outs = [
+            [(torch.full(t.shape, 0x7F, dtype=torch.uint8).view(FP8_DTYPE), torch.empty(())) for t in ts]
+            for ts in groups
+        ]
+        jobs = [(ts, o, [None] * len(ts), "g") for ts, o in zip(groups, outs)]
+        call = cpu._fp8_per_tensor_pipeline(jobs)
+    else:
+        outs = [[fourbit.nvfp4_outputs(t, None, None) for t in ts] for ts in groups]
+        for o in outs:
+            for q, s, _ in o:
+                q.fill_(0x7F), s.view(torch.uint8).fill_(0x7F)
+        jobs = [(ts, o, [None] * len(ts), "g") for ts, o in zip(groups, outs)]
+        call = cpu_fourbit._nvfp4_pipeline(jobs)
+    assert isinstance(call.split, threads.Claims)
+    start = 5
+    call.split.counter.value = start
+    assert call.share(0, call.units) == -1
+    assert call.split.counter.value > len(groups) - 1
+    for k, o in enumerate(outs):
+        first = o[0][0].view(torch.uint8)
+        assert bool((first == 0x7F).all()) == (k < start), k  # groups before the counter's value untouched
+
+    call.split.counter.value = 0  # two threads sharing the counter, each running the call whole
+    found: list[int] = []
+    runners = [threading.Thread(target=lambda: found.append(call.share(0, call.units))) for _ in range(2)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(60)
+    assert found == [-1, -1]
+    scales = call.finish([-1, -1])
+    (_check_fp8 if fmt is Format.FP8_PER_TENSOR else _check_nvfp4)(groups, scales, outs)
+
+
+def test_a_pool_of_one_share_a_thread_runs_a_claiming_call_in_shares(monkeypatch):
+    """bench/pool.py's halves (chunks_per_thread 1): the pipeline's call is cut into one run of groups a
+    thread, through the runner without the counter; the bytes are the same."""
+    monkeypatch.setattr(cpu_fourbit, "GROUPS_PER_THREAD", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        from sidecar.numerics.native_calls import POOL
+
+        groups = _groups(5)
+        outs = [[fourbit.nvfp4_outputs(t, None, None) for t in ts] for ts in groups]
+        jobs = [(ts, o, [None] * len(ts), "g") for ts, o in zip(groups, outs)]
+        ran: list = []
+        POOL.chunks_per_thread = 1
+        try:
+            _check_nvfp4(groups, cpu.quantize_nvfp4_groups(jobs, ran), outs)
+            _check_fp8(groups, *_fp8_call(groups))
+        finally:
+            POOL.chunks_per_thread = threads.CHUNKS_PER_THREAD
+        assert ran and ran[0].split.whole is False  # cut into shares, not run whole on each thread
+    finally:
+        torch.set_num_threads(before)

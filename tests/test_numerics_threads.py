@@ -1,8 +1,9 @@
 """sidecar/numerics/threads.py: the quantizers' worker threads. A call's chunks run on the caller and
-the workers, each taken by the next thread free (a slow one takes fewer), a pipelined call is cut once a
-thread, an error in any chunk is raised only once every running chunk has finished (they all write the
-caller's buffers), and a second caller (or a share splitting work again) runs its call on its own thread
-instead of waiting for workers that are busy."""
+the workers, each taken by the next thread free (a slow one takes fewer); a pipelined call is cut once a
+thread; a call whose kernel hands out its own units (Claims) runs whole on every thread; an error in any
+chunk is raised only once every running chunk has finished (they all write the caller's buffers); and
+a second caller (or a share splitting work again) runs its call on its own thread instead of waiting
+for workers that are busy."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from sidecar.numerics.threads import CHUNKS_PER_THREAD, MIN_CHUNK_ELEMS, MIN_SPLIT_ELEMS, Pool
+from sidecar.numerics.threads import CHUNKS_PER_THREAD, MIN_CHUNK_ELEMS, MIN_SPLIT_ELEMS, Claims, Pool
 
 BIG = MIN_SPLIT_ELEMS  # elements a unit: every call of several units splits
 
@@ -213,3 +214,41 @@ def test_many_small_calls_run_on_the_caller(three_threads):
     assert three_threads.run_many(calls) == [[4]] * 50
     assert seen == {me}
     assert three_threads.run_many([]) == []
+
+
+def test_a_claiming_call_runs_whole_on_every_thread(three_threads):
+    """A call whose kernel hands out its own units (Claims): each of the three threads runs it whole,
+    the counter starting at 0 every run, each unit taken once; its results are one a thread. Under a pool
+    of one share a thread it is cut into shares instead; beside another call it is refused."""
+    claims = Claims()
+    lock = threading.Lock()
+    taken: list[tuple[int, int]] = []
+    together = threading.Barrier(3, timeout=30)
+
+    def fn(begin: int, end: int) -> int:
+        if claims.whole:
+            assert (begin, end) == (0, 12)
+            together.wait()  # all three run it
+            while True:
+                with lock:
+                    unit = claims.counter.value
+                    claims.counter.value += 1
+                if unit >= end:
+                    return threading.get_ident()
+                taken.append((unit, threading.get_ident()))
+        with lock:
+            taken.extend((u, threading.get_ident()) for u in range(begin, end))
+        return end - begin
+
+    for _ in range(2):
+        claims.counter.value = 99  # whatever a run left: the pool starts it at 0
+        taken.clear()
+        (results,) = three_threads.run_many([(fn, 12, MIN_CHUNK_ELEMS, claims)])
+        assert len(set(results)) == 3 and sorted(u for u, _ in taken) == list(range(12))
+
+    three_threads.chunks_per_thread = 1
+    taken.clear()
+    assert three_threads.run_many([(fn, 12, MIN_CHUNK_ELEMS, claims)]) == [[4, 4, 4]]
+    assert not claims.whole and sorted(u for u, _ in taken) == list(range(12))
+    with pytest.raises(ValueError, match="runs alone"):
+        three_threads.run_many([(fn, 12, MIN_CHUNK_ELEMS, claims), (fn, 1, 1)])

@@ -309,6 +309,7 @@ def _fp8_per_tensor_pipeline(groups: Sequence[Fp8Group]) -> Prepared | None:
             run = None if lib is None else getattr(lib, "refitd_fp8_per_tensor_groups", None)
             if run is None:
                 return None
+            claimed = getattr(lib, "refitd_fp8_per_tensor_groups_claimed", None)
             try:
                 ref._check_input(w, name, Format.FP8_PER_TENSOR)
                 q, s = ref._check_out(out, w, (), torch.float32, name)
@@ -327,7 +328,7 @@ def _fp8_per_tensor_pipeline(groups: Sequence[Fp8Group]) -> Prepared | None:
         tensors, label = groups[bad][0], groups[bad][3]
         raise_like_reference(lambda: ref.fp8_per_tensor_scale(*tensors, name=label), label)
 
-    return group_call(run, members, fills, refuse)
+    return group_call(run, members, fills, refuse, claimed)
 
 
 def _prepare_fp8_per_tensor_group(

@@ -202,6 +202,7 @@ def _nvfp4_pipeline(groups: Sequence[Nvfp4Group]) -> Prepared | None:
             kernel = None if run is None else _nvfp4_kernel_args(lib, w, q, s)
             if kernel is None:
                 return None
+            claimed = getattr(lib, "refitd_nvfp4_groups_claimed", None)
             (x, n, k, xbs, xrs, *qs), rows = kernel
             fields.append((x, rows // n, n, k, xbs, xrs, *qs))
             fills.append((len(members), g))
@@ -211,7 +212,7 @@ def _nvfp4_pipeline(groups: Sequence[Nvfp4Group]) -> Prepared | None:
         tensors, label = groups[bad][0], groups[bad][3]
         raise_like_reference(lambda: fourbit.nvfp4_global_scale(*tensors, name=label), label)
 
-    return group_call(run, members, fills, refuse)
+    return group_call(run, members, fills, refuse, claimed)
 
 
 def _prepare_nvfp4_group(

@@ -15,7 +15,7 @@ import torch
 
 from sidecar.numerics import native
 from sidecar.numerics import reference as ref
-from sidecar.numerics.threads import Pool
+from sidecar.numerics.threads import Claims, Pool
 
 __all__ = [
     "BF16_NONFINITE",
@@ -125,13 +125,14 @@ class Prepared:
     #: a group call's float32 array of its groups' scales, which ``share`` writes (group_call; read by
     #: sidecar.plan.reuse, which runs the share again without ``finish``)
     scales: Any = None
-    #: each share pays a start-up (a group pipeline's first amax read): one share a thread, not chunks
-    pipelined: bool = False
+    #: how the pool splits it (threads.Call's fourth field): None, chunks; a Claims, the kernel takes its
+    #: units itself (a group pipeline); True, one share a thread (a group pipeline of an older build)
+    split: Claims | bool | None = None
 
     @property
     def work(self) -> tuple:
         """What :meth:`Pool.run_many <sidecar.numerics.threads.Pool.run_many>` takes for it."""
-        return (self.share, self.units, self.elems, self.pipelined)
+        return (self.share, self.units, self.elems, self.split)
 
     @classmethod
     def done(cls, result: Any) -> Prepared:
@@ -189,13 +190,16 @@ def group_call(
     members: Sequence[Sequence[tuple[int, ...]]],
     fills: Sequence[tuple[int, torch.Tensor]],
     refuse: Callable[[int], None],
+    claimed: Callable[..., int] | None = None,
 ) -> Prepared:
     """Scale groups as one call of one unit a group, run by a native group runner ``run``
     (``refitd_fp8_per_tensor_groups``, ``refitd_nvfp4_groups``): each group's amax read while the group
-    before it converts (one pass over memory, see common.h), a thread's share a run of whole groups.
-    ``members[g]`` holds group g's tensors' MEMBER_FIELDS fields. ``refuse(g)`` raises the reference's
-    error for g, the first group that held NaN/Inf; otherwise each ``(g, scale)`` of ``fills`` is filled
-    with group g's scale, and the call's result is every group's scale, a float32 tensor each."""
+    before it converts (one pass over memory, see common.h). With ``claimed`` (the runner's ``_claimed``
+    entry point) every thread runs the whole call and takes groups one at a time as it comes free;
+    without, a thread's share is a run of whole groups. ``members[g]`` holds group g's tensors'
+    MEMBER_FIELDS fields. ``refuse(g)`` raises the reference's error for g, the first group that held
+    NaN/Inf; otherwise each ``(g, scale)`` of ``fills`` is filled with group g's scale, and the call's
+    result is every group's scale, a float32 tensor each."""
     flat: list[int] = []
     first = [0]
     for group in members:
@@ -209,7 +213,12 @@ def group_call(
     scales = (ctypes.c_float * len(members))()
     elems = sum(f[1] * f[2] * f[3] for group in members for f in group)
 
+    groups = len(members)
+    claims = None if claimed is None else Claims()
+
     def share(begin: int, end: int) -> int:
+        if claims is not None and claims.whole:  # every thread the whole run: the kernel hands out groups
+            return claimed(desc, offsets, claims.ref, groups, scales)
         return run(desc, offsets, begin, end, scales)
 
     def done(results: list[int]) -> list[torch.Tensor]:
@@ -221,7 +230,8 @@ def group_call(
             scale.fill_(values[g])
         return [torch.tensor(v, dtype=torch.float32) for v in values]
 
-    return Prepared(share, len(members), elems // max(len(members), 1), done, scales, pipelined=True)
+    split = True if claims is None else claims
+    return Prepared(share, groups, elems // max(groups, 1), done, scales, split=split)
 
 
 def shared_views(tensors: Sequence[torch.Tensor], applies: Callable[[torch.Tensor], bool]):

@@ -11,7 +11,10 @@ A call is cut into chunks of about even elements, more than there are threads, a
 the next chunk as it finishes one: a core that runs slower (another process on it, a busy neighbour on a
 shared host) takes fewer chunks instead of holding the call until its fixed half is done.
 A call whose every start costs (a scale-group pipeline reads its first group's amax with nothing to
-overlap it) says so (``pipelined``) and is cut into one share a thread instead.
+overlap it) takes its units itself instead (:class:`Claims`): every thread runs the whole call, and the
+kernel hands its units out one at a time from a counter the threads share, so a thread's pipeline runs
+on across the units it takes. A pipelined call without one (a build of an older tree) is cut into one
+share a thread.
 
 A second caller arriving while the workers run another call's shares runs its own call on its own
 thread (the cores are busy with the first call anyway); a share that itself splits work does the same,
@@ -20,6 +23,7 @@ so nothing ever waits on a worker that waits on it.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import threading
@@ -27,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["CHUNKS_PER_THREAD", "MIN_CHUNK_ELEMS", "MIN_SPLIT_ELEMS", "Call", "Pool"]
+__all__ = ["CHUNKS_PER_THREAD", "MIN_CHUNK_ELEMS", "MIN_SPLIT_ELEMS", "Call", "Claims", "Pool"]
 
 #: elements of work per thread below which a call is not split (a thread hand-off costs ~15 us,
 #: about what a kernel needs for 64 Ki elements)
@@ -41,9 +45,24 @@ CHUNKS_PER_THREAD = 4
 #: elements a chunk takes at least (about 0.2 ms of a kernel on one core)
 MIN_CHUNK_ELEMS = 1 << 20
 
-#: ``(fn, units, elems_per_unit)``, or with a fourth field ``pipelined``: True for a call whose every
-#: share pays a start-up (a scale-group pipeline), cut into one share a thread rather than chunks
+#: ``(fn, units, elems_per_unit)``, or with a fourth field: a :class:`Claims` (the call's kernel takes
+#: its units itself), or True for a call whose every share pays a start-up, cut into one share a thread
 Call = tuple
+
+
+class Claims:
+    """The counter a call's kernel takes its units from (native/common.h's run_groups with ``claim``):
+    every thread runs the call's ``fn(0, units)`` and the kernel hands each unit to one of them. The
+    pool sets it to 0 before the threads start, and ``whole``: True where the threads run the call whole
+    (``fn`` then passes :attr:`ref` to the kernel), False where the pool cuts it into one share a thread
+    instead (a pool of ``chunks_per_thread`` 1: bench/pool.py's halves)."""
+
+    __slots__ = ("counter", "ref", "whole")
+
+    def __init__(self) -> None:
+        self.counter = ctypes.c_int64(0)
+        self.ref = ctypes.byref(self.counter)
+        self.whole = True
 
 
 class _Worker:
@@ -125,13 +144,20 @@ class Pool:
         return self.run_many([(fn, units, elems_per_unit)])[0]
 
     def run_many(self, calls: Sequence[Call]) -> list[list[int]]:
-        """Several calls ``(fn, units, elems_per_unit[, pipelined])`` as one: their units numbered one
+        """Several calls ``(fn, units, elems_per_unit[, split])`` as one: their units numbered one
         after the other and cut into chunks of about even elements (one hand-off to the workers for all
         of them: a slab's hundreds of expert projections), which the threads take one after another
-        until none is left; where any call is ``pipelined``, one even share a thread. A chunk runs ``fn(begin,
-        end)`` for each call it covers part of; the results, a list a call (one per chunk that ran part
-        of it, in order; empty for a call of no units). An error raised by any chunk is raised here, once
+        until none is left; where any call's ``split`` is True (pipelined), one even share a thread. A
+        call whose ``split`` is a :class:`Claims` runs alone, whole on every thread: its results, one a
+        thread. A chunk runs ``fn(begin, end)`` for each call it covers part of; the results, a list a
+        call (one per chunk that ran part of it, in order; empty for a call of no units). An error raised by any chunk is raised here, once
         every thread has stopped (no thread takes a chunk after it; they write the caller's buffers)."""
+        claims = [c[3] for c in calls if len(c) > 3 and isinstance(c[3], Claims)]
+        if claims:
+            if len(calls) != 1:
+                raise ValueError("a call whose kernel takes its own units (Claims) runs alone in run_many")
+            claims[0].counter.value = 0
+            claims[0].whole = self.chunks_per_thread > 1
         sizes = [c[1] * c[2] for c in calls]
         total = sum(sizes)
         units = sum(c[1] for c in calls)
@@ -146,6 +172,8 @@ class Pool:
             self._share(calls, results, (0, 0), (len(calls), 0))
             return results
         try:
+            if claims and claims[0].whole:
+                return [self._claimed(calls[0], workers[: parts - 1])]
             per_thread = 1 if any(len(c) > 3 and c[3] for c in calls) else self.chunks_per_thread
             starts = _chunk_starts(total, units, parts, per_thread)
             chunks = len(starts)
@@ -181,6 +209,22 @@ class Pool:
             return results
         finally:
             self._busy.release()
+
+    @staticmethod
+    def _claimed(call: Call, started: list[_Worker]) -> list[int]:
+        """A Claims call run whole on the caller and ``started``: each thread's result, an error raised
+        once every thread has stopped."""
+        fn, units = call[0], call[1]
+        for worker in started:
+            worker.start(lambda: fn(0, units))
+        try:
+            mine = fn(0, units)
+        finally:
+            done = [worker.wait() for worker in started]
+        for _, err in done:
+            if err is not None:
+                raise err
+        return [mine] + [result for result, _ in done]
 
     @staticmethod
     def _share(calls, results: list[list[int]], begin: tuple[int, int], end: tuple[int, int]) -> int:

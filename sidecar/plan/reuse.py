@@ -5,7 +5,7 @@ kernels' arguments, about 20 us a projection, so a slab of a hundred projections
 time (at one thread; more at two, where the kernels are shared and the Python is not) before any kernel
 ran. The daemon runs a unit on the same buffers step after step: its inputs are staging views and its
 outputs the generation arena's cached views. So :func:`remember` keeps what a run's calls reduce to
-(``(share, units, elems, pipelined)`` tuples whose closures hold the library and integer arguments, never a
+(``(share, units, elems, split)`` tuples whose closures hold the library and integer arguments, never a
 tensor) under a key of everything they were derived from (the units themselves, the native library,
 and each input's and output's address, shape, strides, dtype and device), and :func:`run_again` runs
 them when a later call's key is the same: the same arguments, so the same bytes.
@@ -34,7 +34,7 @@ MAX_KEPT = 4096
 @dataclass(frozen=True, slots=True)
 class _Kept:
     units: tuple[Unit, ...]  # held, so that no other unit takes their ids while the key lives
-    shares: tuple[tuple[Callable[[int, int], int], int, int, bool], ...]
+    shares: tuple[tuple[Callable[[int, int], int], int, int, object], ...]
     #: outputs to fill after the kernels: (output name, value), each value a tensor copied in
     fills: tuple[tuple[str, torch.Tensor], ...]
     #: a group call's scales (native_calls.Prepared.scales, as a float32 tensor over that array), its

@@ -97,10 +97,21 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # members, first, begin, end, scales: scale groups as a pipeline (common.h's run_groups)
     "refitd_fp8_per_tensor_groups": (_i64, [_ptr, _ptr, _i64, _i64, _ptr]),
     "refitd_nvfp4_groups": (_i64, [_ptr, _ptr, _i64, _i64, _ptr]),
+    # members, first, claim (an int64 counter the threads share), end, scales: the same, each thread
+    # taking groups from the counter as it comes free
+    "refitd_fp8_per_tensor_groups_claimed": (_i64, [_ptr, _ptr, _ptr, _i64, _ptr]),
+    "refitd_nvfp4_groups_claimed": (_i64, [_ptr, _ptr, _ptr, _i64, _ptr]),
 }
 #: entry points a build of an older tree lacks (bench/quant.py --baseline-lib loads one): absent, the
 #: callers take their other path (sidecar/numerics/native_calls.py's group_call)
-OPTIONAL = frozenset({"refitd_fp8_per_tensor_groups", "refitd_nvfp4_groups"})
+OPTIONAL = frozenset(
+    {
+        "refitd_fp8_per_tensor_groups",
+        "refitd_nvfp4_groups",
+        "refitd_fp8_per_tensor_groups_claimed",
+        "refitd_nvfp4_groups_claimed",
+    }
+)
 
 
 class NativeBuildError(RuntimeError):

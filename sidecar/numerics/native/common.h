@@ -208,9 +208,11 @@ static inline uint32_t largest(const uint32_t *v, i64 m) {
 /*                                                                                                */
 /* A format with one scale over a group of tensors (an expert's gate and up) reads the group twice:  */
 /* its amax, then the conversion by the scale that amax gives. run_groups takes a run of groups and  */
-/* reads group g + 1's amax rows interleaved with group g's conversion (in proportion to their       */
+/* reads the next group's amax rows interleaved with a group's conversion (in proportion to their   */
 /* sizes), so the memory reads of the next group overlap the conversion of this one, which reads its */
-/* rows again from cache: about one pass over memory, not two after each other.                   */
+/* rows again from cache: about one pass over memory, not two after each other. Threads sharing a   */
+/* run take its groups one at a time from a shared counter (claim), so each keeps that pipeline and */
+/* a slower core takes fewer groups.                                                               */
 /*                                                                                                */
 /* members: MEMBER_FIELDS int64 a tensor: x, batch, n, k, x_bstride, x_rstride, q, q_bstride,       */
 /* q_rstride, s, s_bstride, s_rstride (pointers as integers, strides in elements of each buffer's   */
@@ -287,19 +289,31 @@ static inline const uint16_t *cursor_peek(const amax_cursor *c, i64 *len) {
     return NULL;
 }
 
-/* groups [begin, end): returns -1, or the first group holding NaN/Inf (groups after it are not run) */
-static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales, void *ctx,
-                      group_scale_fn scale_fn, group_row_fn row_fn) {
-    if (begin >= end) return -1;
+/* the group a thread takes next: with ``claim``, the next not yet taken by any thread sharing it (the
+   caller sets it to the run's first group); without, the one after ``g`` */
+static inline i64 next_group(i64 *claim, i64 g) {
+    return claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : g + 1;
+}
+
+/* groups [begin, end), in order; or, with ``claim``, the groups of [*claim, end) this thread takes one at a
+   time as it comes free, the other threads sharing ``claim`` taking the rest (a slower core takes fewer).
+   Either way the group after the one converting is the one this thread takes next, whose amax it reads
+   meanwhile. Returns -1, or the first group it met holding NaN/Inf (it takes no group after that one;
+   with ``claim`` the caller takes the least over its threads). */
+static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales, i64 *claim,
+                      void *ctx, group_scale_fn scale_fn, group_row_fn row_fn) {
+    i64 g = claim ? next_group(claim, 0) : begin;
+    if (g >= end) return -1;
     amax_cursor next;
-    cursor_start(&next, members, first[begin], first[begin + 1]);
+    cursor_start(&next, members, first[g], first[g + 1]);
     cursor_read(&next, INT64_MAX);
-    for (i64 g = begin; g < end; g++) {
+    while (g < end) {
         if (next.amax >= BF16_NONFINITE) return g;
         scale_fn(ctx, next.amax, &scales[g]);
-        const i64 m1 = first[g + 1], m2 = g + 1 < end ? first[g + 2] : m1;
-        const double ratio = (double)group_elems(members, m1, m2) / (double)(group_elems(members, first[g], m1) | 1);
-        cursor_start(&next, members, m1, m2);
+        const i64 after = next_group(claim, g), m1 = first[g + 1];
+        const i64 n0 = after < end ? first[after] : m1, n1 = after < end ? first[after + 1] : m1;
+        const double ratio = (double)group_elems(members, n0, n1) / (double)(group_elems(members, first[g], m1) | 1);
+        cursor_start(&next, members, n0, n1);
         i64 done = 0;
         for (i64 m = first[g]; m < m1; m++) {
             const i64 *f = members + m * MEMBER_FIELDS;
@@ -317,6 +331,7 @@ static i64 run_groups(const i64 *members, const i64 *first, i64 begin, i64 end, 
             }
         }
         cursor_read(&next, INT64_MAX);
+        g = after;
     }
     return -1;
 }

@@ -312,7 +312,14 @@ static i64 nvfp4_group_row(void *ctx, const i64 *f, i64 unit, i64 most, const ui
    group holding NaN/Inf. */
 i64 refitd_nvfp4_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales) {
     nvfp4_state st;
-    return run_groups(members, first, begin, end, scales, &st, nvfp4_group_scale, nvfp4_group_row);
+    return run_groups(members, first, begin, end, scales, NULL, &st, nvfp4_group_scale, nvfp4_group_row);
+}
+
+/* the groups of [*claim, end) this thread takes from the counter *claim, which every thread running the run
+   shares (run_groups): -1, or the first group it met holding NaN/Inf */
+i64 refitd_nvfp4_groups_claimed(const i64 *members, const i64 *first, i64 *claim, i64 end, float *scales) {
+    nvfp4_state st;
+    return run_groups(members, first, 0, end, scales, claim, &st, nvfp4_group_scale, nvfp4_group_row);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -377,7 +377,15 @@ i64 refitd_fp8_per_tensor(const uint16_t *x, i64 n, i64 k, i64 x_bstride, i64 x_
    or the first group holding NaN/Inf. */
 i64 refitd_fp8_per_tensor_groups(const i64 *members, const i64 *first, i64 begin, i64 end, float *scales) {
     pt_scale p;
-    return fenced(run_groups(members, first, begin, end, scales, &p, pt_group_scale, pt_group_row));
+    return fenced(run_groups(members, first, begin, end, scales, NULL, &p, pt_group_scale, pt_group_row));
+}
+
+/* the groups of [*claim, end) this thread takes from the counter *claim, which every thread running the run
+   shares (run_groups): -1, or the first group it met holding NaN/Inf */
+i64 refitd_fp8_per_tensor_groups_claimed(const i64 *members, const i64 *first, i64 *claim, i64 end,
+                                         float *scales) {
+    pt_scale p;
+    return fenced(run_groups(members, first, 0, end, scales, claim, &p, pt_group_scale, pt_group_row));
 }
 
 /* test hooks: the conversions alone, over float32 values (in_range: |x| < 464 only) */
