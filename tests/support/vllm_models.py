@@ -20,6 +20,11 @@ What is replaced, because vLLM cannot make the choice without a GPU (no kernel e
 * compressed-tensors MXFP4's Marlin preparation: ``torch.ops._C.gptq_marlin_repack`` registered as
   vLLM's own pure-torch reference of the layout, and ``MarlinExperts``' device check answers True
   (``tests/support/vllm_marlin.py``);
+* the CPU's AMX, as vLLM sees it (``torch.cpu._is_amx_tile_supported``), answers False: on a CPU with AMX
+  (Intel Sapphire Rapids and later) vLLM's CPU-only paths (the sgl-kernel weight packing of small
+  unquantized linears in ``layers/utils.py dispatch_cpu_unquantized_gemm``, AMX attention and GDN
+  convolution) call ``torch.ops._C`` ops of its CPU build that the CUDA wheel lacks; without AMX every
+  host takes the path a GPU's model takes, as these tests check;
 * Qwen3.5's CPU-only ``causal_conv1d_weight_pack`` (an AVX-512-BF16 prepack of the conv weight that
   a GPU never does) is made a no-op;
 * ``torchvision::nms`` / ``qnms`` get their schemas defined before torchvision imports
@@ -71,6 +76,7 @@ def _replace_backend_choice() -> None:
         backend = unq_oracle.UnquantizedMoeBackend.TRITON
         return backend, unq_oracle.backend_to_kernel_cls(backend)[0]
 
+    torch.cpu._is_amx_tile_supported = lambda: False  # see the module docstring
     fp8_quant.select_fp8_moe_backend = fp8_triton
     _replace_nvfp4_backend_choice()
     unq.select_unquantized_moe_backend = unquantized_triton
