@@ -150,8 +150,9 @@ class Pool:
         until none is left; where any call's ``split`` is True (pipelined), one even share a thread. A
         call whose ``split`` is a :class:`Claims` runs alone, whole on every thread: its results, one a
         thread. A chunk runs ``fn(begin, end)`` for each call it covers part of; the results, a list a
-        call (one per chunk that ran part of it, in order; empty for a call of no units). An error raised by any chunk is raised here, once
-        every thread has stopped (no thread takes a chunk after it; they write the caller's buffers)."""
+        call (one per chunk that ran part of it, in order; empty for a call of no units). An error
+        raised by any chunk is raised here, once every thread has stopped (no thread takes a chunk
+        after it; they write the caller's buffers)."""
         claims = [c[3] for c in calls if len(c) > 3 and isinstance(c[3], Claims)]
         if claims:
             if len(calls) != 1:
@@ -172,8 +173,9 @@ class Pool:
             self._share(calls, results, (0, 0), (len(calls), 0))
             return results
         try:
-            if claims and claims[0].whole:
-                return [self._claimed(calls[0], workers[: parts - 1])]
+            if claims and claims[0].whole:  # every thread runs it whole: the kernel hands out the units
+                fn, units = calls[0][0], calls[0][1]
+                return [_on_threads(workers[: parts - 1], lambda: fn(0, units))]
             per_thread = 1 if any(len(c) > 3 and c[3] for c in calls) else self.chunks_per_thread
             starts = _chunk_starts(total, units, parts, per_thread)
             chunks = len(starts)
@@ -193,38 +195,13 @@ class Pool:
                         failed.append(True)
                         raise
 
-            started = workers[: parts - 1]
-            for worker in started:
-                worker.start(take)
-            try:
-                take()
-            finally:
-                done = [worker.wait() for worker in started]
-            for _, err in done:
-                if err is not None:
-                    raise err
+            _on_threads(workers[: parts - 1], take)
             for piece in pieces:
                 for mine, part in zip(results, piece):
                     mine.extend(part)
             return results
         finally:
             self._busy.release()
-
-    @staticmethod
-    def _claimed(call: Call, started: list[_Worker]) -> list[int]:
-        """A Claims call run whole on the caller and ``started``: each thread's result, an error raised
-        once every thread has stopped."""
-        fn, units = call[0], call[1]
-        for worker in started:
-            worker.start(lambda: fn(0, units))
-        try:
-            mine = fn(0, units)
-        finally:
-            done = [worker.wait() for worker in started]
-        for _, err in done:
-            if err is not None:
-                raise err
-        return [mine] + [result for result, _ in done]
 
     @staticmethod
     def _share(calls, results: list[list[int]], begin: tuple[int, int], end: tuple[int, int]) -> int:
@@ -237,6 +214,21 @@ class Pool:
             if b < e:
                 results[c].append(fn(b, e))
         return 0
+
+
+def _on_threads(started: list[_Worker], work: Callable[[], int]) -> list[int]:
+    """``work()`` on the caller and on each of ``started`` at once: each thread's result (the caller's
+    first); the first error any raised, once every thread has stopped."""
+    for worker in started:
+        worker.start(work)
+    try:
+        mine = work()
+    finally:
+        done = [worker.wait() for worker in started]
+    for _, err in done:
+        if err is not None:
+            raise err
+    return [mine] + [result for result, _ in done]
 
 
 def _chunk_starts(total: int, units: int, parts: int, per_thread: int) -> list[int]:
